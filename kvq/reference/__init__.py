@@ -1,0 +1,10 @@
+"""kvq.reference: every algorithm in readable NumPy, written to be read beside its paper.
+
+Never imports torch, triton, cupy or kvq.fast (a test enforces it).
+
+    from kvq.reference import quant, packing
+    codes, scale, mn = quant.quantize(x, bits=2, group_size=128, axis=-1)
+    packed = packing.pack(codes, bits=2, axis=-1)
+"""
+
+from . import numerics, packing, quant  # noqa: F401

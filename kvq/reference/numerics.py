@@ -1,0 +1,221 @@
+"""The numerics contract (DESIGN.md section 2) as small, documented helpers.
+
+Bit-exact agreement between NumPy, Triton and CUDA holds only when every tier does the same float32
+operations in the same order. Each helper below is one rule of that contract; the reference modules
+use nothing else for arithmetic that feeds a stored bit, and the fast kernels mirror each helper by
+name in a comment.
+
+    >>> from kvq.reference import numerics as nx
+    >>> nx.rint(np.array([0.5, 1.5, 2.5], np.float32))      # round half to even
+    array([0., 2., 2.], dtype=float32)
+
+Rules, in code:
+
+1. ``as_f32``: inputs (fp16, bf16 held in fp32, fp32) convert exactly to fp32; float64 is refused so
+   that no float64 value leaks into a computation (NumPy promotes silently; ``f32`` guards scalars).
+2. ``qmax``, ``div``, ``to_meta``, ``rint``, ``clamp``: asymmetric min-max quantization.
+   ``scale = div(mx - mn, qmax)``; scale and mn are rounded to the metadata dtype; codes come from the
+   stored values. ``canonical_zero`` turns a -0.0 minimum into +0.0 (the sign of a zero minimum depends
+   on reduction order, so every tier adds +0.0 to mn before storing it).
+3. ``mul`` then ``add``: dequantization as two separately rounded fp32 operations, then ``to_out``
+   (round to nearest even into fp16 / bf16 / fp32).
+4. ``div``: IEEE round-to-nearest fp32 division (Triton: ``tl.div_rn``; CUDA: ``__fdiv_rn``).
+5. No FMA anywhere in this module: NumPy never contracts.
+6. Packing lives in ``packing.py``.
+7. Order-dependent reductions (dot products, softmax) are outside bit-exactness: see ``attention.py``.
+8. ``check_finite``: NaN / inf raise at the API boundary.
+
+``rint_magic`` is the form the Triton kernels use for round-half-to-even: for 0 <= y < 2**22,
+``(y + 1.5 * 2**23) - 1.5 * 2**23`` is exactly ``rint(y)`` in fp32 (the addition rounds away the
+fraction with the hardware's round-to-nearest-even). A test proves it equals ``rint`` on every fp32
+value in [0, 256).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+F32 = np.float32
+#: bits -> supported by the quantizer
+SUPPORTED_BITS = (2, 3, 4, 8)
+#: metadata dtypes a cache may store its scale / min in
+META_DTYPES = ("float16", "float32")
+#: output dtypes of dequantization; "bfloat16" is returned as float32 values that are exactly bf16
+OUT_DTYPES = ("float16", "bfloat16", "float32")
+#: 1.5 * 2**23: adding and subtracting it rounds an fp32 in [0, 2**22) to the nearest even integer
+MAGIC_RINT = F32(12582912.0)
+
+_FP16_MAX = 65504.0
+
+
+def dtype_name(dtype) -> str:
+    """Normalize a dtype given as NumPy dtype, torch dtype or string to 'float16' / 'bfloat16' / 'float32'."""
+    s = str(dtype).replace("torch.", "").replace("<class 'numpy.", "").replace("'>", "")
+    aliases = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+               "fp32": "float32", "f2": "float16", "f4": "float32"}
+    s = aliases.get(s, s)
+    try:
+        if s not in ("bfloat16",):
+            s = np.dtype(s).name
+    except TypeError:
+        pass
+    return s
+
+
+def f32(v) -> np.float32:
+    """A Python / NumPy scalar as an fp32 scalar (guards against float64 leaking into arithmetic)."""
+    return F32(v)
+
+
+def as_f32(x, name: str = "x") -> np.ndarray:
+    """Rule 1: convert an fp16 / fp32 array exactly to fp32.
+
+    bf16 data arrives in NumPy as fp32 values that are exactly representable in bf16 (NumPy has no
+    bf16 dtype), so it passes through unchanged. float64 and integer arrays are refused with an error
+    naming the dtype: converting them would round silently.
+    """
+    a = np.asarray(x)
+    if a.dtype == np.float16 or a.dtype == np.float32:
+        return a.astype(F32, copy=False)
+    raise TypeError(
+        f"{name} has dtype {a.dtype}; kvq quantizes float16 / bfloat16 / float32 data "
+        f"(bfloat16 as float32 values in NumPy). Convert explicitly, e.g. {name}.astype(np.float32)."
+    )
+
+
+def check_finite(x: np.ndarray, name: str = "x") -> None:
+    """Rule 8: NaN or inf in the input raises a clear error instead of producing wrong finite output."""
+    if not np.all(np.isfinite(x)):
+        n_nan = int(np.isnan(x).sum())
+        n_inf = int(np.isinf(x).sum())
+        raise ValueError(f"{name} contains non-finite values ({n_nan} NaN, {n_inf} inf); "
+                         f"kvq refuses to quantize them")
+
+
+def check_bits(bits: int, allowed=SUPPORTED_BITS) -> int:
+    """Bits must be one of ``allowed``; returns it as an int."""
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or int(bits) not in allowed:
+        raise ValueError(f"bits={bits!r} is not supported; choose one of {tuple(allowed)}")
+    return int(bits)
+
+
+def qmax(bits: int) -> np.float32:
+    """Largest unsigned code for b bits, 2**b - 1, as fp32."""
+    return F32(2 ** check_bits(bits) - 1)
+
+
+def div(a, b) -> np.ndarray:
+    """Rule 4: IEEE round-to-nearest fp32 division (x / 0 gives inf or NaN, handled by the caller)."""
+    a = np.asarray(a)
+    b = np.asarray(b)
+    assert a.dtype == F32 and b.dtype == F32, (a.dtype, b.dtype)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        return np.divide(a, b, dtype=F32)
+
+
+def mul(a, b) -> np.ndarray:
+    """Rule 3: one rounded fp32 multiply (never fused with a following add)."""
+    a = np.asarray(a)
+    b = np.asarray(b)
+    assert a.dtype == F32 and b.dtype == F32, (a.dtype, b.dtype)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.multiply(a, b, dtype=F32)
+
+
+def add(a, b) -> np.ndarray:
+    """Rule 3: one rounded fp32 add."""
+    a = np.asarray(a)
+    b = np.asarray(b)
+    assert a.dtype == F32 and b.dtype == F32, (a.dtype, b.dtype)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.add(a, b, dtype=F32)
+
+
+def sub(a, b) -> np.ndarray:
+    """One rounded fp32 subtract."""
+    a = np.asarray(a)
+    b = np.asarray(b)
+    assert a.dtype == F32 and b.dtype == F32, (a.dtype, b.dtype)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.subtract(a, b, dtype=F32)
+
+
+def rint(x) -> np.ndarray:
+    """Rule 2: round half to even (IEEE roundTiesToEven), fp32 in, fp32 out."""
+    x = np.asarray(x)
+    assert x.dtype == F32, x.dtype
+    return np.rint(x)
+
+
+def rint_magic(y) -> np.ndarray:
+    """The kernels' round-half-to-even for 0 <= y < 2**22: ``(y + 1.5*2**23) - 1.5*2**23`` in fp32."""
+    y = np.asarray(y)
+    assert y.dtype == F32, y.dtype
+    return sub(add(y, MAGIC_RINT), MAGIC_RINT)
+
+
+def clamp(x, lo, hi) -> np.ndarray:
+    """``min(max(x, lo), hi)`` in fp32 (inf saturates; the caller excludes NaN)."""
+    return np.minimum(np.maximum(x, F32(lo)), F32(hi)).astype(F32, copy=False)
+
+
+def canonical_zero(x) -> np.ndarray:
+    """``x + 0.0``: maps -0.0 to +0.0 and leaves every other value unchanged (IEEE, round to nearest)."""
+    return add(np.asarray(x, dtype=F32), np.zeros((), F32))
+
+
+def round_to_bf16(x) -> np.ndarray:
+    """Round fp32 to the nearest bf16 (ties to even), returned as fp32 values. NaN stays NaN."""
+    x = np.ascontiguousarray(np.asarray(x, dtype=F32))
+    bits = x.view(np.uint32).astype(np.uint64)
+    lsb = (bits >> np.uint64(16)) & np.uint64(1)
+    rounded = ((bits + np.uint64(0x7FFF) + lsb) >> np.uint64(16)) << np.uint64(16)
+    out = (rounded & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(F32)
+    return np.where(np.isnan(x), x, out).astype(F32)
+
+
+def to_meta(x, meta_dtype, name: str = "scale") -> np.ndarray:
+    """Rule 2: round fp32 metadata (scale, min) to the metadata dtype, round to nearest even.
+
+    Raises if a finite value overflows the metadata dtype (for fp16: |value| > 65504 after rounding),
+    naming the remedy, since an inf scale would dequantize to NaN.
+    """
+    kind = dtype_name(meta_dtype)
+    if kind not in META_DTYPES:
+        raise ValueError(f"meta_dtype={meta_dtype!r} is not supported; choose one of {META_DTYPES}")
+    x = np.asarray(x, dtype=F32)
+    if kind == "float32":
+        out = x.copy()
+    else:
+        with np.errstate(over="ignore"):
+            out = x.astype(np.float16)
+    if not np.all(np.isfinite(out)):
+        big = float(np.max(np.abs(x)))
+        raise ValueError(
+            f"{name} overflows {kind} metadata (|{name}| up to {big:.4g}; {kind} holds at most "
+            f"{_FP16_MAX if kind == 'float16' else np.finfo(F32).max:.6g}); "
+            f"use meta_dtype=np.float32 or rescale the input")
+    return out
+
+
+def to_out(x, out_dtype) -> np.ndarray:
+    """Rule 3: round fp32 values into the output dtype (ties to even). bf16 comes back as fp32 values."""
+    kind = dtype_name(out_dtype)
+    x = np.asarray(x, dtype=F32)
+    if kind == "float32":
+        return x
+    if kind == "float16":
+        with np.errstate(over="ignore"):
+            return x.astype(np.float16)
+    if kind == "bfloat16":
+        return round_to_bf16(x)
+    raise ValueError(f"out_dtype={out_dtype!r} is not supported; choose one of {OUT_DTYPES}")
+
+
+def normalize_axis(axis: int, ndim: int) -> int:
+    """A possibly negative axis as a non-negative one, with a clear error when out of range."""
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"axis must be an int, got {axis!r}")
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"axis={axis} is out of range for an array with {ndim} dimension(s)")
+    return int(axis) % ndim
