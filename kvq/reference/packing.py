@@ -19,8 +19,11 @@ from .quant import dequantize, quantize
 
 PACK_BITS = (2, 4, 8)
 
+__all__ = ["pack", "unpack", "quantize_pack", "unpack_dequantize"]
 
-def _check_pack_bits(bits):
+
+def check_pack_bits(bits):
+    """Bits a uint8 container can hold a whole number of: 2, 4, 8 (3 gets its own message)."""
     if bits == 3:
         raise ValueError("bits=3 codes cannot be packed into uint8 containers (3 does not divide 8); "
                          "pack supports 2, 4, 8")
@@ -29,7 +32,7 @@ def _check_pack_bits(bits):
 
 def pack(codes, bits: int, axis: int = -1) -> np.ndarray:
     """Pack uint8 codes in ``[0, 2**bits)`` into bytes along ``axis`` (length must be a multiple of 8/bits)."""
-    bits = _check_pack_bits(bits)
+    bits = check_pack_bits(bits)
     codes = np.asarray(codes)
     if codes.dtype != np.uint8:
         raise TypeError(f"codes have dtype {codes.dtype}; expected uint8")
@@ -50,7 +53,7 @@ def pack(codes, bits: int, axis: int = -1) -> np.ndarray:
 
 def unpack(packed, bits: int, axis: int = -1) -> np.ndarray:
     """Inverse of :func:`pack`: uint8 bytes -> uint8 codes, ``8 // bits`` times longer along ``axis``."""
-    bits = _check_pack_bits(bits)
+    bits = check_pack_bits(bits)
     packed = np.asarray(packed)
     if packed.dtype != np.uint8:
         raise TypeError(f"packed has dtype {packed.dtype}; expected uint8")
@@ -68,7 +71,7 @@ def quantize_pack(x, bits: int, group_size, axis: int = -1, meta_dtype=np.float1
 
     Returns ``(packed, scale, mn)``; ``packed`` has ``x.shape[axis] * bits // 8`` bytes along ``axis``.
     """
-    _check_pack_bits(bits)
+    check_pack_bits(bits)
     codes, scale, mn = quantize(x, bits, group_size, axis, meta_dtype, symmetric=symmetric)
     return pack(codes, bits, axis), scale, mn
 

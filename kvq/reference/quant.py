@@ -21,6 +21,8 @@ from . import numerics as nx
 
 F32 = nx.F32
 
+__all__ = ["quantize", "dequantize", "quantile", "percentile_clip"]
+
 
 def _grouped_shape(shape, axis: int, group_size: int):
     """(..., n, ...) -> (..., n // G, G, ...): the group index at ``axis``, the member at ``axis + 1``."""

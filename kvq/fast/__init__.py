@@ -1,0 +1,98 @@
+"""kvq.fast: the production API on torch CUDA tensors; the backend is chosen per call (Triton by default).
+
+Every function mirrors the function of the same name in ``kvq.reference`` and agrees with it bit for
+bit under the numerics contract (DESIGN.md section 2); the tests in ``tests/parity`` prove it.
+
+    from kvq.fast import quantize_pack, decode_attention
+    packed, scale, mn = quantize_pack(v, bits=2, group_size=128, axis=-1)          # Triton
+    out, lse = decode_attention(q, [(k, v)], backend="cupy")                       # raw CUDA
+
+Backends live in ``kvq.fast.triton`` and ``kvq.fast.cupy`` with the reference's module and function
+names (``kvq.fast.triton.quant.quantize`` mirrors ``kvq.reference.quant.quantize``). Importing this
+package imports neither Triton nor CuPy: a backend is loaded on its first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+
+from ._common import set_validation, validation, validation_enabled  # noqa: F401
+
+BACKENDS = ("triton", "cupy")
+DEFAULT_BACKEND = "triton"
+
+#: reference module -> public functions every backend mirrors (or lists in NOT_YET_IMPLEMENTED)
+MIRRORED = {
+    "quant": ("quantize", "dequantize", "quantile", "percentile_clip"),
+    "packing": ("pack", "unpack", "quantize_pack", "unpack_dequantize"),
+    "attention": ("attention", "partial_attention", "merge", "decode_attention"),
+}
+
+#: backend -> module -> reference functions that have no fast version yet, and the issue that adds it
+NOT_YET_IMPLEMENTED = {
+    backend: {
+        "quant": {"quantile": "OSCAR issue: fused rotate-clip-quantize",
+                  "percentile_clip": "OSCAR issue: fused rotate-clip-quantize"},
+        "attention": {"attention": "prefill attention: torch SDPA serves it; no kvq kernel yet"},
+    }
+    for backend in BACKENDS
+}
+
+
+def backend_module(module: str, backend: str | None = None):
+    """The module ``kvq.fast.<backend>.<module>``; ``backend=None`` means the default (Triton)."""
+    backend = DEFAULT_BACKEND if backend is None else backend
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is unknown; choose one of {BACKENDS}")
+    if module not in MIRRORED:
+        raise ValueError(f"module {module!r} has no fast version; fast modules: {tuple(MIRRORED)}")
+    return importlib.import_module(f"kvq.fast.{backend}.{module}")
+
+
+def quantize(x, bits, group_size, axis=-1, meta_dtype=np.float16, *, symmetric=False, backend=None):
+    """Mirrors :func:`kvq.reference.quant.quantize` on a torch tensor; returns (codes, scale, mn)."""
+    return backend_module("quant", backend).quantize(x, bits, group_size, axis, meta_dtype, symmetric=symmetric)
+
+
+def dequantize(codes, scale, mn, group_size, axis=-1, out_dtype=np.float16, *, backend=None):
+    """Mirrors :func:`kvq.reference.quant.dequantize`; bf16 output is a torch.bfloat16 tensor."""
+    return backend_module("quant", backend).dequantize(codes, scale, mn, group_size, axis, out_dtype)
+
+
+def pack(codes, bits, axis=-1, *, backend=None):
+    """Mirrors :func:`kvq.reference.packing.pack`."""
+    return backend_module("packing", backend).pack(codes, bits, axis)
+
+
+def unpack(packed, bits, axis=-1, *, backend=None):
+    """Mirrors :func:`kvq.reference.packing.unpack`."""
+    return backend_module("packing", backend).unpack(packed, bits, axis)
+
+
+def quantize_pack(x, bits, group_size, axis=-1, meta_dtype=np.float16, *, symmetric=False, backend=None):
+    """Mirrors :func:`kvq.reference.packing.quantize_pack`: one fused kernel, returns (packed, scale, mn)."""
+    return backend_module("packing", backend).quantize_pack(x, bits, group_size, axis, meta_dtype,
+                                                            symmetric=symmetric)
+
+
+def unpack_dequantize(packed, scale, mn, bits, group_size, axis=-1, out_dtype=np.float16, *, backend=None):
+    """Mirrors :func:`kvq.reference.packing.unpack_dequantize`: one fused kernel."""
+    return backend_module("packing", backend).unpack_dequantize(packed, scale, mn, bits, group_size, axis,
+                                                                out_dtype)
+
+
+def partial_attention(q, k, v, *, scale=None, backend=None):
+    """Mirrors :func:`kvq.reference.attention.partial_attention`; returns (o in q's dtype, lse fp32)."""
+    return backend_module("attention", backend).partial_attention(q, k, v, scale=scale)
+
+
+def merge(partials, *, backend=None):
+    """Mirrors :func:`kvq.reference.attention.merge`."""
+    return backend_module("attention", backend).merge(partials)
+
+
+def decode_attention(q, segments, *, scale=None, backend=None):
+    """Mirrors :func:`kvq.reference.attention.decode_attention`: FP16 flash-decoding over KV segments."""
+    return backend_module("attention", backend).decode_attention(q, segments, scale=scale)

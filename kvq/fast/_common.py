@@ -1,0 +1,145 @@
+"""Shared Python-boundary checks of the fast tier (both backends): dtypes, devices, shapes, NaN / inf.
+
+Kernels trust their inputs; everything a user can get wrong is checked here, with the same messages
+as the reference tier (which owns the shape rules: ``kvq.reference.quant.check_groups``).
+
+    from kvq.fast import _common as C
+    outer, n, inner = C.axis_view(x.shape, axis)      # x seen as (outer, n, inner), contiguous
+    with C.validation(False): ...                     # turn the finiteness checks off (production)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import torch
+
+from kvq.reference import numerics as nx
+from kvq.reference.quant import check_groups
+
+_FLOATS = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_BY_NAME = {v: k for k, v in _FLOATS.items()}
+_STATE = {"validate": True}
+
+
+def set_validation(enabled: bool) -> None:
+    """Turn the fast tier's boundary checks for NaN / inf and metadata overflow on (default) or off.
+
+    They cost a device synchronization and a small read of the metadata; production code that has
+    already validated its activations may turn them off. Shape / dtype checks always run.
+    """
+    _STATE["validate"] = bool(enabled)
+
+
+def validation_enabled() -> bool:
+    return _STATE["validate"]
+
+
+@contextlib.contextmanager
+def validation(enabled: bool):
+    """Context manager form of :func:`set_validation`."""
+    old = _STATE["validate"]
+    _STATE["validate"] = bool(enabled)
+    try:
+        yield
+    finally:
+        _STATE["validate"] = old
+
+
+def interpreting() -> bool:
+    """True when Triton runs through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def torch_dtype(dtype) -> torch.dtype:
+    """A dtype given as torch / NumPy dtype or string, as the torch float dtype."""
+    name = nx.dtype_name(dtype)
+    if name not in _BY_NAME:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose float16, bfloat16 or float32")
+    return _BY_NAME[name]
+
+
+def check_tensor(x, name: str, *, allow_cpu: bool = False) -> None:
+    """x must be a torch tensor on a CUDA device (or the CPU when ``allow_cpu``)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__} "
+                        f"(the reference tier kvq.reference takes NumPy arrays)")
+    if x.device.type != "cuda" and not (allow_cpu and x.device.type == "cpu"):
+        where = "a CUDA device" + (" or the CPU" if allow_cpu else "")
+        raise ValueError(f"{name} is on {x.device}; expected {where}")
+
+
+def check_float(x, name: str = "x", *, allow_cpu: bool = False) -> None:
+    """x: a float16 / bfloat16 / float32 tensor on an allowed device."""
+    check_tensor(x, name, allow_cpu=allow_cpu)
+    if x.dtype not in _FLOATS:
+        raise TypeError(f"{name} has dtype {x.dtype}; kvq quantizes float16 / bfloat16 / float32 data. "
+                        f"Convert explicitly, e.g. {name}.float()")
+
+
+def check_finite(x, name: str = "x") -> None:
+    """Rule 8 at the Python boundary (only while validation is on): NaN / inf raise."""
+    if validation_enabled() and x.numel() and not bool(torch.isfinite(x).all()):
+        n_nan = int(torch.isnan(x).sum())
+        n_inf = int(torch.isinf(x).sum())
+        raise ValueError(f"{name} contains non-finite values ({n_nan} NaN, {n_inf} inf); "
+                         f"kvq refuses to quantize them")
+
+
+def check_meta(x, scale, mn) -> None:
+    """After a quantize kernel: non-finite metadata means NaN / inf input or a metadata overflow.
+
+    The kernels propagate NaN into the group's scale, so this check reads only the metadata
+    (1 / group_size of the data) instead of the whole input; the input is read again only to word
+    the error.
+    """
+    if not validation_enabled():
+        return
+    if bool(torch.isfinite(scale).all()) and bool(torch.isfinite(mn).all()):
+        return
+    check_finite(x)
+    kind = _FLOATS.get(scale.dtype, str(scale.dtype))
+    name = "scale" if not bool(torch.isfinite(scale).all()) else "min"
+    raise ValueError(f"{name} overflows {kind} metadata; use meta_dtype=float32 or rescale the input")
+
+
+def check_codes(codes, name: str = "codes", *, allow_cpu: bool = False) -> None:
+    check_tensor(codes, name, allow_cpu=allow_cpu)
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"{name} have dtype {codes.dtype}; expected uint8")
+
+
+def check_meta_shapes(codes_shape, scale, mn, G: int, axis: int, *, allow_cpu: bool = False) -> None:
+    """scale and mn: the code shape with ``shape[axis]`` replaced by the number of groups."""
+    want = tuple(codes_shape[:axis]) + (codes_shape[axis] // G,) + tuple(codes_shape[axis + 1:])
+    for name, m in (("scale", scale), ("mn", mn)):
+        check_tensor(m, name, allow_cpu=allow_cpu)
+        if tuple(m.shape) != want:
+            raise ValueError(f"{name} has shape {tuple(m.shape)}; codes of shape {tuple(codes_shape)} "
+                             f"with group_size={G} along axis {axis} need {want}")
+        if nx.dtype_name(m.dtype) not in nx.META_DTYPES:
+            raise TypeError(f"{name} has dtype {m.dtype}; expected one of {nx.META_DTYPES}")
+
+
+def axis_view(shape, axis: int):
+    """(outer, n, inner) of a contiguous tensor seen around ``axis``."""
+    outer = math.prod(shape[:axis])
+    inner = math.prod(shape[axis + 1:])
+    return outer, shape[axis], inner
+
+
+def quant_args(x, bits, group_size, axis, meta_dtype, *, allow_cpu: bool, pack_bits=None):
+    """Validate quantize arguments like the reference does; returns (axis, bits, G, meta torch dtype)."""
+    check_float(x, allow_cpu=allow_cpu)
+    axis = nx.normalize_axis(axis, x.dim())
+    bits = nx.check_bits(bits, pack_bits or nx.SUPPORTED_BITS)
+    G = check_groups(tuple(x.shape), axis, group_size)
+    if nx.dtype_name(meta_dtype) not in nx.META_DTYPES:
+        raise ValueError(f"meta_dtype={meta_dtype!r} is not supported; choose one of {nx.META_DTYPES}")
+    return axis, bits, G, torch_dtype(meta_dtype)
+
+
+def meta_shape(shape, axis: int, G: int):
+    return tuple(shape[:axis]) + (shape[axis] // G,) + tuple(shape[axis + 1:])
