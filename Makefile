@@ -1,0 +1,39 @@
+# kvq: `make demo` and `make test` do all the set-up on a fresh machine with Python and pip.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.kvq-setup
+
+.PHONY: setup demo test test-reference test-parity gpu-test book bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[fast,viz,book,test]"
+	touch $(STAMP)
+
+setup: $(STAMP)                        ## virtualenv .venv with kvq and its CPU dependencies
+
+demo: $(STAMP)                         ## the main demo (CPU; uses the GPU too if there is one)
+	$(BIN)/kvq demo
+
+test: $(STAMP)                         ## CPU test suite: reference, Triton via interpreter, nvcc compile
+	$(BIN)/python -m pytest -m "not gpu" -q
+
+test-reference: $(STAMP)
+	$(BIN)/python -m pytest tests/reference -q
+
+test-parity: $(STAMP)
+	$(BIN)/python -m pytest tests/parity -m "not gpu" -q
+
+gpu-test:                              ## on a CUDA machine: every parity test on the GPU
+	$(PYTHON) -m pytest -m gpu -q
+
+book: $(STAMP)                         ## build the Jupyter Book with execution (fails on a cell error)
+	$(BIN)/jupyter-book build book --warningiserror --keep-going
+
+bench:                                 ## on a CUDA machine: ceilings, quantize+pack, FP16 decode
+	$(PYTHON) benchmarks/run_all.py --out benchmarks/results/latest
+
+clean:
+	rm -rf $(VENV) book/_build .pytest_cache .hypothesis
