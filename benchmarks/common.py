@@ -1,0 +1,276 @@
+"""Shared helpers of the kvq benchmarks: timing, device / commit / date metadata, JSON output.
+
+Timing method (DESIGN.md section 4, /work/.library/device/METHOD.md): CUDA events, median of many
+timed rounds after a warm-up. L2 is defeated by ROTATION, not by flushing: the caller passes several
+copies of the inputs, enough that the bytes touched between two uses of the same copy exceed 4x the L2
+size (``copies_for``); inputs that alone exceed 4x L2 need one copy. Each round runs a burst of calls
+(a multiple of the number of copies, about 2 ms of work) between two events; time per call = round time
+/ calls. Every measurement is taken twice over:
+
+* ``eager``: the calls launched from Python, so CPU launch overhead shows when kernels are short
+  (``wall_ms_per_call``, host clock over all eager rounds, is a cross-check: work launched on a stream
+  other than torch's current one escapes the events but not the host clock);
+* ``graph``: the same burst captured once in a CUDA graph and replayed (GPU time, launch gaps removed).
+
+The primary number ``ms`` is the graph median where capture worked, else the eager median; ``method``
+says which. On the CPU (dry runs) a perf_counter takes the place of the events and there is no graph.
+
+    from common import bench, copies_for
+    t = bench(lambda x: x * 2, [(x,)], device=x.device)     # {'ms': ..., 'method': ..., ...}
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:                     # the device copy has no installed kvq package
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+DEFAULT_L2_BYTES = 50 * 2**20                      # H100; the device properties say what is there
+
+
+# ----------------------------------------------------------------------------------------------- errors
+
+def err_str(e: BaseException, limit: int = 600) -> str:
+    """One line for the JSON: exception type and message, and the innermost frame (file:line)."""
+    msg = "".join(traceback.format_exception_only(type(e), e)).strip().replace("\n", " | ")
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" [at {Path(tb[-1].filename).name}:{tb[-1].lineno}]" if tb else ""
+    return (msg[:limit] + where)
+
+
+class Deadline:
+    """A wall-clock budget shared by the benchmark sections, so that JSON is written before a timeout."""
+
+    def __init__(self, seconds: float):
+        self.t_end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.t_end - time.monotonic()
+
+    def expired(self, reserve_s: float = 0.0) -> bool:
+        return self.left() <= reserve_s
+
+
+# ----------------------------------------------------------------------------------------------- timing
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def l2_bytes(device) -> int:
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return DEFAULT_L2_BYTES
+    return int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or DEFAULT_L2_BYTES)
+
+
+def copies_for(working_set_bytes: int, device, factor: int = 4, max_copies: int = 64) -> int:
+    """Input copies to rotate so that one full rotation touches >= factor x L2 (1 if one copy already does)."""
+    if torch.device(device).type != "cuda":
+        return 1
+    need = factor * l2_bytes(device)
+    return int(min(max_copies, max(1, math.ceil(need / max(1, working_set_bytes)))))
+
+
+def _median(xs):
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def _quantile(xs, p):
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, int(round(p * (len(s) - 1)))))]
+
+
+def _summary(per_call_ms):
+    med = _median(per_call_ms)
+    return {"median_ms": med, "min_ms": min(per_call_ms), "max_ms": max(per_call_ms),
+            "p10_ms": _quantile(per_call_ms, 0.1), "p90_ms": _quantile(per_call_ms, 0.9),
+            "rel_spread": (_quantile(per_call_ms, 0.9) - _quantile(per_call_ms, 0.1)) / med if med > 0 else None,
+            "rounds": len(per_call_ms)}
+
+
+def _burst(fn, inputs, calls):
+    n = len(inputs)
+    for i in range(calls):
+        fn(*inputs[i % n])
+
+
+def _eager_rounds_cuda(fn, inputs, calls, rounds):
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rounds)]
+    for start, end in events:
+        start.record()
+        _burst(fn, inputs, calls)
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) / calls for start, end in events]
+
+
+def _graph_rounds_cuda(fn, inputs, calls, rounds):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                    # warm-up on a side stream, as torch's docs ask
+        _burst(fn, inputs, len(inputs))
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _burst(fn, inputs, calls)
+    graph.replay()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rounds)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    out = [start.elapsed_time(end) / calls for start, end in events]
+    del graph
+    return out
+
+
+def bench(fn, inputs, *, device, quick: bool = False, graph: bool = True,
+          target_round_ms: float = 2.0, max_calls: int = 256) -> dict:
+    """Median time of ``fn(*args)`` per call, rotating over ``inputs`` (a list of argument tuples).
+
+    Warm-up: one call per input (compilation, autotuning), then one eager burst to estimate the time.
+    Returns ``ms`` (primary), ``method``, ``eager`` / ``graph`` summaries (median, min, max, p10, p90,
+    rel_spread = (p90 - p10) / median), ``calls_per_round``, ``n_inputs`` and ``graph_error`` if capture
+    failed. Exceptions from ``fn`` itself propagate to the caller.
+    """
+    n = len(inputs)
+    dev = torch.device(device)
+    rounds_eager, rounds_graph = (3, 7) if quick else (5, 15)
+    if dev.type != "cuda":                                   # dry run: perf_counter, no graph
+        _burst(fn, inputs, n)
+        per = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            _burst(fn, inputs, n)
+            per.append((time.perf_counter() - t0) * 1e3 / n)
+        s = _summary(per)
+        return {"ms": s["median_ms"], "method": "cpu-perf_counter", "eager": s, "graph": None,
+                "calls_per_round": n, "n_inputs": n}
+
+    torch.cuda.synchronize()
+    _burst(fn, inputs, n)                                     # warm-up: every input once
+    torch.cuda.synchronize()
+    t_est = _median(_eager_rounds_cuda(fn, inputs, n, 1))
+    rotations = max(1, math.ceil(target_round_ms / max(t_est * n, 1e-4)))
+    calls = n * max(1, min(rotations, max_calls // n))
+    t0 = time.perf_counter()
+    eager = _summary(_eager_rounds_cuda(fn, inputs, calls, rounds_eager))
+    eager["wall_ms_per_call"] = (time.perf_counter() - t0) * 1e3 / (calls * rounds_eager)
+    res = {"ms": eager["median_ms"], "method": "cuda-events-eager", "eager": eager, "graph": None,
+           "calls_per_round": calls, "n_inputs": n}
+    if graph:
+        try:
+            g = _summary(_graph_rounds_cuda(fn, inputs, calls, rounds_graph))
+            res.update(ms=g["median_ms"], method="cuda-graph-replay", graph=g)
+        except Exception as e:                                # e.g. a sync inside fn, a non-torch stream
+            res["graph_error"] = err_str(e)
+            try:
+                torch.cuda.synchronize()
+            except Exception as e2:
+                res["graph_error"] += f"; then: {err_str(e2)}"
+    return res
+
+
+# ----------------------------------------------------------------------------------------------- metadata
+
+def git_commit() -> str:
+    """HEAD's hash, with '-dirty' when the tree has changes; KVQ_COMMIT where there is no .git (device copy)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode == 0:
+            dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True,
+                                   text=True, timeout=10)
+            return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("KVQ_COMMIT", "unknown")
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _version(module: str) -> str:
+    try:
+        return __import__(module).__version__
+    except Exception as e:                                    # not installed, or broken install
+        return f"unavailable ({type(e).__name__})"
+
+
+def device_info(device) -> dict:
+    dev = torch.device(device)
+    info = {"device_type": dev.type, "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+            "triton": _version("triton"), "cupy": _version("cupy"), "python": platform.python_version(),
+            "triton_interpret": os.environ.get("TRITON_INTERPRET", "0")}
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        info.update(name=p.name, sm_count=p.multi_processor_count,
+                    capability=f"{p.major}.{p.minor}", total_memory_bytes=int(p.total_memory),
+                    l2_bytes=l2_bytes(dev))
+    else:
+        info.update(name=f"cpu ({platform.processor() or platform.machine()})")
+    return info
+
+
+def meta(device, argv=None) -> dict:
+    """The header every result file carries: device, commit, date, command line."""
+    return {"device": device_info(device), "commit": git_commit(), "date_utc": utc_now(),
+            "argv": list(sys.argv if argv is None else argv)}
+
+
+# ----------------------------------------------------------------------------------------------- output
+
+def _clean(x):
+    """JSON-safe: non-finite floats become null, tuples lists, unknown objects strings."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    if x is None or isinstance(x, (bool, int, str)):
+        return x
+    return str(x)
+
+
+def write_json(out_dir, name: str, payload: dict) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / name
+    path.write_text(json.dumps(_clean(payload), indent=1) + "\n")
+    return path
+
+
+def gbps(nbytes: int, ms: float | None):
+    return None if not ms else nbytes / (ms * 1e-3) / 1e9
+
+
+def pct(gb_s, copy_gbps):
+    return None if not gb_s or not copy_gbps else 100.0 * gb_s / copy_gbps
+
+
+def free_cuda(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
