@@ -1,0 +1,193 @@
+"""Builds the CUDA sources beside this file with CuPy (NVRTC), once per source, and launches kernels
+on torch's current stream with torch tensors passed zero-copy (device pointers, or DLPack views).
+
+CuPy is imported lazily (inside the functions), so this module and the backend modules import on a
+machine without CuPy; only a launch needs it.
+
+    from kvq.fast.cupy import _loader as L
+    fn = L.kernel("quant.cu", "quant_rows<0, 2, true>")      # compiled on first use, then cached
+    L.run(fn, grid, block, (x, out, np.int64(n)), x.device)   # torch tensors in, zero-copy
+
+Kernel arguments: torch tensors are passed as device pointers (:data:`ARG_MODE`; :func:`arg` gives the
+DLPack view instead); scalars must be NumPy scalars of the kernel's C type (``np.int64`` for
+``long long``, ``np.int32`` for ``int``, ``np.float32`` for ``float``): CuPy passes a Python int as
+8 bytes and a Python float as a double.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+_HERE = Path(__file__).resolve().parent
+
+#: compile options: C++17 for `if constexpr`; no FMA contraction (numerics contract rule 5). CuPy
+#: appends -ftz=true after these (NVRTC honours the last), so quant.cu does its bit-exact arithmetic
+#: in PTX without .ftz (common.cuh, ieee_*) and keeps subnormals whatever the flags.
+OPTIONS = ("--std=c++17", "--fmad=false")
+
+# dtype codes used by the kernel templates (common.cuh): 0 fp16, 1 bf16, 2 fp32
+DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+#: head dims the attention kernels are built for; fp32 stops at 128 (shared memory)
+ATTN_DIMS = (16, 32, 64, 128, 256)
+ATTN_QT = (4, 8)
+
+
+def _quant_names():
+    names = []
+    for dt in (0, 1, 2):
+        for pb in (2, 4, 8):
+            for vec in ("true", "false"):
+                names.append(f"quant_rows<{dt}, {pb}, {vec}>")
+                names.append(f"dequant_rows<{dt}, {pb}, {vec}>")
+            for vc in ((1, 2) if dt < 2 else (1,)):
+                names.append(f"quant_cols<{dt}, {pb}, {vc}>")
+            names.append(f"dequant_cols<{dt}, {pb}>")
+    for pb in (2, 4, 8):
+        names.append(f"pack_codes<{pb}>")
+        names.append(f"unpack_codes<{pb}>")
+    return tuple(names)
+
+
+def attn_supported(dt: int, D: int) -> bool:
+    return D in ATTN_DIMS and not (dt == 2 and D > 128)
+
+
+def attn_warps(dt: int, D: int) -> int:
+    """Warps per attn_split block: each warp stages a 32-key K tile (rows padded by 16 bytes) and a
+    V tile in shared memory; the block stays under 48 KiB of static shared memory (attention.cu
+    checks it with a static_assert at compile time)."""
+    esz = 4 if dt == 2 else 2
+    per_warp = 32 * (2 * D + 16 // esz) * esz
+    return max(1, min(4, 36864 // per_warp))
+
+
+def _attention_names():
+    names = [f"attn_split<{dt}, {D}, {qt}, {attn_warps(dt, D)}>" for dt in (0, 1, 2) for D in ATTN_DIMS
+             for qt in ATTN_QT if attn_supported(dt, D)]
+    names += [f"attn_merge<{dt}>" for dt in (0, 1, 2)]
+    return tuple(names)
+
+
+#: source file -> every kernel name expression the Python side may request (tests compile them all)
+KERNELS = {
+    "quant.cu": _quant_names(),
+    "attention.cu": _attention_names(),
+}
+
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.MULTILINE)
+
+
+def source(name: str) -> str:
+    """The text of a CUDA source with its local ``#include "x.cuh"`` lines pasted in (once each).
+
+    NVRTC then needs no include path, and CuPy's on-disk kernel cache (keyed on the source text)
+    sees every change to a header.
+    """
+    seen = set()
+
+    def expand(fname: str) -> str:
+        if fname in seen:
+            return ""
+        seen.add(fname)
+        text = (_HERE / fname).read_text()
+        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+
+    return expand(name)
+
+
+@functools.lru_cache(maxsize=None)
+def module(name: str):
+    """The compiled ``cupy.RawModule`` of one source (built once per process; CuPy caches on disk)."""
+    import cupy
+
+    if name not in KERNELS:
+        raise ValueError(f"unknown CUDA source {name!r}; sources: {tuple(KERNELS)}")
+    return cupy.RawModule(code=source(name), options=OPTIONS, name_expressions=KERNELS[name])
+
+
+@functools.lru_cache(maxsize=None)
+def kernel(src: str, expr: str):
+    """A kernel of ``src`` by its name expression (exactly as listed in :data:`KERNELS`)."""
+    if expr not in KERNELS.get(src, ()):
+        raise ValueError(f"kernel {expr!r} is not built from {src}")
+    return module(src).get_function(expr)
+
+
+@functools.lru_cache(maxsize=None)
+def _external_stream(ptr: int, device: int):
+    import cupy
+
+    with warnings.catch_warnings():                     # CuPy 14 deprecates ExternalStream (still works)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            return cupy.cuda.ExternalStream(ptr, device)
+        except TypeError:                               # CuPy < 13: no device argument
+            return cupy.cuda.ExternalStream(ptr)
+
+
+def _raw_stream(dev: int) -> int:
+    try:
+        return int(torch._C._cuda_getCurrentRawStream(dev))     # what Triton uses: no Python overhead
+    except AttributeError:
+        return int(torch.cuda.current_stream(dev).cuda_stream)
+
+
+def stream(device: torch.device | None = None):
+    """torch's current CUDA stream (of ``device``) as a CuPy stream object."""
+    dev = torch.cuda.current_device() if device is None or device.index is None else device.index
+    return _external_stream(_raw_stream(dev), int(dev))
+
+
+def arg(t: torch.Tensor):
+    """A zero-copy CuPy view of a CUDA tensor (through DLPack), to pass as a kernel pointer.
+
+    bfloat16 tensors are viewed as int16 first (the kernels take raw 16-bit patterns).
+    """
+    import cupy
+
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return cupy.from_dlpack(t)
+
+
+#: how :func:`run` hands tensors to kernels: "pointer" (default) passes the device address of the
+#: torch storage as a 64-bit value (zero-copy, ~1 us a tensor); "dlpack" passes a CuPy view made by
+#: ``cupy.from_dlpack`` (zero-copy too, but ~16-22 us a tensor, measured on an H100 with torch 2.11 and
+#: CuPy 14.2: 4 to 9 tensors a call cost more than a small decode step). Both give the same bits.
+ARG_MODE = "pointer"
+
+
+def _pointer(t: torch.Tensor):
+    return np.uint64(t.data_ptr())
+
+
+def run(fn, grid, block, args, device: torch.device) -> None:
+    """Launch ``fn`` on torch's current stream of ``device``: torch tensors in ``args`` become device
+    pointers (see :data:`ARG_MODE`; the tensors stay alive until the call returns, and torch's caching
+    allocator orders any reuse of their memory after this launch on the same stream); other values
+    are passed as they are (NumPy scalars of the kernel's C types)."""
+    import cupy
+
+    dev = device.index if device.index is not None else torch.cuda.current_device()
+    conv = _pointer if ARG_MODE == "pointer" else arg
+    with cupy.cuda.Device(dev), _external_stream(_raw_stream(dev), dev):
+        cargs = tuple(conv(a) if isinstance(a, torch.Tensor) else a for a in args)
+        fn(tuple(int(g) for g in grid), tuple(int(b) for b in block), cargs)
+
+
+def grid_1d(work: int, per_block: int, cap: int = 1 << 20) -> int:
+    """Blocks for ``work`` items at ``per_block`` per block, capped (the kernels loop grid-stride)."""
+    return max(1, min(cap, -(-work // per_block)))
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -1,0 +1,265 @@
+"""CuPy backend: FP16 / BF16 / FP32 flash-decoding in raw CUDA (``attention.cu``): attention of a few
+query tokens over KV-cache segments, split along keys, merged by log-sum-exp.
+
+Mirrors ``kvq.reference.attention`` (``partial_attention``, ``merge``, ``decode_attention``) within
+numerics contract rule 7 (order-dependent reductions: fp32 accumulation, not bit-exact).
+
+    out, lse = decode_attention(q, [(k_sink, v_sink), (k_recent, v_recent)])   # q (B, H_q, T_q, D)
+    o, lse = partial_attention(q, k, v)
+    o, lse = merge([(o1, lse1), (o2, lse2)])
+
+Kernels: ``attn_split`` runs one block per (key split, kv head, batch, tile of QT query rows): it reads
+its K / V chunk once for all G_q * T_q query rows of the kv head (GQA), 32 keys at a time per warp
+through cp.async into shared memory, fp32 scores and online softmax (base 2, scale * log2(e) folded
+into q), and writes an fp32 partial (o, lse). ``attn_merge`` combines the partials of all splits of
+all segments and rounds once to q's dtype. Head dims 16, 32, 64, 128, 256 (fp32: up to 128).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+
+import numpy as np
+import torch
+
+from kvq.fast import _common as C
+
+from . import _loader as L
+
+__all__ = ["partial_attention", "merge", "decode_attention"]
+
+_SRC = "attention.cu"
+LOG2E = 1.4426950408889634
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_CHUNK = 4096        # keys per split at most (load balance over the SMs)
+_MERGE_THREADS = 256
+
+
+# ----------------------------------------------------------------------------------------------------
+# validation (the same rules and messages as the Triton backend)
+
+
+def _check_qkv(q, k, v):
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        C.check_tensor(a, name)
+        if a.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions (B, H, T, D); got shape {tuple(a.shape)}")
+        if a.dtype not in _DTYPES:
+            raise TypeError(f"{name} has dtype {a.dtype}; the fast decode takes float16 / bfloat16 / "
+                            f"float32 (the reference tier computes float64 truths)")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape (B, H_kv, T_k, D); got {tuple(k.shape)} "
+                         f"and {tuple(v.shape)}")
+    B, H_q, _, D = q.shape
+    if k.shape[0] != B:
+        raise ValueError(f"batch sizes differ: q has B={B}, k and v have B={k.shape[0]}")
+    if k.shape[3] != D:
+        raise ValueError(f"head dims differ: q has D={D}, k and v have D={k.shape[3]}")
+    H_kv = k.shape[1]
+    if H_kv == 0 or H_q % H_kv:
+        raise ValueError(f"GQA needs H_q to be a multiple of H_kv; got H_q={H_q}, H_kv={H_kv}")
+    if not (k.dtype == v.dtype == q.dtype):
+        raise TypeError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+
+
+def _check_d(D: int, dtype: torch.dtype) -> None:
+    if not L.attn_supported(L.DT[dtype], D):
+        raise ValueError(f"head dim D={D} is not supported by the CUDA decode kernel for {dtype}; it takes "
+                         f"D in {L.ATTN_DIMS} (float32: up to 128); use the Triton backend or "
+                         f"kvq.reference.attention for others")
+
+
+def _scale(scale, D: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(D)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {scale!r}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be finite, got {scale!r}")
+    return float(scale)
+
+
+# ----------------------------------------------------------------------------------------------------
+# launch configuration
+
+
+def _splits(T: int, blocks_per_split: int, tile: int, sms: int):
+    """(keys per split, number of splits): >= 4 blocks per SM in all, <= _MAX_CHUNK keys per split, and
+    at least two tiles of keys per warp; keys per split a multiple of 32."""
+    want = max(-(-4 * sms // max(blocks_per_split, 1)), -(-T // _MAX_CHUNK))
+    want = max(1, min(want, -(-T // (2 * tile))))
+    chunk = -(-(-(-T // want)) // 32) * 32
+    return chunk, -(-T // chunk)
+
+
+def _kv_operand(t: torch.Tensor) -> torch.Tensor:
+    """k or v as the kernel reads it: last dim contiguous, 16-byte aligned rows (cp.async); copies
+    otherwise."""
+    el = 16 // t.element_size()
+    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(
+        s % el == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
+    if ok:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+@functools.lru_cache(maxsize=None)
+def _split_kernel(dt: int, D: int, QT: int, nw: int):
+    """attn_split for these template values; asks for the largest shared-memory carveout, so that
+    six blocks of ~37 KiB static shared memory fit on an SM (one wave for B=32, H_kv=8, 4K keys)."""
+    fn = L.kernel(_SRC, f"attn_split<{dt}, {D}, {QT}, {nw}>")
+    try:
+        fn.preferred_shared_memory_carveout = 100
+    except (AttributeError, RuntimeError):              # older CuPy: the driver's choice stays
+        pass
+    return fn
+
+
+def _merge_launch(o_part, lse_part, out, lse, rows: int, S: int, D: int) -> None:
+    """o_part (S, rows, D) fp32, lse_part (S, rows) fp32 -> out (rows, D) in out's dtype, lse (rows,)."""
+    fn = L.kernel(_SRC, f"attn_merge<{L.DT[out.dtype]}>")
+    L.run(fn, (L.grid_1d(rows * D, _MERGE_THREADS),), (_MERGE_THREADS,),
+          (o_part, lse_part, out, lse, np.int64(rows), np.int32(D), np.int32(S)), out.device)
+
+
+# ----------------------------------------------------------------------------------------------------
+# public API
+
+
+def decode_attention(q, segments, *, scale=None):
+    """Mirrors `kvq.reference.attention.decode_attention`: attention of q over KV segments, every key visible.
+
+    Args:
+        q: (B, H_q, T_q, D) float16 / bfloat16 / float32 CUDA tensor (any strides).
+        segments: non-empty list of ``(k, v)``, each (B, H_kv, T_i, D) in q's dtype (any strides; a
+            copy is made unless the last dim is contiguous and rows are 16-byte aligned; T_i may be 0).
+    Returns:
+        ``(o, lse)``: o (B, H_q, T_q, D) in q's dtype (the reference returns float32), lse (B, H_q, T_q)
+        float32, natural log.
+    Differences: torch tensors on a CUDA device; D in {16, 32, 64, 128, 256} (float32: up to 128);
+    the result is rounded once to q's dtype; inputs are not checked for NaN / inf (a full read of the
+    cache); float64 is refused.
+    """
+    segments = list(segments)
+    if not segments:
+        raise ValueError("decode_attention needs at least one (k, v) segment; got an empty list")
+    for i, seg in enumerate(segments):
+        if not isinstance(seg, (tuple, list)) or len(seg) != 2:
+            raise ValueError(f"segment {i} must be a pair (k, v); got {type(seg).__name__}")
+        try:
+            _check_qkv(q, seg[0], seg[1])
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"segment {i}: {err}") from err
+    B, H_q, T_q, D = q.shape
+    H_kv = segments[0][0].shape[1]
+    for i, (k, _) in enumerate(segments):
+        if k.shape[1] != H_kv:
+            raise ValueError(f"segment {i}: has H_kv={k.shape[1]}, segment 0 has H_kv={H_kv}")
+    _check_d(D, q.dtype)
+    if B > 65535 or H_kv > 65535:
+        raise ValueError(f"B={B} and H_kv={H_kv} must be at most 65535 (CUDA grid limits)")
+    sc = _scale(scale, D)
+    dev = q.device
+    out = torch.empty((B, H_q, T_q, D), dtype=q.dtype, device=dev)
+    lse = torch.empty((B, H_q, T_q), dtype=torch.float32, device=dev)
+    if out.numel() == 0:
+        return out, lse
+    dt = L.DT[q.dtype]
+    G_q = H_q // H_kv
+    QT = 4 if G_q * T_q <= 4 else 8
+    qtiles = -(-(G_q * T_q) // QT)
+    nw = L.attn_warps(dt, D)
+    sms = L.sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
+    plan, S = [], 0
+    for k, v in segments:
+        T = k.shape[2]
+        if T == 0:
+            continue                                   # an empty segment contributes lse = -inf
+        chunk, n = _splits(T, B * H_kv * qtiles, 32 * nw, sms)
+        plan.append((k, v, T, chunk, n, S))
+        S += n
+    if S == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    rows = B * H_q * T_q
+    o_part = torch.empty((S, B, H_q, T_q, D), dtype=torch.float32, device=dev)
+    lse_part = torch.empty((S, B, H_q, T_q), dtype=torch.float32, device=dev)
+    qq = q if q.stride(-1) == 1 else q.contiguous()
+    fn = _split_kernel(dt, D, QT, nw)
+    qk_scale = np.float32(sc * LOG2E)
+    for k, v, T, chunk, n, s0 in plan:
+        kk, vv = _kv_operand(k), _kv_operand(v)
+        L.run(fn, (n * qtiles, H_kv, B), (32 * nw,),
+              (qq, kk, vv, o_part, lse_part,
+               *(np.int64(s) for s in qq.stride()[:3]), *(np.int64(s) for s in kk.stride()[:3]),
+               *(np.int64(s) for s in vv.stride()[:3]),
+               np.int32(B), np.int32(H_q), np.int32(H_kv), np.int32(T_q), np.int64(T), np.int64(chunk),
+               np.int32(n), np.int32(s0), qk_scale), dev)
+    _merge_launch(o_part, lse_part, out, lse, rows, S, D)
+    return out, lse
+
+
+def partial_attention(q, k, v, *, scale=None):
+    """Mirrors `kvq.reference.attention.partial_attention`: attention over one segment, with its lse.
+
+    Returns ``(o, lse)``: o (B, H_q, T_q, D) in q's dtype (the reference returns float32), lse
+    (B, H_q, T_q) float32, natural log; an empty segment gives o = 0, lse = -inf. Same kernels and
+    differences as :func:`decode_attention`.
+    """
+    return decode_attention(q, [(k, v)], scale=scale)
+
+
+def merge(partials):
+    """Mirrors `kvq.reference.attention.merge`: combine ``(o_i, lse_i)`` over disjoint key segments.
+
+    ``m = max_i lse_i``, ``w_i = exp(lse_i - m)``, ``o = sum_i w_i o_i / sum_i w_i``,
+    ``lse = m + log(sum_i w_i)``; rows where every lse is -inf give o = 0, lse = -inf.
+    Differences: torch CUDA tensors; o comes back in the dtype of the partial o's (the reference
+    returns float32), lse float32; the partials' lse are checked for NaN / +inf only while
+    ``kvq.fast.validation`` is on, and their o is not checked for NaN / inf.
+    """
+    partials = list(partials)
+    if not partials:
+        raise ValueError("merge needs at least one (o, lse) partial; got an empty sequence")
+    os_, lses = [], []
+    for i, p in enumerate(partials):
+        if not isinstance(p, (tuple, list)) or len(p) != 2:
+            raise ValueError(f"partial {i} must be a pair (o, lse); got {type(p).__name__}")
+        o, ls = p
+        C.check_tensor(o, f"partial {i} o")
+        C.check_tensor(ls, f"partial {i} lse")
+        if o.dim() < 1 or tuple(ls.shape) != tuple(o.shape[:-1]):
+            raise ValueError(f"partial {i}: lse has shape {tuple(ls.shape)} but o has shape "
+                             f"{tuple(o.shape)}; lse must be o.shape[:-1]")
+        if os_ and o.shape != os_[0].shape:
+            raise ValueError(f"partial {i}: o has shape {tuple(o.shape)}, partial 0 has "
+                             f"{tuple(os_[0].shape)}")
+        for name, a in (("o", o), ("lse", ls)):
+            if a.dtype not in _DTYPES:
+                raise TypeError(f"partial {i} {name} has dtype {a.dtype}; expected float16 / bfloat16 / "
+                                f"float32")
+        if os_ and o.dtype != os_[0].dtype:
+            raise TypeError(f"partial {i}: o has dtype {o.dtype}, partial 0 has {os_[0].dtype}")
+        os_.append(o)
+        lses.append(ls)
+    if C.validation_enabled():
+        for i, ls in enumerate(lses):
+            if ls.numel() and bool((torch.isnan(ls) | (ls == float("inf"))).any()):
+                raise ValueError(f"partial {i}: lse contains NaN or +inf")
+    shape = tuple(os_[0].shape)
+    D = shape[-1]
+    rows = math.prod(shape[:-1])
+    dev = os_[0].device
+    out = torch.empty(shape, dtype=os_[0].dtype, device=dev)
+    lse = torch.empty(shape[:-1], dtype=torch.float32, device=dev)
+    if out.numel() == 0:
+        return out, lse
+    o_part = torch.stack([o.reshape(rows, D).float() for o in os_]).contiguous()       # (S, rows, D)
+    lse_part = torch.stack([ls.reshape(rows).float() for ls in lses]).contiguous()     # (S, rows)
+    _merge_launch(o_part, lse_part, out, lse, rows, len(os_), D)
+    return out, lse

@@ -1,0 +1,162 @@
+"""CuPy backend: affine quantization in groups along an axis, as raw CUDA kernels (``quant.cu``).
+
+Mirrors ``kvq.reference.quant`` bit for bit (numerics contract, DESIGN.md section 2) on torch CUDA
+tensors; CuPy views the tensors zero-copy through DLPack and launches on torch's current stream.
+
+    from kvq.fast.cupy.quant import quantize, dequantize
+    codes, scale, mn = quantize(k, bits=2, group_size=128, axis=2)      # k: (B, H_kv, T, D), per-channel
+    k_hat = dequantize(codes, scale, mn, group_size=128, axis=2, out_dtype=torch.float16)
+
+Kernels: the tensor is seen as (outer, n, inner). ``inner == 1`` (groups of G contiguous elements, e.g.
+per-token values) runs ``quant_rows``: a team of lanes of one warp per group, 16-byte loads, warp
+shuffles for min / max. ``inner > 1`` (groups of G elements at stride inner, e.g. per-channel keys)
+runs ``quant_cols``: threads along the columns (coalesced), slices of the group's tokens along
+threadIdx.y, min / max combined in shared memory. The same kernels, with PB < 8, are the fused
+``quantize_pack`` of ``packing.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvq.fast import _common as C
+from kvq.reference import numerics as nx
+from kvq.reference.quant import check_groups
+
+from . import _loader as L
+
+__all__ = ["quantize", "dequantize"]
+
+_SRC = "quant.cu"
+_THREADS = 256          # rows kernels: 8 warps per block
+_CACHED = 4             # rows / cols kernels: chunks a thread keeps in registers (K in quant.cu)
+_MAXTY = 8              # cols kernels: token slices per block (MAXTY in quant.cu, 256 threads)
+_R = 4                  # cols kernels: tokens per chunk (R in quant.cu)
+
+
+def _pow2_ceil(v: int) -> int:
+    return 1 << max(0, int(v) - 1).bit_length()
+
+
+def _team_log2(nchunks: int, cached: int) -> int:
+    """log2 of the lanes sharing one group in a rows kernel: enough that each lane's chunks fit its
+    ``cached`` registers, at least 4 (64 contiguous bytes per access) when the group has that many
+    chunks, at most a warp."""
+    ts = _pow2_ceil(-(-nchunks // cached))
+    ts = max(ts, min(4, _pow2_ceil(nchunks)))
+    return min(ts, 32).bit_length() - 1
+
+
+def out_dtype_of(out_dtype) -> torch.dtype:
+    """The torch dtype of a dequantization output, with the reference's error for others."""
+    name = nx.dtype_name(out_dtype)
+    if name not in nx.OUT_DTYPES:
+        raise ValueError(f"out_dtype={out_dtype!r} is not supported; choose one of {nx.OUT_DTYPES}")
+    return C.torch_dtype(name)
+
+
+def launch_quantize(x, bits: int, G: int, axis: int, meta_dtype: torch.dtype, symmetric: bool, pb: int):
+    """Run the quantize kernel with codes packed ``pb`` bits each (8 = one code per byte).
+
+    Arguments are already validated (``G`` divides the axis; with ``pb < 8``, ``G % (8 // pb) == 0``).
+    Returns ``(out, scale, mn)``: uint8 ``out`` with ``n * pb / 8`` entries along ``axis``; scale and
+    mn in ``meta_dtype``, shaped like x with the axis length replaced by ``n // G``.
+    """
+    xc = x.contiguous()
+    shape = tuple(xc.shape)
+    outer, n, inner = C.axis_view(shape, axis)
+    per = 8 // pb
+    out_shape = list(shape)
+    out_shape[axis] = n // per
+    out = torch.empty(out_shape, dtype=torch.uint8, device=xc.device)
+    scale = torch.empty(C.meta_shape(shape, axis, G), dtype=meta_dtype, device=xc.device)
+    mn = torch.empty_like(scale)
+    dt = L.DT[xc.dtype]
+    flags = (np.int32(bits), np.int32(1 if symmetric else 0), np.int32(meta_dtype == torch.float16))
+    if inner == 1:
+        esz = xc.element_size()
+        vec = (G * esz) % 16 == 0 and xc.data_ptr() % 16 == 0
+        nchunks = G // (16 // esz if vec else per)
+        log2_ts = _team_log2(nchunks, _CACHED)
+        ngroups = outer * (n // G)
+        grid = L.grid_1d(ngroups, (_THREADS // 32) * (32 >> log2_ts))
+        fn = L.kernel(_SRC, f"quant_rows<{dt}, {pb}, {'true' if vec else 'false'}>")
+        L.run(fn, (grid,), (_THREADS,),
+              (xc, out, scale, mn, np.int64(ngroups), np.int64(G), np.int32(log2_ts), *flags), xc.device)
+    else:
+        vc = 2 if xc.element_size() == 2 and inner % 2 == 0 and xc.data_ptr() % 4 == 0 else 1
+        ty = max(1, min(_MAXTY, -(-G // (_R * _CACHED))))
+        nblk = outer * (n // G) * -(-inner // (32 * vc))
+        fn = L.kernel(_SRC, f"quant_cols<{dt}, {pb}, {vc}>")
+        L.run(fn, (L.grid_1d(nblk, 1),), (32, ty),
+              (xc, out, scale, mn, np.int64(outer), np.int64(n), np.int64(inner), np.int64(G), *flags),
+              xc.device)
+    return out, scale, mn
+
+
+def launch_dequantize(packed, scale, mn, G: int, axis: int, out_dtype: torch.dtype, pb: int):
+    """Run the dequantize kernel on codes packed ``pb`` bits each (8 = one code per byte).
+
+    Arguments are already validated (shapes; with ``pb < 8``, ``G % (8 // pb) == 0``). Returns the
+    values in ``out_dtype``, ``8 / pb`` times longer than ``packed`` along ``axis``.
+    """
+    pc = packed.contiguous()
+    outer, nb, inner = C.axis_view(tuple(pc.shape), axis)
+    per = 8 // pb
+    n = nb * per
+    shape = list(pc.shape)
+    shape[axis] = n
+    out = torch.empty(shape, dtype=out_dtype, device=pc.device)
+    if scale.dtype != mn.dtype:                         # fp16 -> fp32 is exact
+        scale, mn = scale.float(), mn.float()
+    sc, mc = scale.contiguous(), mn.contiguous()
+    meta_half = np.int32(sc.dtype == torch.float16)
+    dto = L.DT[out_dtype]
+    if inner == 1:
+        E = 16 // out.element_size()
+        vec = G % E == 0 and pc.data_ptr() % 16 == 0
+        nchunks = G // (E if vec else per)
+        log2_ts = _team_log2(nchunks, 1)
+        ngroups = outer * (n // G)
+        grid = L.grid_1d(ngroups, (_THREADS // 32) * (32 >> log2_ts))
+        fn = L.kernel(_SRC, f"dequant_rows<{dto}, {pb}, {'true' if vec else 'false'}>")
+        L.run(fn, (grid,), (_THREADS,),
+              (pc, sc, mc, out, np.int64(ngroups), np.int64(G), np.int32(log2_ts), meta_half), pc.device)
+    else:
+        ty = max(1, min(_MAXTY, -(-G // _R)))
+        nblk = outer * (n // G) * -(-inner // 32)
+        fn = L.kernel(_SRC, f"dequant_cols<{dto}, {pb}>")
+        L.run(fn, (L.grid_1d(nblk, 1),), (32, ty),
+              (pc, sc, mc, out, np.int64(outer), np.int64(n), np.int64(inner), np.int64(G), meta_half),
+              pc.device)
+    return out
+
+
+def quantize(x, bits: int, group_size, axis: int = -1, meta_dtype=np.float16, *, symmetric: bool = False):
+    """Mirrors `kvq.reference.quant.quantize`: ``(codes, scale, mn)`` for groups along ``axis``.
+
+    Same arithmetic, bit for bit: codes uint8 shaped like ``x``; scale and mn (torch.float16 or
+    torch.float32) shaped like ``x`` with ``shape[axis]`` replaced by ``shape[axis] // group_size``.
+    Differences: torch CUDA tensors (float16 / bfloat16 / float32; bfloat16 is native here, not
+    carried in float32); NaN / inf input is detected from the metadata after the kernel (the kernel
+    propagates NaN into the group's scale) and raises only while ``kvq.fast.validation`` is on.
+    """
+    axis, bits, G, mdt = C.quant_args(x, bits, group_size, axis, meta_dtype, allow_cpu=False)
+    codes, scale, mn = launch_quantize(x, bits, G, axis, mdt, symmetric, 8)
+    C.check_meta(x, scale, mn)
+    return codes, scale, mn
+
+
+def dequantize(codes, scale, mn, group_size, axis: int = -1, out_dtype=np.float16):
+    """Mirrors `kvq.reference.quant.dequantize`: ``float32(code) * scale_s + mn_s`` rounded to ``out_dtype``.
+
+    Same arithmetic, bit for bit (multiply, then add, no FMA). Differences: torch CUDA tensors; a
+    ``"bfloat16"`` / ``torch.bfloat16`` output is a torch.bfloat16 tensor (the reference returns fp32
+    values that are exactly bf16); scale and mn of different dtypes are both read as fp32.
+    """
+    C.check_codes(codes)
+    axis = nx.normalize_axis(axis, codes.dim())
+    G = check_groups(tuple(codes.shape), axis, group_size, "codes")
+    C.check_meta_shapes(tuple(codes.shape), scale, mn, G, axis)
+    return launch_dequantize(codes, scale, mn, G, axis, out_dtype_of(out_dtype), 8)

@@ -1,0 +1,162 @@
+"""The CuPy backend's plumbing: imports without CuPy, mirrors the reference's signatures, views torch
+tensors zero-copy through DLPack, launches on torch's current stream, caches compiled modules, and
+handles fp16 / bf16 / fp32 (GPU tests, marker gpu). Bit-exact parity lives in tests/parity.
+
+    pytest tests/fast/test_cupy_backend.py -m "not gpu"     # CI
+    pytest tests/fast/test_cupy_backend.py -m gpu           # device
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvq.fast import MIRRORED, NOT_YET_IMPLEMENTED  # noqa: E402
+
+
+# ----------------------------------------------------------------------------------------------------
+# CPU: structure
+
+
+@pytest.mark.parametrize("module", sorted(MIRRORED))
+def test_mirrors_reference_signatures(module):
+    """Every mirrored function exists (or is listed as not yet implemented) with the reference's signature,
+    and its docstring opens with "Mirrors `kvq.reference.<module>.<name>`"."""
+    fast = importlib.import_module(f"kvq.fast.cupy.{module}")
+    try:
+        ref = importlib.import_module(f"kvq.reference.{module}")
+    except ImportError:
+        ref = None
+    missing = NOT_YET_IMPLEMENTED["cupy"].get(module, {})
+    for name in MIRRORED[module]:
+        if name in missing:
+            assert not hasattr(fast, name), f"{module}.{name} is listed as not yet implemented but exists"
+            continue
+        fn = getattr(fast, name)
+        doc = inspect.getdoc(fn) or ""
+        assert doc.startswith(f"Mirrors `kvq.reference.{module}.{name}`"), f"{module}.{name}: {doc[:60]!r}"
+        if ref is not None:
+            got = [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+            want = [(p.name, p.kind, p.default) for p in inspect.signature(getattr(ref, name)).parameters.values()]
+            assert got == want, f"{module}.{name}: {got} != reference {want}"
+
+
+def test_import_does_not_import_cupy():
+    import subprocess
+    import sys
+
+    code = ("import sys, kvq.fast.cupy.quant, kvq.fast.cupy.packing, kvq.fast.cupy.attention; "
+            "assert 'cupy' not in sys.modules, 'cupy was imported'")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+
+
+def test_sources_ship_with_the_package():
+    from kvq.fast.cupy import _loader
+
+    for name in _loader.KERNELS:
+        assert "__global__" in _loader.source(name)
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU: plumbing
+
+
+@pytest.fixture(scope="module")
+def L():
+    pytest.importorskip("cupy")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from kvq.fast.cupy import _loader
+
+    return _loader
+
+
+@pytest.mark.gpu
+def test_dlpack_views_are_zero_copy(L):
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.uint8):
+        t = torch.zeros((3, 5, 8), dtype=dtype, device="cuda")[:, 1:4]   # a view with an offset
+        c = L.arg(t)
+        assert c.data.ptr == t.data_ptr(), dtype
+        assert c.shape == tuple(t.shape) and c.strides == tuple(s * t.element_size() for s in t.stride())
+
+
+@pytest.mark.gpu
+def test_outputs_are_torch_allocations(L):
+    from kvq.fast.cupy import packing, quant
+
+    x = torch.randn(4, 256, device="cuda", dtype=torch.float16)
+    codes, scale, mn = quant.quantize(x, 2, 128)
+    packed, s2, m2 = packing.quantize_pack(x, 2, 128)
+    for t in (codes, scale, mn, packed, s2, m2):
+        assert isinstance(t, torch.Tensor) and t.is_cuda
+    assert torch.equal(packing.pack(codes, 2), packed)
+    assert torch.equal(s2, scale) and torch.equal(m2, mn)
+
+
+@pytest.mark.gpu
+def test_pointer_and_dlpack_modes_agree(L, monkeypatch):
+    """Kernels get the same bits whether tensors travel as raw pointers (default) or DLPack views."""
+    from kvq.fast.cupy import attention, packing
+
+    x = torch.randn(3, 53, 64, device="cuda", dtype=torch.bfloat16)[:, 1:]   # an offset view, n = 52
+    q = torch.randn(2, 8, 1, 64, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(2, 2, 100, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    got = {}
+    for mode in ("pointer", "dlpack"):
+        monkeypatch.setattr(L, "ARG_MODE", mode)
+        got[mode] = (*packing.quantize_pack(x, 2, 13, axis=1), *attention.decode_attention(q, [(k, v)]))
+    for a, b in zip(got["pointer"], got["dlpack"]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_runs_on_torchs_current_stream(L):
+    from kvq.fast.cupy import packing
+
+    x = torch.randn(64, 8, 128, device="cuda", dtype=torch.bfloat16)
+    want = packing.quantize_pack(x, 4, 64, axis=0)
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        assert L.stream().ptr == s.cuda_stream
+        x2 = x * 1                                     # produced on s: the kernel must run after it
+        got = packing.quantize_pack(x2, 4, 64, axis=0)
+    s.synchronize()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert L.stream().ptr == torch.cuda.current_stream().cuda_stream
+
+
+@pytest.mark.gpu
+def test_modules_are_cached(L):
+    m1 = L.module("quant.cu")
+    assert L.module("quant.cu") is m1
+    k1 = L.kernel("quant.cu", "quant_rows<0, 2, true>")
+    assert L.kernel("quant.cu", "quant_rows<0, 2, true>") is k1
+    with pytest.raises(ValueError, match="not built"):
+        L.kernel("quant.cu", "quant_rows<0, 3, true>")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_dtypes_round_trip(L, dtype):
+    """Dequantized values lie within half a step of the input, for every input / output dtype."""
+    from kvq.fast.cupy import packing, quant
+
+    x = torch.randn(2, 4, 64, 32, device="cuda", dtype=dtype)
+    for axis in (2, -1):
+        codes, scale, mn = quant.quantize(x, 8, 32, axis, np.float32)
+        y = quant.dequantize(codes, scale, mn, 32, axis, torch.float32)
+        step = scale.float().repeat_interleave(32, dim=axis)
+        assert bool(((y - x.float()).abs() <= step / 2 + 1e-6).all()), (dtype, axis)
+        for out in (torch.float16, torch.bfloat16, torch.float32):
+            assert quant.dequantize(codes, scale, mn, 32, axis, out).dtype == out
+        p, s, m = packing.quantize_pack(x, 4, 32, axis)
+        assert p.shape[axis] == x.shape[axis] // 2 and p.dtype == torch.uint8
+        assert s.dtype == torch.float16 and s.shape[axis] == x.shape[axis] // 32
