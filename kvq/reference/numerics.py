@@ -15,8 +15,8 @@ Rules, in code:
    that no float64 value leaks into a computation (NumPy promotes silently; ``f32`` guards scalars).
 2. ``qmax``, ``div``, ``to_meta``, ``rint``, ``clamp``: asymmetric min-max quantization.
    ``scale = div(mx - mn, qmax)``; scale and mn are rounded to the metadata dtype; codes come from the
-   stored values. ``canonical_zero`` turns a -0.0 minimum into +0.0 (the sign of a zero minimum depends
-   on reduction order, so every tier adds +0.0 to mn before storing it).
+   stored values. ``canonical_zero`` turns a -0.0 into +0.0: the sign of a zero min or max depends
+   on reduction order, so every tier adds +0.0 to mn and to the scale before storing them.
 3. ``mul`` then ``add``: dequantization as two separately rounded fp32 operations, then ``to_out``
    (round to nearest even into fp16 / bf16 / fp32).
 4. ``div``: IEEE round-to-nearest fp32 division (Triton: ``tl.div_rn``; CUDA: ``__fdiv_rn``).

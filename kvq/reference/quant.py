@@ -48,7 +48,9 @@ def quantize(x, bits: int, group_size, axis: int = -1, meta_dtype=np.float16, *,
     """Quantize ``x`` in groups of ``group_size`` consecutive elements along ``axis``.
 
     Asymmetric (default), per the contract: ``mn, mx`` = exact group min / max (``mn`` canonicalized
-    to +0.0), ``scale = (mx - mn) / (2**bits - 1)`` in fp32, both rounded to ``meta_dtype``; then
+    to +0.0), ``scale = (mx - mn) / (2**bits - 1)`` in fp32 (also canonicalized: a group of +0.0 and
+    -0.0 would otherwise store a scale whose sign depends on reduction order), both rounded to
+    ``meta_dtype``; then
     ``code = clamp(rint((x - mn_s) / scale_s), 0, qmax)``. A group whose stored scale is 0 gets
     all-zero codes and dequantizes exactly to ``mn_s``.
 
@@ -79,7 +81,7 @@ def quantize(x, bits: int, group_size, axis: int = -1, meta_dtype=np.float16, *,
         qmax = nx.qmax(bits)
         mn = nx.canonical_zero(xg.min(axis=red, keepdims=True))
         mx = xg.max(axis=red, keepdims=True)
-        scale_s = nx.to_meta(nx.div(nx.sub(mx, mn), qmax), meta_dtype, "scale")
+        scale_s = nx.to_meta(nx.canonical_zero(nx.div(nx.sub(mx, mn), qmax)), meta_dtype, "scale")
         mn_s = nx.to_meta(mn, meta_dtype, "min")
         s32, m32 = scale_s.astype(F32), mn_s.astype(F32)
         y = nx.clamp(nx.div(nx.sub(xg, m32), s32), 0, qmax)     # NaN only where scale_s == 0

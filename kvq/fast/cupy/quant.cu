@@ -41,14 +41,14 @@ __device__ __forceinline__ float to_meta(float v, int meta_half) {
 }
 
 // The stored scale and min of a group (as fp32 values exactly representable in the meta dtype).
-//   asymmetric: mn = canonical_zero(min); scale = div(max - mn, 2^b - 1); both rounded to meta.
+//   asymmetric: mn = canonical_zero(min); scale = canonical_zero(div(max - mn, 2^b - 1)); both rounded.
 //   symmetric:  scale = div(amax, 2^(b-1) - 1) rounded to meta; mn = canonical_zero(-2^(b-1) * scale_s).
 __device__ __forceinline__ void group_params(const GroupAcc& a, int bits, int sym, int meta_half,
                                              float& s32, float& m32) {
     float sc, mn = 0.0f;
     if (!sym) {
         mn = ieee_add(a.lo, 0.0f);                                     // canonical_zero
-        sc = ieee_div(ieee_sub(a.hi, mn), (float)((1 << bits) - 1));
+        sc = ieee_add(ieee_div(ieee_sub(a.hi, mn), (float)((1 << bits) - 1)), 0.0f);   // canonical_zero
     } else {
         const float amax = nan_max(ieee_abs(a.lo), ieee_abs(a.hi));
         sc = ieee_div(amax, (float)((1 << (bits - 1)) - 1));

@@ -1,0 +1,509 @@
+"""Triton FP16 flash-decoding: attention of a few query tokens over KV-cache segments, split along keys.
+
+Mirrors ``kvq.reference.attention`` (``partial_attention``, ``merge``, ``decode_attention``) within the
+tolerance of numerics contract rule 7 (order-dependent reductions are not bit-exact). This is the
+FP16 baseline that the quantized decode kernels are compared against (flash-decoding, Dao et al.
+2023): every (batch, kv head) is split along the sequence into chunks, each program reads its K / V
+chunk once for all ``G_q * T_q`` query rows of that kv head (GQA), and a second kernel merges the
+chunks of all segments by log-sum-exp.
+
+    out, lse = decode_attention(q, [(k_sink, v_sink), (k_recent, v_recent)])   # q (B, H_q, T_q, D)
+    o, lse = partial_attention(q, k, v)
+    o, lse = merge([(o1, lse1), (o2, lse2)])
+
+Numerics: fp32 accumulation everywhere. fp16 / bf16 inputs: scores scaled by scale * log2(e) in one
+multiply and exponentiated with exp2; ``P @ V`` with P rounded to the input dtype (tensor cores, as
+flash attention does). fp32 inputs: IEEE fp32 dot products (no TF32), accurate exp / log (libdevice),
+P kept in fp32. Partial outputs and lse stay fp32 until the merge; the output is rounded once.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from kvq.fast import _common as C
+
+__all__ = ["partial_attention", "merge", "decode_attention"]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_SM_COUNT = {}
+
+
+@triton.jit
+def _ld(ptrs, mask, BF16_BITS: tl.constexpr):
+    """Load a K / V / q tile; BF16_BITS (interpreter only, whose bf16 dot is wrong): bf16 given as int16
+    bits, widened exactly to fp32."""
+    if BF16_BITS:
+        b = tl.load(ptrs, mask=mask, other=0)
+        x = ((b.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
+def _exp(x, LIBDEVICE: tl.constexpr):
+    """Accurate exp: libdevice's on the GPU (tl.exp is ex2.approx there), NumPy's in the interpreter."""
+    if LIBDEVICE:
+        y = libdevice.exp(x)
+    else:
+        y = tl.exp(x)
+    return y
+
+
+@triton.jit
+def _log(x, LIBDEVICE: tl.constexpr):
+    """Accurate natural log (libdevice on the GPU)."""
+    if LIBDEVICE:
+        y = libdevice.log(x)
+    else:
+        y = tl.log(x)
+    return y
+
+
+@triton.jit
+def _tree_dot(q_ptrs, rmask, sq_d, k_rows, cmask, sk_d, LO: tl.constexpr, N: tl.constexpr,
+              BF16_BITS: tl.constexpr):
+    """q k^T over the channel chunks [16 LO, 16 (LO + N)), as a pairwise tree of 16-channel IEEE dots."""
+    if N == 1:
+        dc = LO * 16 + tl.arange(0, 16)
+        qc = _ld(q_ptrs + dc[None, :] * sq_d, rmask[:, None], BF16_BITS)
+        kc = _ld(k_rows + dc[None, :] * sk_d, cmask[:, None], BF16_BITS)
+        r = tl.dot(qc, tl.trans(kc), input_precision="ieee")
+    else:
+        r = (_tree_dot(q_ptrs, rmask, sq_d, k_rows, cmask, sk_d, LO, N // 2, BF16_BITS)
+             + _tree_dot(q_ptrs, rmask, sq_d, k_rows, cmask, sk_d, LO + N // 2, N // 2, BF16_BITS))
+    return r
+
+
+@triton.jit
+def _attend_block(q, q_ptrs, rmask, sq_d, k_base, v_base, n0, end, sk_t, sk_d, sv_t, sv_d, qk_scale,
+                  m_i, l_i, acc, D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISE: tl.constexpr,
+                  BF16_BITS: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """Keys [n0, n0 + BLOCK_N) (masked at ``end``): one online-softmax update of (m_i, l_i, acc).
+
+    Fast mode (fp16 / bf16): scores in log2 units (``qk_scale`` = scale * log2 e), exp2, P rounded to
+    the input dtype for the tensor-core ``P @ V``. PRECISE (fp32 inputs): IEEE fp32 dots, the score
+    dot split into chunks of 16 channels summed as a pairwise tree (a sequential fp32 sum over all D
+    channels is about twice as far from the truth as the reference's NumPy matmul), natural units, accurate exp, P in fp32.
+    """
+    cols = n0 + tl.arange(0, BLOCK_N)
+    cmask = cols < end
+    c64 = cols.to(tl.int64)
+    d = tl.arange(0, D)
+    if PRECISE:
+        s = _tree_dot(q_ptrs, rmask, sq_d, k_base + c64[:, None] * sk_t, cmask, sk_d, 0, D // 16, BF16_BITS)
+    else:
+        k = _ld(k_base + c64[:, None] * sk_t + d[None, :] * sk_d, cmask[:, None], BF16_BITS)
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(cmask[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if PRECISE:
+        alpha = _exp(m_i - m_new, LIBDEVICE)
+        p = _exp(s - m_new[:, None], LIBDEVICE)
+    else:
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = _ld(v_base + c64[:, None] * sv_t + d[None, :] * sv_d, cmask[:, None], BF16_BITS)
+    if PRECISE:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+# Partial attention of one KV split (flash-decoding, split-K).
+# Computes: for the G_q * T_q query rows of kv head (b, hk) (row m -> query head hk*G_q + m // T_q,
+#   token m % T_q), online softmax over keys [sp*KPS, min((sp+1)*KPS, T_k)) in blocks of BLOCK_N:
+#   s = q k^T * scale (times log2 e in fast mode), m = max s, l = sum exp(s - m), acc = sum exp(s - m) v,
+#   all fp32. Writes (acc, m, l) of split SPLIT0 + sp (un-normalized; the merge kernel normalizes).
+# Grid: (B * H_kv, n_splits, cdiv(G_q * T_q, BLOCK_M)); BLOCK_M >= 16 rows (tl.dot), padded and masked.
+# Bytes: reads the segment's K and V once per row block (once when G_q * T_q <= BLOCK_M), the queries,
+#   and writes B * H_q * T_q * (D + 2) fp32 values per split.
+@triton.jit(do_not_specialize=["T_Q", "T_K", "M", "KPS", "S_TOTAL", "SPLIT0"])
+def _partial_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr,
+                    sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
+                    H_Q, H_KV, T_Q, T_K, M, KPS, S_TOTAL, SPLIT0, qk_scale,
+                    G_Q: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PRECISE: tl.constexpr, TIGHT: tl.constexpr, NBLK: tl.constexpr,
+                    BF16_BITS: tl.constexpr):
+    bh = tl.program_id(0)
+    sp = tl.program_id(1)
+    mb = tl.program_id(2)
+    LIBDEVICE: tl.constexpr = TIGHT                    # TIGHT <=> compiled for the GPU
+    b = bh // H_KV
+    hk = bh % H_KV
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    h = hk * G_Q + rows // T_Q
+    t = rows % T_Q
+    d = tl.arange(0, D)
+    q_off = b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h + t.to(tl.int64) * sq_t
+    q_ptrs = q_ptr + q_off[:, None]
+    if PRECISE:
+        q = tl.zeros((BLOCK_M, 16), tl.float32)        # unused: the precise path loads q in chunks
+    else:
+        q = _ld(q_ptrs + d[None, :] * sq_d, rmask[:, None], BF16_BITS)
+    k_base = k_ptr + b.to(tl.int64) * sk_b + hk.to(tl.int64) * sk_h
+    v_base = v_ptr + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
+    start = sp * KPS
+    end = tl.minimum(start + KPS, T_K)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    # TIGHT (GPU): loop bounds from the program id. The interpreter (with NumPy 2) cannot take a
+    # runtime trip count, so there the loop runs a constexpr NBLK = KPS // BLOCK_N times and the
+    # keys past `end` are masked.
+    if TIGHT:
+        for n0 in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _attend_block(q, q_ptrs, rmask, sq_d, k_base, v_base, n0, end, sk_t, sk_d, sv_t,
+                                          sv_d, qk_scale, m_i, l_i, acc, D, BLOCK_N, PRECISE, BF16_BITS,
+                                          LIBDEVICE)
+    else:
+        for it in range(0, NBLK * BLOCK_N, BLOCK_N):
+            m_i, l_i, acc = _attend_block(q, q_ptrs, rmask, sq_d, k_base, v_base, start + it, end, sk_t,
+                                          sk_d, sv_t, sv_d, qk_scale, m_i, l_i, acc, D, BLOCK_N, PRECISE,
+                                          BF16_BITS, LIBDEVICE)
+    # store the split un-normalized: (acc, m, l). The merge weighs splits by exp(m_s - M), exact for
+    # close maxima; going through lse_s = m_s + log(l_s) would round lse_s at its magnitude and cost
+    # up to an ulp of |lse| in relative weight.
+    grow = ((b * H_Q + h) * T_Q + t).to(tl.int64) * S_TOTAL + SPLIT0 + sp       # (row, split) index
+    tl.store(o_ptr + grow[:, None] * D + d[None, :], acc, mask=rmask[:, None])
+    tl.store(m_ptr + grow, m_i, mask=rmask)
+    tl.store(l_ptr + grow, l_i, mask=rmask)
+
+
+@triton.jit
+def _merge_max(m_ptr, row, s0, S, mx, BLOCK_S: tl.constexpr):
+    s_off = s0 + tl.arange(0, BLOCK_S)
+    ms = tl.load(m_ptr + row * S + s_off, mask=s_off < S, other=float("-inf"))
+    return tl.maximum(mx, ms)
+
+
+@triton.jit
+def _merge_acc(o_ptr, m_ptr, l_ptr, row, s0, S, D, M_safe, num, den, BLOCK_S: tl.constexpr,
+               BLOCK_D: tl.constexpr, HAS_L: tl.constexpr, LOG2: tl.constexpr, LIBDEVICE: tl.constexpr):
+    s_off = s0 + tl.arange(0, BLOCK_S)
+    smask = s_off < S
+    d = tl.arange(0, BLOCK_D)
+    ms = tl.load(m_ptr + row * S + s_off, mask=smask, other=float("-inf"))
+    if LOG2:
+        w = tl.exp2(ms - M_safe)                                       # 0 for empty partials
+    else:
+        w = _exp(ms - M_safe, LIBDEVICE)
+    if HAS_L:
+        ls = tl.load(l_ptr + row * S + s_off, mask=smask, other=0.0)
+        wl = w * ls
+    else:
+        wl = w
+    o = tl.load(o_ptr + (row * S + s_off)[:, None] * D + d[None, :], mask=smask[:, None] & (d < D)[None, :],
+                other=0.0)
+    return num + tl.sum(w[:, None] * o, axis=0), den + wl
+
+
+# Log-sum-exp merge of S partials per row.
+# Computes: M = max_s m_s; w_s = exp(m_s - M) (exp2 when m is in log2 units); o = sum_s w_s o_s /
+#   sum_s w_s l_s; lse = M + log(sum_s w_s l_s) (natural log). Partials are either the decode kernel's
+#   un-normalized (acc, m, l) or normalized (o, lse) pairs (HAS_L = False: l = 1, m = lse). Rows whose
+#   partials are all empty (m = -inf) get o = 0, lse = -inf.
+# Grid: (rows,); each program loops over the S partials in blocks of BLOCK_S (twice: max, then sums).
+# Bytes: reads rows * S * (D + 2) fp32 values, writes rows * D outputs and rows lse.
+@triton.jit(do_not_specialize=["S"])
+def _merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, lse_out_ptr, S, D,
+                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, OUT_KIND: tl.constexpr, HAS_L: tl.constexpr,
+                  LOG2: tl.constexpr, TIGHT: tl.constexpr, NSB: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    LIBDEVICE: tl.constexpr = TIGHT
+    mx = tl.full((BLOCK_S,), float("-inf"), tl.float32)
+    # TIGHT (GPU): runtime trip count; the interpreter needs a constexpr one (NSB blocks, masked).
+    if TIGHT:
+        for s0 in range(0, S, BLOCK_S):
+            mx = _merge_max(m_ptr, row, s0, S, mx, BLOCK_S)
+    else:
+        for s0 in range(0, NSB * BLOCK_S, BLOCK_S):
+            mx = _merge_max(m_ptr, row, s0, S, mx, BLOCK_S)
+    M = tl.max(mx, axis=0)
+    M_safe = tl.where(M == float("-inf"), 0.0, M)
+    num = tl.zeros((BLOCK_D,), tl.float32)
+    den = tl.zeros((BLOCK_S,), tl.float32)
+    if TIGHT:
+        for s0 in range(0, S, BLOCK_S):
+            num, den = _merge_acc(o_ptr, m_ptr, l_ptr, row, s0, S, D, M_safe, num, den, BLOCK_S, BLOCK_D,
+                                  HAS_L, LOG2, LIBDEVICE)
+    else:
+        for s0 in range(0, NSB * BLOCK_S, BLOCK_S):
+            num, den = _merge_acc(o_ptr, m_ptr, l_ptr, row, s0, S, D, M_safe, num, den, BLOCK_S, BLOCK_D,
+                                  HAS_L, LOG2, LIBDEVICE)
+    den_t = tl.sum(den, axis=0)
+    empty = den_t == 0.0
+    den_safe = tl.where(empty, 1.0, den_t)
+    res = tl.where(empty, 0.0, tl.div_rn(num, den_safe))
+    d = tl.arange(0, BLOCK_D)
+    _store_any(out_ptr + row * D + d, res, d < D, OUT_KIND)
+    if LOG2:
+        lse = M_safe * 0.6931471805599453 + _log(den_safe, LIBDEVICE)
+    else:
+        lse = M_safe + _log(den_safe, LIBDEVICE)
+    tl.store(lse_out_ptr + row, tl.where(empty, float("-inf"), lse))
+
+
+@triton.jit
+def _store_any(ptrs, x, mask, OUT_KIND: tl.constexpr):
+    """Store fp32 x as fp16 (0), bf16 via int16 bits rounded to nearest even (1), or fp32 (2)."""
+    if OUT_KIND == 0:
+        tl.store(ptrs, x.to(tl.float16), mask=mask)
+    elif OUT_KIND == 1:
+        u = x.to(tl.int32, bitcast=True)
+        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        r = tl.where(x != x, 0x7FC0, r)
+        tl.store(ptrs, r.to(tl.int16), mask=mask)
+    else:
+        tl.store(ptrs, x, mask=mask)
+
+
+_OUT_KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+
+# ----------------------------------------------------------------------------------------------------
+# launch configuration
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4                                       # the interpreter: a few programs per KV head
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _config(D: int, dtype: torch.dtype, device: torch.device):
+    """(BLOCK_N, num_warps, num_stages, min keys per split) for head dim D."""
+    if device.type != "cuda":
+        return 32, 4, 1, 32
+    if D <= 64:
+        return 128, 4, 3, 256
+    if dtype == torch.float32:                         # the precise path: P @ V over 32 keys at a time
+        return 32, 4, 2, 256
+    if D <= 128:
+        return 128, 4, 3, 256
+    return 64, 8, 2, 256
+
+
+def _splits(base_programs: int, T: int, block_n: int, min_keys: int, sms: int):
+    """Keys per split and number of splits: about 4 waves of programs over the SMs, >= min_keys each."""
+    want = max(1, triton.cdiv(4 * sms, max(base_programs, 1)))
+    want = min(want, max(1, triton.cdiv(T, min_keys)))
+    kps = triton.cdiv(triton.cdiv(T, want), block_n) * block_n
+    return kps, triton.cdiv(T, kps)
+
+
+# ----------------------------------------------------------------------------------------------------
+# validation
+
+
+def _check_qkv(q, k, v, allow_cpu: bool):
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        C.check_tensor(a, name, allow_cpu=allow_cpu)
+        if a.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions (B, H, T, D); got shape {tuple(a.shape)}")
+        if a.dtype not in _DTYPES:
+            raise TypeError(f"{name} has dtype {a.dtype}; the fast decode takes float16 / bfloat16 / "
+                            f"float32 (the reference tier computes float64 truths)")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape (B, H_kv, T_k, D); got {tuple(k.shape)} "
+                         f"and {tuple(v.shape)}")
+    B, H_q, _, D = q.shape
+    if k.shape[0] != B:
+        raise ValueError(f"batch sizes differ: q has B={B}, k and v have B={k.shape[0]}")
+    if k.shape[3] != D:
+        raise ValueError(f"head dims differ: q has D={D}, k and v have D={k.shape[3]}")
+    H_kv = k.shape[1]
+    if H_kv == 0 or H_q % H_kv:
+        raise ValueError(f"GQA needs H_q to be a multiple of H_kv; got H_q={H_q}, H_kv={H_kv}")
+    if not (k.dtype == v.dtype == q.dtype):
+        raise TypeError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+
+
+def _check_d(D: int):
+    if D < 16 or D > 256 or D & (D - 1):
+        raise ValueError(f"head dim D={D} is not supported by the Triton decode kernel; it takes powers "
+                         f"of two from 16 to 256 (use kvq.reference.attention for others)")
+
+
+def _scale(scale, D: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(D)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {scale!r}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be finite, got {scale!r}")
+    return float(scale)
+
+
+# ----------------------------------------------------------------------------------------------------
+# public API
+
+
+def decode_attention(q, segments, *, scale=None):
+    """Mirrors `kvq.reference.attention.decode_attention`: attention of q over KV segments, every key visible.
+
+    Args:
+        q: (B, H_q, T_q, D) float16 / bfloat16 / float32 torch tensor (any strides).
+        segments: non-empty list of ``(k, v)``, each (B, H_kv, T_i, D) in q's dtype (any strides; T_i
+            may be 0). D must be a power of two in [16, 256].
+    Returns:
+        ``(o, lse)``: o (B, H_q, T_q, D) in q's dtype (the reference returns float32), lse (B, H_q, T_q)
+        float32, natural log.
+    Differences: torch tensors on a CUDA device (the CPU under ``TRITON_INTERPRET=1``); the result is
+    rounded once to q's dtype; inputs are not checked for NaN / inf (a full read of the cache), NaN
+    propagates; float64 is refused.
+    """
+    segments = list(segments)
+    if not segments:
+        raise ValueError("decode_attention needs at least one (k, v) segment; got an empty list")
+    allow = C.interpreting()
+    for i, seg in enumerate(segments):
+        if not isinstance(seg, (tuple, list)) or len(seg) != 2:
+            raise ValueError(f"segment {i} must be a pair (k, v); got {type(seg).__name__}")
+        try:
+            _check_qkv(q, seg[0], seg[1], allow)
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"segment {i}: {err}") from err
+    B, H_q, T_q, D = q.shape
+    H_kv = segments[0][0].shape[1]
+    for i, (k, _) in enumerate(segments):
+        if k.shape[1] != H_kv:
+            raise ValueError(f"segment {i}: has H_kv={k.shape[1]}, segment 0 has H_kv={H_kv}")
+    _check_d(D)
+    sc = _scale(scale, D)
+    dev = q.device
+    out = torch.empty((B, H_q, T_q, D), dtype=q.dtype, device=dev)
+    lse = torch.empty((B, H_q, T_q), dtype=torch.float32, device=dev)
+    if out.numel() == 0:
+        return out, lse
+    G_q = H_q // H_kv
+    M = G_q * T_q
+    BLOCK_M = max(16, min(triton.next_power_of_2(M), 64))
+    m_blocks = triton.cdiv(M, BLOCK_M)
+    block_n, warps, stages, min_keys = _config(D, q.dtype, dev)
+    sms = _sm_count(dev)
+    plan = []
+    S = 0
+    for k, v in segments:
+        T = k.shape[2]
+        if T == 0:
+            continue
+        kps, n = _splits(B * H_kv * m_blocks, T, block_n, min_keys, sms)
+        plan.append((k, v, T, kps, n, S))
+        S += n
+    if S == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    rows = B * H_q * T_q
+    part = torch.empty(rows * S * (D + 2), dtype=torch.float32, device=dev)    # one allocation
+    o_part = part[:rows * S * D].view(rows, S, D)
+    m_part = part[rows * S * D:rows * S * (D + 1)].view(rows, S)
+    l_part = part[rows * S * (D + 1):].view(rows, S)
+    precise = q.dtype == torch.float32
+    interp = C.interpreting()
+    bits = interp and q.dtype == torch.bfloat16         # the interpreter computes bf16 dots on raw bits:
+    precise = precise or bits                           # there bf16 is widened to fp32 in the kernel
+    qa = q.view(torch.int16) if bits else q
+    for k, v, T, kps, n, s0 in plan:
+        ka, va = (k.view(torch.int16), v.view(torch.int16)) if bits else (k, v)
+        _partial_kernel[(B * H_kv, n, m_blocks)](
+            qa, ka, va, o_part, m_part, l_part, *q.stride(), *k.stride(), *v.stride(),
+            H_q, H_kv, T_q, T, M, kps, S, s0, sc if precise else sc * LOG2E,
+            G_Q=G_q, D=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n, PRECISE=precise, TIGHT=not interp,
+            NBLK=kps // block_n if interp else 0, BF16_BITS=bits, num_warps=warps, num_stages=stages)
+    _merge_launch(o_part, m_part, l_part, out, lse, rows, S, D, log2=not precise)
+    return out, lse
+
+
+def _merge_launch(o_part, m_part, l_part, out, lse, rows: int, S: int, D: int, log2: bool):
+    """Merge (rows, S, D) partials into out (rows, D) and lse (rows,); l_part None: normalized partials."""
+    BLOCK_S = min(triton.next_power_of_2(S), 16)
+    BLOCK_D = triton.next_power_of_2(D)
+    oview = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+    interp = C.interpreting()
+    has_l = l_part is not None
+    _merge_kernel[(rows,)](o_part, m_part, l_part if has_l else m_part, oview, lse, S, D, BLOCK_S=BLOCK_S,
+                           BLOCK_D=BLOCK_D, OUT_KIND=_OUT_KIND[out.dtype], HAS_L=has_l, LOG2=log2,
+                           TIGHT=not interp, NSB=triton.cdiv(S, BLOCK_S) if interp else 0,
+                           num_warps=4 if BLOCK_D >= 128 else 2)
+
+
+def partial_attention(q, k, v, *, scale=None):
+    """Mirrors `kvq.reference.attention.partial_attention`: attention over one segment, with its lse.
+
+    Returns ``(o, lse)``: o (B, H_q, T_q, D) in q's dtype (the reference returns float32), lse
+    (B, H_q, T_q) float32, natural log; an empty segment gives o = 0, lse = -inf. Same kernels and
+    differences as :func:`decode_attention`.
+    """
+    return decode_attention(q, [(k, v)], scale=scale)
+
+
+def merge(partials):
+    """Mirrors `kvq.reference.attention.merge`: combine ``(o_i, lse_i)`` over disjoint key segments.
+
+    ``m = max_i lse_i``, ``w_i = exp(lse_i - m)``, ``o = sum_i w_i o_i / sum_i w_i``,
+    ``lse = m + log(sum_i w_i)``; rows where every lse is -inf give o = 0, lse = -inf.
+    Differences: torch tensors; o comes back in the dtype of the partial o's (the reference returns
+    float32), lse float32; the partials' lse are checked for NaN / +inf only while
+    ``kvq.fast.validation`` is on, and their o is not checked for NaN / inf.
+    """
+    partials = list(partials)
+    if not partials:
+        raise ValueError("merge needs at least one (o, lse) partial; got an empty sequence")
+    allow = C.interpreting()
+    os_, lses = [], []
+    for i, p in enumerate(partials):
+        if not isinstance(p, (tuple, list)) or len(p) != 2:
+            raise ValueError(f"partial {i} must be a pair (o, lse); got {type(p).__name__}")
+        o, ls = p
+        C.check_tensor(o, f"partial {i} o", allow_cpu=allow)
+        C.check_tensor(ls, f"partial {i} lse", allow_cpu=allow)
+        if o.dim() < 1 or tuple(ls.shape) != tuple(o.shape[:-1]):
+            raise ValueError(f"partial {i}: lse has shape {tuple(ls.shape)} but o has shape "
+                             f"{tuple(o.shape)}; lse must be o.shape[:-1]")
+        if os_ and o.shape != os_[0].shape:
+            raise ValueError(f"partial {i}: o has shape {tuple(o.shape)}, partial 0 has "
+                             f"{tuple(os_[0].shape)}")
+        for name, a in (("o", o), ("lse", ls)):
+            if a.dtype not in _DTYPES:
+                raise TypeError(f"partial {i} {name} has dtype {a.dtype}; expected float16 / bfloat16 / "
+                                f"float32")
+        if os_ and o.dtype != os_[0].dtype:
+            raise TypeError(f"partial {i}: o has dtype {o.dtype}, partial 0 has {os_[0].dtype}")
+        os_.append(o)
+        lses.append(ls)
+    if C.validation_enabled():
+        for i, ls in enumerate(lses):
+            if ls.numel() and bool((torch.isnan(ls) | (ls == float("inf"))).any()):
+                raise ValueError(f"partial {i}: lse contains NaN or +inf")
+    shape = tuple(os_[0].shape)
+    D = shape[-1]
+    rows = math.prod(shape[:-1])
+    dev = os_[0].device
+    out = torch.empty(shape, dtype=os_[0].dtype, device=dev)
+    lse = torch.empty(shape[:-1], dtype=torch.float32, device=dev)
+    if out.numel() == 0:
+        return out, lse
+    o_part = torch.stack([o.reshape(rows, D).float() for o in os_], dim=1).contiguous()       # (rows, S, D)
+    lse_part = torch.stack([ls.reshape(rows).float() for ls in lses], dim=1).contiguous()     # (rows, S)
+    _merge_launch(o_part, lse_part, None, out, lse, rows, len(os_), D, log2=False)
+    return out, lse

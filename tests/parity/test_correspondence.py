@@ -1,0 +1,122 @@
+"""The correspondence rule (DESIGN.md section 1): kvq.reference.M.f <-> kvq.fast.<backend>.M.f.
+
+For every module in ``kvq.fast.MIRRORED``: the reference module's ``__all__`` is exactly the mirrored
+list; every name exists in each backend's module with the same signature (parameter names, kinds,
+defaults) and a docstring that opens with "Mirrors `kvq.reference.", or is listed in
+``kvq.fast.NOT_YET_IMPLEMENTED[backend][module]``. A backend module that cannot be imported here
+(the CuPy backend without CuPy) is read with ``ast`` instead.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import pathlib
+
+import numpy as np
+import pytest
+
+import kvq.fast as F
+
+CASES = [(m, b) for m in F.MIRRORED for b in F.BACKENDS]
+
+
+def _reference(module):
+    return importlib.import_module(f"kvq.reference.{module}")
+
+
+@pytest.mark.parametrize("module", list(F.MIRRORED))
+def test_reference_all_is_the_mirrored_list(module):
+    assert tuple(_reference(module).__all__) == tuple(F.MIRRORED[module])
+
+
+def _signature_rows(sig: inspect.Signature):
+    return [(p.name, p.kind, p.default) for p in sig.parameters.values()]
+
+
+def _eq_default(a, b) -> bool:
+    if a is inspect.Parameter.empty or b is inspect.Parameter.empty:
+        return a is b
+    try:
+        return bool(a == b) and type(a) is type(b) or a is b
+    except Exception:
+        return a is b
+
+
+def _ast_signature(fn: ast.FunctionDef):
+    """(name, kind, default) rows of a function definition, defaults evaluated with numpy as np."""
+    env = {"np": np, "numpy": np}
+    a = fn.args
+    rows = []
+    positional = a.posonlyargs + a.args
+    pdefaults = [inspect.Parameter.empty] * (len(positional) - len(a.defaults)) + list(a.defaults)
+    for i, (arg, d) in enumerate(zip(positional, pdefaults)):
+        kind = inspect.Parameter.POSITIONAL_ONLY if i < len(a.posonlyargs) else inspect.Parameter.POSITIONAL_OR_KEYWORD
+        rows.append((arg.arg, kind, d))
+    if a.vararg:
+        rows.append((a.vararg.arg, inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.empty))
+    for arg, d in zip(a.kwonlyargs, a.kw_defaults):
+        rows.append((arg.arg, inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.empty if d is None else d))
+    if a.kwarg:
+        rows.append((a.kwarg.arg, inspect.Parameter.VAR_KEYWORD, inspect.Parameter.empty))
+    out = []
+    for name, kind, d in rows:
+        if isinstance(d, ast.AST):
+            d = eval(compile(ast.Expression(d), "<default>", "eval"), env)   # noqa: S307 (own source)
+        out.append((name, kind, d))
+    return out
+
+
+def _backend_functions(module: str, backend: str):
+    """name -> (signature rows, docstring) for the backend module's top-level functions."""
+    try:
+        mod = importlib.import_module(f"kvq.fast.{backend}.{module}")
+    except ImportError as err:
+        if backend != "cupy" or "cupy" not in str(err):
+            raise
+        mod = None
+    if mod is not None:
+        return {name: (_signature_rows(inspect.signature(obj)), inspect.getdoc(obj) or "")
+                for name, obj in vars(mod).items() if inspect.isfunction(obj)}
+    path = pathlib.Path(F.__file__).parent / backend / f"{module}.py"
+    tree = ast.parse(path.read_text())
+    return {n.name: (_ast_signature(n), ast.get_docstring(n) or "")
+            for n in tree.body if isinstance(n, ast.FunctionDef)}
+
+
+@pytest.mark.parametrize("module,backend", CASES, ids=[f"{b}.{m}" for m, b in CASES])
+def test_backend_mirrors_reference(module, backend):
+    ref = _reference(module)
+    fns = _backend_functions(module, backend)
+    missing_ok = F.NOT_YET_IMPLEMENTED.get(backend, {}).get(module, {})
+    problems = []
+    for name in F.MIRRORED[module]:
+        if name not in fns:
+            if name not in missing_ok:
+                problems.append(f"{name}: missing and not listed in NOT_YET_IMPLEMENTED")
+            continue
+        want = _signature_rows(inspect.signature(getattr(ref, name)))
+        got, doc = fns[name]
+        if [(n, k) for n, k, _ in got] != [(n, k) for n, k, _ in want]:
+            problems.append(f"{name}: parameters {[(n, k.name) for n, k, _ in got]} != reference "
+                            f"{[(n, k.name) for n, k, _ in want]}")
+        else:
+            for (n, _, dg), (_, _, dw) in zip(got, want):
+                if not _eq_default(dg, dw):
+                    problems.append(f"{name}: default of {n} is {dg!r}, reference has {dw!r}")
+        if not doc.startswith(f"Mirrors `kvq.reference.{module}.{name}`"):
+            problems.append(f"{name}: docstring must open with \"Mirrors `kvq.reference.{module}.{name}`\"; "
+                            f"it opens with {doc[:60]!r}")
+    assert not problems, f"kvq.fast.{backend}.{module}:\n  " + "\n  ".join(problems)
+
+
+@pytest.mark.parametrize("backend", F.BACKENDS)
+def test_not_yet_implemented_names_are_real(backend):
+    """Entries of NOT_YET_IMPLEMENTED name mirrored functions that the backend indeed lacks."""
+    for module, names in F.NOT_YET_IMPLEMENTED.get(backend, {}).items():
+        assert module in F.MIRRORED
+        fns = _backend_functions(module, backend)
+        for name in names:
+            assert name in F.MIRRORED[module], (module, name)
+            assert name not in fns, f"kvq.fast.{backend}.{module}.{name} exists: remove it from NOT_YET_IMPLEMENTED"
