@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from kvq.reference import attention, memory, metrics, packing, quant
+from kvq.reference import attention, memory, metrics, packing
 
 
 def synthetic_kv(batch=1, kv_heads=2, q_heads=8, tokens=512, head_dim=128, outliers=4, seed=0):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import os
 
 import torch
@@ -22,6 +23,8 @@ from kvq.reference.quant import check_groups
 _FLOATS = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _BY_NAME = {v: k for k, v in _FLOATS.items()}
 _STATE = {"validate": True}
+#: dtypes the fast decode attention takes
+ATTN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def set_validation(enabled: bool) -> None:
@@ -143,3 +146,76 @@ def quant_args(x, bits, group_size, axis, meta_dtype, *, allow_cpu: bool, pack_b
 
 def meta_shape(shape, axis: int, G: int):
     return tuple(shape[:axis]) + (shape[axis] // G,) + tuple(shape[axis + 1:])
+
+
+def check_qkv(q, k, v, *, allow_cpu: bool = False) -> None:
+    """One (q, k, v) of a decode: 4-D (B, H, T, D) tensors of one float dtype and device, GQA shapes."""
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        check_tensor(a, name, allow_cpu=allow_cpu)
+        if a.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions (B, H, T, D); got shape {tuple(a.shape)}")
+        if a.dtype not in ATTN_DTYPES:
+            raise TypeError(f"{name} has dtype {a.dtype}; the fast decode takes float16 / bfloat16 / "
+                            f"float32 (the reference tier computes float64 truths)")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape (B, H_kv, T_k, D); got {tuple(k.shape)} "
+                         f"and {tuple(v.shape)}")
+    B, H_q, _, D = q.shape
+    if k.shape[0] != B:
+        raise ValueError(f"batch sizes differ: q has B={B}, k and v have B={k.shape[0]}")
+    if k.shape[3] != D:
+        raise ValueError(f"head dims differ: q has D={D}, k and v have D={k.shape[3]}")
+    H_kv = k.shape[1]
+    if H_kv == 0 or H_q % H_kv:
+        raise ValueError(f"GQA needs H_q to be a multiple of H_kv; got H_q={H_q}, H_kv={H_kv}")
+    if not (k.dtype == v.dtype == q.dtype):
+        raise TypeError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+
+
+def softmax_scale(scale, D: int) -> float:
+    """The softmax scale as a Python float: 1/sqrt(D) by default, else a finite real number."""
+    if scale is None:
+        return 1.0 / math.sqrt(D)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {scale!r}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be finite, got {scale!r}")
+    return float(scale)
+
+
+def check_partials(partials, *, allow_cpu: bool = False):
+    """The (o, lse) pairs of a merge: shapes, dtypes, and (while validation is on) no NaN / +inf lse.
+
+    Returns the lists ``(os_, lses)``.
+    """
+    partials = list(partials)
+    if not partials:
+        raise ValueError("merge needs at least one (o, lse) partial; got an empty sequence")
+    os_, lses = [], []
+    for i, p in enumerate(partials):
+        if not isinstance(p, (tuple, list)) or len(p) != 2:
+            raise ValueError(f"partial {i} must be a pair (o, lse); got {type(p).__name__}")
+        o, ls = p
+        check_tensor(o, f"partial {i} o", allow_cpu=allow_cpu)
+        check_tensor(ls, f"partial {i} lse", allow_cpu=allow_cpu)
+        if o.dim() < 1 or tuple(ls.shape) != tuple(o.shape[:-1]):
+            raise ValueError(f"partial {i}: lse has shape {tuple(ls.shape)} but o has shape "
+                             f"{tuple(o.shape)}; lse must be o.shape[:-1]")
+        if os_ and o.shape != os_[0].shape:
+            raise ValueError(f"partial {i}: o has shape {tuple(o.shape)}, partial 0 has "
+                             f"{tuple(os_[0].shape)}")
+        for name, a in (("o", o), ("lse", ls)):
+            if a.dtype not in ATTN_DTYPES:
+                raise TypeError(f"partial {i} {name} has dtype {a.dtype}; expected float16 / bfloat16 / "
+                                f"float32")
+        if os_ and o.dtype != os_[0].dtype:
+            raise TypeError(f"partial {i}: o has dtype {o.dtype}, partial 0 has {os_[0].dtype}")
+        os_.append(o)
+        lses.append(ls)
+    if validation_enabled():
+        for i, ls in enumerate(lses):
+            if ls.numel() and bool((torch.isnan(ls) | (ls == float("inf"))).any()):
+                raise ValueError(f"partial {i}: lse contains NaN or +inf")
+    return os_, lses

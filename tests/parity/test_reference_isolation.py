@@ -30,7 +30,7 @@ def test_reference_modules_import_with_fast_packages_blocked():
         "    sys.modules[name] = None",
         f"for mod in {MODULES!r}:",
         "    importlib.import_module(mod)",
-        f"leaked = [m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'cupy') and sys.modules[m] is not None]",
+        "leaked = [m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'cupy') and sys.modules[m] is not None]",
         "assert not leaked, leaked",
         "print('ok', len(" + repr(MODULES) + "))",
     ])

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 
 import numpy as np
 import torch
@@ -32,7 +31,6 @@ __all__ = ["partial_attention", "merge", "decode_attention"]
 
 _SRC = "attention.cu"
 LOG2E = 1.4426950408889634
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_CHUNK = 4096        # keys per split at most (load balance over the SMs)
 _MERGE_THREADS = 256
 
@@ -41,50 +39,11 @@ _MERGE_THREADS = 256
 # validation (the same rules and messages as the Triton backend)
 
 
-def _check_qkv(q, k, v):
-    for name, a in (("q", q), ("k", k), ("v", v)):
-        C.check_tensor(a, name)
-        if a.dim() != 4:
-            raise ValueError(f"{name} must have 4 dimensions (B, H, T, D); got shape {tuple(a.shape)}")
-        if a.dtype not in _DTYPES:
-            raise TypeError(f"{name} has dtype {a.dtype}; the fast decode takes float16 / bfloat16 / "
-                            f"float32 (the reference tier computes float64 truths)")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape (B, H_kv, T_k, D); got {tuple(k.shape)} "
-                         f"and {tuple(v.shape)}")
-    B, H_q, _, D = q.shape
-    if k.shape[0] != B:
-        raise ValueError(f"batch sizes differ: q has B={B}, k and v have B={k.shape[0]}")
-    if k.shape[3] != D:
-        raise ValueError(f"head dims differ: q has D={D}, k and v have D={k.shape[3]}")
-    H_kv = k.shape[1]
-    if H_kv == 0 or H_q % H_kv:
-        raise ValueError(f"GQA needs H_q to be a multiple of H_kv; got H_q={H_q}, H_kv={H_kv}")
-    if not (k.dtype == v.dtype == q.dtype):
-        raise TypeError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
-
-
 def _check_d(D: int, dtype: torch.dtype) -> None:
     if not L.attn_supported(L.DT[dtype], D):
         raise ValueError(f"head dim D={D} is not supported by the CUDA decode kernel for {dtype}; it takes "
                          f"D in {L.ATTN_DIMS} (float32: up to 128); use the Triton backend or "
                          f"kvq.reference.attention for others")
-
-
-def _scale(scale, D: int) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(D)
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number or None, got {scale!r}")
-    if not math.isfinite(float(scale)):
-        raise ValueError(f"scale must be finite, got {scale!r}")
-    return float(scale)
-
-
-# ----------------------------------------------------------------------------------------------------
-# launch configuration
 
 
 def _splits(T: int, blocks_per_split: int, tile: int, sms: int):
@@ -151,7 +110,7 @@ def decode_attention(q, segments, *, scale=None):
         if not isinstance(seg, (tuple, list)) or len(seg) != 2:
             raise ValueError(f"segment {i} must be a pair (k, v); got {type(seg).__name__}")
         try:
-            _check_qkv(q, seg[0], seg[1])
+            C.check_qkv(q, seg[0], seg[1])
         except (ValueError, TypeError) as err:
             raise type(err)(f"segment {i}: {err}") from err
     B, H_q, T_q, D = q.shape
@@ -162,7 +121,7 @@ def decode_attention(q, segments, *, scale=None):
     _check_d(D, q.dtype)
     if B > 65535 or H_kv > 65535:
         raise ValueError(f"B={B} and H_kv={H_kv} must be at most 65535 (CUDA grid limits)")
-    sc = _scale(scale, D)
+    sc = C.softmax_scale(scale, D)
     dev = q.device
     out = torch.empty((B, H_q, T_q, D), dtype=q.dtype, device=dev)
     lse = torch.empty((B, H_q, T_q), dtype=torch.float32, device=dev)
@@ -223,34 +182,7 @@ def merge(partials):
     returns float32), lse float32; the partials' lse are checked for NaN / +inf only while
     ``kvq.fast.validation`` is on, and their o is not checked for NaN / inf.
     """
-    partials = list(partials)
-    if not partials:
-        raise ValueError("merge needs at least one (o, lse) partial; got an empty sequence")
-    os_, lses = [], []
-    for i, p in enumerate(partials):
-        if not isinstance(p, (tuple, list)) or len(p) != 2:
-            raise ValueError(f"partial {i} must be a pair (o, lse); got {type(p).__name__}")
-        o, ls = p
-        C.check_tensor(o, f"partial {i} o")
-        C.check_tensor(ls, f"partial {i} lse")
-        if o.dim() < 1 or tuple(ls.shape) != tuple(o.shape[:-1]):
-            raise ValueError(f"partial {i}: lse has shape {tuple(ls.shape)} but o has shape "
-                             f"{tuple(o.shape)}; lse must be o.shape[:-1]")
-        if os_ and o.shape != os_[0].shape:
-            raise ValueError(f"partial {i}: o has shape {tuple(o.shape)}, partial 0 has "
-                             f"{tuple(os_[0].shape)}")
-        for name, a in (("o", o), ("lse", ls)):
-            if a.dtype not in _DTYPES:
-                raise TypeError(f"partial {i} {name} has dtype {a.dtype}; expected float16 / bfloat16 / "
-                                f"float32")
-        if os_ and o.dtype != os_[0].dtype:
-            raise TypeError(f"partial {i}: o has dtype {o.dtype}, partial 0 has {os_[0].dtype}")
-        os_.append(o)
-        lses.append(ls)
-    if C.validation_enabled():
-        for i, ls in enumerate(lses):
-            if ls.numel() and bool((torch.isnan(ls) | (ls == float("inf"))).any()):
-                raise ValueError(f"partial {i}: lse contains NaN or +inf")
+    os_, lses = C.check_partials(partials)
     shape = tuple(os_[0].shape)
     D = shape[-1]
     rows = math.prod(shape[:-1])
