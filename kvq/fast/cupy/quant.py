@@ -1,7 +1,8 @@
 """CuPy backend: affine quantization in groups along an axis, as raw CUDA kernels (``quant.cu``).
 
 Mirrors ``kvq.reference.quant`` bit for bit (numerics contract, DESIGN.md section 2) on torch CUDA
-tensors; CuPy views the tensors zero-copy through DLPack and launches on torch's current stream.
+tensors; kernels get the tensors' device addresses (zero-copy; `_loader.ARG_MODE` selects DLPack views
+instead) and launch on torch's current stream.
 
     from kvq.fast.cupy.quant import quantize, dequantize
     codes, scale, mn = quantize(k, bits=2, group_size=128, axis=2)      # k: (B, H_kv, T, D), per-channel
