@@ -7,4 +7,4 @@ Never imports torch, triton, cupy or kvq.fast (a test enforces it).
     packed = packing.pack(codes, bits=2, axis=-1)
 """
 
-from . import attention, memory, metrics, numerics, packing, quant  # noqa: F401
+from . import attention, kitty, kivi, memory, metrics, numerics, packing, paged, quant  # noqa: F401

@@ -78,6 +78,15 @@ def _log_probs(q, k, causal: bool, scale):
     return logp
 
 
+def attention_scores(q, k, causal: bool = False, scale=None) -> np.ndarray:
+    """The attention score matrix ``softmax(q k^T * scale)`` in float64, (B, H_q, T_q, T_k), GQA-aware.
+
+    Hidden keys (causal mask) get probability 0. This is eq. (1) of the Kitty paper, the matrix whose
+    perturbation measures a channel's sensitivity.
+    """
+    return np.exp(_log_probs(_f64(q, "q"), _f64(k, "k"), bool(causal), scale))
+
+
 def attention_kl(q, k, k_hat, causal: bool = False, scale=None) -> float:
     """Mean over query rows of ``KL(softmax(q k^T) || softmax(q k_hat^T))`` (natural log, nats).
 
