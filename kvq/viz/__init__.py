@@ -1,0 +1,26 @@
+"""kvq.viz: figures for the book and the benchmarks, drawn from plain NumPy arrays.
+
+Every ``plot_*(data, ..., ax=None)`` returns a ``matplotlib.figure.Figure``. Without ``ax`` it makes a
+new Figure with an Agg canvas; ``matplotlib.pyplot`` (and its global state) is never imported, nor is
+torch. matplotlib itself is imported only when a function is called.
+
+    from kvq.viz import plot_channel_magnitudes
+    fig = plot_channel_magnitudes(k[0, 0], title="layer 10, KV head 0")   # k: (B, H_kv, T, D)
+    fig.savefig("keys.png", dpi=150)
+
+Modules: ``channels`` (Kitty section 3.2, Figures 2a/2b, boost-rate curves), ``page_layout`` (Kitty
+section 4.1, Figure 3a), ``groups`` (per-token vs per-channel group ranges, KIVI section 3.1).
+"""
+
+from .channels import plot_channel_magnitudes, plot_channel_sensitivity, plot_error_vs_boost
+from .groups import group_ranges, plot_group_ranges
+from .page_layout import plot_page_layout
+
+__all__ = [
+    "plot_channel_magnitudes",
+    "plot_channel_sensitivity",
+    "plot_error_vs_boost",
+    "plot_page_layout",
+    "plot_group_ranges",
+    "group_ranges",
+]
