@@ -1,6 +1,6 @@
-"""Run every kvq benchmark in one process (CUDA initializes once): ceilings, quant, decode.
+"""Run every kvq benchmark in one process (CUDA initializes once): ceilings, quant, decode, kivi_kitty.
 
-Writes ``ceilings.json``, ``quant.json`` and ``decode.json`` to ``--out`` (each as soon as its section
+Writes ``ceilings.json``, ``quant.json``, ``decode.json`` and ``kivi_kitty.json`` to ``--out`` (each as soon as its section
 ends, so a later timeout loses nothing already measured) and prints a short summary table last.
 A wall-clock budget (``--budget-s``) is shared by the sections: quant may use at most 45% of it,
 measurements past the budget are recorded as skipped.
@@ -31,7 +31,7 @@ def main(argv=None):
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny shapes; without a GPU, on the CPU with TRITON_INTERPRET=1")
     ap.add_argument("--budget-s", type=float, default=250.0, help="wall-clock budget for all sections")
-    ap.add_argument("--only", default="ceilings,quant,decode", help="comma-separated sections to run")
+    ap.add_argument("--only", default="ceilings,quant,decode,kivi_kitty", help="comma-separated sections to run")
     a = ap.parse_args(argv)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -41,6 +41,7 @@ def main(argv=None):
 
     import bench_ceilings
     import bench_decode
+    import bench_kivi_kitty
     import bench_quant
     import common as C
 
@@ -81,6 +82,17 @@ def main(argv=None):
         C.write_json(out, "decode.json", {"meta": header, **d})
         summary += ["== decode: fp16 K/V, T_q 1, ms per call"] + bench_decode.summary_lines(d)
         print(f"[{time.monotonic() - t0:6.1f} s] decode done", flush=True)
+
+    if "kivi_kitty" in sections:
+        kk_deadline = C.Deadline(min(max(deadline.left(), 0.0), 90.0))
+        try:
+            kk = bench_kivi_kitty.run(device, copy_gbps=copy_gbps, quick=a.quick, dry_run=dry, deadline=kk_deadline)
+        except Exception as e:
+            kk = {"error": C.err_str(e), "shapes": []}
+        C.write_json(out, "kivi_kitty.json", {"meta": header, **kk})
+        summary += ["== kivi_kitty: paged quantized decode, fp16 q, T_q 1, ms per call"] + \
+            bench_kivi_kitty.summary_lines(kk)
+        print(f"[{time.monotonic() - t0:6.1f} s] kivi_kitty done", flush=True)
 
     print(f"\nresults in {out}  ({time.monotonic() - t0:.1f} s)")
     print("\n".join(summary))

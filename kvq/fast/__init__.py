@@ -28,7 +28,12 @@ MIRRORED = {
     "quant": ("quantize", "dequantize", "quantile", "percentile_clip"),
     "packing": ("pack", "unpack", "quantize_pack", "unpack_dequantize"),
     "attention": ("attention", "partial_attention", "merge", "decode_attention"),
+    "kivi": ("KIVIConfig", "CONFIGS", "init", "append", "dequantize", "decode_attention"),
+    "kitty": ("KittyConfig", "CONFIGS", "init", "append", "dequantize", "decode_attention",
+              "channel_scores", "select_boost", "encode_page", "dequantize_page", "channel_sensitivity"),
 }
+
+_KIVI_KITTY_CUDA = "KIVI/Kitty issue: CUDA kernels not yet written"
 
 #: backend -> module -> reference functions that have no fast version yet, and the issue that adds it
 NOT_YET_IMPLEMENTED = {
@@ -39,6 +44,10 @@ NOT_YET_IMPLEMENTED = {
     }
     for backend in BACKENDS
 }
+NOT_YET_IMPLEMENTED["triton"]["kitty"] = {
+    "channel_sensitivity": "Kitty Fig. 2b analysis: one perturbed attention per channel; the reference serves it"}
+NOT_YET_IMPLEMENTED["cupy"]["kivi"] = {n: _KIVI_KITTY_CUDA for n in MIRRORED["kivi"]}
+NOT_YET_IMPLEMENTED["cupy"]["kitty"] = {n: _KIVI_KITTY_CUDA for n in MIRRORED["kitty"]}
 
 
 def backend_module(module: str, backend: str | None = None):

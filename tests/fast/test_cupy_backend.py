@@ -9,6 +9,7 @@ handles fp16 / bf16 / fp32 (GPU tests, marker gpu). Bit-exact parity lives in te
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 
 import numpy as np
@@ -26,7 +27,11 @@ from kvq.fast import MIRRORED, NOT_YET_IMPLEMENTED  # noqa: E402
 @pytest.mark.parametrize("module", sorted(MIRRORED))
 def test_mirrors_reference_signatures(module):
     """Every mirrored function exists (or is listed as not yet implemented) with the reference's signature,
-    and its docstring opens with "Mirrors `kvq.reference.<module>.<name>`"."""
+    and its docstring opens with "Mirrors `kvq.reference.<module>.<name>`". A module whose every name is
+    listed as not yet implemented may not exist yet (kivi / kitty)."""
+    missing = NOT_YET_IMPLEMENTED["cupy"].get(module, {})
+    if set(MIRRORED[module]) <= set(missing) and importlib.util.find_spec(f"kvq.fast.cupy.{module}") is None:
+        return
     fast = importlib.import_module(f"kvq.fast.cupy.{module}")
     try:
         ref = importlib.import_module(f"kvq.reference.{module}")

@@ -3,7 +3,8 @@
 For every module in ``kvq.fast.MIRRORED``: the reference module's ``__all__`` is exactly the mirrored
 list; every name exists in each backend's module with the same signature (parameter names, kinds,
 defaults) and a docstring that opens with "Mirrors `kvq.reference.", or is listed in
-``kvq.fast.NOT_YET_IMPLEMENTED[backend][module]``. A backend module that cannot be imported here
+``kvq.fast.NOT_YET_IMPLEMENTED[backend][module]``. Names that are data (configuration classes, the
+``CONFIGS`` dicts) are re-exported: the backend's object must BE the reference's (identity). A backend module that cannot be imported here
 (the CuPy backend without CuPy) is read with ``ast`` instead.
 """
 
@@ -68,18 +69,28 @@ def _ast_signature(fn: ast.FunctionDef):
     return out
 
 
-def _backend_functions(module: str, backend: str):
-    """name -> (signature rows, docstring) for the backend module's top-level functions."""
+def _backend_module(module: str, backend: str):
+    """The backend module, or None where it cannot be imported here (CuPy missing) or does not exist."""
+    path = pathlib.Path(F.__file__).parent / backend / f"{module}.py"
+    if not path.exists():
+        return None
     try:
-        mod = importlib.import_module(f"kvq.fast.{backend}.{module}")
+        return importlib.import_module(f"kvq.fast.{backend}.{module}")
     except ImportError as err:
         if backend != "cupy" or "cupy" not in str(err):
             raise
-        mod = None
+        return None
+
+
+def _backend_functions(module: str, backend: str):
+    """name -> (signature rows, docstring) for the backend module's top-level functions."""
+    path = pathlib.Path(F.__file__).parent / backend / f"{module}.py"
+    if not path.exists():
+        return {}
+    mod = _backend_module(module, backend)
     if mod is not None:
         return {name: (_signature_rows(inspect.signature(obj)), inspect.getdoc(obj) or "")
                 for name, obj in vars(mod).items() if inspect.isfunction(obj)}
-    path = pathlib.Path(F.__file__).parent / backend / f"{module}.py"
     tree = ast.parse(path.read_text())
     return {n.name: (_ast_signature(n), ast.get_docstring(n) or "")
             for n in tree.body if isinstance(n, ast.FunctionDef)}
@@ -92,6 +103,15 @@ def test_backend_mirrors_reference(module, backend):
     missing_ok = F.NOT_YET_IMPLEMENTED.get(backend, {}).get(module, {})
     problems = []
     for name in F.MIRRORED[module]:
+        ref_obj = getattr(ref, name)
+        if not inspect.isfunction(ref_obj):                      # data: re-exported, the same object
+            mod = _backend_module(module, backend)
+            if mod is None or not hasattr(mod, name):
+                if name not in missing_ok:
+                    problems.append(f"{name}: missing and not listed in NOT_YET_IMPLEMENTED")
+            elif getattr(mod, name) is not ref_obj:
+                problems.append(f"{name}: must be the reference's object (re-exported), not a copy")
+            continue
         if name not in fns:
             if name not in missing_ok:
                 problems.append(f"{name}: missing and not listed in NOT_YET_IMPLEMENTED")
@@ -117,6 +137,7 @@ def test_not_yet_implemented_names_are_real(backend):
     for module, names in F.NOT_YET_IMPLEMENTED.get(backend, {}).items():
         assert module in F.MIRRORED
         fns = _backend_functions(module, backend)
+        mod = _backend_module(module, backend)
         for name in names:
             assert name in F.MIRRORED[module], (module, name)
-            assert name not in fns, f"kvq.fast.{backend}.{module}.{name} exists: remove it from NOT_YET_IMPLEMENTED"
+            assert not (mod is not None and hasattr(mod, name)) and name not in fns, f"kvq.fast.{backend}.{module}.{name} exists: remove it from NOT_YET_IMPLEMENTED"

@@ -1,0 +1,777 @@
+"""Triton paged streaming cache shared by ``kivi`` and ``kitty``: the fast mirror of ``kvq.reference.paged``.
+
+The state holds the same fields as ``kvq.reference.paged.PagedState`` (torch tensors on the device,
+preallocated; the counters ``length`` / ``k_next`` / ``v_next`` on the host), so parity is stated
+field by field: after the same appends every tensor is bit-identical to the reference's array.
+
+    st = init(cfg, codec, batch=8, kv_heads=8, head_dim=128)       # on the current CUDA device
+    append(cfg, codec, st, k, v)                                    # k, v: (B, H_kv, T_new, D) fp16
+    out, lse = decode_attention(cfg, codec, st, q)                  # one fused kernel for the bulk
+
+append routes tokens exactly as the reference (sink, key Q-buffer flushed into pages, value window
+ring buffer, evicted values quantized per token into page slots (KIVI) or through the value Q-buffer
+(Kitty)), with the bit-exact quantize+pack kernels of ``kvq.fast.triton.packing`` (keys: groups of
+G tokens along the token axis; values: per token along channels); page ids are assigned in the
+reference's order (page-major, then batch), so the pools and page tables are identical too.
+
+decode_attention: the tokens ``[S, S + NF)`` whose key AND value are both quantized (NF = min(key
+pages * G, quantized values); key page j and value page j cover the same tokens) run through ONE
+fused kernel (``_fused_kernel``) that reads the packed pages through the page tables, unpacks and
+dequantizes them in registers and does flash-decoding with an online softmax; the few others
+(sink, key Q-buffer, value window / Q-buffer, and the mixed tokens where only one of K / V is
+quantized: at most S + G + R + G) are gathered by one kernel (``_gather_tail_kernel``, bit-exact
+dequantization) into one small fp32 segment and run through the FP16-baseline partial kernel of
+``kvq.fast.triton.attention`` in its precise (fp32) mode; all partials are merged by its log-sum-exp
+merge kernel: five launches per decode (gather, q to fp32 for the tail, fused, tail partial, merge).
+
+Fused-kernel numerics (fp16 / bf16 q): per page, ``s = (q * scale) @ codes + q @ mn`` and
+``p @ v = (p * scale_t) @ codes + p @ mn_t``: the codes are exact in fp16 (converted by the 0x6400
+magic-number trick), the fp32 factors go through the tensor cores as hi + lo halves (row-scaled, so
+nothing overflows fp16), so the result is close to fp32 accuracy; fp32 q takes an IEEE fp32 path.
+``TUNE`` holds launch knobs for GPU tuning runs (benchmarks/bench_kivi_kitty.py sweeps them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from kvq.fast import _common as C
+from kvq.reference import numerics as nx
+from kvq.reference import paged as RP
+
+from . import attention as A
+from . import packing as P
+from .quant import _unpack_last
+
+F16 = torch.float16
+LOG2E = 1.4426950408889634
+
+#: launch knobs of the fused decode kernel (None = the built-in choice), for tuning runs on the GPU:
+#: num_warps; waves = target programs per SM over the fused grid; block_t = tokens per inner step
+#: split_p: P @ V with P as hi + lo (two dots, ~fp32 accuracy) or rounded once to q's dtype (one dot, as
+#: the FP16 flash-decoding kernel does: 3 tensor-core dots per page instead of 4)
+TUNE = {"num_warps": None, "waves": 3, "block_t": None, "split_p": True}
+
+counts = RP.counts
+max_pages = RP.max_pages
+segment_bounds = RP.segment_bounds
+
+
+@dataclass
+class PagedState:
+    """The fast tier's cache state: the fields of ``kvq.reference.paged.PagedState`` as torch tensors
+    on one device (``k_pool``: name -> tensor), plus the host counters."""
+
+    sink_k: torch.Tensor
+    sink_v: torch.Tensor
+    k_buf: torch.Tensor
+    v_win: torch.Tensor
+    v_buf: torch.Tensor
+    k_pool: dict
+    v_codes: torch.Tensor
+    v_scale: torch.Tensor
+    v_mn: torch.Tensor
+    k_table: torch.Tensor
+    v_table: torch.Tensor
+    length: int = 0
+    k_next: int = 0
+    v_next: int = 0
+    shape: tuple = field(default=(0, 0, 0))
+
+    @property
+    def device(self) -> torch.device:
+        return self.sink_k.device
+
+    def arrays(self) -> dict:
+        """Every tensor of the state by name (key-pool tensors as ``k_pool.<name>``)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if isinstance(getattr(self, f.name), torch.Tensor)}
+        out.update({f"k_pool.{n}": a for n, a in self.k_pool.items()})
+        return out
+
+    def copy(self) -> "PagedState":
+        new = dataclasses.replace(self, k_pool={n: a.clone() for n, a in self.k_pool.items()})
+        for n, a in self.arrays().items():
+            if not n.startswith("k_pool."):
+                setattr(new, n, a.clone())
+        return new
+
+
+def _device() -> torch.device:
+    if C.interpreting():
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("kvq.fast.triton caches live on a CUDA device (or the CPU under TRITON_INTERPRET=1)")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def meta_dtype(cfg) -> torch.dtype:
+    return C.torch_dtype(nx.dtype_name(cfg.meta_dtype))
+
+
+def init(cfg, codec, batch: int, kv_heads: int, head_dim: int) -> PagedState:
+    """An empty cache, every buffer and the page pool preallocated, on the current CUDA device."""
+    for name, v in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    cfg.check_head_dim(head_dim)
+    B, H, D, G = int(batch), int(kv_heads), int(head_dim), cfg.group_size
+    N = max_pages(cfg)
+    Pn = B * N
+    meta = meta_dtype(cfg)
+    Gv = cfg.v_group(D)
+    dev = _device()
+    z = lambda *s, dt=F16: torch.zeros(s, dtype=dt, device=dev)                          # noqa: E731
+    return PagedState(
+        sink_k=z(B, H, cfg.sink, D), sink_v=z(B, H, cfg.sink, D), k_buf=z(B, H, G, D),
+        v_win=z(B, H, cfg.residual, D), v_buf=z(B, H, G if cfg.v_qbuffer else 0, D),
+        k_pool=codec.empty_pool(cfg, Pn, H, D, dev),
+        v_codes=z(Pn, H, G, D * cfg.v_bits // 8, dt=torch.uint8),
+        v_scale=z(Pn, H, G, D // Gv, dt=meta), v_mn=z(Pn, H, G, D // Gv, dt=meta),
+        k_table=torch.full((B, N), -1, dtype=torch.int32, device=dev),
+        v_table=torch.full((B, N), -1, dtype=torch.int32, device=dev), shape=(B, H, D))
+
+
+# ---------------------------------------------------------------------------------------------------
+# append
+
+
+def _check_append(cfg, st: PagedState, k, v):
+    B, H, D = st.shape
+    allow = C.interpreting()
+    for name, x in (("k", k), ("v", v)):
+        C.check_tensor(x, name, allow_cpu=allow)
+        if x.dtype not in (torch.float16, torch.float32):
+            raise TypeError(f"{name} has dtype {str(x.dtype).replace('torch.', '')}; append takes float16 (or "
+                            f"float32, rounded to the FP16 buffers)")
+        if x.dim() != 4 or x.shape[0] != B or x.shape[1] != H or x.shape[3] != D:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}; this cache takes (B={B}, H_kv={H}, T_new, D={D})")
+        if x.device != st.device:
+            raise ValueError(f"{name} is on {x.device}; the cache is on {st.device}")
+        C.check_finite(x, name)
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    n = k.shape[2]
+    if st.length + n > cfg.max_tokens:
+        raise ValueError(f"appending {n} tokens to {st.length} exceeds the capacity max_tokens="
+                         f"{cfg.max_tokens}")
+    k16, v16 = k.to(F16), v.to(F16)
+    if C.validation_enabled() and n and not (bool(torch.isfinite(k16).all()) and bool(torch.isfinite(v16).all())):
+        raise ValueError("k or v overflows float16 (|x| > 65504); the FP16 buffers cannot hold it")
+    return k16, v16
+
+
+def quantize_values(cfg, x16: torch.Tensor):
+    """Per-token values (B, H, n, D) in groups of Gv channels, packed along channels (one kernel)."""
+    D = x16.shape[-1]
+    return P.quantize_pack(x16, cfg.v_bits, cfg.v_group(D), axis=-1, meta_dtype=nx.dtype_name(cfg.meta_dtype))
+
+
+def append(cfg, codec, st: PagedState, k, v) -> PagedState:
+    """Append (B, H_kv, T_new, D) tokens; the same routing, pages and page ids as the reference."""
+    k16, v16 = _check_append(cfg, st, k, v)
+    B, H, D = st.shape
+    S, G, R = cfg.sink, cfg.group_size, cfg.residual
+    T0, n = st.length, k16.shape[2]
+    if n == 0:
+        return st
+    c0 = counts(cfg, T0)
+    dev = st.device
+    # 1. sink
+    n_s = max(0, min(S - T0, n))
+    if n_s:
+        st.sink_k[:, :, T0:T0 + n_s] = k16[:, :, :n_s]
+        st.sink_v[:, :, T0:T0 + n_s] = v16[:, :, :n_s]
+    k_new, v_new = k16[:, :, n_s:], v16[:, :, n_s:]
+    p0 = c0["post"]
+    m = k_new.shape[2]
+    if m == 0:
+        st.length = T0 + n
+        return st
+    # 2. keys: Q-buffer + new keys, cut into pages of G; all full pages encoded at once
+    keys = torch.cat([st.k_buf[:, :, :c0["n_kbuf"]], k_new], dim=2)
+    n_full = keys.shape[2] // G
+    if n_full:
+        pages = keys[:, :, :n_full * G].reshape(B, H, n_full, G, D)
+        arrays = codec.encode_pages(cfg, pages, c0["n_kpages"])          # name -> (B, n_full, H, ...)
+        first = st.k_next
+        for name, a in arrays.items():
+            a = a.transpose(0, 1).reshape((n_full * B,) + tuple(a.shape[2:]))   # page-major, then batch
+            st.k_pool[name][first:first + n_full * B] = a
+        ids = first + torch.arange(n_full * B, dtype=torch.int32, device=dev).view(n_full, B).t()
+        st.k_table[:, c0["n_kpages"]:c0["n_kpages"] + n_full] = ids
+        st.k_next = first + n_full * B
+    rest = keys[:, :, n_full * G:].clone()
+    st.k_buf.zero_()
+    st.k_buf[:, :, :rest.shape[2]] = rest
+    # 3. values: window in token order + new values; the last R stay, the others are evicted
+    n_win = c0["n_win"]
+    if R and n_win:
+        order = torch.arange(p0 - n_win, p0, device=dev) % R
+        values = torch.cat([st.v_win.index_select(2, order), v_new], dim=2)
+    else:
+        values = v_new
+    first_p = p0 - n_win
+    n_keep = min(values.shape[2], R)
+    e = values.shape[2] - n_keep
+    evicted = values[:, :, :e].clone()
+    if n_keep:
+        slots = torch.arange(first_p + e, first_p + e + n_keep, device=dev) % R
+        st.v_win[:, :, slots] = values[:, :, e:]
+    _evict_values(cfg, st, evicted, c0)
+    st.length = T0 + n
+    return st
+
+
+def _evict_values(cfg, st: PagedState, evicted: torch.Tensor, c0: dict) -> None:
+    G = cfg.group_size
+    B = evicted.shape[0]
+    dev = st.device
+    if cfg.v_qbuffer:
+        toks = torch.cat([st.v_buf[:, :, :c0["n_vbuf"]], evicted], dim=2)
+        q0 = c0["n_vq"]
+        n_full = toks.shape[2] // G
+        rest = toks[:, :, n_full * G:].clone()
+        toks = toks[:, :, :n_full * G]
+        st.v_buf.zero_()
+        st.v_buf[:, :, :rest.shape[2]] = rest
+    else:
+        toks, q0 = evicted, c0["n_vq"]
+    e = toks.shape[2]
+    if e == 0:
+        return
+    packed, scale, mn = quantize_values(cfg, toks)                    # (B, H, e, ...)
+    # pages opened by these tokens: page-major, then batch (the reference's allocation order)
+    pg0, pg1 = -(-q0 // G), (q0 + e - 1) // G + 1                     # new pages [pg0, pg1)
+    n_new = pg1 - pg0
+    if n_new > 0:
+        ids = st.v_next + torch.arange(n_new * B, dtype=torch.int32, device=dev).view(n_new, B).t()
+        st.v_table[:, pg0:pg1] = ids
+        st.v_next += n_new * B
+    q = torch.arange(q0, q0 + e, device=dev)
+    page, slot = q // G, q % G
+    pid = st.v_table[:, page].long()                                   # (B, e)
+    sl = slot.view(1, e).expand(B, e)
+    st.v_codes[pid, :, sl] = packed.transpose(1, 2)                   # (B, e, H, bytes)
+    st.v_scale[pid, :, sl] = scale.transpose(1, 2)
+    st.v_mn[pid, :, sl] = mn.transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# reading the cache
+
+
+def _values_pages(cfg, st: PagedState, pg0: int, pg1: int) -> torch.Tensor:
+    """Value pages [pg0, pg1) of every sequence, fp32 (B, H, (pg1 - pg0) * G, D)."""
+    B, H, D = st.shape
+    G = cfg.group_size
+    ids = st.v_table[:, pg0:pg1].long()
+    codes, s, m = st.v_codes[ids], st.v_scale[ids], st.v_mn[ids]       # (B, n, H, G, ...)
+    x = P.unpack_dequantize(codes, s, m, cfg.v_bits, cfg.v_group(D), axis=-1, out_dtype="float32")
+    return x.permute(0, 2, 1, 3, 4).reshape(B, H, (pg1 - pg0) * G, D)
+
+
+def _key_pages(cfg, codec, st: PagedState, pg0: int, pg1: int) -> torch.Tensor:
+    """Key pages [pg0, pg1) of every sequence, fp32 (B, H, (pg1 - pg0) * G, D)."""
+    B, H, D = st.shape
+    G = cfg.group_size
+    ids = st.k_table[:, pg0:pg1].long()
+    page = {n: a[ids] for n, a in st.k_pool.items()}                   # (B, n, H, ...)
+    x = codec.decode(cfg, page)                                         # (B, n, H, G, D)
+    return x.permute(0, 2, 1, 3, 4).reshape(B, H, (pg1 - pg0) * G, D)
+
+
+def _keys_range(cfg, codec, st, a: int, b: int) -> torch.Tensor:
+    """K of tokens [a, b) (all past the sink), fp32 (B, H, b - a, D)."""
+    B, H, D = st.shape
+    S, G = cfg.sink, cfg.group_size
+    c = counts(cfg, st.length)
+    kq_end = S + c["n_kpages"] * G
+    parts = []
+    if a < kq_end:
+        e = min(b, kq_end)
+        pg0, pg1 = (a - S) // G, -(-(e - S) // G)
+        x = _key_pages(cfg, codec, st, pg0, pg1)
+        parts.append(x[:, :, a - S - pg0 * G:e - S - pg0 * G])
+        a = e
+    if a < b:
+        parts.append(st.k_buf[:, :, a - kq_end:b - kq_end].float())
+    return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+
+
+def _values_range(cfg, st, a: int, b: int) -> torch.Tensor:
+    """V of tokens [a, b) (all past the sink), fp32 (B, H, b - a, D)."""
+    S, G, R = cfg.sink, cfg.group_size, cfg.residual
+    c = counts(cfg, st.length)
+    vq_end = S + c["n_vq"]
+    vb_end = vq_end + c["n_vbuf"]
+    parts = []
+    if a < vq_end:
+        e = min(b, vq_end)
+        pg0, pg1 = (a - S) // G, -(-(e - S) // G)
+        x = _values_pages(cfg, st, pg0, pg1)
+        parts.append(x[:, :, a - S - pg0 * G:e - S - pg0 * G])
+        a = e
+    if a < b and a < vb_end:
+        e = min(b, vb_end)
+        parts.append(st.v_buf[:, :, a - vq_end:e - vq_end].float())
+        a = e
+    if a < b:
+        order = torch.arange(a - S, b - S, device=st.device) % R
+        parts.append(st.v_win.index_select(2, order).float())
+    return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+
+
+def dequantize_cache(cfg, codec, st: PagedState):
+    """(K, V) fp32 (B, H, T, D) in token order, bit-identical to the reference's."""
+    B, H, D = st.shape
+    T = st.length
+    c = counts(cfg, T)
+    ns = c["n_sink"]
+    K = torch.zeros((B, H, T, D), dtype=torch.float32, device=st.device)
+    V = torch.zeros_like(K)
+    K[:, :, :ns] = st.sink_k[:, :, :ns].float()
+    V[:, :, :ns] = st.sink_v[:, :, :ns].float()
+    if T > ns:
+        K[:, :, ns:] = _keys_range(cfg, codec, st, ns, T)
+        V[:, :, ns:] = _values_range(cfg, st, ns, T)
+    return K, V
+
+
+# ---------------------------------------------------------------------------------------------------
+# the fused decode kernel
+
+
+@triton.jit
+def _exp_nat(x, LIBDEVICE: tl.constexpr):
+    if LIBDEVICE:
+        y = libdevice.exp(x)
+    else:
+        y = tl.exp(x)
+    return y
+
+
+@triton.jit
+def _key_codes(kc_ptr, kh_ptr, ki_ptr, kbase, hbase, dc, c0,
+               DC: tl.constexpr, BT: tl.constexpr, GB: tl.constexpr, K_BITS: tl.constexpr,
+               KITTY: tl.constexpr, DB_HIGH: tl.constexpr):
+    """Key codes (int32) of channels ``dc`` (DC,) and tokens [c0, c0 + BT) of one page, (DC, BT): packed
+    bytes (DC, BT / PER) unpacked in registers; Kitty (Algorithm 1): low | high[idx] << 2 where idx < D_boost."""
+    PER: tl.constexpr = 8 // K_BITS
+    NB: tl.constexpr = BT // PER
+    jb = c0 // PER + tl.arange(0, NB)
+    byte = tl.load(kc_ptr + (kbase + dc[:, None]) * GB + jb[None, :]).to(tl.int32)
+    code = _unpack_last(byte, DC, NB, PER, K_BITS)
+    if KITTY:
+        if DB_HIGH > 0:
+            idx = tl.load(ki_ptr + kbase + dc).to(tl.int32)
+            boosted = idx < DB_HIGH
+            hrow = tl.minimum(idx, DB_HIGH - 1)
+            hb = tl.load(kh_ptr + (hbase + hrow[:, None]) * GB + jb[None, :], mask=boosted[:, None],
+                         other=0).to(tl.int32)
+            code = code | (_unpack_last(hb, DC, NB, 4, 2) << 2)
+    return code
+
+
+@triton.jit
+def _key_tile(kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, kbase, hbase, dc, c0,
+              DC: tl.constexpr, BT: tl.constexpr, GB: tl.constexpr, K_BITS: tl.constexpr,
+              KITTY: tl.constexpr, DB_HIGH: tl.constexpr):
+    """Keys of channels ``dc`` and tokens [c0, c0 + BT) of one page, fp32 (DC, BT): code * scale + mn."""
+    code = _key_codes(kc_ptr, kh_ptr, ki_ptr, kbase, hbase, dc, c0, DC, BT, GB, K_BITS, KITTY, DB_HIGH)
+    ks = tl.load(ks_ptr + kbase + dc).to(tl.float32)
+    km = tl.load(km_ptr + kbase + dc).to(tl.float32)
+    return code.to(tl.float32) * ks[:, None] + km[:, None]
+
+
+@triton.jit
+def _codes_to(code, DT: tl.constexpr, MAGIC: tl.constexpr):
+    """Integer codes (< 1024) to DT exactly. MAGIC (fp16): the bits 0x6400 | code are the half 1024 + code,
+    minus 1024 (exact): an OR and a half subtraction instead of an int -> float conversion (quarter rate)."""
+    if MAGIC:
+        r = (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+    else:
+        r = code.to(DT)
+    return r
+
+
+@triton.jit
+def _split_dot(a, b_codes, DT: tl.constexpr, SPLIT: tl.constexpr = True):
+    """a (fp32, (M, K)) @ b (small integer codes, exact in DT) on tensor cores with ~fp32 accuracy: each
+    row of a is scaled by its max |a| (no fp16 overflow, no underflow of the small parts), split as
+    hi + lo (both rounded to DT), two dots accumulated in fp32, and scaled back."""
+    amax = tl.max(tl.abs(a), axis=1)
+    r = tl.where(amax > 0.0, amax, 1.0)
+    an = a * (1.0 / r)[:, None]
+    hi = an.to(DT)
+    if SPLIT:
+        lo = (an - hi.to(tl.float32)).to(DT)
+        res = (tl.dot(hi, b_codes) + tl.dot(lo, b_codes)) * r[:, None]
+    else:
+        res = tl.dot(hi, b_codes) * r[:, None]
+    return res
+
+
+@triton.jit
+def _tree_qk(q_ptrs, rmask, sq_d, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, kbase, hbase, c0, tmask,
+             LO: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, GB: tl.constexpr, K_BITS: tl.constexpr,
+             KITTY: tl.constexpr, DB_HIGH: tl.constexpr):
+    """q k over channel chunks [16 LO, 16 (LO + N)) as a pairwise tree of 16-channel IEEE dots."""
+    if N == 1:
+        dc = LO * 16 + tl.arange(0, 16)
+        qc = tl.load(q_ptrs + dc[None, :] * sq_d, mask=rmask[:, None], other=0.0).to(tl.float32)
+        kt = _key_tile(kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, kbase, hbase, dc, c0, 16, BT, GB,
+                       K_BITS, KITTY, DB_HIGH)
+        r = tl.dot(qc, kt, input_precision="ieee")
+    else:
+        r = (_tree_qk(q_ptrs, rmask, sq_d, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, kbase, hbase, c0, tmask,
+                      LO, N // 2, BT, GB, K_BITS, KITTY, DB_HIGH)
+             + _tree_qk(q_ptrs, rmask, sq_d, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, kbase, hbase, c0, tmask,
+                        LO + N // 2, N // 2, BT, GB, K_BITS, KITTY, DB_HIGH))
+    return r
+
+
+@triton.jit
+def _page_block(q, q_ptrs, rmask, sq_d, m_i, l_i, acc, j, c0, valid, b, hk, H_KV, NF, N_TAB, qk_scale,
+                kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr,
+                D: tl.constexpr, G: tl.constexpr, BT: tl.constexpr, K_BITS: tl.constexpr,
+                V_BITS: tl.constexpr, NGV: tl.constexpr, KITTY: tl.constexpr, DB_HIGH: tl.constexpr,
+                PRECISE: tl.constexpr, LIBDEVICE: tl.constexpr, DT: tl.constexpr,
+                MAGIC: tl.constexpr, SPLIT_P: tl.constexpr):
+    """Tokens [c0, c0 + BT) of page j (post-sink token index j * G + c0 + i): one online-softmax update."""
+    GB: tl.constexpr = G * K_BITS // 8
+    VB: tl.constexpr = D * V_BITS // 8
+    VPER: tl.constexpr = 8 // V_BITS
+    kpid = tl.load(kt_ptr + b * N_TAB + j, mask=valid, other=0).to(tl.int64)
+    vpid = tl.load(vt_ptr + b * N_TAB + j, mask=valid, other=0).to(tl.int64)
+    kpid = tl.maximum(kpid, 0)
+    vpid = tl.maximum(vpid, 0)
+    tok = c0 + tl.arange(0, BT)
+    tmask = ((j * G + tok) < NF) & valid
+    kbase = (kpid * H_KV + hk) * D
+    hbase = (kpid * H_KV + hk) * DB_HIGH
+    d = tl.arange(0, D)
+    # scores (BLOCK_M, BT)
+    if PRECISE:
+        s = _tree_qk(q_ptrs, rmask, sq_d, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, kbase, hbase, c0, tmask,
+                     0, D // 16, BT, GB, K_BITS, KITTY, DB_HIGH)
+    else:
+        # s = sum_d (q_d scale_d) code_dt + sum_d q_d mn_d: codes are exact in q's dtype, q * scale
+        # goes through the tensor cores as hi + lo (fp32-like accuracy), no per-element dequantization
+        code = _key_codes(kc_ptr, kh_ptr, ki_ptr, kbase, hbase, d, c0, D, BT, GB, K_BITS, KITTY, DB_HIGH)
+        ks = tl.load(ks_ptr + kbase + d).to(tl.float32)
+        km = tl.load(km_ptr + kbase + d).to(tl.float32)
+        s = _split_dot(q * ks[None, :], _codes_to(code, DT, MAGIC), DT) + tl.sum(q * km[None, :], axis=1)[:, None]
+    s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if PRECISE:
+        alpha = _exp_nat(m_i - m_new, LIBDEVICE)
+        p = _exp_nat(s - m_new[:, None], LIBDEVICE)
+    else:
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    # values (BT, D) of the same tokens: value page j, slots c0 .. c0 + BT
+    vrow = (vpid * H_KV + hk) * G + tok
+    vb = tl.arange(0, VB)
+    vbyte = tl.load(vc_ptr + vrow[:, None] * VB + vb[None, :], mask=tmask[:, None], other=0).to(tl.int32)
+    vcode = _unpack_last(vbyte, BT, VB, VPER, V_BITS)
+    if NGV == 1 and not PRECISE:
+        # one group per token: p v = (p * scale_t) codes + sum_t p_t mn_t, codes exact in q's dtype
+        vs = tl.load(vs_ptr + vrow, mask=tmask, other=0.0).to(tl.float32)
+        vm = tl.load(vm_ptr + vrow, mask=tmask, other=0.0).to(tl.float32)
+        pv = _split_dot(p * vs[None, :], _codes_to(vcode, DT, MAGIC), DT, SPLIT_P) + tl.sum(p * vm[None, :], axis=1)[:, None]
+    else:
+        if NGV == 1:
+            vs = tl.load(vs_ptr + vrow, mask=tmask, other=0.0).to(tl.float32)[:, None]
+            vm = tl.load(vm_ptr + vrow, mask=tmask, other=0.0).to(tl.float32)[:, None]
+        else:
+            gi = d // (D // NGV)
+            vs = tl.load(vs_ptr + vrow[:, None] * NGV + gi[None, :], mask=tmask[:, None],
+                         other=0.0).to(tl.float32)
+            vm = tl.load(vm_ptr + vrow[:, None] * NGV + gi[None, :], mask=tmask[:, None],
+                         other=0.0).to(tl.float32)
+        v = vcode.to(tl.float32) * vs + vm
+        if PRECISE:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            vh = v.to(DT)
+            pv = _split_dot(p, vh, DT) + _split_dot(p, (v - vh.to(tl.float32)).to(DT), DT)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+# Fused paged decode over quantized pages (KIVI / Kitty).
+# Computes: for the G_q * T_q query rows of kv head (b, hk) (row m -> query head hk*G_q + m // T_q,
+#   token m % T_q) and the pages [sp*PPS, min((sp+1)*PPS, NP)) of sequence b: key page k_table[b, j]
+#   (packed along tokens, (D, G*bits/8) bytes; Kitty: low plane | high plane row idx[c] << 2) and value
+#   page v_table[b, j] (packed along channels, (G, D*bits/8) bytes) are unpacked and dequantized in
+#   registers (code * scale + mn, fp32), then s = q k * scale, online softmax, acc += p v. Tokens of
+#   post-sink index >= NF are masked. Writes the un-normalized (acc, m, l) of split sp (m in natural units).
+# Grid: (B * H_kv, n_splits, cdiv(G_q * T_q, BLOCK_M)); BLOCK_M >= 16 rows (tl.dot), padded and masked.
+# Bytes: reads each packed K / V page and its metadata once per row block, plus the queries; writes
+#   rows * n_splits * (D + 2) fp32.
+@triton.jit(do_not_specialize=["T_Q", "M", "NF", "NP", "PPS", "S_TOTAL", "N_TAB"])
+def _fused_kernel(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr,
+                  o_ptr, m_ptr, l_ptr, sq_b, sq_h, sq_t, sq_d,
+                  H_Q, H_KV, T_Q, M, NF, NP, PPS, S_TOTAL, N_TAB, qk_scale,
+                  G_Q: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BT: tl.constexpr,
+                  K_BITS: tl.constexpr, V_BITS: tl.constexpr, NGV: tl.constexpr, KITTY: tl.constexpr,
+                  DB_HIGH: tl.constexpr, BLOCK_M: tl.constexpr, PRECISE: tl.constexpr, TIGHT: tl.constexpr,
+                  NPPS: tl.constexpr, MAGIC: tl.constexpr, SPLIT_P: tl.constexpr):
+    bh = tl.program_id(0)
+    sp = tl.program_id(1)
+    mb = tl.program_id(2)
+    LIBDEVICE: tl.constexpr = TIGHT
+    NSUB: tl.constexpr = G // BT
+    b = bh // H_KV
+    hk = bh % H_KV
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    h = hk * G_Q + rows // T_Q
+    t = rows % T_Q
+    d = tl.arange(0, D)
+    q_off = b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h + t.to(tl.int64) * sq_t
+    q_ptrs = q_ptr + q_off[:, None]
+    if PRECISE:
+        q = tl.zeros((BLOCK_M, 16), tl.float32)            # unused: the precise path loads q in chunks
+    else:
+        q = tl.load(q_ptrs + d[None, :] * sq_d, mask=rmask[:, None], other=0.0).to(tl.float32)
+    DT: tl.constexpr = q_ptr.dtype.element_ty
+    p_start = sp * PPS
+    p_end = tl.minimum(p_start + PPS, NP)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    if TIGHT:
+        for j in range(p_start, p_end):
+            for c in tl.static_range(NSUB):
+                m_i, l_i, acc = _page_block(q, q_ptrs, rmask, sq_d, m_i, l_i, acc, j, c * BT, j < p_end, b, hk,
+                                            H_KV, NF, N_TAB, qk_scale, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr,
+                                            vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr, D, G, BT, K_BITS, V_BITS,
+                                            NGV, KITTY, DB_HIGH, PRECISE, LIBDEVICE, DT, MAGIC, SPLIT_P)
+    else:                                                   # interpreter: constexpr trip count, masked
+        for it in range(0, NPPS):
+            j = p_start + it
+            for c in tl.static_range(NSUB):
+                m_i, l_i, acc = _page_block(q, q_ptrs, rmask, sq_d, m_i, l_i, acc, j, c * BT, j < p_end, b, hk,
+                                            H_KV, NF, N_TAB, qk_scale, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr,
+                                            vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr, D, G, BT, K_BITS, V_BITS,
+                                            NGV, KITTY, DB_HIGH, PRECISE, LIBDEVICE, DT, MAGIC, SPLIT_P)
+    if not PRECISE:
+        m_i = m_i * 0.6931471805599453                    # log2 units -> natural
+    grow = ((b * H_Q + h) * T_Q + t).to(tl.int64) * S_TOTAL + sp
+    tl.store(o_ptr + grow[:, None] * D + d[None, :], acc, mask=rmask[:, None])
+    tl.store(m_ptr + grow, m_i, mask=rmask)
+    tl.store(l_ptr + grow, l_i, mask=rmask)
+
+# Gather the tail of the decode: the tokens the fused kernel does not cover (the sink and the post-sink
+# tokens [NF, T - S)), fp32 K / V rows in token order.
+# Computes: row u < NS is sink token u; row u >= NS is post-sink token p = NF + u - NS, whose key comes
+#   from key page k_table[b, p // G] slot p % G (code * scale + mn, two rounded fp32 ops: bit-exact with
+#   the reference's dequantize; Kitty: low | high[idx] << 2) when p < KQ, else from the key Q-buffer
+#   (p - KQ); its value from value page v_table[b, p // G] slot p % G when p < VQ, the value Q-buffer
+#   (p - VQ) when p < VQ + NVB, else the window ring buffer slot p % R.
+# Grid: (B * H_kv, cdiv(NT, BT)); tile (BT tokens, D channels), gathers within one page row.
+# Bytes: reads NT rows of K and V (packed or FP16) per (b, kv head), writes 2 NT D fp32.
+@triton.jit
+def _gather_tail_kernel(sk_ptr, sv_ptr, kb_ptr, vb_ptr, vw_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr,
+                        vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr, ok_ptr, ov_ptr,
+                        H_KV, S, NS, NF, NT, KQ, VQ, NVB, R1, N_TAB, G,
+                        D: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, NGV: tl.constexpr,
+                        KITTY: tl.constexpr, DB_HIGH: tl.constexpr, BT: tl.constexpr):
+    bh = tl.program_id(0)
+    blk = tl.program_id(1)
+    b = bh // H_KV
+    hk = bh % H_KV
+    u = blk * BT + tl.arange(0, BT)
+    d = tl.arange(0, D)
+    d2 = d[None, :]
+    umask = u < NT
+    is_sink = (u < NS) & umask
+    post = (u >= NS) & umask
+    pp = tl.maximum(NF + u - NS, 0)
+    page = pp // G
+    slot = pp % G
+    bh64 = bh.to(tl.int64)
+    # keys
+    k = tl.load(sk_ptr + ((bh64 * S + u) * D)[:, None] + d2, mask=is_sink[:, None], other=0.0).to(tl.float32)
+    in_kp = post & (pp < KQ)
+    in_kb = post & (pp >= KQ)
+    kb = tl.load(kb_ptr + ((bh64 * G + (pp - KQ)) * D)[:, None] + d2, mask=in_kb[:, None], other=0.0)
+    k = tl.where(in_kb[:, None], kb.to(tl.float32), k)
+    PER: tl.constexpr = 8 // K_BITS
+    GB = G * K_BITS // 8
+    kpid = tl.maximum(tl.load(kt_ptr + b * N_TAB + page, mask=in_kp, other=0), 0).to(tl.int64)
+    kbase = (kpid * H_KV + hk) * D
+    m2 = in_kp[:, None]
+    byte = tl.load(kc_ptr + (kbase[:, None] + d2) * GB + (slot // PER)[:, None], mask=m2, other=0).to(tl.int32)
+    code = (byte >> ((slot % PER) * K_BITS)[:, None]) & ((1 << K_BITS) - 1)
+    if KITTY:
+        if DB_HIGH > 0:
+            idx = tl.load(ki_ptr + kbase[:, None] + d2, mask=m2, other=DB_HIGH).to(tl.int32)
+            boosted = idx < DB_HIGH
+            hrow = tl.minimum(idx, DB_HIGH - 1)
+            hb = tl.load(kh_ptr + ((kpid * H_KV + hk) * DB_HIGH)[:, None] * GB + hrow * GB + (slot // 4)[:, None],
+                         mask=m2 & boosted, other=0).to(tl.int32)
+            code = code | (((hb >> ((slot % 4) * 2)[:, None]) & 3) << 2)
+    ks = tl.load(ks_ptr + kbase[:, None] + d2, mask=m2, other=0.0).to(tl.float32)
+    km = tl.load(km_ptr + kbase[:, None] + d2, mask=m2, other=0.0).to(tl.float32)
+    k = tl.where(m2, code.to(tl.float32) * ks + km, k)
+    # values
+    v = tl.load(sv_ptr + ((bh64 * S + u) * D)[:, None] + d2, mask=is_sink[:, None], other=0.0).to(tl.float32)
+    in_vp = post & (pp < VQ)
+    in_vb = post & (pp >= VQ) & (pp < VQ + NVB)
+    in_vw = post & (pp >= VQ + NVB)
+    vb = tl.load(vb_ptr + ((bh64 * G + (pp - VQ)) * D)[:, None] + d2, mask=in_vb[:, None], other=0.0)
+    v = tl.where(in_vb[:, None], vb.to(tl.float32), v)
+    vw = tl.load(vw_ptr + ((bh64 * R1 + pp % R1) * D)[:, None] + d2, mask=in_vw[:, None], other=0.0)
+    v = tl.where(in_vw[:, None], vw.to(tl.float32), v)
+    VPER: tl.constexpr = 8 // V_BITS
+    VB: tl.constexpr = D * V_BITS // 8
+    vpid = tl.maximum(tl.load(vt_ptr + b * N_TAB + page, mask=in_vp, other=0), 0).to(tl.int64)
+    vrow = (vpid * H_KV + hk) * G + slot
+    n2 = in_vp[:, None]
+    vbyte = tl.load(vc_ptr + vrow[:, None] * VB + d2 // VPER, mask=n2, other=0).to(tl.int32)
+    vcode = (vbyte >> ((d2 % VPER) * V_BITS)) & ((1 << V_BITS) - 1)
+    gi = d2 // (D // NGV)
+    vs = tl.load(vs_ptr + vrow[:, None] * NGV + gi, mask=n2, other=0.0).to(tl.float32)
+    vm = tl.load(vm_ptr + vrow[:, None] * NGV + gi, mask=n2, other=0.0).to(tl.float32)
+    v = tl.where(n2, vcode.to(tl.float32) * vs + vm, v)
+    out = ((bh64 * NT + u) * D)[:, None] + d2
+    tl.store(ok_ptr + out, k, mask=umask[:, None])
+    tl.store(ov_ptr + out, v, mask=umask[:, None])
+
+
+def gather_tail(cfg, codec, st: PagedState, NF: int):
+    """K, V fp32 (B, H, NT, D) of the tokens outside the fused range: the sink, then post-sink tokens
+    [NF, T - S) in token order (one kernel; bit-exact with the reference's dequantize)."""
+    B, H, D = st.shape
+    T = st.length
+    c = counts(cfg, T)
+    S, G, R = cfg.sink, cfg.group_size, cfg.residual
+    NS = c["n_sink"]
+    NT = NS + (c["post"] - NF)
+    ok = torch.empty((B, H, NT, D), dtype=torch.float32, device=st.device)
+    ov = torch.empty_like(ok)
+    if NT == 0:
+        return ok, ov
+    kp = codec.kernel_arrays(cfg, st)
+    dummy = st.k_buf
+    pick = lambda t: t if t.numel() else dummy                                            # noqa: E731
+    BT = 32
+    _gather_tail_kernel[(B * H, triton.cdiv(NT, BT))](
+        pick(st.sink_k), pick(st.sink_v), st.k_buf, pick(st.v_buf), pick(st.v_win), kp["codes"], kp["high"],
+        kp["idx"], kp["scale"], kp["mn"], st.v_codes, st.v_scale, st.v_mn, st.k_table, st.v_table, ok, ov,
+        H, S, NS, NF, NT, c["n_kpages"] * G, c["n_vq"], c["n_vbuf"], max(R, 1), st.k_table.shape[1], G,
+        D=D, K_BITS=kp["bits"], V_BITS=cfg.v_bits, NGV=D // cfg.v_group(D), KITTY=kp["kitty"],
+        DB_HIGH=kp["d_boost"], BT=BT, num_warps=4, enable_fp_fusion=False)
+    return ok, ov
+
+
+
+def _pow2(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def fused_ok(cfg, D: int) -> bool:
+    """Whether the fused kernel takes this configuration (else decode dequantizes the whole cache)."""
+    return _pow2(D) and D <= 256 and _pow2(cfg.group_size) and cfg.group_size <= 1024
+
+
+def _check_q(st: PagedState, q):
+    B, H, D = st.shape
+    C.check_tensor(q, "q", allow_cpu=C.interpreting())
+    if q.dim() != 4 or q.shape[0] != B or q.shape[3] != D or q.shape[1] % H:
+        raise ValueError(f"q has shape {tuple(q.shape)}; this cache takes (B={B}, H_q (a multiple of {H}), "
+                         f"T_q, D={D})")
+    if q.dtype not in C.ATTN_DTYPES:
+        raise TypeError(f"q has dtype {q.dtype}; the fast decode takes float16 / bfloat16 / float32 (the "
+                        f"reference tier computes float64 truths)")
+    if q.device != st.device:
+        raise ValueError(f"q is on {q.device}; the cache is on {st.device}")
+    if st.length == 0:
+        raise ValueError("the cache is empty: append tokens before attending")
+
+
+def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
+    """Attention of q (B, H_q, T_q, D) over the cache: ``(out in q's dtype, lse fp32)``."""
+    _check_q(st, q)
+    B, H, D = st.shape
+    _, H_q, T_q, _ = q.shape
+    sc = C.softmax_scale(scale, D)
+    dev = q.device
+    out = torch.empty(tuple(q.shape), dtype=q.dtype, device=dev)
+    lse = torch.empty((B, H_q, T_q), dtype=torch.float32, device=dev)
+    if out.numel() == 0:
+        return out, lse
+    T = st.length
+    c = counts(cfg, T)
+    G = cfg.group_size
+    if not fused_ok(cfg, D):
+        K, V = dequantize_cache(cfg, codec, st)
+        qf = q.float()
+        o, ls = A.decode_attention(qf, [(K, V)], scale=sc)
+        return o.to(q.dtype), ls
+    NF = min(c["n_kpages"] * G, c["n_vq"])
+    NP = -(-NF // G)
+    interp = C.interpreting()
+    precise = q.dtype == torch.float32 or (interp and q.dtype == torch.bfloat16)
+    qk = q.float() if (precise and q.dtype != torch.float32) else q
+    G_q = H_q // H
+    M = G_q * T_q
+    BLOCK_M = max(16, min(triton.next_power_of_2(M), 64))
+    m_blocks = triton.cdiv(M, BLOCK_M)
+    sms = A._sm_count(dev)
+    # fused splits: about 3 waves of programs over the SMs
+    n_split, pps = 0, 0
+    if NP:
+        want = max(1, triton.cdiv(int(TUNE["waves"] * sms), B * H * m_blocks))
+        pps = triton.cdiv(NP, min(want, NP))
+        n_split = triton.cdiv(NP, pps)
+    # the rest: sink + tokens [S + NF, T), one fp32 segment gathered by one kernel
+    tail = None
+    tail_plan = None
+    if c["n_sink"] + c["post"] - NF > 0:
+        tk, tv = gather_tail(cfg, codec, st, NF)
+        block_n, warps, stages, min_keys = A._config(D, torch.float32, dev)
+        Tt = tk.shape[2]
+        kps, nt = A._splits(B * H * m_blocks, Tt, block_n, min_keys, sms)
+        tail = (tk, tv)
+        tail_plan = (Tt, kps, nt, block_n, warps, stages)
+    S_TOTAL = n_split + (tail_plan[2] if tail_plan else 0)
+    rows = B * H_q * T_q
+    part = torch.empty(rows * S_TOTAL * (D + 2), dtype=torch.float32, device=dev)
+    o_part = part[:rows * S_TOTAL * D].view(rows, S_TOTAL, D)
+    m_part = part[rows * S_TOTAL * D:rows * S_TOTAL * (D + 1)].view(rows, S_TOTAL)
+    l_part = part[rows * S_TOTAL * (D + 1):].view(rows, S_TOTAL)
+    if n_split:
+        kp = codec.kernel_arrays(cfg, st)
+        BT = min(G, 32) if precise else min(G, TUNE["block_t"] or 128)
+        warps = TUNE["num_warps"] or (4 if (precise or BT * D <= 8192) else 8)
+        _fused_kernel[(B * H, n_split, m_blocks)](
+            qk, kp["codes"], kp["high"], kp["idx"], kp["scale"], kp["mn"], st.v_codes, st.v_scale, st.v_mn,
+            st.k_table, st.v_table, o_part, m_part, l_part, *qk.stride(),
+            H_q, H, T_q, M, NF, NP, pps, S_TOTAL, st.k_table.shape[1], sc if precise else sc * LOG2E,
+            G_Q=G_q, D=D, G=G, BT=BT, K_BITS=kp["bits"], V_BITS=cfg.v_bits, NGV=D // cfg.v_group(D),
+            KITTY=kp["kitty"], DB_HIGH=kp["d_boost"], BLOCK_M=BLOCK_M, PRECISE=precise, TIGHT=not interp,
+            NPPS=pps if interp else 0, MAGIC=(qk.dtype == torch.float16 and not precise),
+            SPLIT_P=bool(TUNE["split_p"]), num_warps=warps, num_stages=2 if not interp else 1)
+    if tail_plan:
+        tk, tv = tail
+        Tt, kps, nt, block_n, warps, stages = tail_plan
+        qf = q if q.dtype == torch.float32 else q.float()
+        A._partial_kernel[(B * H, nt, m_blocks)](
+            qf, tk, tv, o_part, m_part, l_part, *qf.stride(), *tk.stride(), *tv.stride(),
+            H_q, H, T_q, Tt, M, kps, S_TOTAL, n_split, sc,
+            G_Q=G_q, D=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n, PRECISE=True, TIGHT=not interp,
+            NBLK=kps // block_n if interp else 0, BF16_BITS=False, num_warps=warps, num_stages=stages)
+    A._merge_launch(o_part, m_part, l_part, out, lse, rows, S_TOTAL, D, log2=False)
+    return out, lse

@@ -1,0 +1,396 @@
+"""kvq.fast.triton.kivi / kitty (paged streaming caches) against kvq.reference.kivi / kitty.
+
+State parity is bit-exact: after the same appends (bulk, one token at a time, random chunks) every
+tensor of the fast state equals the reference state's array bit for bit, and the counters agree.
+Kitty's channel ranking (eq. 2) is an order-dependent fp32 sum (contract rule 7): the state tests use
+keys whose per-page channel magnitudes are far apart (an unambiguous top-k); ``test_kitty_near_ties``
+takes plain random keys and allows a different boosted channel only where the reference's scores
+tie to within rounding, with every page that selects the same channels still bit-exact.
+dequantize is bit-exact (fp32); decode_attention follows the tolerance rule (``tolerance.check_close``)
+against the reference run in float64 (truth) and float32. Bad input raises the reference's error
+(same type and message) and leaves the state unchanged.
+
+Only the Triton targets: the CuPy backend lists kivi / kitty in ``kvq.fast.NOT_YET_IMPLEMENTED``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvq.reference import kitty as RT
+from kvq.reference import kivi as RK
+
+from .cases import assert_bits_equal
+from .tolerance import check_close
+
+TARGETS = [pytest.param(("triton", "cpu"), id="triton-interp"),
+           pytest.param(("triton", "cuda"), id="triton-cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(params=TARGETS)
+def target(request):
+    """(backend, device): tests/conftest.py's ``fast_target`` without the CuPy entry (same skip rules)."""
+    if request.param[1] == "cpu" and torch.cuda.is_available():
+        pytest.skip("the Triton interpreter target runs only on machines without a GPU (CI)")
+    return request.param
+
+
+def _device_ok(device):
+    pass
+
+
+def _mods():
+    from kvq.fast.triton import kitty as FT
+    from kvq.fast.triton import kivi as FK
+    return FK, FT
+
+
+SMALL = dict(group_size=16, residual=8, max_tokens=256)
+CUDA = dict(group_size=128, residual=128, max_tokens=4096)
+# name, reference module name, config factory (per device), head dim per device
+CASES = [
+    ("KIVI-K2V2", "kivi", lambda s: RK.KIVIConfig(2, 2, **s)),
+    ("KIVI-K4V2*", "kivi", lambda s: RK.KIVIConfig(4, 2, sink=4 if s is SMALL else 32, **s)),
+    ("KIVI-K2V4*-Gv8", "kivi", lambda s: RK.KIVIConfig(2, 4, sink=3, v_group_size=8, **s)),
+    ("Kitty", "kitty", lambda s: RT.KittyConfig(0.125, sink=4 if s is SMALL else 32, **s)),
+    ("Kitty-Pro", "kitty", lambda s: RT.KittyConfig(0.25, sink=4 if s is SMALL else 32, **s)),
+    ("Kitty-random", "kitty", lambda s: RT.KittyConfig(0.25, selection="random", seed=3, sink=2, **s)),
+]
+IDS = [c[0] for c in CASES]
+
+
+def _setup(case, device):
+    name, mod, make = case
+    small = device == "cpu"
+    cfg = make(SMALL if small else CUDA)
+    FK, FT = _mods()
+    ref, fast = (RK, FK) if mod == "kivi" else (RT, FT)
+    B, H, D = (2, 2, 16) if small else (2, 4, 128)
+    if name.endswith("Gv8") or (small and name == "Kitty-Pro"):
+        D = 32 if small else 128
+    return cfg, ref, fast, (B, H, D)
+
+
+def _kv(B, H, T, D, G, seed=0, distinct=True, start=0):
+    """fp16 keys / values; distinct: per (sequence, head, key page; pages start at token ``start`` = the
+    sink size) the channels get magnitudes 1 + 0.45 i in a random order plus at most 0.2 |N(0,1)|, so
+    every page's channel ranking is unambiguous (score gaps >= 0.25, far above rounding)."""
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((B, H, T, D)).astype(np.float32)
+    if distinct:
+        for b in range(B):
+            for h in range(H):
+                for p0 in range(start, T, G):
+                    mag = 1.0 + 0.45 * rng.permutation(D)
+                    k[b, h, p0:p0 + G] = np.minimum(np.abs(k[b, h, p0:p0 + G]), 1.0) * 0.2 + mag
+    v = rng.standard_normal((B, H, T, D)).astype(np.float32)
+    return k.astype(np.float16), v.astype(np.float16)
+
+
+def assert_same_state(fs, rs, what=""):
+    fa, ra = fs.arrays(), rs.arrays()
+    assert fa.keys() == ra.keys(), (sorted(fa), sorted(ra))
+    for n in ra:
+        assert_bits_equal(fa[n], ra[n], f"{what}{n}")
+    assert (fs.length, fs.k_next, fs.v_next) == (rs.length, rs.k_next, rs.v_next), what
+    assert tuple(fs.shape) == tuple(rs.shape)
+
+
+def _chunks(kind, T, seed=1):
+    if kind == "bulk":
+        return [T]
+    if kind == "ones":
+        return [1] * T
+    rng = np.random.default_rng(seed)
+    out, t = [], 0
+    while t < T:
+        n = int(rng.integers(0, 30))
+        out.append(min(n, T - t))
+        t += out[-1]
+    return out
+
+
+# every case in bulk and random chunks; one token per call (decode) for two of them (interpreter time)
+STATE = [(c, ch) for c in CASES for ch in ("bulk", "random")] + [(CASES[1], "ones"), (CASES[3], "ones")]
+
+
+@pytest.mark.parametrize("case, chunks", STATE, ids=[f"{c[0]}-{ch}" for c, ch in STATE])
+def test_state_parity(target, case, chunks):
+    """Fast appends in chunks == reference bulk append, every field bit for bit; dequantize bit-exact."""
+    _, device = target
+    _device_ok(device)
+    cfg, ref, fast, (B, H, D) = _setup(case, device)
+    T = 83 if device == "cpu" else 700
+    k, v = _kv(B, H, T, D, cfg.group_size, start=cfg.sink)
+    rs = ref.init(cfg, B, H, D)
+    ref.append(cfg, rs, k, v)
+    fs = fast.init(cfg, B, H, D)
+    kt, vt = torch.from_numpy(k).to(device), torch.from_numpy(v).to(device)
+    t = 0
+    for n in _chunks(chunks, T):
+        fast.append(cfg, fs, kt[:, :, t:t + n], vt[:, :, t:t + n])
+        t += n
+    assert_same_state(fs, rs)
+    K, V = ref.dequantize(cfg, rs)
+    Kf, Vf = fast.dequantize(cfg, fs)
+    assert Kf.dtype == torch.float32 and Vf.dtype == torch.float32
+    assert_bits_equal(Kf, K, "dequantized K")
+    assert_bits_equal(Vf, V, "dequantized V")
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=[IDS[0], IDS[3]])
+def test_float32_input_and_prefix_states(target, case):
+    """float32 input (rounded to the FP16 buffers) and every intermediate length of a random chunking;
+    at each, the decode's tail gather is bit-exact with the reference's dequantize."""
+    _, device = target
+    _device_ok(device)
+    cfg, ref, fast, (B, H, D) = _setup(case, device)
+    T = 60 if device == "cpu" else 400
+    k, v = _kv(B, H, T, D, cfg.group_size, seed=5, start=cfg.sink)
+    k32 = k.astype(np.float32) * np.float32(1.0001)                      # not fp16 values: rounding matters
+    v32 = v.astype(np.float32) * np.float32(0.9999)
+    rs, fs = ref.init(cfg, B, H, D), fast.init(cfg, B, H, D)
+    t = 0
+    for n in _chunks("random", T, seed=7):
+        ref.append(cfg, rs, k32[:, :, t:t + n], v32[:, :, t:t + n])
+        fast.append(cfg, fs, torch.from_numpy(k32[:, :, t:t + n]).to(device),
+                    torch.from_numpy(v32[:, :, t:t + n]).to(device))
+        t += n
+        assert_same_state(fs, rs, f"T={t}: ")
+        # the decode's tail gather (sink + post-sink tokens [NF, T - S)) is bit-exact with dequantize
+        from kvq.fast.triton import paged as FP
+        K, V = ref.dequantize(cfg, rs)
+        c = FP.counts(cfg, t)
+        for NF in sorted({0, min(c["n_kpages"] * cfg.group_size, c["n_vq"])}):
+            keep = np.r_[0:c["n_sink"], cfg.sink + NF:t]
+            tk, tv = FP.gather_tail(cfg, fast.KeyCodec, fs, NF)
+            assert_bits_equal(tk, K[:, :, keep], f"T={t} NF={NF}: tail K")
+            assert_bits_equal(tv, V[:, :, keep], f"T={t} NF={NF}: tail V")
+
+
+def _truth_ref32(ref, cfg, rs, q_t):
+    q32 = q_t.detach().cpu().float().numpy()
+    return ref.decode_attention(cfg, rs, q32.astype(np.float64)), ref.decode_attention(cfg, rs, q32)
+
+
+# (case index, T on cpu, T on cuda, q dtype, GQA ratio, T_q)
+ATTN = [
+    (0, 83, 3001, torch.float32, 4, 1),
+    (0, 90, 2048 + 77, torch.float16, 4, 2),
+    (1, 77, 1500, torch.float32, 2, 2),
+    (2, 70, 999, torch.float16, 4, 1),
+    (3, 100, 4000, torch.float32, 4, 1),
+    (3, 64, 1111, torch.float16, 8, 1),
+    (4, 95, 2500, torch.float16, 4, 2),
+    (5, 85, 1900, torch.float32, 1, 1),
+    (0, 12, 40, torch.float32, 4, 1),           # short: no fused page at all (sink / buffers only)
+    (4, 80, 1700, torch.bfloat16, 4, 1),
+    (1, 50, 900, torch.float16, 8, 9),          # 72 query rows per KV head: two row blocks
+]
+
+
+@pytest.mark.parametrize("a", ATTN, ids=[f"{IDS[a[0]]}-T{a[1]}-{str(a[3])[6:]}-gqa{a[4]}-tq{a[5]}" for a in ATTN])
+def test_decode_attention(target, a):
+    _, device = target
+    _device_ok(device)
+    ci, T_cpu, T_gpu, dtype, ratio, T_q = a
+    cfg, ref, fast, (B, H, D) = _setup(CASES[ci], device)
+    T = T_cpu if device == "cpu" else T_gpu
+    k, v = _kv(B, H, T, D, cfg.group_size, seed=ci + 11, start=cfg.sink)
+    rs = ref.init(cfg, B, H, D)
+    ref.append(cfg, rs, k, v)
+    fs = fast.init(cfg, B, H, D)
+    fast.append(cfg, fs, torch.from_numpy(k).to(device), torch.from_numpy(v).to(device))
+    rng = np.random.default_rng(ci)
+    q = torch.from_numpy(rng.standard_normal((B, H * ratio, T_q, D)).astype(np.float32)).to(dtype).to(device)
+    out, lse = fast.decode_attention(cfg, fs, q)
+    assert out.dtype == dtype and tuple(out.shape) == tuple(q.shape) and lse.dtype == torch.float32
+    (o64, l64), (o32, l32) = _truth_ref32(ref, cfg, rs, q)
+    check_close(out, o64, o32, dtype, "out")
+    check_close(lse, l64, l32, torch.float32, "lse")
+    out2, _ = fast.decode_attention(cfg, fs, q, scale=0.3)
+    (o64, _), (o32, _) = (ref.decode_attention(cfg, rs, q.cpu().double().numpy(), scale=0.3),
+                          ref.decode_attention(cfg, rs, q.cpu().float().numpy(), scale=0.3))
+    check_close(out2, o64, o32, dtype, "out (scale=0.3)")
+
+
+@pytest.mark.parametrize("a", [ATTN[1], ATTN[6]], ids=["KIVI-K2V2-fp16", "Kitty-Pro-fp16"])
+def test_decode_p_rounded_once(target, a, monkeypatch):
+    """The tuning option ``paged.TUNE["split_p"] = False`` (P rounded once to fp16 for P @ V, one dot
+    fewer per page) still meets the tolerance rule."""
+    from kvq.fast.triton import paged as FP
+    monkeypatch.setitem(FP.TUNE, "split_p", False)
+    test_decode_attention(target, a)
+
+
+@pytest.mark.parametrize("ci", [0, 3], ids=[IDS[0], IDS[3]])
+def test_decode_large_magnitudes(target, ci):
+    """Keys and values up to ~3e4, |q| up to ~1e3: q_d * scale_d far beyond float16 (65504); the
+    tensor-core path scales its operands, nothing overflows."""
+    _, device = target
+    cfg, ref, fast, (B, H, D) = _setup(CASES[ci], device)
+    T = 75 if device == "cpu" else 1500
+    k, v = _kv(B, H, T, D, cfg.group_size, seed=9, start=cfg.sink, distinct=ci == 3)
+    k = (k.astype(np.float32) * 3000).astype(np.float16)
+    v = (v.astype(np.float32) * 3000).astype(np.float16)
+    rs, fs = ref.init(cfg, B, H, D), fast.init(cfg, B, H, D)
+    ref.append(cfg, rs, k, v)
+    fast.append(cfg, fs, torch.from_numpy(k).to(device), torch.from_numpy(v).to(device))
+    q = torch.from_numpy(np.random.default_rng(2).standard_normal((B, 2 * H, 1, D)).astype(np.float32) * 300)
+    q = q.to(torch.float16).to(device)
+    out, lse = fast.decode_attention(cfg, fs, q, scale=1e-5)
+    (o64, l64), (o32, l32) = (ref.decode_attention(cfg, rs, q.cpu().double().numpy(), scale=1e-5),
+                              ref.decode_attention(cfg, rs, q.cpu().float().numpy(), scale=1e-5))
+    check_close(out, o64, o32, torch.float16, "out")
+    check_close(lse, l64, l32, torch.float32, "lse")
+
+
+def test_group_size_not_a_power_of_two(target):
+    """G = 24 (the fused kernel takes powers of two): decode dequantizes the cache and runs the FP16
+    kernel on it; state and dequantize are bit-exact as everywhere."""
+    _, device = target
+    cfg = RK.KIVIConfig(2, 2, group_size=24, residual=8, sink=2, max_tokens=256)
+    FK, _ = _mods()
+    B, H, D, T = 2, 2, 16, 90
+    k, v = _kv(B, H, T, D, 24, seed=8, distinct=False)
+    rs, fs = RK.init(cfg, B, H, D), FK.init(cfg, B, H, D)
+    RK.append(cfg, rs, k, v)
+    FK.append(cfg, fs, torch.from_numpy(k).to(device), torch.from_numpy(v).to(device))
+    assert_same_state(fs, rs)
+    q = torch.from_numpy(np.random.default_rng(4).standard_normal((B, 4, 1, D)).astype(np.float32)).to(device)
+    out, lse = FK.decode_attention(cfg, fs, q)
+    (o64, l64), (o32, l32) = _truth_ref32(RK, cfg, rs, q)
+    check_close(out, o64, o32, torch.float32, "out")
+    check_close(lse, l64, l32, torch.float32, "lse")
+
+
+def test_kitty_near_ties(target):
+    """Random keys (no built-in ranking): a boosted channel may differ only at a near-tie of the
+    reference's scores; pages whose selection agrees are bit-exact; scores agree to rounding."""
+    _, device = target
+    _device_ok(device)
+    _, FT = _mods()
+    cfg = RT.KittyConfig(0.25, sink=3, **(SMALL if device == "cpu" else CUDA))
+    B, H, D = (2, 2, 32) if device == "cpu" else (2, 4, 128)
+    T = 90 if device == "cpu" else 1200
+    k, v = _kv(B, H, T, D, cfg.group_size, seed=21, distinct=False)
+    rs = RT.init(cfg, B, H, D)
+    RT.append(cfg, rs, k, v)
+    fs = FT.init(cfg, B, H, D)
+    FT.append(cfg, fs, torch.from_numpy(k).to(device), torch.from_numpy(v).to(device))
+    G, S, Db = cfg.group_size, cfg.sink, cfg.d_boost(D)
+    ra, fa = rs.arrays(), {n: t.cpu().numpy() for n, t in fs.arrays().items()}
+    for n in ra:
+        if not n.startswith("k_pool."):
+            assert_bits_equal(fs.arrays()[n], ra[n], n)
+    n_pages = (T - S) // G
+    flips = 0
+    for b in range(B):
+        for j in range(n_pages):
+            pid = rs.k_table[b, j]
+            page = k[b, :, S + j * G:S + (j + 1) * G]                      # (H, G, D)
+            sc_ref = RT.channel_scores(page)
+            sc_fast = FT.channel_scores(torch.from_numpy(page).to(device)).cpu().numpy()
+            np.testing.assert_allclose(sc_fast, sc_ref, rtol=2e-6, atol=0)
+            for h in range(H):
+                rb, fb = ra["k_pool.idx"][pid, h] < Db, fa["k_pool.idx"][pid, h] < Db
+                if np.array_equal(rb, fb):
+                    for n in ("low", "high", "idx", "scale", "mn"):
+                        assert np.array_equal(fa[f"k_pool.{n}"][pid, h].view(np.uint8),
+                                              ra[f"k_pool.{n}"][pid, h].view(np.uint8)), (b, j, h, n)
+                else:
+                    flips += 1
+                    kth = np.sort(sc_ref[h])[::-1][Db - 1]                  # the boundary score
+                    for c in np.flatnonzero(rb != fb):
+                        assert abs(sc_ref[h, c] - kth) <= 4e-6 * kth, (b, j, h, c, sc_ref[h, c], kth)
+    assert flips <= max(1, n_pages * B * H // 4)
+
+
+def test_kitty_page_functions(target):
+    """channel_scores / select_boost (ties -> lower channel; random) / encode_page / dequantize_page."""
+    _, device = target
+    _device_ok(device)
+    _, FT = _mods()
+    rng = np.random.default_rng(3)
+    G, D = 16, 32
+    x = rng.standard_normal((3, G, D)).astype(np.float16)
+    x[:, :, 5] = -x[:, :, 4]                                               # exact tie: channel 4 wins
+    x[1, :, 7] = 0.0                                                        # zero channel
+    x[2] = 1.5                                                              # constant page: all scores tie
+    xt = torch.from_numpy(x).to(device)
+    sc_ref = RT.channel_scores(x)
+    sc = FT.channel_scores(xt)
+    np.testing.assert_allclose(sc.cpu().numpy(), sc_ref, rtol=2e-6, atol=0)
+    for db in (0, 1, 4, 8, D):
+        assert_bits_equal(FT.select_boost(torch.from_numpy(sc_ref).to(device), db), RT.select_boost(sc_ref, db),
+                          f"select_boost d={db}")
+    r = FT.select_boost(sc, 4, "random", np.random.default_rng([7, 2]))
+    assert_bits_equal(r, RT.select_boost(sc_ref, 4, "random", np.random.default_rng([7, 2])), "random")
+    boost = RT.select_boost(sc_ref, 8)
+    for meta in ("float16", "float32"):
+        ref_page = RT.encode_page(x, boost, meta)
+        page = FT.encode_page(xt, torch.from_numpy(boost).to(device), meta)
+        assert page.keys() == ref_page.keys()
+        for n in ref_page:
+            assert_bits_equal(page[n], ref_page[n], f"encode_page {n} ({meta})")
+        assert_bits_equal(FT.dequantize_page(page, G), RT.dequantize_page(ref_page, G), "dequantize_page")
+    with pytest.raises(ValueError, match="same number of channels"):
+        bad = boost.copy()
+        bad[0, 0] = ~bad[0, 0]
+        FT.encode_page(xt, torch.from_numpy(bad).to(device))
+    with pytest.raises(ValueError, match="d_boost"):
+        FT.select_boost(sc, D + 1)
+
+
+def _errors(fn_ref, fn_fast):
+    with pytest.raises(Exception) as er:
+        fn_ref()
+    with pytest.raises(Exception) as ef:
+        fn_fast()
+    assert type(ef.value) is type(er.value) and str(ef.value) == str(er.value), (ef.value, er.value)
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=[IDS[1], IDS[3]])
+def test_bad_input(target, case):
+    _, device = target
+    _device_ok(device)
+    cfg, ref, fast, (B, H, D) = _setup(case, device)
+    k, v = _kv(B, H, 30, D, cfg.group_size, seed=2, start=cfg.sink)
+    rs, fs = ref.init(cfg, B, H, D), fast.init(cfg, B, H, D)
+    ref.append(cfg, rs, k, v)
+    fast.append(cfg, fs, torch.from_numpy(k).to(device), torch.from_numpy(v).to(device))
+    before = fs.copy()
+    T = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)     # noqa: E731
+    k1, v1 = k[:, :, :3], v[:, :, :3]
+    nan = k1.copy()
+    nan[0, 1, 2, 3] = np.nan
+    big = k1.astype(np.float32)
+    big[1, 0, 0, 0] = 1e6
+    bad = [
+        (k1.astype(np.float64), v1),                                   # dtype
+        (k1.astype(np.int32), v1),
+        (k1[:, :1], v1[:, :1]),                                        # wrong H
+        (k1[..., :D // 2], v1[..., :D // 2]),                          # wrong D
+        (k1[0], v1[0]),                                                # 3-D
+        (k1, v[:, :, :4]),                                             # k / v shapes differ
+        (nan, v1),                                                     # NaN
+        (big, v1.astype(np.float32)),                                  # overflows fp16
+        (np.zeros((B, H, cfg.max_tokens, D), np.float16),) * 2,       # over capacity
+    ]
+    for kb, vb in bad:
+        _errors(lambda: ref.append(cfg, rs, kb, vb), lambda: fast.append(cfg, fs, T(kb), T(vb)))
+        assert_same_state(fs, before)
+    assert_same_state(fs, rs)
+    q = np.zeros((B, H * 2, 1, D), np.float32)
+    for qb in (q[:, :H + 1] if H > 1 else q[:1], q[..., :D // 2], q[0]):
+        _errors(lambda: ref.decode_attention(cfg, rs, qb), lambda: fast.decode_attention(cfg, fs, T(qb)))
+    empty_r, empty_f = ref.init(cfg, B, H, D), fast.init(cfg, B, H, D)
+    _errors(lambda: ref.decode_attention(cfg, empty_r, q), lambda: fast.decode_attention(cfg, empty_f, T(q)))
+    _errors(lambda: ref.init(cfg, 0, H, D), lambda: fast.init(cfg, 0, H, D))
+    with pytest.raises(TypeError):
+        fast.decode_attention(cfg, fs, T(q).double())
+    # an empty append changes nothing
+    fast.append(cfg, fs, T(k[:, :, :0]), T(v[:, :, :0]))
+    assert_same_state(fs, before)
