@@ -24,7 +24,6 @@ values, B = 8, H_kv = 8) timed the same way.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 
@@ -335,24 +334,7 @@ def summary_lines(res: dict) -> list[str]:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--dry-run", action="store_true", help="tiny shapes; runs on the CPU if there is no GPU")
-    ap.add_argument("--copy-gbps", type=float, default=None, help="copy ceiling; measured if omitted")
-    a = ap.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dry = a.dry_run or device == "cpu"
-    if device == "cpu":
-        import os
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    copy_gbps = a.copy_gbps
-    if copy_gbps is None:
-        import bench_ceilings
-        copy_gbps = bench_ceilings.run(device, quick=True, dry_run=dry)["copy_gbps"]
-    res = run(device, copy_gbps=copy_gbps, quick=a.quick, dry_run=dry)
-    C.write_json(a.out, "kivi_kitty.json", {"meta": C.meta(device), **res})
-    print("\n".join(summary_lines(res)))
+    C.standalone_main(__doc__, "kivi_kitty.json", run, summary_lines)
 
 
 if __name__ == "__main__":

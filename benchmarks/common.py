@@ -274,3 +274,28 @@ def free_cuda(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+
+def standalone_main(doc: str, json_name: str, run, summary_lines) -> None:
+    """Command line of one benchmark module run on its own (``--out``, ``--quick``, ``--dry-run``,
+    ``--copy-gbps``): measures the copy ceiling unless given, runs, writes ``json_name``, prints the
+    summary. ``run_all.py`` runs the same ``run`` functions in one process."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes; runs on the CPU if there is no GPU")
+    ap.add_argument("--copy-gbps", type=float, default=None, help="copy ceiling; measured if omitted")
+    a = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dry = a.dry_run or device == "cpu"
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    copy_gbps = a.copy_gbps
+    if copy_gbps is None:
+        import bench_ceilings
+        copy_gbps = bench_ceilings.run(device, quick=True, dry_run=dry)["copy_gbps"]
+    res = run(device, copy_gbps=copy_gbps, quick=a.quick, dry_run=dry)
+    write_json(a.out, json_name, {"meta": meta(device), **res})
+    print("\n".join(summary_lines(res)))
