@@ -18,6 +18,7 @@ import os
 import torch
 
 from kvq.reference import numerics as nx
+from kvq.reference.attention import check_shapes
 from kvq.reference.quant import check_groups
 
 _FLOATS = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -157,17 +158,7 @@ def check_qkv(q, k, v, *, allow_cpu: bool = False) -> None:
         if a.dtype not in ATTN_DTYPES:
             raise TypeError(f"{name} has dtype {a.dtype}; the fast decode takes float16 / bfloat16 / "
                             f"float32 (the reference tier computes float64 truths)")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape (B, H_kv, T_k, D); got {tuple(k.shape)} "
-                         f"and {tuple(v.shape)}")
-    B, H_q, _, D = q.shape
-    if k.shape[0] != B:
-        raise ValueError(f"batch sizes differ: q has B={B}, k and v have B={k.shape[0]}")
-    if k.shape[3] != D:
-        raise ValueError(f"head dims differ: q has D={D}, k and v have D={k.shape[3]}")
-    H_kv = k.shape[1]
-    if H_kv == 0 or H_q % H_kv:
-        raise ValueError(f"GQA needs H_q to be a multiple of H_kv; got H_q={H_q}, H_kv={H_kv}")
+    check_shapes(q.shape, k.shape, v.shape)
     if not (k.dtype == v.dtype == q.dtype):
         raise TypeError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.device != q.device or v.device != q.device:

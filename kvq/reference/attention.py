@@ -61,22 +61,29 @@ def _check_finite(a: np.ndarray, name: str) -> None:
                          f"{int(np.isinf(a).sum())} inf)")
 
 
+def check_shapes(q_shape, k_shape, v_shape) -> None:
+    """The shape rules of attention inputs, shared by every tier: q (B, H_q, T_q, D), k and v
+    (B, H_kv, T_k, D), H_q a multiple of H_kv. Raises ValueError naming the mismatch."""
+    q_shape, k_shape, v_shape = tuple(q_shape), tuple(k_shape), tuple(v_shape)
+    for name, shp in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
+        if len(shp) != 4:
+            raise ValueError(f"{name} must have 4 dimensions (B, H, T, D); got shape {shp}")
+    if k_shape != v_shape:
+        raise ValueError(f"k and v must have the same shape (B, H_kv, T_k, D); got {k_shape} and {v_shape}")
+    B, H_q, _, D = q_shape
+    if k_shape[0] != B:
+        raise ValueError(f"batch sizes differ: q has B={B}, k and v have B={k_shape[0]}")
+    if k_shape[3] != D:
+        raise ValueError(f"head dims differ: q has D={D}, k and v have D={k_shape[3]}")
+    H_kv = k_shape[1]
+    if H_kv == 0 or H_q % H_kv:
+        raise ValueError(f"GQA needs H_q to be a multiple of H_kv; got H_q={H_q}, H_kv={H_kv}")
+
+
 def _check_qkv(q, k, v):
     """Shapes (B, H_q, T_q, D) and (B, H_kv, T_k, D), H_q a multiple of H_kv; returns the arrays and dtype."""
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
-    for name, a in (("q", q), ("k", k), ("v", v)):
-        if a.ndim != 4:
-            raise ValueError(f"{name} must have 4 dimensions (B, H, T, D); got shape {a.shape}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape (B, H_kv, T_k, D); got {k.shape} and {v.shape}")
-    B, H_q, _, D = q.shape
-    if k.shape[0] != B:
-        raise ValueError(f"batch sizes differ: q has B={B}, k and v have B={k.shape[0]}")
-    if k.shape[3] != D:
-        raise ValueError(f"head dims differ: q has D={D}, k and v have D={k.shape[3]}")
-    H_kv = k.shape[1]
-    if H_kv == 0 or H_q % H_kv:
-        raise ValueError(f"GQA needs H_q to be a multiple of H_kv; got H_q={H_q}, H_kv={H_kv}")
+    check_shapes(q.shape, k.shape, v.shape)
     dtype = _compute_dtype(q=q, k=k, v=v)
     for name, a in (("q", q), ("k", k), ("v", v)):
         _check_finite(a, name)

@@ -28,6 +28,8 @@ from triton.language.extra import libdevice
 
 from kvq.fast import _common as C
 
+from .quant import _store_out
+
 __all__ = ["partial_attention", "merge", "decode_attention"]
 
 LOG2E = 1.4426950408889634
@@ -247,26 +249,12 @@ def _merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, lse_out_ptr, S, D,
     den_safe = tl.where(empty, 1.0, den_t)
     res = tl.where(empty, 0.0, tl.div_rn(num, den_safe))
     d = tl.arange(0, BLOCK_D)
-    _store_any(out_ptr + row * D + d, res, d < D, OUT_KIND)
+    _store_out(out_ptr + row * D + d, res, d < D, OUT_KIND)
     if LOG2:
         lse = M_safe * 0.6931471805599453 + _log(den_safe, LIBDEVICE)
     else:
         lse = M_safe + _log(den_safe, LIBDEVICE)
     tl.store(lse_out_ptr + row, tl.where(empty, float("-inf"), lse))
-
-
-@triton.jit
-def _store_any(ptrs, x, mask, OUT_KIND: tl.constexpr):
-    """Store fp32 x as fp16 (0), bf16 via int16 bits rounded to nearest even (1), or fp32 (2)."""
-    if OUT_KIND == 0:
-        tl.store(ptrs, x.to(tl.float16), mask=mask)
-    elif OUT_KIND == 1:
-        u = x.to(tl.int32, bitcast=True)
-        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-        r = tl.where(x != x, 0x7FC0, r)
-        tl.store(ptrs, r.to(tl.int16), mask=mask)
-    else:
-        tl.store(ptrs, x, mask=mask)
 
 
 _OUT_KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
