@@ -223,7 +223,7 @@ def time_flush(device, quick, dry, deadline) -> dict:
 
             def flush(kp_, vp_):
                 mod.KeyCodec.encode_pages(cfg, kp_, 0)
-                paged.quantize_values(cfg, vp_)
+                paged.quantize_values(cfg, mod.KeyCodec, vp_)
 
             t = C.bench(flush, [(kp, vp)], device=device, quick=quick)
             res[method] = {"ms": t["ms"], "timing": t, "B": B, "H_kv": H, "G": G, "D": Dh,

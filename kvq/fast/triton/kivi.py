@@ -12,49 +12,16 @@ page is ``codes`` (D, G * k_bits / 8) uint8 packed along tokens, ``scale`` / ``m
 
 from __future__ import annotations
 
-import torch
-
-from kvq.reference import numerics as nx
+from kvq.fast._codecs import KIVICodec
 from kvq.reference.kivi import CONFIGS, KIVIConfig  # noqa: F401  (the reference's objects)
 
-from . import packing as P
 from . import paged
 
 __all__ = ["KIVIConfig", "CONFIGS", "init", "append", "dequantize", "decode_attention"]
 
 
-class KeyCodec:
-    """KIVI key pages on the device: per-channel b-bit codes over the page's G tokens, packed along tokens."""
-
-    @staticmethod
-    def empty_pool(cfg, Pn: int, H: int, D: int, device) -> dict:
-        meta = paged.meta_dtype(cfg)
-        return {"codes": torch.zeros((Pn, H, D, cfg.group_size * cfg.k_bits // 8), dtype=torch.uint8, device=device),
-                "scale": torch.zeros((Pn, H, D), dtype=meta, device=device),
-                "mn": torch.zeros((Pn, H, D), dtype=meta, device=device)}
-
-    @staticmethod
-    def encode_pages(cfg, pages: torch.Tensor, first_index: int) -> dict:
-        """(B, H, n, G, D) fp16 keys -> page arrays (B, n, H, ...), one quantize+pack kernel for all."""
-        B, H, n, G, D = pages.shape
-        packed, scale, mn = P.quantize_pack(pages.reshape(B, H, n * G, D), cfg.k_bits, G, axis=2,
-                                            meta_dtype=nx.dtype_name(cfg.meta_dtype))
-        codes = packed.view(B, H, n, G * cfg.k_bits // 8, D).permute(0, 2, 1, 4, 3)   # (B, n, H, D, GB)
-        return {"codes": codes, "scale": scale.transpose(1, 2), "mn": mn.transpose(1, 2)}
-
-    @staticmethod
-    def decode(cfg, page: dict) -> torch.Tensor:
-        """Pages (..., H, ...) -> fp32 keys (..., H, G, D)."""
-        x = P.unpack_dequantize(page["codes"], page["scale"][..., None], page["mn"][..., None], cfg.k_bits,
-                                cfg.group_size, axis=-1, out_dtype="float32")          # (..., D, G)
-        return x.transpose(-1, -2)
-
-    @staticmethod
-    def kernel_arrays(cfg, st) -> dict:
-        """The key-pool tensors and constants the fused decode kernel takes."""
-        p = st.k_pool
-        return {"codes": p["codes"], "high": p["codes"], "idx": p["codes"], "scale": p["scale"], "mn": p["mn"],
-                "bits": cfg.k_bits, "kitty": False, "d_boost": 0}
+#: KIVI key pages (``kvq.fast._codecs.KIVICodec``) quantized and packed by the Triton kernels
+KeyCodec = KIVICodec(paged.OPS)
 
 
 def init(cfg: KIVIConfig, batch: int, kv_heads: int, head_dim: int) -> paged.PagedState:

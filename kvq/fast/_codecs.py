@@ -1,0 +1,203 @@
+"""Key-page codecs of the paged cache (KIVI, Kitty) on torch tensors, for either fast backend.
+
+A codec knows how a key page is stored in the pool (``empty_pool``), how full pages of FP16 keys become
+pool arrays (``encode_pages``), how pool arrays become fp32 keys (``decode``) and which tensors the
+backend's fused decode kernel reads (``kernel_arrays``). The arithmetic runs in the backend's bit-exact
+kernels (``Ops``: its ``quant`` and ``packing`` modules); selection, gathers and layout are torch.
+
+    from kvq.fast._codecs import Ops, KittyCodec
+    codec = KittyCodec(Ops("triton", TQ, TP, C.interpreting))     # TQ / TP: kvq.fast.triton.quant / packing
+    arrays = codec.encode_pages(cfg, pages, first_index=0)       # pages: (B, H, n, G, D) fp16
+
+Kitty (paper section 4.1, Fig. 3a): per page and head, the ``d_boost`` channels of largest mean |x|
+(eq. 2) at 4 bits, the rest at 2: a dense ``low`` plane (D, G/4) of every channel's low two bits, a
+compact ``high`` plane (D_boost, G/4) of the boosted channels' high two bits, and ``idx`` (D,) uint8:
+the channel's 0-based row in ``high``, ``d_boost`` (the sentinel) for an unboosted channel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Callable
+
+import numpy as np
+import torch
+
+from kvq.fast import _common as C
+from kvq.reference import numerics as nx
+from kvq.reference.kitty import SELECTIONS
+
+
+@dataclass(frozen=True)
+class Ops:
+    """A backend's bit-exact kernels: ``quant`` (quantize / dequantize) and ``packing`` (pack / unpack /
+    quantize_pack / unpack_dequantize) modules, and whether CPU tensors are allowed (the interpreter)."""
+
+    name: str
+    quant: ModuleType
+    packing: ModuleType
+    allow_cpu: Callable[[], bool]
+
+
+def _meta(cfg) -> torch.dtype:
+    return C.torch_dtype(nx.dtype_name(cfg.meta_dtype))
+
+
+class KIVICodec:
+    """KIVI key pages: per-channel b-bit codes over the page's G tokens, packed along tokens:
+    ``codes`` (D, G * bits / 8) uint8, ``scale`` / ``mn`` (D,) in the metadata dtype."""
+
+    def __init__(self, ops: Ops):
+        self.ops = ops
+
+    def empty_pool(self, cfg, Pn: int, H: int, D: int, device) -> dict:
+        meta = _meta(cfg)
+        return {"codes": torch.zeros((Pn, H, D, cfg.group_size * cfg.k_bits // 8), dtype=torch.uint8, device=device),
+                "scale": torch.zeros((Pn, H, D), dtype=meta, device=device),
+                "mn": torch.zeros((Pn, H, D), dtype=meta, device=device)}
+
+    def encode_pages(self, cfg, pages: torch.Tensor, first_index: int) -> dict:
+        """(B, H, n, G, D) fp16 keys -> page arrays (B, n, H, ...), one quantize+pack kernel for all."""
+        B, H, n, G, D = pages.shape
+        packed, scale, mn = self.ops.packing.quantize_pack(pages.reshape(B, H, n * G, D), cfg.k_bits, G, axis=2,
+                                                           meta_dtype=nx.dtype_name(cfg.meta_dtype))
+        codes = packed.view(B, H, n, G * cfg.k_bits // 8, D).permute(0, 2, 1, 4, 3)   # (B, n, H, D, GB)
+        return {"codes": codes, "scale": scale.transpose(1, 2), "mn": mn.transpose(1, 2)}
+
+    def decode(self, cfg, page: dict) -> torch.Tensor:
+        """Pages (..., H, ...) -> fp32 keys (..., H, G, D)."""
+        x = self.ops.packing.unpack_dequantize(page["codes"], page["scale"][..., None], page["mn"][..., None],
+                                               cfg.k_bits, cfg.group_size, axis=-1, out_dtype="float32")
+        return x.transpose(-1, -2)
+
+    def kernel_arrays(self, cfg, st) -> dict:
+        """The key-pool tensors and constants the fused decode kernel takes."""
+        p = st.k_pool
+        return {"codes": p["codes"], "high": p["codes"], "idx": p["codes"], "scale": p["scale"], "mn": p["mn"],
+                "bits": cfg.k_bits, "kitty": False, "d_boost": 0}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kitty
+
+
+def check_kpage(kpage, name="kpage", *, allow_cpu: bool = False):
+    C.check_tensor(kpage, name, allow_cpu=allow_cpu)
+    if kpage.dtype not in (torch.float16, torch.float32):
+        raise TypeError(f"{name} has dtype {kpage.dtype}; kvq quantizes float16 / bfloat16 / float32 data "
+                        f"(bfloat16 as float32 values in NumPy). Convert explicitly, e.g. {name}.float().")
+
+
+def channel_scores(kpage) -> torch.Tensor:
+    """Eq. 2: ``(1/G) sum_t |x_{t,i}|`` fp32, (..., G, D) -> (..., D) (torch's sum order: rule 7)."""
+    G = kpage.shape[-2]
+    # a 0-d device tensor, not a Python scalar: torch divides by a CPU scalar as a multiply by its reciprocal on CUDA
+    return kpage.float().abs().sum(dim=-2) / torch.full((), float(G), dtype=torch.float32, device=kpage.device)
+
+
+def select_boost(scores, d_boost: int, selection: str = "magnitude", rng=None) -> torch.Tensor:
+    """Bool mask (..., D) of the ``d_boost`` boosted channels: largest scores first, ties to the lower
+    channel (a stable sort on -score); ``"random"`` draws ``rng.random(scores.shape)`` on the host."""
+    D = scores.shape[-1]
+    if not 0 <= d_boost <= D:
+        raise ValueError(f"d_boost={d_boost} must lie in [0, D={D}]")
+    if selection == "magnitude":
+        order = torch.sort(-scores.float(), dim=-1, stable=True).indices
+    elif selection == "random":
+        rng = np.random.default_rng(0) if rng is None else rng
+        r = torch.from_numpy(rng.random(tuple(scores.shape))).to(scores.device)
+        order = torch.sort(r, dim=-1, stable=True).indices
+    else:
+        raise ValueError(f"selection={selection!r} is unknown; choose one of {SELECTIONS}")
+    mask = torch.zeros(tuple(scores.shape), dtype=torch.bool, device=scores.device)
+    mask.scatter_(-1, order[..., :d_boost], True)
+    return mask
+
+
+def check_boost(kpage, boost) -> int:
+    """``d_boost`` of a boost mask (..., D) that holds the same number of channels in every page."""
+    D = kpage.shape[-1]
+    cnt = boost.sum(dim=-1)
+    d_boost = int(cnt.max()) if boost.numel() else 0
+    if tuple(boost.shape) != tuple(kpage.shape[:-2]) + (D,) or bool((cnt != d_boost).any()):
+        raise ValueError(f"boost must be (..., D={D}) with the same number of channels in every page")
+    return d_boost
+
+
+def encode(ops: Ops, kpage, boost, d_boost: int, meta_dtype) -> dict:
+    """Kitty page arrays of ``kpage`` (..., G, D); ``boost`` holds ``d_boost`` channels per page (no checks:
+    they synchronize). The page is quantized at both widths with the backend's bit-exact quantizer (codes
+    along tokens), the planes are selected with torch and packed with the backend's packer."""
+    G = kpage.shape[-2]
+    meta = nx.dtype_name(meta_dtype)
+    c2, s2, m2 = ops.quant.quantize(kpage, 2, G, axis=-2, meta_dtype=meta)          # (..., G, D), (..., 1, D)
+    c4, s4, m4 = ops.quant.quantize(kpage, 4, G, axis=-2, meta_dtype=meta)
+    boost = boost.to(torch.bool)
+    bt = boost.unsqueeze(-2)
+    low = torch.where(bt, c4 & 3, c2)                                               # (..., G, D)
+    rows = torch.cumsum(boost.to(torch.int32), dim=-1) - 1
+    idx = torch.where(boost, rows, torch.full_like(rows, d_boost)).to(torch.uint8)
+    hi_all = (c4 >> 2).transpose(-1, -2)                                            # (..., D, G)
+    order = torch.sort((~boost).to(torch.int32), dim=-1, stable=True).indices[..., :d_boost]
+    high = torch.gather(hi_all, -2, order.unsqueeze(-1).expand(*order.shape, G))
+    return {"low": ops.packing.pack(low.transpose(-1, -2).contiguous(), 2, axis=-1),
+            "high": ops.packing.pack(high.contiguous(), 2, axis=-1),
+            "idx": idx,
+            "scale": torch.where(boost, s4[..., 0, :], s2[..., 0, :]),
+            "mn": torch.where(boost, m4[..., 0, :], m2[..., 0, :])}
+
+
+def dequantize_page(ops: Ops, page: dict, group_size: int) -> torch.Tensor:
+    """Algorithm 1: a key page back to fp32 keys (..., G, D): low | high[idx] << 2, then code * scale + mn."""
+    low = ops.packing.unpack(page["low"], 2, axis=-1)                               # (..., D, G)
+    high = ops.packing.unpack(page["high"], 2, axis=-1)                             # (..., D_boost, G)
+    idx = page["idx"].long()
+    d_boost = high.shape[-2]
+    boost = idx < d_boost
+    if d_boost:
+        rows = torch.clamp(idx, max=d_boost - 1).unsqueeze(-1).expand(*idx.shape, low.shape[-1])
+        x_high = torch.where(boost.unsqueeze(-1), torch.gather(high, -2, rows), 0).to(torch.uint8)
+    else:
+        x_high = torch.zeros_like(low)
+    codes = low | (x_high << 2)
+    x = ops.quant.dequantize(codes, page["scale"][..., None], page["mn"][..., None], group_size, axis=-1,
+                             out_dtype="float32")
+    return x.transpose(-1, -2)
+
+
+class KittyCodec:
+    """Kitty key pages: ``low``, ``high``, ``idx``, ``scale``, ``mn`` per (page, head)."""
+
+    def __init__(self, ops: Ops):
+        self.ops = ops
+
+    def empty_pool(self, cfg, Pn: int, H: int, D: int, device) -> dict:
+        meta = _meta(cfg)
+        G, Db = cfg.group_size, cfg.d_boost(D)
+        u8 = dict(dtype=torch.uint8, device=device)
+        return {"low": torch.zeros((Pn, H, D, G // 4), **u8), "high": torch.zeros((Pn, H, Db, G // 4), **u8),
+                "idx": torch.zeros((Pn, H, D), **u8), "scale": torch.zeros((Pn, H, D), dtype=meta, device=device),
+                "mn": torch.zeros((Pn, H, D), dtype=meta, device=device)}
+
+    def encode_pages(self, cfg, pages: torch.Tensor, first_index: int) -> dict:
+        """(B, H, n, G, D) fp16 keys -> page arrays (B, n, H, ...)."""
+        B, H, n, G, D = pages.shape
+        scores = channel_scores(pages)                                              # (B, H, n, D)
+        if cfg.selection == "random":
+            boost = torch.stack([select_boost(scores[:, :, j], cfg.d_boost(D), "random",
+                                              np.random.default_rng([cfg.seed, first_index + j]))
+                                 for j in range(n)], dim=2)
+        else:
+            boost = select_boost(scores, cfg.d_boost(D), cfg.selection)
+        arrays = encode(self.ops, pages, boost, cfg.d_boost(D), cfg.meta_dtype)      # d_boost per page
+        return {name: a.transpose(1, 2) for name, a in arrays.items()}
+
+    def decode(self, cfg, page: dict) -> torch.Tensor:
+        return dequantize_page(self.ops, page, cfg.group_size)
+
+    def kernel_arrays(self, cfg, st) -> dict:
+        p = st.k_pool
+        Db = p["high"].shape[2]
+        return {"codes": p["low"], "high": p["high"] if Db else p["low"], "idx": p["idx"], "scale": p["scale"],
+                "mn": p["mn"], "bits": 2, "kitty": True, "d_boost": Db}

@@ -1,0 +1,334 @@
+"""The paged streaming cache of ``kvq.reference.paged`` on torch tensors, shared by both fast backends.
+
+The state holds the same fields as ``kvq.reference.paged.PagedState`` (torch tensors on the device,
+preallocated; the counters ``length`` / ``k_next`` / ``v_next`` on the host), so parity is stated
+field by field: after the same appends every tensor is bit-identical to the reference's array.
+
+append routes tokens exactly as the reference (sink, key Q-buffer flushed into pages, value window
+ring buffer, evicted values quantized per token into page slots (KIVI) or through the value Q-buffer
+(Kitty)); page ids are assigned in the reference's order (page-major, then batch), so the pools and
+page tables are identical too. The quantize+pack kernels are the backend's (``codec.ops``: the
+bit-exact ``quant`` / ``packing`` modules of ``kvq.fast.triton`` or ``kvq.fast.cupy``); the routing is
+torch indexing. The decode kernels live in each backend's ``paged`` module.
+
+    codec = KIVICodec(TRITON_OPS)                            # kvq.fast._codecs
+    st = init(cfg, codec, batch=8, kv_heads=8, head_dim=128)
+    append(cfg, codec, st, k, v)                             # k, v: (B, H_kv, T_new, D) fp16
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvq.fast import _common as C
+from kvq.reference import numerics as nx
+from kvq.reference import paged as RP
+
+F16 = torch.float16
+
+counts = RP.counts
+max_pages = RP.max_pages
+segment_bounds = RP.segment_bounds
+
+
+@dataclass
+class PagedState:
+    """The fast tier's cache state: the fields of ``kvq.reference.paged.PagedState`` as torch tensors
+    on one device (``k_pool``: name -> tensor), plus the host counters."""
+
+    sink_k: torch.Tensor
+    sink_v: torch.Tensor
+    k_buf: torch.Tensor
+    v_win: torch.Tensor
+    v_buf: torch.Tensor
+    k_pool: dict
+    v_codes: torch.Tensor
+    v_scale: torch.Tensor
+    v_mn: torch.Tensor
+    k_table: torch.Tensor
+    v_table: torch.Tensor
+    length: int = 0
+    k_next: int = 0
+    v_next: int = 0
+    shape: tuple = field(default=(0, 0, 0))
+
+    @property
+    def device(self) -> torch.device:
+        return self.sink_k.device
+
+    def arrays(self) -> dict:
+        """Every tensor of the state by name (key-pool tensors as ``k_pool.<name>``)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if isinstance(getattr(self, f.name), torch.Tensor)}
+        out.update({f"k_pool.{n}": a for n, a in self.k_pool.items()})
+        return out
+
+    def copy(self) -> "PagedState":
+        new = dataclasses.replace(self, k_pool={n: a.clone() for n, a in self.k_pool.items()})
+        for n, a in self.arrays().items():
+            if not n.startswith("k_pool."):
+                setattr(new, n, a.clone())
+        return new
+
+
+def _device(codec) -> torch.device:
+    if codec.ops.allow_cpu():
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"kvq.fast.{codec.ops.name} caches live on a CUDA device"
+                           + (" (or the CPU under TRITON_INTERPRET=1)" if codec.ops.name == "triton" else ""))
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def meta_dtype(cfg) -> torch.dtype:
+    return C.torch_dtype(nx.dtype_name(cfg.meta_dtype))
+
+
+def init(cfg, codec, batch: int, kv_heads: int, head_dim: int) -> PagedState:
+    """An empty cache, every buffer and the page pool preallocated, on the current CUDA device (the CPU
+    under the Triton interpreter)."""
+    for name, v in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    cfg.check_head_dim(head_dim)
+    B, H, D, G = int(batch), int(kv_heads), int(head_dim), cfg.group_size
+    N = max_pages(cfg)
+    Pn = B * N
+    meta = meta_dtype(cfg)
+    Gv = cfg.v_group(D)
+    dev = _device(codec)
+    z = lambda *s, dt=F16: torch.zeros(s, dtype=dt, device=dev)                          # noqa: E731
+    return PagedState(
+        sink_k=z(B, H, cfg.sink, D), sink_v=z(B, H, cfg.sink, D), k_buf=z(B, H, G, D),
+        v_win=z(B, H, cfg.residual, D), v_buf=z(B, H, G if cfg.v_qbuffer else 0, D),
+        k_pool=codec.empty_pool(cfg, Pn, H, D, dev),
+        v_codes=z(Pn, H, G, D * cfg.v_bits // 8, dt=torch.uint8),
+        v_scale=z(Pn, H, G, D // Gv, dt=meta), v_mn=z(Pn, H, G, D // Gv, dt=meta),
+        k_table=torch.full((B, N), -1, dtype=torch.int32, device=dev),
+        v_table=torch.full((B, N), -1, dtype=torch.int32, device=dev), shape=(B, H, D))
+
+
+# ---------------------------------------------------------------------------------------------------
+# append
+
+
+def _check_append(cfg, codec, st: PagedState, k, v):
+    B, H, D = st.shape
+    allow = codec.ops.allow_cpu()
+    for name, x in (("k", k), ("v", v)):
+        C.check_tensor(x, name, allow_cpu=allow)
+        if x.dtype not in (torch.float16, torch.float32):
+            raise TypeError(f"{name} has dtype {str(x.dtype).replace('torch.', '')}; append takes float16 (or "
+                            f"float32, rounded to the FP16 buffers)")
+        if x.dim() != 4 or x.shape[0] != B or x.shape[1] != H or x.shape[3] != D:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}; this cache takes (B={B}, H_kv={H}, T_new, D={D})")
+        if x.device != st.device:
+            raise ValueError(f"{name} is on {x.device}; the cache is on {st.device}")
+        C.check_finite(x, name)
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    n = k.shape[2]
+    if st.length + n > cfg.max_tokens:
+        raise ValueError(f"appending {n} tokens to {st.length} exceeds the capacity max_tokens="
+                         f"{cfg.max_tokens}")
+    k16, v16 = k.to(F16), v.to(F16)
+    if C.validation_enabled() and n and not (bool(torch.isfinite(k16).all()) and bool(torch.isfinite(v16).all())):
+        raise ValueError("k or v overflows float16 (|x| > 65504); the FP16 buffers cannot hold it")
+    return k16, v16
+
+
+def quantize_values(cfg, codec, x16: torch.Tensor):
+    """Per-token values (B, H, n, D) in groups of Gv channels, packed along channels (one kernel)."""
+    D = x16.shape[-1]
+    return codec.ops.packing.quantize_pack(x16, cfg.v_bits, cfg.v_group(D), axis=-1, meta_dtype=nx.dtype_name(cfg.meta_dtype))
+
+
+def append(cfg, codec, st: PagedState, k, v) -> PagedState:
+    """Append (B, H_kv, T_new, D) tokens; the same routing, pages and page ids as the reference."""
+    k16, v16 = _check_append(cfg, codec, st, k, v)
+    B, H, D = st.shape
+    S, G, R = cfg.sink, cfg.group_size, cfg.residual
+    T0, n = st.length, k16.shape[2]
+    if n == 0:
+        return st
+    c0 = counts(cfg, T0)
+    dev = st.device
+    # 1. sink
+    n_s = max(0, min(S - T0, n))
+    if n_s:
+        st.sink_k[:, :, T0:T0 + n_s] = k16[:, :, :n_s]
+        st.sink_v[:, :, T0:T0 + n_s] = v16[:, :, :n_s]
+    k_new, v_new = k16[:, :, n_s:], v16[:, :, n_s:]
+    p0 = c0["post"]
+    m = k_new.shape[2]
+    if m == 0:
+        st.length = T0 + n
+        return st
+    # 2. keys: Q-buffer + new keys, cut into pages of G; all full pages encoded at once
+    keys = torch.cat([st.k_buf[:, :, :c0["n_kbuf"]], k_new], dim=2)
+    n_full = keys.shape[2] // G
+    if n_full:
+        pages = keys[:, :, :n_full * G].reshape(B, H, n_full, G, D)
+        arrays = codec.encode_pages(cfg, pages, c0["n_kpages"])          # name -> (B, n_full, H, ...)
+        first = st.k_next
+        for name, a in arrays.items():
+            a = a.transpose(0, 1).reshape((n_full * B,) + tuple(a.shape[2:]))   # page-major, then batch
+            st.k_pool[name][first:first + n_full * B] = a
+        ids = first + torch.arange(n_full * B, dtype=torch.int32, device=dev).view(n_full, B).t()
+        st.k_table[:, c0["n_kpages"]:c0["n_kpages"] + n_full] = ids
+        st.k_next = first + n_full * B
+    rest = keys[:, :, n_full * G:].clone()
+    st.k_buf.zero_()
+    st.k_buf[:, :, :rest.shape[2]] = rest
+    # 3. values: window in token order + new values; the last R stay, the others are evicted
+    n_win = c0["n_win"]
+    if R and n_win:
+        order = torch.arange(p0 - n_win, p0, device=dev) % R
+        values = torch.cat([st.v_win.index_select(2, order), v_new], dim=2)
+    else:
+        values = v_new
+    first_p = p0 - n_win
+    n_keep = min(values.shape[2], R)
+    e = values.shape[2] - n_keep
+    evicted = values[:, :, :e].clone()
+    if n_keep:
+        slots = torch.arange(first_p + e, first_p + e + n_keep, device=dev) % R
+        st.v_win[:, :, slots] = values[:, :, e:]
+    _evict_values(cfg, codec, st, evicted, c0)
+    st.length = T0 + n
+    return st
+
+
+def _evict_values(cfg, codec, st: PagedState, evicted: torch.Tensor, c0: dict) -> None:
+    G = cfg.group_size
+    B = evicted.shape[0]
+    dev = st.device
+    if cfg.v_qbuffer:
+        toks = torch.cat([st.v_buf[:, :, :c0["n_vbuf"]], evicted], dim=2)
+        q0 = c0["n_vq"]
+        n_full = toks.shape[2] // G
+        rest = toks[:, :, n_full * G:].clone()
+        toks = toks[:, :, :n_full * G]
+        st.v_buf.zero_()
+        st.v_buf[:, :, :rest.shape[2]] = rest
+    else:
+        toks, q0 = evicted, c0["n_vq"]
+    e = toks.shape[2]
+    if e == 0:
+        return
+    packed, scale, mn = quantize_values(cfg, codec, toks)                    # (B, H, e, ...)
+    # pages opened by these tokens: page-major, then batch (the reference's allocation order)
+    pg0, pg1 = -(-q0 // G), (q0 + e - 1) // G + 1                     # new pages [pg0, pg1)
+    n_new = pg1 - pg0
+    if n_new > 0:
+        ids = st.v_next + torch.arange(n_new * B, dtype=torch.int32, device=dev).view(n_new, B).t()
+        st.v_table[:, pg0:pg1] = ids
+        st.v_next += n_new * B
+    q = torch.arange(q0, q0 + e, device=dev)
+    page, slot = q // G, q % G
+    pid = st.v_table[:, page].long()                                   # (B, e)
+    sl = slot.view(1, e).expand(B, e)
+    st.v_codes[pid, :, sl] = packed.transpose(1, 2)                   # (B, e, H, bytes)
+    st.v_scale[pid, :, sl] = scale.transpose(1, 2)
+    st.v_mn[pid, :, sl] = mn.transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# reading the cache
+
+
+def _values_pages(cfg, codec, st: PagedState, pg0: int, pg1: int) -> torch.Tensor:
+    """Value pages [pg0, pg1) of every sequence, fp32 (B, H, (pg1 - pg0) * G, D)."""
+    B, H, D = st.shape
+    G = cfg.group_size
+    ids = st.v_table[:, pg0:pg1].long()
+    codes, s, m = st.v_codes[ids], st.v_scale[ids], st.v_mn[ids]       # (B, n, H, G, ...)
+    x = codec.ops.packing.unpack_dequantize(codes, s, m, cfg.v_bits, cfg.v_group(D), axis=-1, out_dtype="float32")
+    return x.permute(0, 2, 1, 3, 4).reshape(B, H, (pg1 - pg0) * G, D)
+
+
+def _key_pages(cfg, codec, st: PagedState, pg0: int, pg1: int) -> torch.Tensor:
+    """Key pages [pg0, pg1) of every sequence, fp32 (B, H, (pg1 - pg0) * G, D)."""
+    B, H, D = st.shape
+    G = cfg.group_size
+    ids = st.k_table[:, pg0:pg1].long()
+    page = {n: a[ids] for n, a in st.k_pool.items()}                   # (B, n, H, ...)
+    x = codec.decode(cfg, page)                                         # (B, n, H, G, D)
+    return x.permute(0, 2, 1, 3, 4).reshape(B, H, (pg1 - pg0) * G, D)
+
+
+def _keys_range(cfg, codec, st, a: int, b: int) -> torch.Tensor:
+    """K of tokens [a, b) (all past the sink), fp32 (B, H, b - a, D)."""
+    B, H, D = st.shape
+    S, G = cfg.sink, cfg.group_size
+    c = counts(cfg, st.length)
+    kq_end = S + c["n_kpages"] * G
+    parts = []
+    if a < kq_end:
+        e = min(b, kq_end)
+        pg0, pg1 = (a - S) // G, -(-(e - S) // G)
+        x = _key_pages(cfg, codec, st, pg0, pg1)
+        parts.append(x[:, :, a - S - pg0 * G:e - S - pg0 * G])
+        a = e
+    if a < b:
+        parts.append(st.k_buf[:, :, a - kq_end:b - kq_end].float())
+    return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+
+
+def _values_range(cfg, codec, st, a: int, b: int) -> torch.Tensor:
+    """V of tokens [a, b) (all past the sink), fp32 (B, H, b - a, D)."""
+    S, G, R = cfg.sink, cfg.group_size, cfg.residual
+    c = counts(cfg, st.length)
+    vq_end = S + c["n_vq"]
+    vb_end = vq_end + c["n_vbuf"]
+    parts = []
+    if a < vq_end:
+        e = min(b, vq_end)
+        pg0, pg1 = (a - S) // G, -(-(e - S) // G)
+        x = _values_pages(cfg, codec, st, pg0, pg1)
+        parts.append(x[:, :, a - S - pg0 * G:e - S - pg0 * G])
+        a = e
+    if a < b and a < vb_end:
+        e = min(b, vb_end)
+        parts.append(st.v_buf[:, :, a - vq_end:e - vq_end].float())
+        a = e
+    if a < b:
+        order = torch.arange(a - S, b - S, device=st.device) % R
+        parts.append(st.v_win.index_select(2, order).float())
+    return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+
+
+def dequantize_cache(cfg, codec, st: PagedState):
+    """(K, V) fp32 (B, H, T, D) in token order, bit-identical to the reference's."""
+    B, H, D = st.shape
+    T = st.length
+    c = counts(cfg, T)
+    ns = c["n_sink"]
+    K = torch.zeros((B, H, T, D), dtype=torch.float32, device=st.device)
+    V = torch.zeros_like(K)
+    K[:, :, :ns] = st.sink_k[:, :, :ns].float()
+    V[:, :, :ns] = st.sink_v[:, :, :ns].float()
+    if T > ns:
+        K[:, :, ns:] = _keys_range(cfg, codec, st, ns, T)
+        V[:, :, ns:] = _values_range(cfg, codec, st, ns, T)
+    return K, V
+
+
+def check_q(codec, st: PagedState, q):
+    """The decode query's shape, dtype and device against the cache (and a non-empty cache)."""
+    B, H, D = st.shape
+    C.check_tensor(q, "q", allow_cpu=codec.ops.allow_cpu())
+    if q.dim() != 4 or q.shape[0] != B or q.shape[3] != D or q.shape[1] % H:
+        raise ValueError(f"q has shape {tuple(q.shape)}; this cache takes (B={B}, H_q (a multiple of {H}), "
+                         f"T_q, D={D})")
+    if q.dtype not in C.ATTN_DTYPES:
+        raise TypeError(f"q has dtype {q.dtype}; the fast decode takes float16 / bfloat16 / float32 (the "
+                        f"reference tier computes float64 truths)")
+    if q.device != st.device:
+        raise ValueError(f"q is on {q.device}; the cache is on {st.device}")
+    if st.length == 0:
+        raise ValueError("the cache is empty: append tokens before attending")
