@@ -7,4 +7,5 @@ Never imports torch, triton, cupy or kvq.fast (a test enforces it).
     packed = packing.pack(codes, bits=2, axis=-1)
 """
 
-from . import attention, kitty, kivi, memory, metrics, numerics, packing, paged, quant  # noqa: F401
+from . import (aqua, aqua_cache, aqua_probes, attention, hadamard, higgs, kitty, kivi, memory,  # noqa: F401
+               metrics, model, numerics, packing, paged, quant)

@@ -9,9 +9,11 @@ torch. matplotlib itself is imported only when a function is called.
     fig.savefig("keys.png", dpi=150)
 
 Modules: ``channels`` (Kitty section 3.2, Figures 2a/2b, boost-rate curves), ``page_layout`` (Kitty
-section 4.1, Figure 3a), ``groups`` (per-token vs per-channel group ranges, KIVI section 3.1).
+section 4.1, Figure 3a), ``groups`` (per-token vs per-channel group ranges, KIVI section 3.1), ``aqua`` (AQUA-KV Fig. 2
+probes, HIGGS grids, residual variance per layer).
 """
 
+from .aqua import plot_explained_variance, plot_higgs_grid, plot_residual_variance
 from .channels import plot_channel_magnitudes, plot_channel_sensitivity, plot_error_vs_boost
 from .groups import group_ranges, plot_group_ranges
 from .page_layout import plot_page_layout
@@ -23,4 +25,7 @@ __all__ = [
     "plot_page_layout",
     "plot_group_ranges",
     "group_ranges",
+    "plot_explained_variance",
+    "plot_higgs_grid",
+    "plot_residual_variance",
 ]

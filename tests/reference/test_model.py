@@ -1,0 +1,72 @@
+"""kvq.reference.model: the tiny decoder behind AQUA-KV's layer interface (seeded, float32, causal, GQA)."""
+
+import numpy as np
+import pytest
+
+from kvq.reference import model as M
+
+CFG = M.ModelConfig(n_layers=3, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return M.TinyDecoder(CFG)
+
+
+def test_seeded_and_float32(tiny):
+    again = M.TinyDecoder(CFG)
+    other = M.TinyDecoder(M.ModelConfig(n_layers=3, seed=1))
+    assert tiny.embedding.dtype == np.float32
+    np.testing.assert_array_equal(tiny.layers[2]["w_k"], again.layers[2]["w_k"])
+    assert not np.array_equal(tiny.layers[2]["w_k"], other.layers[2]["w_k"])
+    for p in tiny.layers:
+        assert all(w.dtype == np.float32 for w in p.values())
+
+
+def test_interface_shapes(tiny):
+    tok = M.sample_tokens(CFG, 2, 10, seed=1)
+    assert tok.shape == (2, 10) and tok.min() >= 0 and tok.max() < CFG.vocab_size
+    np.testing.assert_array_equal(tok, M.sample_tokens(CFG, 2, 10, seed=1))
+    x = tiny.embed(tok)
+    k, v, y = tiny.layer(0, x)
+    assert k.shape == v.shape == (2, CFG.n_kv_heads, 10, CFG.head_dim)
+    assert y.shape == x.shape and y.dtype == k.dtype == np.float32
+    assert tiny.logits(y).shape == (2, 10, CFG.vocab_size)
+    kv = M.collect_kv(tiny, tok)
+    assert len(kv) == CFG.n_layers
+    np.testing.assert_array_equal(kv[0][0], k)
+
+
+def test_incremental_equals_full_forward(tiny):
+    """Causal attention with a past: logits of tokens t.. given the past K / V equal the full pass."""
+    tok = M.sample_tokens(CFG, 2, 24, seed=3)
+    full, kv = M.forward(tiny, tok)
+    head, past = M.forward(tiny, tok[:, :15])
+    tail, new = M.forward(tiny, tok[:, 15:], past)
+    np.testing.assert_allclose(np.concatenate([head, tail], 1), full, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(new[1][0], kv[1][0][:, :, 15:], rtol=1e-4, atol=1e-4)
+
+
+def test_rope_inverse_norm_and_relative_position():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 3, 7, 32)).astype(np.float32)
+    pos = np.arange(5, 12)
+    y = M.apply_rope(x, pos, 1e4)
+    np.testing.assert_allclose(M.apply_rope(y, pos, 1e4, inverse=True), x, atol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(y, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
+    q, k = x[0, 0, 0], x[0, 0, 1]                      # q . k after RoPE depends on the offset only
+    dots = [float(M.apply_rope(q[None], [p + 3], 1e4)[0] @ M.apply_rope(k[None], [p], 1e4)[0]) for p in (0, 10, 99)]
+    np.testing.assert_allclose(dots, dots[0], rtol=1e-4)
+
+
+def test_bad_input(tiny):
+    with pytest.raises(ValueError, match="multiple of n_kv_heads"):
+        M.ModelConfig(n_heads=3, n_kv_heads=2)
+    with pytest.raises(ValueError, match="even"):
+        M.ModelConfig(head_dim=31)
+    with pytest.raises(ValueError, match="token ids"):
+        tiny.embed(np.array([[0, CFG.vocab_size]]))
+    with pytest.raises(ValueError, match="layer index"):
+        tiny.layer(3, np.zeros((1, 2, CFG.d_model), np.float32))
+    with pytest.raises(TypeError, match="float64"):
+        tiny.layer(0, np.zeros((1, 2, CFG.d_model)))
