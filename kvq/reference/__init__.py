@@ -8,4 +8,4 @@ Never imports torch, triton, cupy or kvq.fast (a test enforces it).
 """
 
 from . import (aqua, aqua_cache, aqua_probes, attention, hadamard, higgs, kitty, kivi, memory,  # noqa: F401
-               metrics, model, numerics, packing, paged, quant)
+               metrics, model, numerics, oscar, packing, paged, quant, rotations)

@@ -10,12 +10,14 @@ torch. matplotlib itself is imported only when a function is called.
 
 Modules: ``channels`` (Kitty section 3.2, Figures 2a/2b, boost-rate curves), ``page_layout`` (Kitty
 section 4.1, Figure 3a), ``groups`` (per-token vs per-channel group ranges, KIVI section 3.1), ``aqua`` (AQUA-KV Fig. 2
-probes, HIGGS grids, residual variance per layer).
+probes, HIGGS grids, residual variance per layer), ``oscar`` (OSCAR Table 10 / Figs. 1, 2, 3, 7: group
+ranges under each rotation, spectra, alignment, KL versus context, the error table).
 """
 
 from .aqua import plot_explained_variance, plot_higgs_grid, plot_residual_variance
 from .channels import plot_channel_magnitudes, plot_channel_sensitivity, plot_error_vs_boost
 from .groups import group_ranges, plot_group_ranges
+from .oscar import plot_alignment, plot_error_table, plot_kl_vs_context, plot_spectra, plot_token_groups
 from .page_layout import plot_page_layout
 
 __all__ = [
@@ -28,4 +30,9 @@ __all__ = [
     "plot_explained_variance",
     "plot_higgs_grid",
     "plot_residual_variance",
+    "plot_token_groups",
+    "plot_spectra",
+    "plot_alignment",
+    "plot_kl_vs_context",
+    "plot_error_table",
 ]
