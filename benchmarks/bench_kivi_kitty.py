@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import torch
 
@@ -41,13 +42,21 @@ METHODS = ("KIVI-K2V2", "KIVI-K4V4", "Kitty", "Kitty-Pro")
 MEM_FRACTION = 0.4
 
 
-def _mods():
-    from kvq.fast.triton import kitty, kivi
-    return kivi, kitty
+#: fast backends timed per method (the CuPy rows are keyed "<method> [cupy]")
+BACKENDS = tuple(os.environ.get("KVQ_BENCH_BACKENDS", "triton,cupy").split(","))
 
 
-def config(method: str, T: int, dry: bool):
-    kivi, kitty = _mods()
+def _mods(backend: str = "triton"):
+    import importlib
+    return (importlib.import_module(f"kvq.fast.{backend}.kivi"), importlib.import_module(f"kvq.fast.{backend}.kitty"))
+
+
+def row_name(method: str, backend: str) -> str:
+    return method if backend == "triton" else f"{method} [{backend}]"
+
+
+def config(method: str, T: int, dry: bool, backend: str = "triton"):
+    kivi, kitty = _mods(backend)
     mod = kivi if method.startswith("KIVI") else kitty
     cfg = mod.CONFIGS[method]
     kw = {"max_tokens": max(T, 1)}
@@ -58,7 +67,7 @@ def config(method: str, T: int, dry: bool):
 
 def build_cache(mod, cfg, B, Hkv, Dh, T, device, seed=0):
     """A cache of T tokens per sequence with random contents, its counters and page tables consistent."""
-    from kvq.fast.triton import paged
+    from kvq.fast import _paged as paged
     g = torch.Generator(device=device).manual_seed(seed)
     st = mod.init(cfg, B, Hkv, Dh)
     c = paged.counts(cfg, T)
@@ -104,7 +113,7 @@ def _one(st, b):
 
 def bytes_read(cfg, st, T, Hq) -> dict:
     """Bytes the decode reads: the fused kernel's packed pages + metadata, the tail's FP16 tokens, q, out."""
-    from kvq.fast.triton import paged
+    from kvq.fast import _paged as paged
     B, H, Dh = st.shape
     G = cfg.group_size
     c = paged.counts(cfg, T)
@@ -171,14 +180,14 @@ def run_shape(B, T, Hq, Hkv, Dh, device, copy_gbps, quick, dry, deadline) -> dic
     if sdpas:                                      # the baseline is the faster SDPA variant
         base["sdpa_best"] = {"ms": min(sdpas)[0], "impl": min(sdpas)[1]}
     shape["fp16"] = base
-    for method in METHODS:
-        row = {"ms": None, "valid": False}
-        shape["methods"][method] = row
+    for backend, method in [(b, m) for b in BACKENDS for m in METHODS]:
+        row = {"ms": None, "valid": False, "backend": backend}
+        shape["methods"][row_name(method, backend)] = row
         if deadline is not None and deadline.expired():
             row["skipped"] = "time budget exhausted"
             continue
         try:
-            mod, cfg = config(method, T, dry)
+            mod, cfg = config(method, T, dry, backend)
             st = build_cache(mod, cfg, B, Hkv, Dh, T, device, seed=B + T)
             nb = bytes_read(cfg, st, T, Hq)
             row["bytes"] = nb
@@ -292,14 +301,30 @@ def run(device, *, copy_gbps=None, quick=False, dry_run=False, deadline=None) ->
         tuning = tune(device, quick, dry_run, deadline)
     except Exception as e:
         tuning = {"error": C.err_str(e)}
-    return {"tune": tuning, "copy_gbps": copy_gbps, "methods": list(METHODS), "targets": {"pct_copy_at_32k_plus": 70.0,
+    return {"tune": tuning, "copy_gbps": copy_gbps, "amortized_flush": amortized_flush(shapes, flush), "methods": list(METHODS), "targets": {"pct_copy_at_32k_plus": 70.0,
             "kivi_k2v2_speedup_vs_sdpa_128k_b8": 4.0},
             "bytes_rule": "packed K/V pages + metadata + page tables (fused) + FP16 tail tokens + q + out",
             "out_tol": OUT_TOL, "lse_tol": LSE_TOL, "shapes": shapes, "flush": flush}
 
 
+def amortized_flush(shapes, flush) -> dict:
+    """Flush cost per decode step: a page of keys and of values is quantized once every G steps, so
+    the step pays flush_ms / G; as a percentage of the Triton step's attention time at B = 8 (the
+    batch the flush was timed at), per context (the Kitty slides report 0.17% of a step)."""
+    out = {}
+    for m, f in flush.items():
+        if not f.get("ms"):
+            continue
+        per_step = f["ms"] / f["G"]
+        out[m] = {"flush_ms_per_step": per_step, "pct_of_step": {
+            str(s["T"]): 100.0 * per_step / s["methods"][m]["ms"] for s in shapes
+            if s.get("B") == f["B"] and s.get("methods", {}).get(m, {}).get("ms")}}
+    return out
+
+
 def summary_lines(res: dict) -> list[str]:
-    lines = [f"{'B':>3s} {'T':>7s} {'sdpa':>8s} {'kvq16':>8s} " + " ".join(f"{m:>16s}" for m in METHODS)]
+    names = [row_name(m, b) for b in BACKENDS for m in METHODS]
+    lines = [f"{'B':>3s} {'T':>7s} {'sdpa':>8s} {'kvq16':>8s} " + " ".join(f"{m:>16s}" for m in names)]
     for s in res.get("shapes", []):
         if s.get("skipped") or s.get("error"):
             lines.append(f"{s['B']:3d} {s['T']:7d}  {s.get('skipped') or s.get('error')}")
@@ -307,7 +332,7 @@ def summary_lines(res: dict) -> list[str]:
         f16 = s.get("fp16", {})
         ms = lambda r: f"{r['ms']:8.3f}" if r and r.get("ms") else f"{'-':>8s}"            # noqa: E731
         cells = []
-        for m in METHODS:
+        for m in names:
             r = s["methods"].get(m, {})
             if r.get("ms"):
                 sp = r.get("speedup_vs_sdpa_best")
@@ -323,6 +348,9 @@ def summary_lines(res: dict) -> list[str]:
     fl = res.get("flush", {})
     lines.append("  flush (ms per page, K + V): " + ", ".join(
         f"{m} {r['ms']:.3f}" if r.get("ms") else f"{m} {'err' if r.get('error') else 'skip'}" for m, r in fl.items()))
+    lines.append("  flush per step (amortized over G steps, % of the B=8 step): " + "; ".join(
+        f"{m} " + ", ".join(f"{t}: {p:.2f}%" for t, p in a["pct_of_step"].items())
+        for m, a in res.get("amortized_flush", {}).items()))
     tu = res.get("tune", {})
     if tu.get("rows"):
         lines.append(f"  tune at B={tu['B']} T={tu['T']} (ms): " + ", ".join(

@@ -33,8 +33,6 @@ MIRRORED = {
               "channel_scores", "select_boost", "encode_page", "dequantize_page", "channel_sensitivity"),
 }
 
-_KIVI_KITTY_CUDA = "KIVI/Kitty issue: CUDA kernels not yet written"
-
 #: backend -> module -> reference functions that have no fast version yet, and the issue that adds it
 NOT_YET_IMPLEMENTED = {
     backend: {
@@ -44,10 +42,10 @@ NOT_YET_IMPLEMENTED = {
     }
     for backend in BACKENDS
 }
-NOT_YET_IMPLEMENTED["triton"]["kitty"] = {
-    "channel_sensitivity": "Kitty Fig. 2b analysis: one perturbed attention per channel; the reference serves it"}
-NOT_YET_IMPLEMENTED["cupy"]["kivi"] = {n: _KIVI_KITTY_CUDA for n in MIRRORED["kivi"]}
-NOT_YET_IMPLEMENTED["cupy"]["kitty"] = {n: _KIVI_KITTY_CUDA for n in MIRRORED["kitty"]}
+for _backend in BACKENDS:
+    NOT_YET_IMPLEMENTED[_backend]["kitty"] = {
+        "channel_sensitivity": "Kitty Fig. 2b analysis: one perturbed attention per channel; the reference serves it"}
+del _backend
 
 
 def backend_module(module: str, backend: str | None = None):

@@ -50,17 +50,20 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 BASE = dict(G_Q=4, D=128, G=128, BT=128, NGV=1, BLOCK_M=16, TIGHT=True, NPPS=0, PRECISE=False, MAGIC=True,
-            SPLIT_P=True)
+            SPLIT_P=True, K_TERMS=2, SHIFT=2048.0, K_WORDS=True, V_WORDS=True)
 VARIANTS = {
     "KIVI-K2V2-fp16": ("*fp16", 8, dict(K_BITS=2, V_BITS=2, KITTY=False, DB_HIGH=0)),
     "KIVI-K4V4-fp16": ("*fp16", 8, dict(K_BITS=4, V_BITS=4, KITTY=False, DB_HIGH=0)),
-    "KIVI-K2V4-Gv32-fp16": ("*fp16", 8, dict(K_BITS=2, V_BITS=4, KITTY=False, DB_HIGH=0, NGV=4)),
+    "KIVI-K2V4-Gv32-fp16": ("*fp16", 8, dict(K_BITS=2, V_BITS=4, KITTY=False, DB_HIGH=0, NGV=4, V_WORDS=False)),
     "Kitty-fp16": ("*fp16", 8, dict(K_BITS=2, V_BITS=2, KITTY=True, DB_HIGH=16)),
     "Kitty-fp16-4warps": ("*fp16", 4, dict(K_BITS=2, V_BITS=2, KITTY=True, DB_HIGH=16)),
     "KIVI-K2V2-fp16-p-once": ("*fp16", 8, dict(K_BITS=2, V_BITS=2, KITTY=False, DB_HIGH=0, SPLIT_P=False)),
-    "Kitty-Pro-bf16": ("*bf16", 8, dict(K_BITS=2, V_BITS=2, KITTY=True, DB_HIGH=32, MAGIC=False)),
+    "Kitty-Pro-bf16": ("*bf16", 8, dict(K_BITS=2, V_BITS=2, KITTY=True, DB_HIGH=32, MAGIC=False, SHIFT=256.0,
+                                        K_WORDS=False, V_WORDS=False)),
+    "KIVI-K2V2-fp16-k3": ("*fp16", 4, dict(K_BITS=2, V_BITS=2, KITTY=False, DB_HIGH=0, SPLIT_P=False, K_TERMS=3)),
     "KIVI-K8V8-fp32": ("*fp32", 4, dict(K_BITS=8, V_BITS=8, KITTY=False, DB_HIGH=0, PRECISE=True, BT=32,
-                                        MAGIC=False)),
+                                        MAGIC=False, K_WORDS=False, V_WORDS=False)),
+    "KIVI-K2V2-fp16-bytes": ("*fp16", 4, dict(K_BITS=2, V_BITS=2, KITTY=False, DB_HIGH=0, K_WORDS=False, V_WORDS=False)),
 }
 
 

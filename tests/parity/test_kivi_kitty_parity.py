@@ -1,4 +1,4 @@
-"""kvq.fast.triton.kivi / kitty (paged streaming caches) against kvq.reference.kivi / kitty.
+"""kvq.fast.{triton,cupy}.kivi / kitty (paged streaming caches) against kvq.reference.kivi / kitty.
 
 State parity is bit-exact: after the same appends (bulk, one token at a time, random chunks) every
 tensor of the fast state equals the reference state's array bit for bit, and the counters agree.
@@ -10,7 +10,9 @@ dequantize is bit-exact (fp32); decode_attention follows the tolerance rule (``t
 against the reference run in float64 (truth) and float32. Bad input raises the reference's error
 (same type and message) and leaves the state unchanged.
 
-Only the Triton targets: the CuPy backend lists kivi / kitty in ``kvq.fast.NOT_YET_IMPLEMENTED``.
+Targets: Triton through the interpreter (CI, CPU) and on the GPU, and the CuPy backend on the GPU
+(``pytest -m gpu``). The decode's tail gather is checked for both backends; the Triton-only launch knob
+``TUNE["split_p"]`` only for Triton.
 """
 
 from __future__ import annotations
@@ -26,14 +28,18 @@ from .cases import assert_bits_equal
 from .tolerance import check_close
 
 TARGETS = [pytest.param(("triton", "cpu"), id="triton-interp"),
-           pytest.param(("triton", "cuda"), id="triton-cuda", marks=pytest.mark.gpu)]
+           pytest.param(("triton", "cuda"), id="triton-cuda", marks=pytest.mark.gpu),
+           pytest.param(("cupy", "cuda"), id="cupy-cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.fixture(params=TARGETS)
 def target(request):
-    """(backend, device): tests/conftest.py's ``fast_target`` without the CuPy entry (same skip rules)."""
-    if request.param[1] == "cpu" and torch.cuda.is_available():
+    """(backend, device): tests/conftest.py's ``fast_target`` (same targets and skip rules)."""
+    backend, device = request.param
+    if device == "cpu" and torch.cuda.is_available():
         pytest.skip("the Triton interpreter target runs only on machines without a GPU (CI)")
+    if backend == "cupy":
+        pytest.importorskip("cupy")
     return request.param
 
 
@@ -41,10 +47,17 @@ def _device_ok(device):
     pass
 
 
-def _mods():
-    from kvq.fast.triton import kitty as FT
-    from kvq.fast.triton import kivi as FK
-    return FK, FT
+def _mods(backend="triton"):
+    """The backend's (kivi, kitty) modules."""
+    import importlib
+    return (importlib.import_module(f"kvq.fast.{backend}.kivi"),
+            importlib.import_module(f"kvq.fast.{backend}.kitty"))
+
+
+def _paged(backend="triton"):
+    """The backend's paged module (decode kernels, ``gather_tail``)."""
+    import importlib
+    return importlib.import_module(f"kvq.fast.{backend}.paged")
 
 
 SMALL = dict(group_size=16, residual=8, max_tokens=256)
@@ -61,11 +74,13 @@ CASES = [
 IDS = [c[0] for c in CASES]
 
 
-def _setup(case, device):
+def _setup(case, target):
+    """(cfg, reference module, fast module, (B, H, D)) of a case on a target (backend, device)."""
+    backend, device = target
     name, mod, make = case
     small = device == "cpu"
     cfg = make(SMALL if small else CUDA)
-    FK, FT = _mods()
+    FK, FT = _mods(backend)
     ref, fast = (RK, FK) if mod == "kivi" else (RT, FT)
     B, H, D = (2, 2, 16) if small else (2, 4, 128)
     if name.endswith("Gv8") or (small and name == "Kitty-Pro"):
@@ -121,7 +136,7 @@ def test_state_parity(target, case, chunks):
     """Fast appends in chunks == reference bulk append, every field bit for bit; dequantize bit-exact."""
     _, device = target
     _device_ok(device)
-    cfg, ref, fast, (B, H, D) = _setup(case, device)
+    cfg, ref, fast, (B, H, D) = _setup(case, target)
     T = 83 if device == "cpu" else 700
     k, v = _kv(B, H, T, D, cfg.group_size, start=cfg.sink)
     rs = ref.init(cfg, B, H, D)
@@ -146,7 +161,7 @@ def test_float32_input_and_prefix_states(target, case):
     at each, the decode's tail gather is bit-exact with the reference's dequantize."""
     _, device = target
     _device_ok(device)
-    cfg, ref, fast, (B, H, D) = _setup(case, device)
+    cfg, ref, fast, (B, H, D) = _setup(case, target)
     T = 60 if device == "cpu" else 400
     k, v = _kv(B, H, T, D, cfg.group_size, seed=5, start=cfg.sink)
     k32 = k.astype(np.float32) * np.float32(1.0001)                      # not fp16 values: rounding matters
@@ -160,7 +175,7 @@ def test_float32_input_and_prefix_states(target, case):
         t += n
         assert_same_state(fs, rs, f"T={t}: ")
         # the decode's tail gather (sink + post-sink tokens [NF, T - S)) is bit-exact with dequantize
-        from kvq.fast.triton import paged as FP
+        FP = _paged(target[0])
         K, V = ref.dequantize(cfg, rs)
         c = FP.counts(cfg, t)
         for NF in sorted({0, min(c["n_kpages"] * cfg.group_size, c["n_vq"])}):
@@ -196,7 +211,7 @@ def test_decode_attention(target, a):
     _, device = target
     _device_ok(device)
     ci, T_cpu, T_gpu, dtype, ratio, T_q = a
-    cfg, ref, fast, (B, H, D) = _setup(CASES[ci], device)
+    cfg, ref, fast, (B, H, D) = _setup(CASES[ci], target)
     T = T_cpu if device == "cpu" else T_gpu
     k, v = _kv(B, H, T, D, cfg.group_size, seed=ci + 11, start=cfg.sink)
     rs = ref.init(cfg, B, H, D)
@@ -220,7 +235,9 @@ def test_decode_attention(target, a):
 def test_decode_p_split(target, a, monkeypatch):
     """The other setting of ``paged.TUNE["split_p"]``: True (P as hi + lo halves, two dots, ~fp32
     accuracy) instead of the default False (P rounded once to fp16) also meets the tolerance rule."""
-    from kvq.fast.triton import paged as FP
+    if target[0] != "triton":
+        pytest.skip("TUNE['split_p'] is a knob of the Triton fused kernel (tensor-core P @ V)")
+    FP = _paged("triton")
     monkeypatch.setitem(FP.TUNE, "split_p", True)
     test_decode_attention(target, a)
 
@@ -230,7 +247,7 @@ def test_decode_large_magnitudes(target, ci):
     """Keys and values up to ~3e4, |q| up to ~1e3: q_d * scale_d far beyond float16 (65504); the
     tensor-core path scales its operands, nothing overflows."""
     _, device = target
-    cfg, ref, fast, (B, H, D) = _setup(CASES[ci], device)
+    cfg, ref, fast, (B, H, D) = _setup(CASES[ci], target)
     T = 75 if device == "cpu" else 1500
     k, v = _kv(B, H, T, D, cfg.group_size, seed=9, start=cfg.sink, distinct=ci == 3)
     k = k.astype(np.float32)
@@ -254,7 +271,7 @@ def test_group_size_not_a_power_of_two(target):
     kernel on it; state and dequantize are bit-exact as everywhere."""
     _, device = target
     cfg = RK.KIVIConfig(2, 2, group_size=24, residual=8, sink=2, max_tokens=256)
-    FK, _ = _mods()
+    FK, _ = _mods(target[0])
     B, H, D, T = 2, 2, 16, 90
     k, v = _kv(B, H, T, D, 24, seed=8, distinct=False)
     rs, fs = RK.init(cfg, B, H, D), FK.init(cfg, B, H, D)
@@ -273,7 +290,7 @@ def test_kitty_near_ties(target):
     reference's scores; pages whose selection agrees are bit-exact; scores agree to rounding."""
     _, device = target
     _device_ok(device)
-    _, FT = _mods()
+    _, FT = _mods(target[0])
     cfg = RT.KittyConfig(0.25, sink=3, **(SMALL if device == "cpu" else CUDA))
     B, H, D = (2, 2, 32) if device == "cpu" else (2, 4, 128)
     T = 90 if device == "cpu" else 1200
@@ -314,7 +331,7 @@ def test_kitty_page_functions(target):
     """channel_scores / select_boost (ties -> lower channel; random) / encode_page / dequantize_page."""
     _, device = target
     _device_ok(device)
-    _, FT = _mods()
+    _, FT = _mods(target[0])
     rng = np.random.default_rng(3)
     G, D = 16, 32
     x = rng.standard_normal((3, G, D)).astype(np.float16)
@@ -358,7 +375,7 @@ def _errors(fn_ref, fn_fast):
 def test_bad_input(target, case):
     _, device = target
     _device_ok(device)
-    cfg, ref, fast, (B, H, D) = _setup(case, device)
+    cfg, ref, fast, (B, H, D) = _setup(case, target)
     k, v = _kv(B, H, 30, D, cfg.group_size, seed=2, start=cfg.sink)
     rs, fs = ref.init(cfg, B, H, D), fast.init(cfg, B, H, D)
     ref.append(cfg, rs, k, v)

@@ -10,4 +10,4 @@ first use (``_loader``) and cached on disk by CuPy.
     out, lse = kvq.fast.decode_attention(q, [(k, v)], backend="cupy")
 """
 
-__all__ = ["quant", "packing", "attention"]
+__all__ = ["quant", "packing", "attention", "paged", "kivi", "kitty"]

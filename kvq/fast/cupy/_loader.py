@@ -75,10 +75,30 @@ def _attention_names():
     return tuple(names)
 
 
+#: the fused paged decode (paged.cu): head dims, key codecs (KIVI bits 2 / 4 / 8; Kitty = its 2-bit
+#: planes), value bits and query rows per block it is built for
+PAGED_DIMS = (64, 128)
+PAGED_KEYS = ((2, 0), (4, 0), (8, 0), (2, 1))       # (key bits, Kitty)
+PAGED_VBITS = (2, 4, 8)
+PAGED_QT = (4, 8)
+
+
+def paged_decode_name(D: int, k_bits: int, v_bits: int, kitty: bool, QT: int) -> str:
+    return f"paged_decode<{D}, {k_bits}, {v_bits}, {int(kitty)}, {QT}>"
+
+
+def _paged_names():
+    names = [paged_decode_name(D, kb, vb, kitty, qt) for D in PAGED_DIMS for kb, kitty in PAGED_KEYS
+             for vb in PAGED_VBITS for qt in PAGED_QT]
+    names += [f"paged_gather_tail<{k}>" for k in (0, 1)]
+    return tuple(names)
+
+
 #: source file -> every kernel name expression the Python side may request (tests compile them all)
 KERNELS = {
     "quant.cu": _quant_names(),
     "attention.cu": _attention_names(),
+    "paged.cu": _paged_names(),
 }
 
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.MULTILINE)

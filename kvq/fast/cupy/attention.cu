@@ -10,7 +10,6 @@
 // QT = query rows per block (4 or 8); NW = warps per block (chosen by the loader, attn_warps()).
 #include "common.cuh"
 
-#define KVQ_LN2 0.693147180559945309f
 
 // ---- cp.async (sm_80+): global -> shared copies that bypass registers ------------------------------
 
@@ -234,32 +233,8 @@ __global__ void __launch_bounds__(NW * 32)
         }
     }
     __syncthreads();
-    for (int idx = tid; idx < QT * D; idx += NW * 32) {
-        const int qi = idx / D;
-        const int d = idx - qi * D;
-        if (qi >= nq) continue;
-        float M = -KVQ_INF;
-#pragma unroll
-        for (int w = 0; w < NW; ++w) M = fmaxf(M, s_m[w][qi]);
-        float L = 0.0f, A = 0.0f;
-        if (M != -KVQ_INF) {
-#pragma unroll
-            for (int w = 0; w < NW; ++w) {
-                const float mw = s_m[w][qi];
-                if (mw != -KVQ_INF) {
-                    const float f = exp2f(mw - M);
-                    L = fmaf(f, s_l[w][qi], L);
-                    A = fmaf(f, cacc[(w * QT + qi) * D + d], A);
-                }
-            }
-        }
-        const int r = r0 + qi;
-        const int h = hk * Gq + r / Tq;
-        const int t = r - (r / Tq) * Tq;
-        const i64 prow = (((i64)(split0 + split) * B + b) * Hq + h) * Tq + t;
-        o_part[prow * D + d] = L > 0.0f ? A / L : 0.0f;
-        if (d == 0) lse_part[prow] = L > 0.0f ? (M + log2f(L)) * KVQ_LN2 : -KVQ_INF;
-    }
+    combine_warps<QT, D>(&s_m[0][0], &s_l[0][0], cacc, NW, nq, tid, NW * 32, r0, hk, Gq, Tq, B, Hq, b,
+                         (i64)(split0 + split), o_part, lse_part);
 }
 
 // ---- merge kernel --------------------------------------------------------------------------------

@@ -222,4 +222,39 @@ __device__ __forceinline__ void load_bytes(const u8* p, u32* b) {
     }
 }
 
+// Combine the NW warps' flash-decoding states of a block into one partial (attn_split, paged_decode):
+// s_m / s_l ([NW][QT], base-2 max and sum per warp and row), cacc ([NW][QT][D], un-normalized outputs);
+// row qi < nq is query row r0 + qi of kv head hk (-> query head hk * Gq + r / Tq, token r % Tq), written
+// to o_part / lse_part at partial `split` (natural-log lse; o = 0, lse = -inf for a row without keys).
+template <int QT, int D>
+__device__ __forceinline__ void combine_warps(const float* s_m, const float* s_l, const float* cacc, int NW,
+                                              int nq, int tid, int nthreads, int r0, int hk, int Gq, int Tq,
+                                              int B, int Hq, int b, i64 split, float* __restrict__ o_part,
+                                              float* __restrict__ lse_part) {
+    for (int idx = tid; idx < QT * D; idx += nthreads) {
+        const int qi = idx / D;
+        const int d = idx - qi * D;
+        if (qi >= nq) continue;
+        float M = -KVQ_INF;
+        for (int w = 0; w < NW; ++w) M = fmaxf(M, s_m[w * QT + qi]);
+        float L = 0.0f, A = 0.0f;
+        if (M != -KVQ_INF) {
+            for (int w = 0; w < NW; ++w) {
+                const float mw = s_m[w * QT + qi];
+                if (mw != -KVQ_INF) {
+                    const float f = exp2f(mw - M);
+                    L = fmaf(f, s_l[w * QT + qi], L);
+                    A = fmaf(f, cacc[(w * QT + qi) * D + d], A);
+                }
+            }
+        }
+        const int r = r0 + qi;
+        const int h = hk * Gq + r / Tq;
+        const int t = r - (r / Tq) * Tq;
+        const i64 prow = ((split * B + b) * Hq + h) * Tq + t;
+        o_part[prow * D + d] = L > 0.0f ? A / L : 0.0f;
+        if (d == 0) lse_part[prow] = L > 0.0f ? (M + log2f(L)) * 0.693147180559945309f : -KVQ_INF;
+    }
+}
+
 #endif  // KVQ_COMMON_CUH

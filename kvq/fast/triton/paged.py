@@ -50,10 +50,13 @@ LOG2E = 1.4426950408889634
 #: launch knobs of the fused decode kernel (None = the built-in choice), for tuning runs on the GPU:
 #: num_warps; waves = target programs per SM over the fused grid; block_t = tokens per inner step
 #: split_p: P @ V with P as hi + lo (two dots, ~fp32 accuracy) or rounded once to q's dtype (one dot, as
-#: the FP16 flash-decoding kernel does: 3 tensor-core dots per page instead of 4)
+#: the FP16 flash-decoding kernel does: 3 tensor-core dots per page instead of 4); k_terms: parts of
+#: q * scale in the key dot (2: ~22 bits in fp16, 3: ~33); num_stages: software-pipelining depth;
+#: words: fp16 q unpacks codes from 32-bit words, two per operation (False: byte by byte)
 #: defaults from the tune rows of benchmarks/results (H100, B=8 x 32K: 4 warps, 3 waves, P rounded once
 #: ran KIVI-K2V2 in 0.59 ms against 0.84 ms for 8 warps with split P)
-TUNE = {"num_warps": 4, "waves": 3, "block_t": None, "split_p": False}
+TUNE = {"num_warps": 4, "waves": 3, "block_t": None, "split_p": False, "k_terms": 2, "num_stages": None,
+        "words": True}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -92,6 +95,40 @@ def _key_codes(kc_ptr, kh_ptr, ki_ptr, kbase, hbase, dc, c0,
 
 
 @triton.jit
+def _key_words(kc_ptr, kh_ptr, ki_ptr, kbase, hbase, dc, c0,
+               DC: tl.constexpr, BT: tl.constexpr, GB: tl.constexpr, K_BITS: tl.constexpr,
+               KITTY: tl.constexpr, DB_HIGH: tl.constexpr):
+    """Key codes of channels ``dc`` and tokens [c0, c0 + BT) of one page as fp16 (DC, BT), the tokens in
+    the order of ``_word_order``: 32-bit words of the packed rows, two codes per operation; Kitty
+    (Algorithm 1) ORs the boosted channels' high plane in, shifted by 2, word by word."""
+    NW: tl.constexpr = BT * K_BITS // 32
+    jw = c0 * K_BITS // 32 + tl.arange(0, NW)
+    w = tl.load(kc_ptr.to(tl.pointer_type(tl.int32)) + (kbase + dc[:, None]) * (GB // 4) + jw[None, :])
+    if KITTY:
+        if DB_HIGH > 0:
+            idx = tl.load(ki_ptr + kbase + dc).to(tl.int32)
+            boosted = idx < DB_HIGH
+            hrow = tl.minimum(idx, DB_HIGH - 1)
+            hw = tl.load(kh_ptr.to(tl.pointer_type(tl.int32)) + (hbase + hrow[:, None]) * (GB // 4) + jw[None, :],
+                         mask=boosted[:, None], other=0)
+            # word of 4-bit codes from the two 2-bit planes: per 2-bit field i, low | high << 2, as the
+            # pairs the magic conversion takes (field i of the low plane and of the high plane)
+            return _kitty_words_f16(w, hw, DC, NW)
+    return _word_codes_f16(w, DC, NW, K_BITS)
+
+
+@triton.jit
+def _kitty_words_f16(w, hw, R: tl.constexpr, NW: tl.constexpr):
+    """As ``_word_codes_f16`` for 2-bit fields, each code ``low | high << 2`` (Algorithm 1)."""
+    sh = tl.arange(0, 8) * 2
+    lo = (w[:, :, None] >> sh[None, None, :]) & 0x00030003
+    hi = (hw[:, :, None] >> sh[None, None, :]) & 0x00030003
+    x = lo | (hi << 2) | 0x64006400
+    pair = tl.join(x.to(tl.int16), (x >> 16).to(tl.int16))
+    return tl.reshape(pair, (R, NW * 16)).to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
 def _key_tile(kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, kbase, hbase, dc, c0,
               DC: tl.constexpr, BT: tl.constexpr, GB: tl.constexpr, K_BITS: tl.constexpr,
               KITTY: tl.constexpr, DB_HIGH: tl.constexpr):
@@ -114,20 +151,48 @@ def _codes_to(code, DT: tl.constexpr, MAGIC: tl.constexpr):
 
 
 @triton.jit
-def _split_dot(a, b_codes, DT: tl.constexpr, SPLIT: tl.constexpr = True):
+def _word_order(N: tl.constexpr, BITS: tl.constexpr):
+    """The order in which ``_word_codes_f16`` lays out N codes of one row: column n holds code
+    ``tok(n) = (n // 2P) * 2P + (n // 2) % P + P * (n % 2)`` of the row, P = 16 / BITS (a word holds 2P)."""
+    P: tl.constexpr = 16 // BITS
+    n = tl.arange(0, N)
+    return (n // (2 * P)) * (2 * P) + (n // 2) % P + P * (n % 2)
+
+
+@triton.jit
+def _word_codes_f16(w, R: tl.constexpr, NW: tl.constexpr, BITS: tl.constexpr):
+    """(R, NW) int32 words of packed BITS-bit codes (rule 6, little-endian bytes) -> (R, NW * 32 / BITS)
+    fp16 codes, exact, in the order of ``_word_order``. Two codes per 32-bit operation: the mask
+    0x00030003 (2 bits) picks code k and code k + P of a word into the two 16-bit halves, OR 0x6400 makes
+    each half the fp16 1024 + code, and one packed half subtraction removes the 1024."""
+    P: tl.constexpr = 16 // BITS
+    MASK: tl.constexpr = ((1 << BITS) - 1) * 0x00010001
+    sh = tl.arange(0, P) * BITS
+    x = ((w[:, :, None] >> sh[None, None, :]) & MASK) | 0x64006400          # (R, NW, P)
+    pair = tl.join(x.to(tl.int16), (x >> 16).to(tl.int16))                 # (R, NW, P, 2)
+    return tl.reshape(pair, (R, NW * P * 2)).to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
+def _split_dot(a, b_codes, DT: tl.constexpr, TERMS: tl.constexpr = 2, SHIFT: tl.constexpr = 2048.0):
     """a (fp32, (M, K)) @ b (small integer codes, exact in DT) on tensor cores with ~fp32 accuracy: each
-    row of a is scaled by its max |a| (no fp16 overflow, no underflow of the small parts), split as
-    hi + lo (both rounded to DT), two dots accumulated in fp32, and scaled back."""
+    row of a is scaled by its max |a| (no fp16 overflow), split into TERMS parts rounded to DT (each
+    residual scaled by SHIFT = 2^(DT's mantissa bits + 1) before rounding, so it stays a normal number),
+    one dot per part accumulated in fp32, and scaled back. TERMS = 2 carries ~22 bits of a in fp16."""
     amax = tl.max(tl.abs(a), axis=1)
     r = tl.where(amax > 0.0, amax, 1.0)
     an = a * (1.0 / r)[:, None]
     hi = an.to(DT)
-    if SPLIT:
-        lo = (an - hi.to(tl.float32)).to(DT)
-        res = (tl.dot(hi, b_codes) + tl.dot(lo, b_codes)) * r[:, None]
-    else:
-        res = tl.dot(hi, b_codes) * r[:, None]
-    return res
+    res = tl.dot(hi, b_codes)
+    if TERMS >= 2:
+        r1 = (an - hi.to(tl.float32)) * SHIFT
+        mid = r1.to(DT)
+        low = tl.dot(mid, b_codes)
+        if TERMS >= 3:
+            lo = ((r1 - mid.to(tl.float32)) * SHIFT).to(DT)
+            low = low + tl.dot(lo, b_codes) * (1.0 / SHIFT)
+        res = res + low * (1.0 / SHIFT)
+    return res * r[:, None]
 
 
 @triton.jit
@@ -155,7 +220,8 @@ def _page_block(q, q_ptrs, rmask, sq_d, m_i, l_i, acc, j, c0, valid, b, hk, H_KV
                 D: tl.constexpr, G: tl.constexpr, BT: tl.constexpr, K_BITS: tl.constexpr,
                 V_BITS: tl.constexpr, NGV: tl.constexpr, KITTY: tl.constexpr, DB_HIGH: tl.constexpr,
                 PRECISE: tl.constexpr, LIBDEVICE: tl.constexpr, DT: tl.constexpr,
-                MAGIC: tl.constexpr, SPLIT_P: tl.constexpr):
+                MAGIC: tl.constexpr, SPLIT_P: tl.constexpr,
+                K_TERMS: tl.constexpr, SHIFT: tl.constexpr, K_WORDS: tl.constexpr, V_WORDS: tl.constexpr):
     """Tokens [c0, c0 + BT) of page j (post-sink token index j * G + c0 + i): one online-softmax update."""
     GB: tl.constexpr = G * K_BITS // 8
     VB: tl.constexpr = D * V_BITS // 8
@@ -164,7 +230,10 @@ def _page_block(q, q_ptrs, rmask, sq_d, m_i, l_i, acc, j, c0, valid, b, hk, H_KV
     vpid = tl.load(vt_ptr + b * N_TAB + j, mask=valid, other=0).to(tl.int64)
     kpid = tl.maximum(kpid, 0)
     vpid = tl.maximum(vpid, 0)
-    tok = c0 + tl.arange(0, BT)
+    if K_WORDS:
+        tok = c0 + _word_order(BT, K_BITS)      # the key tile's column order (values and masks follow it)
+    else:
+        tok = c0 + tl.arange(0, BT)
     tmask = ((j * G + tok) < NF) & valid
     kbase = (kpid * H_KV + hk) * D
     hbase = (kpid * H_KV + hk) * DB_HIGH
@@ -176,10 +245,15 @@ def _page_block(q, q_ptrs, rmask, sq_d, m_i, l_i, acc, j, c0, valid, b, hk, H_KV
     else:
         # s = sum_d (q_d scale_d) code_dt + sum_d q_d mn_d: codes are exact in q's dtype, q * scale
         # goes through the tensor cores as hi + lo (fp32-like accuracy), no per-element dequantization
-        code = _key_codes(kc_ptr, kh_ptr, ki_ptr, kbase, hbase, d, c0, D, BT, GB, K_BITS, KITTY, DB_HIGH)
+        if K_WORDS:
+            kcodes = _key_words(kc_ptr, kh_ptr, ki_ptr, kbase, hbase, d, c0, D, BT, GB, K_BITS, KITTY, DB_HIGH)
+        else:
+            kcodes = _codes_to(_key_codes(kc_ptr, kh_ptr, ki_ptr, kbase, hbase, d, c0, D, BT, GB, K_BITS, KITTY,
+                                          DB_HIGH), DT, MAGIC)
         ks = tl.load(ks_ptr + kbase + d).to(tl.float32)
         km = tl.load(km_ptr + kbase + d).to(tl.float32)
-        s = _split_dot(q * ks[None, :], _codes_to(code, DT, MAGIC), DT) + tl.sum(q * km[None, :], axis=1)[:, None]
+        s = (_split_dot(q * ks[None, :], kcodes, DT, K_TERMS, SHIFT)
+             + tl.sum(q * km[None, :], axis=1)[:, None])
     s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     if PRECISE:
@@ -191,6 +265,17 @@ def _page_block(q, q_ptrs, rmask, sq_d, m_i, l_i, acc, j, c0, valid, b, hk, H_KV
     l_i = l_i * alpha + tl.sum(p, axis=1)
     # values (BT, D) of the same tokens: value page j, slots c0 .. c0 + BT
     vrow = (vpid * H_KV + hk) * G + tok
+    if V_WORDS:
+        # one group per token, codes in the channel order of _word_order (acc is kept in that order)
+        vw = tl.arange(0, VB // 4)
+        vword = tl.load(vc_ptr.to(tl.pointer_type(tl.int32)) + vrow[:, None] * (VB // 4) + vw[None, :],
+                        mask=tmask[:, None], other=0)
+        vs = tl.load(vs_ptr + vrow, mask=tmask, other=0.0).to(tl.float32)
+        vm = tl.load(vm_ptr + vrow, mask=tmask, other=0.0).to(tl.float32)
+        pv = (_split_dot(p * vs[None, :], _word_codes_f16(vword, BT, VB // 4, V_BITS), DT, 2 if SPLIT_P else 1,
+                         SHIFT) + tl.sum(p * vm[None, :], axis=1)[:, None])
+        acc = acc * alpha[:, None] + pv
+        return m_new, l_i, acc
     vb = tl.arange(0, VB)
     vbyte = tl.load(vc_ptr + vrow[:, None] * VB + vb[None, :], mask=tmask[:, None], other=0).to(tl.int32)
     vcode = _unpack_last(vbyte, BT, VB, VPER, V_BITS)
@@ -198,7 +283,8 @@ def _page_block(q, q_ptrs, rmask, sq_d, m_i, l_i, acc, j, c0, valid, b, hk, H_KV
         # one group per token: p v = (p * scale_t) codes + sum_t p_t mn_t, codes exact in q's dtype
         vs = tl.load(vs_ptr + vrow, mask=tmask, other=0.0).to(tl.float32)
         vm = tl.load(vm_ptr + vrow, mask=tmask, other=0.0).to(tl.float32)
-        pv = _split_dot(p * vs[None, :], _codes_to(vcode, DT, MAGIC), DT, SPLIT_P) + tl.sum(p * vm[None, :], axis=1)[:, None]
+        pv = (_split_dot(p * vs[None, :], _codes_to(vcode, DT, MAGIC), DT, 2 if SPLIT_P else 1, SHIFT)
+                  + tl.sum(p * vm[None, :], axis=1)[:, None])
     else:
         if NGV == 1:
             vs = tl.load(vs_ptr + vrow, mask=tmask, other=0.0).to(tl.float32)[:, None]
@@ -214,7 +300,7 @@ def _page_block(q, q_ptrs, rmask, sq_d, m_i, l_i, acc, j, c0, valid, b, hk, H_KV
             pv = tl.dot(p, v, input_precision="ieee")
         else:
             vh = v.to(DT)
-            pv = _split_dot(p, vh, DT) + _split_dot(p, (v - vh.to(tl.float32)).to(DT), DT)
+            pv = _split_dot(p, vh, DT, 2, SHIFT) + _split_dot(p, (v - vh.to(tl.float32)).to(DT), DT, 2, SHIFT)
     acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
 
@@ -236,7 +322,8 @@ def _fused_kernel(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr,
                   G_Q: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BT: tl.constexpr,
                   K_BITS: tl.constexpr, V_BITS: tl.constexpr, NGV: tl.constexpr, KITTY: tl.constexpr,
                   DB_HIGH: tl.constexpr, BLOCK_M: tl.constexpr, PRECISE: tl.constexpr, TIGHT: tl.constexpr,
-                  NPPS: tl.constexpr, MAGIC: tl.constexpr, SPLIT_P: tl.constexpr):
+                  NPPS: tl.constexpr, MAGIC: tl.constexpr, SPLIT_P: tl.constexpr,
+                  K_TERMS: tl.constexpr, SHIFT: tl.constexpr, K_WORDS: tl.constexpr, V_WORDS: tl.constexpr):
     bh = tl.program_id(0)
     sp = tl.program_id(1)
     mb = tl.program_id(2)
@@ -267,7 +354,8 @@ def _fused_kernel(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr,
                 m_i, l_i, acc = _page_block(q, q_ptrs, rmask, sq_d, m_i, l_i, acc, j, c * BT, j < p_end, b, hk,
                                             H_KV, NF, N_TAB, qk_scale, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr,
                                             vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr, D, G, BT, K_BITS, V_BITS,
-                                            NGV, KITTY, DB_HIGH, PRECISE, LIBDEVICE, DT, MAGIC, SPLIT_P)
+                                            NGV, KITTY, DB_HIGH, PRECISE, LIBDEVICE, DT, MAGIC, SPLIT_P,
+                                            K_TERMS, SHIFT, K_WORDS, V_WORDS)
     else:                                                   # interpreter: constexpr trip count, masked
         for it in range(0, NPPS):
             j = p_start + it
@@ -275,11 +363,16 @@ def _fused_kernel(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr,
                 m_i, l_i, acc = _page_block(q, q_ptrs, rmask, sq_d, m_i, l_i, acc, j, c * BT, j < p_end, b, hk,
                                             H_KV, NF, N_TAB, qk_scale, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr,
                                             vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr, D, G, BT, K_BITS, V_BITS,
-                                            NGV, KITTY, DB_HIGH, PRECISE, LIBDEVICE, DT, MAGIC, SPLIT_P)
+                                            NGV, KITTY, DB_HIGH, PRECISE, LIBDEVICE, DT, MAGIC, SPLIT_P,
+                                            K_TERMS, SHIFT, K_WORDS, V_WORDS)
     if not PRECISE:
         m_i = m_i * 0.6931471805599453                    # log2 units -> natural
     grow = ((b * H_Q + h) * T_Q + t).to(tl.int64) * S_TOTAL + sp
-    tl.store(o_ptr + grow[:, None] * D + d[None, :], acc, mask=rmask[:, None])
+    if V_WORDS:
+        dst = _word_order(D, V_BITS)                     # acc's channel order (see _page_block)
+    else:
+        dst = d
+    tl.store(o_ptr + grow[:, None] * D + dst[None, :], acc, mask=rmask[:, None])
     tl.store(m_ptr + grow, m_i, mask=rmask)
     tl.store(l_ptr + grow, l_i, mask=rmask)
 
@@ -452,14 +545,21 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
         kp = codec.kernel_arrays(cfg, st)
         BT = min(G, 32) if precise else min(G, TUNE["block_t"] or 128)
         warps = TUNE["num_warps"] or (4 if (precise or BT * D <= 8192) else 8)
+        # codes unpacked from 32-bit words, two per operation (fp16 q): rows of whole words
+        magic = qk.dtype == torch.float16 and not precise
+        words = magic and TUNE["words"]
+        k_words = words and (G * kp["bits"] // 8) % 4 == 0 and (BT * kp["bits"]) % 32 == 0
+        v_words = words and D // cfg.v_group(D) == 1 and (D * cfg.v_bits) % 32 == 0
         _fused_kernel[(B * H, n_split, m_blocks)](
             qk, kp["codes"], kp["high"], kp["idx"], kp["scale"], kp["mn"], st.v_codes, st.v_scale, st.v_mn,
             st.k_table, st.v_table, o_part, m_part, l_part, *qk.stride(),
             H_q, H, T_q, M, NF, NP, pps, S_TOTAL, st.k_table.shape[1], sc if precise else sc * LOG2E,
             G_Q=G_q, D=D, G=G, BT=BT, K_BITS=kp["bits"], V_BITS=cfg.v_bits, NGV=D // cfg.v_group(D),
             KITTY=kp["kitty"], DB_HIGH=kp["d_boost"], BLOCK_M=BLOCK_M, PRECISE=precise, TIGHT=not interp,
-            NPPS=pps if interp else 0, MAGIC=(qk.dtype == torch.float16 and not precise),
-            SPLIT_P=bool(TUNE["split_p"]), num_warps=warps, num_stages=2 if not interp else 1)
+            NPPS=pps if interp else 0, MAGIC=magic,
+            SPLIT_P=bool(TUNE["split_p"]), K_TERMS=int(TUNE["k_terms"]), K_WORDS=k_words, V_WORDS=v_words,
+            SHIFT=2048.0 if qk.dtype == torch.float16 else 256.0,
+            num_warps=warps, num_stages=(TUNE["num_stages"] or 2) if not interp else 1)
     if tail_plan:
         tk, tv = tail
         Tt, kps, nt, block_n, warps, stages = tail_plan

@@ -1,0 +1,80 @@
+"""Profile the fused KIVI / Kitty decode kernel on the GPU: a launch-knob sweep, then one launch for ncu.
+
+    python benchmarks/profile_fused.py --out $OUT                   # sweep TUNE knobs, JSON to $OUT/fused_sweep.json
+    ncu --set full -k regex:_fused -c 1 python benchmarks/profile_fused.py --once   # one decode, for ncu
+
+Shape: B = 8, T = 32K, 32 query / 8 KV heads, head dim 128 (the issue's "batch 8" row). The cache is
+filled with random codes (``bench_kivi_kitty.build_cache``); times are medians of CUDA-graph replays
+(``common.bench``) of the whole decode (fused kernel + tail + merge).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_kivi_kitty as BK  # noqa: E402
+import common as C  # noqa: E402
+
+
+def setup(method: str, B: int, T: int):
+    mod, cfg = BK.config(method, T, dry=False)
+    st = BK.build_cache(mod, cfg, B, 8, 128, T, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    qs = [torch.randn((B, 32, 1, 128), generator=g, device="cuda", dtype=torch.float16) for _ in range(4)]
+    return mod, cfg, st, qs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    ap.add_argument("--once", action="store_true", help="one decode per method (for ncu)")
+    ap.add_argument("--methods", default="KIVI-K2V2,Kitty")
+    ap.add_argument("--B", type=int, default=8)
+    ap.add_argument("--T", type=int, default=32768)
+    ap.add_argument("--grid", default="block_t=32,64,128;num_warps=4,8;waves=3")
+    a = ap.parse_args()
+    from kvq.fast.triton import paged
+    methods = a.methods.split(",")
+    if a.once:
+        for m in methods:
+            mod, cfg, st, qs = setup(m, a.B, a.T)
+            mod.decode_attention(cfg, st, qs[0])
+            torch.cuda.synchronize()
+        return
+    keys, vals = [], []
+    for part in a.grid.split(";"):
+        k, v = part.split("=")
+        keys.append(k)
+        vals.append([int(x) if x.isdigit() else x == "True" for x in v.split(",")])
+    rows = []
+    old = dict(paged.TUNE)
+    for m in methods:
+        mod, cfg, st, qs = setup(m, a.B, a.T)
+        for combo in itertools.product(*vals):
+            paged.TUNE.update(dict(zip(keys, combo)))
+            try:
+                t = C.bench(lambda q, s=st: mod.decode_attention(cfg, s, q), [(q,) for q in qs], device="cuda")
+                row = {"method": m, **dict(zip(keys, combo)), "ms": t["ms"]}
+            except Exception as e:                                  # a knob the kernel cannot take
+                row = {"method": m, **dict(zip(keys, combo)), "error": f"{type(e).__name__}: {e}"[:300]}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            paged.TUNE.clear()
+            paged.TUNE.update(old)
+        del st
+        torch.cuda.empty_cache()
+    res = {"meta": C.meta(torch.device("cuda")), "B": a.B, "T": a.T, "rows": rows}
+    with open(os.path.join(a.out, "fused_sweep.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""CuPy Kitty cache: mirrors ``kvq.reference.kitty`` on torch tensors (layout and decode: ``kvq.fast.cupy.paged``).
+
+Kitty is KIVI-2bit with FP16 sink tokens and, per key page and head, the ``d_boost`` channels of
+largest mean magnitude (eq. 2) at 4 bits, stored as a dense 2-bit ``low`` plane, a compact 2-bit
+``high`` plane of the boosted channels and a channel -> row index ``idx`` (sentinel d_boost).
+
+    from kvq.fast.cupy import kitty
+    cfg = kitty.CONFIGS["Kitty"]
+    st = kitty.init(cfg, 8, 8, 128); kitty.append(cfg, st, k, v); out, lse = kitty.decode_attention(cfg, st, q)
+
+Bit-exactness: every state tensor equals the reference's after the same appends, except where a
+page's channel ranking has a near-tie: the scores are an order-dependent fp32 sum (contract rule 7),
+so the fast tier may boost another channel only where two scores tie to within rounding. Random
+selection draws the reference's NumPy random numbers on the host (the same generator and seed).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvq.fast import _codecs as K
+from kvq.reference.kitty import CONFIGS, KittyConfig  # noqa: F401  (the reference's objects)
+
+from . import paged
+
+__all__ = ["KittyConfig", "CONFIGS", "init", "append", "dequantize", "decode_attention",
+           "channel_scores", "select_boost", "encode_page", "dequantize_page"]
+
+
+def channel_scores(kpage):
+    """Mirrors `kvq.reference.kitty.channel_scores`: eq. 2, ``(1/G) sum_t |x_{t,i}|`` fp32, (..., G, D) -> (..., D).
+
+    Differences: torch CUDA tensors; the sum is torch's (another order than NumPy's pairwise sum: contract
+    rule 7, equal up to rounding; the division by G is IEEE and exact to the reference's given the sum).
+    """
+    K.check_kpage(kpage)
+    return K.channel_scores(kpage)
+
+
+def select_boost(scores, d_boost: int, selection: str = "magnitude", rng=None):
+    """Mirrors `kvq.reference.kitty.select_boost`: bool mask (..., D) of the ``d_boost`` boosted channels.
+
+    Largest scores first, ties to the lower channel (a stable sort on -score); ``selection="random"``
+    draws ``rng.random(scores.shape)`` with the NumPy generator ``rng`` on the host (bit-identical to
+    the reference's choice). Differences: torch tensors in and out.
+    """
+    return K.select_boost(scores, d_boost, selection, rng)
+
+
+def encode_page(kpage, boost, meta_dtype="float16") -> dict:
+    """Mirrors `kvq.reference.kitty.encode_page`: INT4 where ``boost`` else INT2 per channel, split in planes.
+
+    Returns ``low`` (..., D, G/4), ``high`` (..., D_boost, G/4), ``idx`` (..., D) uint8 and ``scale`` /
+    ``mn`` (..., D). The page is quantized at both widths with the bit-exact CuPy quantizer (codes
+    along tokens), the planes are selected with torch and packed with the CuPy packer.
+    Differences: torch tensors in and out.
+    """
+    K.check_kpage(kpage)
+    boost = boost.to(torch.bool)
+    return K.encode(paged.OPS, kpage, boost, K.check_boost(kpage, boost), meta_dtype)
+
+
+def dequantize_page(page: dict, group_size: int):
+    """Mirrors `kvq.reference.kitty.dequantize_page`: Algorithm 1, a key page back to fp32 keys (..., G, D).
+
+    Differences: torch tensors; unpack and dequantize run as CuPy kernels plus torch gathers.
+    """
+    return K.dequantize_page(paged.OPS, page, group_size)
+
+
+#: Kitty key pages (``kvq.fast._codecs.KittyCodec``) quantized and packed by the CuPy kernels
+KeyCodec = K.KittyCodec(paged.OPS)
+
+
+def init(cfg: KittyConfig, batch: int, kv_heads: int, head_dim: int) -> paged.PagedState:
+    """Mirrors `kvq.reference.kitty.init`: an empty Kitty cache, preallocated.
+
+    Differences: the state's tensors (torch) live on the current CUDA device.
+    """
+    return paged.init(cfg, KeyCodec, batch, kv_heads, head_dim)
+
+
+def append(cfg: KittyConfig, state: paged.PagedState, k, v) -> paged.PagedState:
+    """Mirrors `kvq.reference.kitty.append`: insert the tokens, quantize and pack every full Q-buffer.
+
+    Differences: torch tensors on the cache's device; a boosted channel may differ from the reference's
+    only where two channel scores tie to within rounding (see the module docstring).
+    """
+    return paged.append(cfg, KeyCodec, state, k, v)
+
+
+def dequantize(cfg: KittyConfig, state: paged.PagedState):
+    """Mirrors `kvq.reference.kitty.dequantize`: (K, V) fp32 (B, H_kv, T, D), bit-identical."""
+    return paged.dequantize_cache(cfg, KeyCodec, state)
+
+
+def decode_attention(cfg: KittyConfig, state: paged.PagedState, q, *, scale=None):
+    """Mirrors `kvq.reference.kitty.decode_attention`: ``(out, lse)`` of q over the cache.
+
+    Differences: one fused CUDA kernel (Algorithm 1 in registers) for the quantized pages (tolerance
+    rule, contract rule 7; G = 128, D in {64, 128}, fp16 metadata, else the dequantized cache through
+    the CuPy FP16-baseline kernel in fp32); out in q's dtype (the reference returns float32), lse
+    float32; float64 q is refused.
+    """
+    return paged.decode_attention(cfg, KeyCodec, state, q, scale=scale)

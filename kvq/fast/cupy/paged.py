@@ -1,0 +1,215 @@
+"""CuPy decode over the paged streaming cache shared by ``kivi`` and ``kitty`` (``kvq.reference.paged``).
+
+The state, its routing and its quantize+pack steps are ``kvq.fast._paged`` (shared with the Triton
+backend), run here with the bit-exact CuPy kernels (``OPS``); this module adds the decode kernels of
+``paged.cu``.
+
+    st = init(cfg, codec, batch=8, kv_heads=8, head_dim=128)       # on the current CUDA device
+    append(cfg, codec, st, k, v)                                    # k, v: (B, H_kv, T_new, D) fp16
+    out, lse = decode_attention(cfg, codec, st, q)                  # one fused kernel for the bulk
+
+decode_attention: the tokens ``[S, S + NF)`` whose key AND value are both quantized (NF = min(key
+pages * G, quantized values); key page j and value page j cover the same tokens) run through ONE
+fused kernel (``paged_decode``): each warp copies a page (packed codes + metadata) into shared memory
+with cp.async (the next page in flight), unpacks and dequantizes it in registers (bit-exact
+``code * scale + mn``) and does flash-decoding with an fp32 online softmax on the CUDA cores. The few
+other tokens (sink, key Q-buffer, value window / Q-buffer, mixed tokens: at most S + G + R + G) are
+gathered by ``paged_gather_tail`` (bit-exact dequantization) into one fp32 segment and run through
+``attention.cu``'s fp32 split kernel; all partials are merged by its log-sum-exp merge kernel.
+The fused kernel takes G = 128, D in {64, 128}, fp16 metadata and value groups of a multiple of 4
+channels; other configurations dequantize the cache and run the FP16-baseline kernels in fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from kvq.fast import _common as C
+from kvq.fast import _paged
+from kvq.fast._codecs import Ops
+from kvq.fast._paged import (PagedState, append, counts, dequantize_cache, init,  # noqa: F401
+                             max_pages, meta_dtype, quantize_values, segment_bounds)
+
+from . import _loader as L
+from . import attention as A
+from . import packing as P
+from . import quant as Q
+
+#: the bit-exact CuPy kernels the shared paged cache (``kvq.fast._paged``) quantizes and packs with
+OPS = Ops("cupy", Q, P, lambda: False)
+
+_SRC = "paged.cu"
+LOG2E = 1.4426950408889634
+G_FUSED = 128
+_SMEM_LIMIT = 200 * 1024            # dynamic shared memory a block may ask for (H100: 227 KiB)
+_GATHER_THREADS = 256
+
+#: launch knobs of the fused kernel for tuning runs (None = built-in): warps per block (<= 4),
+#: waves = target blocks per SM over the fused grid
+TUNE = {"num_warps": None, "waves": 2}
+
+
+def _buf_bytes(D: int, k_bits: int, v_bits: int, kitty: bool, ngv: int, db: int) -> int:
+    """Bytes of one page buffer (paged.cu PageBuf::bytes, the same formula)."""
+    G = G_FUSED
+    gb = G * k_bits // 8
+    n = D * gb + 2 * D * 2 + (D if kitty else 0) + G * (D * v_bits // 8) + 2 * G * ngv * 2
+    return n + (db * gb if kitty else 0)
+
+
+def _smem_bytes(D: int, QT: int, nw: int, buf: int) -> int:
+    return QT * D * 4 + nw * (G_FUSED * QT * 4 + 2 * buf)
+
+
+def fused_ok(cfg, D: int) -> bool:
+    """Whether the fused kernel takes this configuration (else decode dequantizes the whole cache)."""
+    Gv = cfg.v_group(D)
+    return (cfg.group_size == G_FUSED and D in L.PAGED_DIMS and Gv % 4 == 0
+            and meta_dtype(cfg) == torch.float16)
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_kernel(D: int, k_bits: int, v_bits: int, kitty: bool, QT: int, smem: int, device_index: int):
+    """paged_decode for these template values, allowed ``smem`` bytes of dynamic shared memory (the
+    attributes are per device: set with that device current)."""
+    import cupy
+
+    fn = L.kernel(_SRC, L.paged_decode_name(D, k_bits, v_bits, kitty, QT))
+    with cupy.cuda.Device(device_index):
+        if smem > 48 * 1024:
+            fn.max_dynamic_shared_size_bytes = smem
+        try:
+            fn.preferred_shared_memory_carveout = 100
+        except (AttributeError, RuntimeError):          # older CuPy: the driver's choice stays
+            pass
+    return fn
+
+
+def _launch(fn, grid, block, args, device: torch.device, shared_mem: int) -> None:
+    """``_loader.run`` with dynamic shared memory (tensors as device pointers, torch's current stream)."""
+    import cupy
+
+    dev = device.index if device.index is not None else torch.cuda.current_device()
+    with cupy.cuda.Device(dev), L._external_stream(L._raw_stream(dev), dev):
+        cargs = tuple(np.uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else a for a in args)
+        fn(tuple(int(g) for g in grid), tuple(int(b) for b in block), cargs, shared_mem=int(shared_mem))
+
+
+def _aligned(*ts) -> bool:
+    return all(t.data_ptr() % 16 == 0 and t.is_contiguous() for t in ts)
+
+
+def gather_tail(cfg, codec, st: PagedState, NF: int):
+    """K, V fp32 (B, H, NT, D) of the tokens outside the fused range: the sink, then post-sink tokens
+    [NF, T - S) in token order (one kernel; bit-exact with the reference's dequantize)."""
+    B, H, D = st.shape
+    T = st.length
+    c = counts(cfg, T)
+    S, G, R = cfg.sink, cfg.group_size, cfg.residual
+    NS = c["n_sink"]
+    NT = NS + (c["post"] - NF)
+    ok = torch.empty((B, H, NT, D), dtype=torch.float32, device=st.device)
+    ov = torch.empty_like(ok)
+    if NT == 0:
+        return ok, ov
+    kp = codec.kernel_arrays(cfg, st)
+    meta32 = int(kp["scale"].dtype == torch.float32)
+    fn = L.kernel(_SRC, f"paged_gather_tail<{int(kp['kitty'])}>")
+    total = B * H * NT * D
+    L.run(fn, (L.grid_1d(total, _GATHER_THREADS),), (_GATHER_THREADS,),
+          (st.sink_k, st.sink_v, st.k_buf, st.v_buf, st.v_win, kp["codes"], kp["high"], kp["idx"], kp["scale"],
+           kp["mn"], st.v_codes, st.v_scale, st.v_mn, st.k_table, st.v_table, ok, ov,
+           np.int32(B), np.int32(H), np.int32(D), np.int32(S), np.int32(NS), np.int32(NF), np.int32(NT),
+           np.int32(c["n_kpages"] * G), np.int32(c["n_vq"]), np.int32(c["n_vbuf"]), np.int32(max(R, 1)),
+           np.int32(st.k_table.shape[1]), np.int32(G), np.int32(kp["bits"]), np.int32(cfg.v_bits),
+           np.int32(D // cfg.v_group(D)), np.int32(kp["d_boost"]), np.int32(meta32)), st.device)
+    return ok, ov
+
+
+def _plan(D: int, k_bits: int, v_bits: int, kitty: bool, ngv: int, db: int, QT: int):
+    """(warps per block, dynamic shared memory bytes) of the fused kernel."""
+    buf = _buf_bytes(D, k_bits, v_bits, kitty, ngv, db)
+    nw = TUNE["num_warps"] or 4
+    nw = max(1, min(4, nw))
+    while nw > 1 and _smem_bytes(D, QT, nw, buf) > _SMEM_LIMIT:
+        nw -= 1
+    return nw, _smem_bytes(D, QT, nw, buf)
+
+
+def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
+    """Attention of q (B, H_q, T_q, D) over the cache: ``(out in q's dtype, lse fp32)``."""
+    _paged.check_q(codec, st, q)
+    B, H, D = st.shape
+    _, H_q, T_q, _ = q.shape
+    sc = C.softmax_scale(scale, D)
+    dev = q.device
+    out = torch.empty(tuple(q.shape), dtype=q.dtype, device=dev)
+    lse = torch.empty((B, H_q, T_q), dtype=torch.float32, device=dev)
+    if out.numel() == 0:
+        return out, lse
+    if B > 65535 or H > 65535:
+        raise ValueError(f"B={B} and H_kv={H} must be at most 65535 (CUDA grid limits)")
+    T = st.length
+    c = counts(cfg, T)
+    G = cfg.group_size
+    kp = codec.kernel_arrays(cfg, st)
+    arrays = [kp["codes"], kp["high"], kp["idx"], kp["scale"], kp["mn"], st.v_codes, st.v_scale, st.v_mn]
+    if not (fused_ok(cfg, D) and _aligned(*arrays)):
+        K, V = dequantize_cache(cfg, codec, st)
+        o, ls = A.decode_attention(q.float(), [(K, V)], scale=sc)
+        return o.to(q.dtype), ls
+    NF = min(c["n_kpages"] * G, c["n_vq"])
+    NP = -(-NF // G)
+    G_q = H_q // H
+    M = G_q * T_q
+    QT = 4 if M <= 4 else 8
+    qtiles = -(-M // QT)
+    dev_index = dev.index if dev.index is not None else torch.cuda.current_device()
+    sms = L.sm_count(dev_index)
+    ngv = D // cfg.v_group(D)
+    k_bits, kitty, db = kp["bits"], bool(kp["kitty"]), kp["d_boost"]
+    # fused splits: about TUNE["waves"] blocks per SM, each warp at least one page
+    n_split = pps = nw = smem = 0
+    if NP:
+        nw, smem = _plan(D, k_bits, cfg.v_bits, kitty, ngv, db, QT)
+        want = max(1, -(-int(TUNE["waves"] * sms) // (B * H * qtiles)))
+        pps = -(-NP // min(want, NP))
+        pps = -(-pps // nw) * nw                      # whole pages for every warp of a block
+        n_split = -(-NP // pps)
+    # the rest: sink + tokens [S + NF, T), one fp32 segment gathered by one kernel
+    tail = None
+    if c["n_sink"] + c["post"] - NF > 0:
+        tk, tv = gather_tail(cfg, codec, st, NF)
+        dt32 = L.DT[torch.float32]
+        tnw = L.attn_warps(dt32, D)
+        chunk, nt = A._splits(tk.shape[2], B * H * qtiles, 32 * tnw, sms)
+        tail = (tk, tv, chunk, nt, tnw)
+    S_TOTAL = n_split + (tail[3] if tail else 0)
+    rows = B * H_q * T_q
+    o_part = torch.empty((S_TOTAL, rows, D), dtype=torch.float32, device=dev)
+    lse_part = torch.empty((S_TOTAL, rows), dtype=torch.float32, device=dev)
+    if n_split:
+        qq = q if q.stride(-1) == 1 else q.contiguous()
+        fn = _decode_kernel(D, k_bits, cfg.v_bits, kitty, QT, smem, dev_index)
+        _launch(fn, (n_split * qtiles, H, B), (32 * nw,),
+                (qq, np.int32(L.DT[q.dtype]), *(np.int64(s) for s in qq.stride()[:3]),
+                 kp["codes"], kp["high"], kp["idx"], kp["scale"], kp["mn"], st.v_codes, st.v_scale, st.v_mn,
+                 st.k_table, st.v_table, np.int32(st.k_table.shape[1]), o_part, lse_part,
+                 np.int32(B), np.int32(H_q), np.int32(H), np.int32(T_q), np.int32(NF), np.int32(NP),
+                 np.int32(pps), np.int32(n_split), np.int32(db), np.int32(ngv), np.float32(sc * LOG2E)),
+                dev, smem)
+    if tail:
+        tk, tv, chunk, nt, tnw = tail
+        qf = q.float() if q.dtype != torch.float32 else (q if q.stride(-1) == 1 else q.contiguous())
+        fn = A._split_kernel(L.DT[torch.float32], D, QT, tnw)        # attention.cu's QT: 4 or 8 as here
+        L.run(fn, (nt * qtiles, H, B), (32 * tnw,),
+              (qf, tk, tv, o_part, lse_part,
+               *(np.int64(s) for s in qf.stride()[:3]), *(np.int64(s) for s in tk.stride()[:3]),
+               *(np.int64(s) for s in tv.stride()[:3]),
+               np.int32(B), np.int32(H_q), np.int32(H), np.int32(T_q), np.int64(tk.shape[2]), np.int64(chunk),
+               np.int32(nt), np.int32(n_split), np.float32(sc * LOG2E)), dev)
+    A._merge_launch(o_part, lse_part, out, lse, rows, S_TOTAL, D)
+    return out, lse
