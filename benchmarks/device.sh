@@ -3,6 +3,7 @@
 #
 #   bash benchmarks/device.sh [COMMIT]          # as the device tool's command, from the repository root
 #   BENCH_QUICK=1 bash benchmarks/device.sh     # fewer shapes and rounds
+#   BENCH_ONLY=ceilings,kivi_kitty bash benchmarks/device.sh   # some benchmark sections only
 #
 # COMMIT (or env KVQ_COMMIT) names the commit in the results: the device copy has no .git.
 # Each step has its own timeout (tests TEST_TIMEOUT=240 s, benchmarks BENCH_TIMEOUT=280 s) and a failed
@@ -47,6 +48,7 @@ echo "== benchmarks"
 QUICK=()
 if [ "${BENCH_QUICK:-0}" = "1" ]; then QUICK=(--quick); fi
 timeout -k 10 "${BENCH_TIMEOUT:-280}" python3 benchmarks/run_all.py --out "$OUT" \
+    --only "${BENCH_ONLY:-ceilings,quant,decode,kivi_kitty}" \
     --budget-s "$(( ${BENCH_TIMEOUT:-280} - 30 ))" ${QUICK[@]+"${QUICK[@]}"} \
     2>&1 | tee "$OUT/bench.log"
 BENCH_RC=${PIPESTATUS[0]}
