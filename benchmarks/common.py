@@ -194,7 +194,10 @@ def bench(fn, inputs, *, device, quick: bool = False, graph: bool = True,
 # ----------------------------------------------------------------------------------------------- metadata
 
 def git_commit() -> str:
-    """HEAD's hash, with '-dirty' when the tree has changes; KVQ_COMMIT where there is no .git (device copy)."""
+    """KVQ_COMMIT when set (the device copy: its .git, where there is one, may be stale), else HEAD's hash
+    with '-dirty' when the tree has changes."""
+    if os.environ.get("KVQ_COMMIT"):
+        return os.environ["KVQ_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               timeout=10)
@@ -204,7 +207,7 @@ def git_commit() -> str:
             return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("KVQ_COMMIT", "unknown")
+    return "unknown"
 
 
 def utc_now() -> str:
