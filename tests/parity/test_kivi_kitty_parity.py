@@ -242,6 +242,17 @@ def test_decode_p_split(target, a, monkeypatch):
     test_decode_attention(target, a)
 
 
+@pytest.mark.parametrize("a", [ATTN[1], ATTN[5], ATTN[6]], ids=["KIVI-K2V2-fp16", "Kitty-fp16-gqa8", "Kitty-Pro-fp16"])
+def test_decode_cuda_cores(target, a, monkeypatch):
+    """CuPy: fp16 q with 2-bit keys and values takes the tensor-core kernel (paged_decode_mma) by
+    default; ``TUNE["mma"] = False`` runs the CUDA-core kernel (paged_decode) on the same cases."""
+    if target[0] != "cupy":
+        pytest.skip("TUNE['mma'] is a knob of the CuPy fused kernels")
+    FP = _paged("cupy")
+    monkeypatch.setitem(FP.TUNE, "mma", False)
+    test_decode_attention(target, a)
+
+
 @pytest.mark.parametrize("ci", [0, 3], ids=[IDS[0], IDS[3]])
 def test_decode_large_magnitudes(target, ci):
     """Keys and values up to ~3e4, |q| up to ~1e3: q_d * scale_d far beyond float16 (65504); the

@@ -90,6 +90,7 @@ def paged_decode_name(D: int, k_bits: int, v_bits: int, kitty: bool, QT: int) ->
 def _paged_names():
     names = [paged_decode_name(D, kb, vb, kitty, qt) for D in PAGED_DIMS for kb, kitty in PAGED_KEYS
              for vb in PAGED_VBITS for qt in PAGED_QT]
+    names += [f"paged_decode_mma<{k}>" for k in (0, 1)]
     names += [f"paged_gather_tail<{k}>" for k in (0, 1)]
     return tuple(names)
 

@@ -107,6 +107,65 @@ __device__ __forceinline__ void warp_copy(u8* dst, const u8* src, int nbytes, in
     for (int i = lane * 16; i < nbytes; i += 32 * 16) p_cp_async16(dst + i, src + i);
 }
 
+// Stage page j of sequence b, kv head hk (key page k_table[b, j], value page v_table[b, j]) into the
+// warp's page buffer `buf` (PageBuf layout) with 16-byte cp.async copies; the caller commits / waits.
+template <int D, int KB, int VB, int KITTY>
+__device__ __forceinline__ void stage_page(u8* buf, int j, int b, int hk, int Hkv, int n_tab,
+                                           const int* __restrict__ k_table, const int* __restrict__ v_table,
+                                           const u8* __restrict__ kc, const u8* __restrict__ kh,
+                                           const u8* __restrict__ ki, const u16* __restrict__ ks,
+                                           const u16* __restrict__ km, const u8* __restrict__ vc,
+                                           const u16* __restrict__ vs, const u16* __restrict__ vm, int ngv,
+                                           int db, int lane) {
+    typedef PageBuf<D, KB, VB, KITTY != 0> PB;
+    constexpr int G = KVQ_G;
+    constexpr int GB = PB::GB;
+    constexpr int VBY = PB::VBY;
+    const i64 kpid = (i64)kvq_max_i(k_table[(i64)b * n_tab + j], 0);
+    const i64 vpid = (i64)kvq_max_i(v_table[(i64)b * n_tab + j], 0);
+    const i64 kph = kpid * Hkv + hk;
+    const i64 vph = vpid * Hkv + hk;
+    warp_copy(buf + PB::KC, kc + kph * (D * GB), D * GB, lane);
+    warp_copy(buf + PB::KS, reinterpret_cast<const u8*>(ks + kph * D), D * 2, lane);
+    warp_copy(buf + PB::KM, reinterpret_cast<const u8*>(km + kph * D), D * 2, lane);
+    if constexpr (KITTY != 0) {
+        warp_copy(buf + PB::KI, ki + kph * D, D, lane);
+        if (db > 0) warp_copy(buf + PB::kh(ngv), kh + kph * db * GB, db * GB, lane);
+    }
+    warp_copy(buf + PB::VC, vc + vph * (G * VBY), G * VBY, lane);
+    warp_copy(buf + PB::VS, reinterpret_cast<const u8*>(vs + vph * G * ngv), G * ngv * 2, lane);
+    warp_copy(buf + PB::vm(ngv), reinterpret_cast<const u8*>(vm + vph * G * ngv), G * ngv * 2, lane);
+}
+
+// The block's QT query rows (row r0 + qi -> query head hk * Gq + r / Tq, token r % Tq; rows qi >= nq
+// are zero), times qk_scale, as fp32 into shared memory s_q[d * QT + qi].
+template <int D, int QT>
+__device__ __forceinline__ void load_queries(float* s_q, const void* __restrict__ q, int q_dt, i64 sq_b, i64 sq_h,
+                                             i64 sq_t, int b, int hk, int Gq, int Tq, int r0, int nq,
+                                             float qk_scale, int tid, int nthreads) {
+    for (int idx = tid; idx < QT * D; idx += nthreads) {
+        const int d = idx / QT;
+        const int qi = idx - d * QT;
+        float val = 0.0f;
+        if (qi < nq) {
+            const int r = r0 + qi;
+            const int h = hk * Gq + r / Tq;
+            const int t = r - (r / Tq) * Tq;
+            const i64 off = (i64)b * sq_b + (i64)h * sq_h + (i64)t * sq_t + d;
+            float x;
+            if (q_dt == 0) {
+                x = f16_to_f32(reinterpret_cast<const u16*>(q)[off]);
+            } else if (q_dt == 1) {
+                x = bf16_to_f32(reinterpret_cast<const u16*>(q)[off]);
+            } else {
+                x = reinterpret_cast<const float*>(q)[off];
+            }
+            val = __fmul_rn(x, qk_scale);
+        }
+        s_q[idx] = val;
+    }
+}
+
 // ---- fused decode kernel -------------------------------------------------------------------------
 // Computes: for the rows r in [qt*QT, qt*QT + QT) of the G_q * T_q query rows of kv head (b, hk)
 //   (row r -> query head hk*G_q + r / T_q, token r % T_q) and the pages [split*pps, min(split*pps +
@@ -167,27 +226,7 @@ __global__ void __launch_bounds__(128, 2)
     const int r0 = qt * QT;
     const int nq = kvq_min(QT, NQ - r0);
 
-    for (int idx = tid; idx < QT * D; idx += blockDim.x) {
-        const int d = idx / QT;
-        const int qi = idx - d * QT;
-        float val = 0.0f;
-        if (qi < nq) {
-            const int r = r0 + qi;
-            const int h = hk * Gq + r / Tq;
-            const int t = r - (r / Tq) * Tq;
-            const i64 off = (i64)b * sq_b + (i64)h * sq_h + (i64)t * sq_t + d;
-            float x;
-            if (q_dt == 0) {
-                x = f16_to_f32(reinterpret_cast<const u16*>(q)[off]);
-            } else if (q_dt == 1) {
-                x = bf16_to_f32(reinterpret_cast<const u16*>(q)[off]);
-            } else {
-                x = reinterpret_cast<const float*>(q)[off];
-            }
-            val = __fmul_rn(x, qk_scale);
-        }
-        s_q[idx] = val;
-    }
+    load_queries<D, QT>(s_q, q, q_dt, sq_b, sq_h, sq_t, b, hk, Gq, Tq, r0, nq, qk_scale, tid, blockDim.x);
 
     u8* wbase = dsmem + QT * D * 4 + warp * warp_bytes;
     float* pw = reinterpret_cast<float*>(wbase);                      // [G][QT]
@@ -195,24 +234,10 @@ __global__ void __launch_bounds__(128, 2)
 
     const int p0 = split * pps;
     const int p1 = kvq_min(p0 + pps, NP);
-    const i64 hstride = (i64)Hkv;
 
-    // stage page j into buffer `buf`
     auto stage = [&](int j, u8* buf) {
-        const i64 kpid = (i64)kvq_max_i(k_table[(i64)b * n_tab + j], 0);
-        const i64 vpid = (i64)kvq_max_i(v_table[(i64)b * n_tab + j], 0);
-        const i64 kph = kpid * hstride + hk;
-        const i64 vph = vpid * hstride + hk;
-        warp_copy(buf + PB::KC, kc + kph * (D * GB), D * GB, lane);
-        warp_copy(buf + PB::KS, reinterpret_cast<const u8*>(ks + kph * D), D * 2, lane);
-        warp_copy(buf + PB::KM, reinterpret_cast<const u8*>(km + kph * D), D * 2, lane);
-        if constexpr (KITTY != 0) {
-            warp_copy(buf + PB::KI, ki + kph * D, D, lane);
-            if (db > 0) warp_copy(buf + PB::kh(ngv), kh + kph * db * GB, db * GB, lane);
-        }
-        warp_copy(buf + PB::VC, vc + vph * (G * VBY), G * VBY, lane);
-        warp_copy(buf + PB::VS, reinterpret_cast<const u8*>(vs + vph * G * ngv), G * ngv * 2, lane);
-        warp_copy(buf + PB::vm(ngv), reinterpret_cast<const u8*>(vm + vph * G * ngv), G * ngv * 2, lane);
+        stage_page<D, KB, VB, KITTY>(buf, j, b, hk, Hkv, n_tab, k_table, v_table, kc, kh, ki, ks, km, vc, vs, vm,
+                                     ngv, db, lane);
     };
 
     float m[QT], l[QT], acc[QT][4];
@@ -362,6 +387,303 @@ __global__ void __launch_bounds__(128, 2)
             s_m[warp][qi] = m[qi];
             s_l[warp][qi] = l[qi];
         }
+    }
+    __syncthreads();
+    combine_warps<QT, D>(&s_m[0][0], &s_l[0][0], cacc, NW, nq, tid, blockDim.x, r0, hk, Gq, Tq, B, Hq, b,
+                         (i64)(split), o_part, lse_part);
+}
+
+// ---- tensor-core fused decode kernel (fp16 q, D = 128, 2-bit keys and values, one value group per token)
+
+// (lo, hi) -> one half2 register, lo in bits 0-15 (the element order of the mma fragments)
+__device__ __forceinline__ u32 f2_to_h2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ void h2_to_f2(u32 h, float& lo, float& hi) {
+    asm("{.reg .f16 a, b;\n mov.b32 {a, b}, %2;\n cvt.f32.f16 %0, a;\n cvt.f32.f16 %1, b;}"
+        : "=f"(lo), "=f"(hi) : "r"(h));
+}
+
+// x0, x1 as hi = fp16(x) and lo = fp16((x - hi) * 2^11): x = hi + 2^-11 lo to about 22 bits
+__device__ __forceinline__ void split2(float x0, float x1, u32& hi, u32& lo) {
+    hi = f2_to_h2(x0, x1);
+    float h0, h1;
+    h2_to_f2(hi, h0, h1);
+    lo = f2_to_h2((x0 - h0) * 2048.0f, (x1 - h1) * 2048.0f);
+}
+
+// d += a b: mma.sync m16n8k16, f16 inputs, f32 accumulators (a: 4 registers, b: 2)
+__device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// byte BB of w0 to byte 0 and byte BB of w1 to byte 2 (bytes 1 and 3: don't care)
+template <int BB>
+__device__ __forceinline__ u32 byte_pair(u32 w0, u32 w1) {
+    return __byte_perm(w0, w1, BB | (BB << 4) | ((4 + BB) << 8) | ((4 + BB) << 12));
+}
+
+// the 2-bit fields I of bytes 0 and 2 of x as a half2 of exact codes: OR 0x6400 makes each half
+// 1024 + code, one packed subtraction removes the 1024. Kitty (HIGH): code = low | high << 2.
+template <int I, bool HIGH>
+__device__ __forceinline__ u32 codes_h2(u32 x, u32 xh) {
+    u32 h = ((x >> (2 * I)) & 0x00030003u) | 0x64006400u;
+    if constexpr (HIGH) h |= ((xh >> (2 * I)) & 0x00030003u) << 2;
+    u32 r;
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(h), "r"(0x64006400u));
+    return r;
+}
+
+// 16 mma of one k-step: n-tile 4 BB + I takes fields I of byte BB of the two word pairs
+template <bool HIGH>
+__device__ __forceinline__ void mma_ktile(float (*c)[4], const u32* a, u32 w0, u32 w1, u32 w2, u32 w3, u32 h0,
+                                          u32 h1, u32 h2, u32 h3) {
+#pragma unroll
+    for (int bb = 0; bb < 4; ++bb) {
+        u32 xa, xb, ha = 0, hb = 0;
+        switch (bb) {                               // compile-time after unrolling
+            case 0: xa = byte_pair<0>(w0, w1); xb = byte_pair<0>(w2, w3);
+                    if (HIGH) { ha = byte_pair<0>(h0, h1); hb = byte_pair<0>(h2, h3); } break;
+            case 1: xa = byte_pair<1>(w0, w1); xb = byte_pair<1>(w2, w3);
+                    if (HIGH) { ha = byte_pair<1>(h0, h1); hb = byte_pair<1>(h2, h3); } break;
+            case 2: xa = byte_pair<2>(w0, w1); xb = byte_pair<2>(w2, w3);
+                    if (HIGH) { ha = byte_pair<2>(h0, h1); hb = byte_pair<2>(h2, h3); } break;
+            default: xa = byte_pair<3>(w0, w1); xb = byte_pair<3>(w2, w3);
+                    if (HIGH) { ha = byte_pair<3>(h0, h1); hb = byte_pair<3>(h2, h3); } break;
+        }
+        mma16816(c[4 * bb + 0], a, codes_h2<0, HIGH>(xa, ha), codes_h2<0, HIGH>(xb, hb));
+        mma16816(c[4 * bb + 1], a, codes_h2<1, HIGH>(xa, ha), codes_h2<1, HIGH>(xb, hb));
+        mma16816(c[4 * bb + 2], a, codes_h2<2, HIGH>(xa, ha), codes_h2<2, HIGH>(xb, hb));
+        mma16816(c[4 * bb + 3], a, codes_h2<3, HIGH>(xa, ha), codes_h2<3, HIGH>(xb, hb));
+    }
+}
+
+// Computes: the partials of paged_decode (same arguments, same output layout) for up to QT = 8 query
+//   rows per kv head, with both products on the tensor cores (mma.sync m16n8k16, fp16 in, fp32 out):
+//   s = (q * scale_k) . codes + q . mn_k  and  o = (p * scale_v) . codes + p . mn_v. Codes are exact in
+//   fp16 (the 0x6400 magic, two per 32-bit operation, no shared-memory transpose); the fp32 factors
+//   q * scale_k (normalized by max|q| max|scale_k| per page) and p * scale_v are split as hi + 2^-11 lo:
+//   hi in MMA rows 0-7 and lo in rows 8-15 of the same tile (rows g and g + 8 of an mma fragment live
+//   in the same thread), so one mma computes both.
+// Fragment orders (the page's tokens and the value channels are visited in a fixed permuted order;
+//   the softmax and the final store undo nothing else): thread (g = lane / 4, t = lane % 4).
+//   QK: k-step kk covers channels 16 kk + 0..15; n-tile jj (0..15), column n <-> token 16 n + jj:
+//     thread g reads word g (tokens 16 g .. 16 g + 15) of the key rows of channels 16 kk + 2t, 2t+1,
+//     2t+8, 2t+9 and pairs two channels' bytes with one byte_perm (the B fragment).
+//   PV: the score fragment is the A fragment (k-step kk <- QK n-tiles 2kk, 2kk+1): columns 2t, 2t+1,
+//     2t+8, 2t+9 <-> tokens 32t + 2kk, 32t + 16 + 2kk, 32t + 2kk + 1, 32t + 17 + 2kk; n-tile jn (0..15),
+//     column n <-> channel 16 n + jn: thread g reads word g of the value rows of those four tokens.
+// Grid, block, page staging (cp.async, double buffer per warp) and the warp combine as paged_decode.
+// Dynamic shared memory: QT*D*4 (queries) + NW * 2 * PageBuf::bytes.
+template <int KITTY>
+__global__ void __launch_bounds__(128, 2)
+    paged_decode_mma(const void* __restrict__ q, int q_dt, i64 sq_b, i64 sq_h, i64 sq_t,
+                     const u8* __restrict__ kc, const u8* __restrict__ kh, const u8* __restrict__ ki,
+                     const u16* __restrict__ ks, const u16* __restrict__ km, const u8* __restrict__ vc,
+                     const u16* __restrict__ vs, const u16* __restrict__ vm, const int* __restrict__ k_table,
+                     const int* __restrict__ v_table, int n_tab, float* __restrict__ o_part,
+                     float* __restrict__ lse_part, int B, int Hq, int Hkv, int Tq, int NF, int NP, int pps,
+                     int num_splits, int db, int ngv, float qk_scale) {
+    constexpr int D = 128, KB = 2, VB = 2, QT = 8;
+    typedef PageBuf<D, KB, VB, KITTY != 0> PB;
+    constexpr int G = KVQ_G;
+    constexpr int GB = PB::GB;
+    constexpr int VBY = PB::VBY;
+    static_assert(GB == 32 && VBY == 32, "one 32-bit word per thread and row");
+    extern __shared__ u32x4 dsmem4[];
+    __shared__ float s_m[4][QT], s_l[4][QT];
+    u8* dsmem = reinterpret_cast<u8*>(dsmem4);
+    float* s_q = reinterpret_cast<float*>(dsmem);                     // [D][QT]
+    const int bufb = PB::bytes(1, db);
+
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5;
+    const int lane = tid & 31;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int NW = blockDim.x >> 5;
+    const int split = (int)(blockIdx.x % (unsigned)num_splits);
+    const int qt = (int)(blockIdx.x / (unsigned)num_splits);
+    const int hk = blockIdx.y;
+    const int b = blockIdx.z;
+    const int Gq = Hq / Hkv;
+    const int NQ = Gq * Tq;
+    const int r0 = qt * QT;
+    const int nq = kvq_min(QT, NQ - r0);
+    load_queries<D, QT>(s_q, q, q_dt, sq_b, sq_h, sq_t, b, hk, Gq, Tq, r0, nq, qk_scale, tid, blockDim.x);
+    u8* bufs = dsmem + QT * D * 4 + warp * 2 * bufb;
+    const int p0 = split * pps;
+    const int p1 = kvq_min(p0 + pps, NP);
+    __syncthreads();                               // s_q is ready
+
+    // this thread's query values: row g, channels 16 kk + 2t + {0, 1, 8, 9}
+    float qv[8][4];
+    float qmax = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            qv[kk][e] = s_q[(16 * kk + 2 * t + (e & 1) + 8 * (e >> 1)) * QT + g];
+            qmax = fmaxf(qmax, fabsf(qv[kk][e]));
+        }
+    qmax = fmaxf(qmax, __shfl_xor_sync(KVQ_FULL_MASK, qmax, 1));
+    qmax = fmaxf(qmax, __shfl_xor_sync(KVQ_FULL_MASK, qmax, 2));
+
+    float m = -KVQ_INF, l = 0.0f, bsum = 0.0f;
+    float acc[16][4];
+#pragma unroll
+    for (int jn = 0; jn < 16; ++jn)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[jn][e] = 0.0f;
+
+    int j = p0 + warp;
+    if (j < p1) stage_page<D, KB, VB, KITTY>(bufs, j, b, hk, Hkv, n_tab, k_table, v_table, kc, kh, ki, ks, km, vc,
+                                             vs, vm, 1, db, lane);
+    p_commit();
+    int cur = 0;
+    for (; j < p1; j += NW) {                      // uniform across the warp
+        if (j + NW < p1)
+            stage_page<D, KB, VB, KITTY>(bufs + (cur ^ 1) * bufb, j + NW, b, hk, Hkv, n_tab, k_table, v_table, kc,
+                                         kh, ki, ks, km, vc, vs, vm, 1, db, lane);
+        p_commit();
+        p_wait<1>();
+        __syncwarp();
+        const u8* buf = bufs + cur * bufb;
+        const int nvalid = kvq_min(G, NF - j * G);
+        const u16* kss = reinterpret_cast<const u16*>(buf + PB::KS);
+        const u16* kms = reinterpret_cast<const u16*>(buf + PB::KM);
+
+        // ---- the page's key scale range and q . mn (log2 units)
+        float kmax = 0.0f, bias = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int c = 16 * kk + 2 * t + (e & 1) + 8 * (e >> 1);
+                kmax = fmaxf(kmax, fabsf(f16_to_f32(kss[c])));
+                bias = fmaf(qv[kk][e], f16_to_f32(kms[c]), bias);
+            }
+#pragma unroll
+        for (int off = 1; off <= 2; off <<= 1) {
+            kmax = fmaxf(kmax, __shfl_xor_sync(KVQ_FULL_MASK, kmax, off));
+            bias += __shfl_xor_sync(KVQ_FULL_MASK, bias, off);
+        }
+        const float rs = qmax * kmax;
+        const float inv = rs > 0.0f ? 1.0f / rs : 0.0f;
+
+        // ---- scores: 8 k-steps x 16 n-tiles
+        float S[16][4];
+#pragma unroll
+        for (int jj = 0; jj < 16; ++jj)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) S[jj][e] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+            const int c0 = 16 * kk + 2 * t;
+            float f[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) f[e] = qv[kk][e] * f16_to_f32(kss[c0 + (e & 1) + 8 * (e >> 1)]) * inv;
+            u32 a[4];
+            split2(f[0], f[1], a[0], a[1]);
+            split2(f[2], f[3], a[2], a[3]);
+            const u8* kw = buf + PB::KC + 4 * g;
+            const u32 w0 = *reinterpret_cast<const u32*>(kw + c0 * GB);
+            const u32 w1 = *reinterpret_cast<const u32*>(kw + (c0 + 1) * GB);
+            const u32 w2 = *reinterpret_cast<const u32*>(kw + (c0 + 8) * GB);
+            const u32 w3 = *reinterpret_cast<const u32*>(kw + (c0 + 9) * GB);
+            if constexpr (KITTY != 0) {
+                u32 h[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int ix = buf[PB::KI + c0 + (e & 1) + 8 * (e >> 1)];
+                    h[e] = ix < db ? *reinterpret_cast<const u32*>(buf + PB::kh(1) + ix * GB + 4 * g) : 0u;
+                }
+                mma_ktile<true>(S, a, w0, w1, w2, w3, h[0], h[1], h[2], h[3]);
+            } else {
+                mma_ktile<false>(S, a, w0, w1, w2, w3, 0u, 0u, 0u, 0u);
+            }
+        }
+
+        // ---- online softmax (base 2): S[jj][e] (e = 0, 1) <- p of token 32t + 16e + jj
+        float tmax = -KVQ_INF;
+#pragma unroll
+        for (int jj = 0; jj < 16; ++jj)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float v = (S[jj][e] + S[jj][e + 2] * (1.0f / 2048.0f)) * rs + bias;
+                S[jj][e] = 32 * t + 16 * e + jj < nvalid ? v : -KVQ_INF;
+                tmax = fmaxf(tmax, S[jj][e]);
+            }
+        tmax = fmaxf(tmax, __shfl_xor_sync(KVQ_FULL_MASK, tmax, 1));
+        tmax = fmaxf(tmax, __shfl_xor_sync(KVQ_FULL_MASK, tmax, 2));
+        const float mnew = fmaxf(m, tmax);
+        const float alpha = m == mnew ? 1.0f : exp2f(m - mnew);
+        l *= alpha;
+        bsum *= alpha;
+#pragma unroll
+        for (int jn = 0; jn < 16; ++jn)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[jn][e] *= alpha;
+#pragma unroll
+        for (int jj = 0; jj < 16; ++jj)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float p = S[jj][e] == -KVQ_INF ? 0.0f : exp2f(S[jj][e] - mnew);
+                l += p;
+                S[jj][e] = p;
+            }
+        m = mnew;
+
+        // ---- o += (p * scale_v) . codes + p . mn_v: 8 k-steps x 16 n-tiles
+        const u16* vss = reinterpret_cast<const u16*>(buf + PB::VS);
+        const u16* vms = reinterpret_cast<const u16*>(buf + PB::vm(1));
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+            const int tk[4] = {32 * t + 2 * kk, 32 * t + 16 + 2 * kk, 32 * t + 2 * kk + 1, 32 * t + 17 + 2 * kk};
+            const float pk[4] = {S[2 * kk][0], S[2 * kk][1], S[2 * kk + 1][0], S[2 * kk + 1][1]};
+            float f[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                f[e] = pk[e] * f16_to_f32(vss[tk[e]]);
+                bsum = fmaf(pk[e], f16_to_f32(vms[tk[e]]), bsum);
+            }
+            u32 a[4];
+            split2(f[0], f[1], a[0], a[1]);
+            split2(f[2], f[3], a[2], a[3]);
+            const u8* vw = buf + PB::VC + 4 * g;
+            mma_ktile<false>(acc, a, *reinterpret_cast<const u32*>(vw + tk[0] * VBY),
+                             *reinterpret_cast<const u32*>(vw + tk[1] * VBY),
+                             *reinterpret_cast<const u32*>(vw + tk[2] * VBY),
+                             *reinterpret_cast<const u32*>(vw + tk[3] * VBY), 0u, 0u, 0u, 0u);
+        }
+        __syncwarp();                              // the next stage overwrites this buffer
+        cur ^= 1;
+    }
+    p_wait<0>();                                   // no copy may be in flight at exit / reuse
+
+#pragma unroll
+    for (int off = 1; off <= 2; off <<= 1) {
+        l += __shfl_xor_sync(KVQ_FULL_MASK, l, off);
+        bsum += __shfl_xor_sync(KVQ_FULL_MASK, bsum, off);
+    }
+    __syncthreads();                               // every warp is done with its buffers
+    float* cacc = reinterpret_cast<float*>(dsmem + QT * D * 4);      // [NW][QT][D], over the warp areas
+    float* row = cacc + (warp * QT + g) * D + 32 * t;
+#pragma unroll
+    for (int jn = 0; jn < 16; ++jn) {              // channel 16 n + jn of columns n = 2t, 2t + 1
+        row[jn] = acc[jn][0] + acc[jn][2] * (1.0f / 2048.0f) + bsum;
+        row[16 + jn] = acc[jn][1] + acc[jn][3] * (1.0f / 2048.0f) + bsum;
+    }
+    if (t == 0) {
+        s_m[warp][g] = m;
+        s_l[warp][g] = l;
     }
     __syncthreads();
     combine_warps<QT, D>(&s_m[0][0], &s_l[0][0], cacc, NW, nq, tid, blockDim.x, r0, hk, Gq, Tq, B, Hq, b,

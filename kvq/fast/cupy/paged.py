@@ -48,8 +48,8 @@ _SMEM_LIMIT = 200 * 1024            # dynamic shared memory a block may ask for 
 _GATHER_THREADS = 256
 
 #: launch knobs of the fused kernel for tuning runs (None = built-in): warps per block (<= 4),
-#: waves = target blocks per SM over the fused grid
-TUNE = {"num_warps": None, "waves": 2}
+#: waves = target blocks per SM over the fused grid; mma: the tensor-core kernel where it applies
+TUNE = {"num_warps": None, "waves": 2, "mma": True}
 
 
 def _buf_bytes(D: int, k_bits: int, v_bits: int, kitty: bool, ngv: int, db: int) -> int:
@@ -75,9 +75,13 @@ def fused_ok(cfg, D: int) -> bool:
 def _decode_kernel(D: int, k_bits: int, v_bits: int, kitty: bool, QT: int, smem: int, device_index: int):
     """paged_decode for these template values, allowed ``smem`` bytes of dynamic shared memory (the
     attributes are per device: set with that device current)."""
+    return _allow_smem(L.kernel(_SRC, L.paged_decode_name(D, k_bits, v_bits, kitty, QT)), smem, device_index)
+
+
+def _allow_smem(fn, smem: int, device_index: int):
+    """Raise ``fn``'s dynamic shared-memory limit to ``smem`` on that device (and prefer shared memory)."""
     import cupy
 
-    fn = L.kernel(_SRC, L.paged_decode_name(D, k_bits, v_bits, kitty, QT))
     with cupy.cuda.Device(device_index):
         if smem > 48 * 1024:
             fn.max_dynamic_shared_size_bytes = smem
@@ -86,6 +90,12 @@ def _decode_kernel(D: int, k_bits: int, v_bits: int, kitty: bool, QT: int, smem:
         except (AttributeError, RuntimeError):          # older CuPy: the driver's choice stays
             pass
     return fn
+
+
+@functools.lru_cache(maxsize=None)
+def _mma_kernel(kitty: bool, smem: int, device_index: int):
+    """paged_decode_mma, allowed ``smem`` bytes of dynamic shared memory on that device."""
+    return _allow_smem(L.kernel(_SRC, f"paged_decode_mma<{int(kitty)}>"), smem, device_index)
 
 
 def _launch(fn, grid, block, args, device: torch.device, shared_mem: int) -> None:
@@ -129,14 +139,23 @@ def gather_tail(cfg, codec, st: PagedState, NF: int):
     return ok, ov
 
 
-def _plan(D: int, k_bits: int, v_bits: int, kitty: bool, ngv: int, db: int, QT: int):
-    """(warps per block, dynamic shared memory bytes) of the fused kernel."""
+def _plan(D: int, k_bits: int, v_bits: int, kitty: bool, ngv: int, db: int, QT: int, mma: bool = False):
+    """(warps per block, dynamic shared memory bytes) of the fused kernel (``mma``: paged_decode_mma,
+    which keeps no per-warp probability buffer)."""
     buf = _buf_bytes(D, k_bits, v_bits, kitty, ngv, db)
+    smem = (lambda nw: QT * D * 4 + nw * 2 * buf) if mma else (lambda nw: _smem_bytes(D, QT, nw, buf))
     nw = TUNE["num_warps"] or 4
     nw = max(1, min(4, nw))
-    while nw > 1 and _smem_bytes(D, QT, nw, buf) > _SMEM_LIMIT:
+    while nw > 1 and smem(nw) > _SMEM_LIMIT:
         nw -= 1
-    return nw, _smem_bytes(D, QT, nw, buf)
+    return nw, smem(nw)
+
+
+def mma_ok(cfg, kp: dict, q, D: int, M: int) -> bool:
+    """Whether decode takes the tensor-core kernel (paged_decode_mma): fp16 q, D = 128, 2-bit key codes
+    (KIVI-K2 or Kitty's planes) and values, one value group per token, at most 8 query rows per KV head."""
+    return (TUNE["mma"] and q.dtype == torch.float16 and D == 128 and kp["bits"] == 2 and cfg.v_bits == 2
+            and cfg.v_group(D) == D and M <= 8)
 
 
 def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
@@ -171,10 +190,13 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     sms = L.sm_count(dev_index)
     ngv = D // cfg.v_group(D)
     k_bits, kitty, db = kp["bits"], bool(kp["kitty"]), kp["d_boost"]
+    mma = mma_ok(cfg, kp, q, D, M)
+    if mma:
+        QT, qtiles = 8, 1
     # fused splits: about TUNE["waves"] blocks per SM, each warp at least one page
     n_split = pps = nw = smem = 0
     if NP:
-        nw, smem = _plan(D, k_bits, cfg.v_bits, kitty, ngv, db, QT)
+        nw, smem = _plan(D, k_bits, cfg.v_bits, kitty, ngv, db, QT, mma)
         want = max(1, -(-int(TUNE["waves"] * sms) // (B * H * qtiles)))
         pps = -(-NP // min(want, NP))
         pps = -(-pps // nw) * nw                      # whole pages for every warp of a block
@@ -193,7 +215,8 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     lse_part = torch.empty((S_TOTAL, rows), dtype=torch.float32, device=dev)
     if n_split:
         qq = q if q.stride(-1) == 1 else q.contiguous()
-        fn = _decode_kernel(D, k_bits, cfg.v_bits, kitty, QT, smem, dev_index)
+        fn = (_mma_kernel(kitty, smem, dev_index) if mma
+              else _decode_kernel(D, k_bits, cfg.v_bits, kitty, QT, smem, dev_index))
         _launch(fn, (n_split * qtiles, H, B), (32 * nw,),
                 (qq, np.int32(L.DT[q.dtype]), *(np.int64(s) for s in qq.stride()[:3]),
                  kp["codes"], kp["high"], kp["idx"], kp["scale"], kp["mn"], st.v_codes, st.v_scale, st.v_mn,
