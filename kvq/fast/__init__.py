@@ -36,12 +36,12 @@ MIRRORED = {
 #: backend -> module -> reference functions that have no fast version yet, and the issue that adds it
 NOT_YET_IMPLEMENTED = {
     backend: {
-        "quant": {"quantile": "OSCAR issue: fused rotate-clip-quantize",
-                  "percentile_clip": "OSCAR issue: fused rotate-clip-quantize"},
         "attention": {"attention": "prefill attention: torch SDPA serves it; no kvq kernel yet"},
     }
     for backend in BACKENDS
 }
+NOT_YET_IMPLEMENTED["cupy"]["quant"] = {"quantile": "OSCAR issue: fused rotate-clip-quantize",
+                                        "percentile_clip": "OSCAR issue: fused rotate-clip-quantize"}
 for _backend in BACKENDS:
     NOT_YET_IMPLEMENTED[_backend]["kitty"] = {
         "channel_sensitivity": "Kitty Fig. 2b analysis: one perturbed attention per channel; the reference serves it"}
@@ -66,6 +66,16 @@ def quantize(x, bits, group_size, axis=-1, meta_dtype=np.float16, *, symmetric=F
 def dequantize(codes, scale, mn, group_size, axis=-1, out_dtype=np.float16, *, backend=None):
     """Mirrors :func:`kvq.reference.quant.dequantize`; bf16 output is a torch.bfloat16 tensor."""
     return backend_module("quant", backend).dequantize(codes, scale, mn, group_size, axis, out_dtype)
+
+
+def quantile(a, rho, axis=-1, *, backend=None):
+    """Mirrors :func:`kvq.reference.quant.quantile`; returns a torch.float32 tensor."""
+    return backend_module("quant", backend).quantile(a, rho, axis)
+
+
+def percentile_clip(x, ratio, axis=-1, *, backend=None):
+    """Mirrors :func:`kvq.reference.quant.percentile_clip`; returns (x_clipped, tau), torch.float32."""
+    return backend_module("quant", backend).percentile_clip(x, ratio, axis)
 
 
 def pack(codes, bits, axis=-1, *, backend=None):

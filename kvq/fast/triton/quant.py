@@ -27,6 +27,11 @@ uses, on the GPU, ``x * (1 / scale_s)`` refined by two Markstein corrections wit
 the same correctly rounded quotient at a fraction of ``div.rn``'s cost, for scales in
 [2**-96, 2**120]; a program whose groups have other nonzero scales uses ``tl.div_rn``. Under the
 interpreter (whose ``tl.fma`` rounds twice) ``tl.div_rn`` is used throughout.
+
+Quantiles (``quantile``, ``percentile_clip``: OSCAR App. A.5). A program sorts BLOCK_R whole rows
+(``tl.sort``, a bitonic network: exact, values are only moved) and interpolates between two order
+statistics with the reference's three rounded fp32 operations. Rows longer than MAX_SORT are sorted
+by ``torch.sort`` instead (also exact) and interpolated by torch's fp32 elementwise ops.
 """
 
 from __future__ import annotations
@@ -40,11 +45,15 @@ from kvq.fast import _common as C
 from kvq.reference import numerics as nx
 from kvq.reference.quant import check_groups
 
-__all__ = ["quantize", "dequantize"]
+__all__ = ["quantize", "dequantize", "quantile", "percentile_clip"]
 
 TILE = 4096                 # elements per program (rows layout)
 TILE_COLS = 8192            # elements per program (columns layout)
 MAX_SINGLE = 8192           # largest next_pow2(G) held in registers in one pass
+MAX_SORT = 4096            # longest row sorted in one program (quantile / percentile_clip)
+SORT_TILE = 2048          # elements per program of the sorting kernels
+INTERP_TILE = 1 << 20     # ... under the interpreter (rank selection: BLOCK_R * BLOCK_S**2)
+INTERP_RANK = True        # interpreter: select order statistics by rank (tl.sort is per element there)
 COLS_WARPS = 4              # warps per program, columns layout (8 measured 1.5-6x slower on an H100)
 _OUT_KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
@@ -216,6 +225,49 @@ def _unpack_last(byte, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr, PER: tl.con
         c3 = (byte >> (3 * BITS)) & M
         r = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (BLOCK_R, BLOCK_J * 4))
     return r
+
+
+@triton.jit
+def _sorted_quantile(key, nnan, N, LO, HI, FRAC, BLOCK_S: tl.constexpr, RANK: tl.constexpr):
+    """``quant.quantile`` of each row of ``key`` (BLOCK_R, BLOCK_S): returns tau (BLOCK_R,) fp32.
+
+    ``key`` holds the row's values with NaN and padding replaced by +inf; ``nnan`` (BLOCK_R,) counts
+    the NaNs. After the sort the first ``N - nnan`` slots are the row's non-NaN values in order (the
+    +inf keys are the largest), and slots ``N - nnan .. N - 1`` stand for the NaNs, which NumPy sorts
+    last. ``tau = s[lo] + frac * (s[hi] - s[lo])``: three rounded fp32 ops (the caller launches with
+    ``enable_fp_fusion=False``). The sign of a zero order statistic cannot change tau (s[hi] - s[lo]
+    is +0.0 or positive, and -0.0 + +0.0 = +0.0).
+
+    RANK (the interpreter's default, ``INTERP_RANK``): select the order statistics by rank instead of
+    sorting, ``s[k]`` = the key with ``#{< key} <= k < #{<= key}`` (O(BLOCK_S^2) compares, vectorized
+    by NumPy), because the interpreter runs ``tl.sort``'s xor reductions one element at a time in
+    Python (~100x slower). Both give the same values: the order statistics of the row.
+    """
+    if RANK:
+        ki = key[:, :, None]
+        kj = key[:, None, :]
+        less = tl.sum((kj < ki).to(tl.int32), axis=2)                  # (BLOCK_R, BLOCK_S)
+        leq = tl.sum((kj <= ki).to(tl.int32), axis=2)
+        s_lo = tl.max(tl.where((less <= LO) & (LO < leq), key, float("-inf")), axis=1)
+        s_hi = tl.max(tl.where((less <= HI) & (HI < leq), key, float("-inf")), axis=1)
+    else:
+        s = tl.sort(key, dim=1)
+        idx = tl.arange(0, BLOCK_S)[None, :]
+        s_lo = tl.max(tl.where(idx == LO, s, float("-inf")), axis=1)
+        s_hi = tl.max(tl.where(idx == HI, s, float("-inf")), axis=1)
+    n_fin = N - nnan
+    s_lo = tl.where(LO >= n_fin, float("nan"), s_lo)
+    s_hi = tl.where(HI >= n_fin, float("nan"), s_hi)
+    return s_lo + FRAC * (s_hi - s_lo)
+
+
+@triton.jit
+def _clip(x, t):
+    """``np.minimum(np.maximum(x, -t), t)`` bit for bit: NumPy returns its second argument when the two
+    compare equal (so +0.0 / -0.0 come out as NumPy's) and propagates a NaN from either argument."""
+    nt = -t
+    y = tl.where((x > nt) | (x != x), x, nt)
+    return tl.where((y < t) | (y != y), y, t)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -469,6 +521,36 @@ def _dequant_cols_kernel(q_ptr, s_ptr, m_ptr, o_ptr, G, INNER,
 
 
 # ----------------------------------------------------------------------------------------------------
+# quantile / percentile clip kernel
+
+
+# Per-row quantile of x (or of |x|) along contiguous rows of N elements, and optionally the clip.
+# Computes: tau = s[LO] + FRAC * (s[HI] - s[LO]) on the sorted row (tl.sort), three rounded fp32 ops;
+#   ABS: of |x| (percentile_clip); CLIP: also o = min(max(x, -tau), tau) as fp32.
+# Grid: (cdiv(R, BLOCK_R),); tile (BLOCK_R, BLOCK_S), BLOCK_S = next_pow2(N), padding sorted as +inf.
+# Bytes: reads R*N inputs, writes R taus (+ R*N fp32 clipped values with CLIP).
+@triton.jit
+def _quantile_rows_kernel(x_ptr, t_ptr, o_ptr, R, N, LO, HI, FRAC,
+                          ABS: tl.constexpr, CLIP: tl.constexpr, IN_BF16: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, RANK: tl.constexpr):
+    r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
+    rr = tl.arange(0, BLOCK_R)
+    r2 = rr[:, None]
+    c2 = tl.arange(0, BLOCK_S)[None, :]
+    m = ((r0 + r2) < R) & (c2 < N)
+    offs = r0 * N + (r2 * N + c2)
+    x = _load_f32(x_ptr + offs, m, IN_BF16)
+    v = tl.abs(x) if ABS else x
+    isn = v != v
+    nnan = tl.sum((m & isn).to(tl.int32), axis=1)
+    key = tl.where(m & (v == v), v, float("inf"))
+    tau = _sorted_quantile(key, nnan, N, LO, HI, FRAC, BLOCK_S, RANK)
+    tl.store(t_ptr + r0 + rr, tau, mask=(r0 + rr) < R)
+    if CLIP:
+        tl.store(o_ptr + offs, _clip(x, tau[:, None]), mask=m)
+
+
+# ----------------------------------------------------------------------------------------------------
 # launchers (shared with packing.py)
 
 
@@ -561,6 +643,73 @@ def launch_dequantize(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, bi
     return o
 
 
+def quantile_index(n: int, rho) -> tuple[int, int, float]:
+    """``(lo, hi, frac)`` of ``quant.quantile`` for n values: ``h = (n - 1) * rho`` in float64 (an
+    index, not data), ``lo = floor(h)``, ``hi = min(lo + 1, n - 1)``, ``frac = float32(h - lo)``
+    (returned as the Python float of that fp32 value, so a kernel argument holds it exactly)."""
+    h = (n - 1) * float(rho)
+    lo = int(np.floor(h))
+    return lo, min(lo + 1, n - 1), float(np.float32(h - lo))
+
+
+def check_ratio(rho) -> None:
+    """The reference's check of a quantile ratio, with its message."""
+    if not (0.0 < float(rho) <= 1.0):
+        raise ValueError(f"quantile ratio rho={rho!r} must lie in (0, 1]")
+
+
+def use_rank() -> bool:
+    """Rank selection instead of tl.sort: under the interpreter only (``INTERP_RANK``)."""
+    return bool(INTERP_RANK) and C.interpreting()
+
+
+def sort_rows(row_elems: int, rows: int, tile: int) -> int:
+    """Rows per program of a sorting kernel. Under the interpreter a program costs per op, not per
+    element (NumPy runs each op on the whole tile): take up to INTERP_TILE (the rank selection holds
+    BLOCK_S times the tile)."""
+    tile = INTERP_TILE // row_elems if C.interpreting() else tile
+    return min(max(1, tile // row_elems), _p2(rows))
+
+
+def _sort_tile(n: int, rows: int):
+    BS = _p2(n)
+    return sort_rows(BS, rows, SORT_TILE), BS
+
+
+def launch_quantile_rows(x: torch.Tensor, n: int, rho, clip: bool):
+    """Quantile (of |x| when ``clip``) of each contiguous row of ``n`` elements of contiguous ``x``.
+
+    Returns ``(tau (rows,) fp32, clipped fp32 like x or None)``.
+    """
+    rows = x.numel() // n
+    lo, hi, frac = quantile_index(n, rho)
+    tau = torch.empty(rows, dtype=torch.float32, device=x.device)
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device) if clip else None
+    if rows == 0:
+        return tau, out
+    if n > MAX_SORT:                                   # torch.sort (exact) + the same three fp32 ops
+        xf = x.reshape(rows, n).float()
+        v = xf.abs() if clip else xf
+        s = torch.sort(v, dim=1).values               # NaN sorts last, as in NumPy
+        s_lo, s_hi = s[:, lo], s[:, hi]
+        f = torch.tensor(frac, dtype=torch.float32, device=x.device)
+        tau.copy_(torch.add(s_lo, torch.mul(f, torch.sub(s_hi, s_lo))))
+        if clip:
+            t = tau[:, None]
+            y = torch.where((xf > -t) | torch.isnan(xf), xf, -t)
+            out.copy_(torch.where((y < t) | torch.isnan(y), y, t).reshape(x.shape))
+        return tau, out
+    in_bf16 = x.dtype == torch.bfloat16
+    xin = x.view(torch.int16) if in_bf16 else x
+    BR, BS = _sort_tile(n, rows)
+    _quantile_rows_kernel[(triton.cdiv(rows, BR),)](xin, tau, out if clip else tau, rows, n, lo, hi, frac,
+                                                    ABS=bool(clip), CLIP=bool(clip), IN_BF16=in_bf16,
+                                                    BLOCK_R=BR, BLOCK_S=BS, RANK=use_rank(),
+                                                    num_warps=_warps(BR * BS),
+                                                    enable_fp_fusion=False)
+    return tau, out
+
+
 def out_dtype_arg(out_dtype) -> torch.dtype:
     """out_dtype (NumPy / torch dtype or string) as a torch dtype, with the reference's error message."""
     if nx.dtype_name(out_dtype) not in nx.OUT_DTYPES:
@@ -605,3 +754,45 @@ def dequantize(codes, scale, mn, group_size, axis: int = -1, out_dtype=np.float1
     G = check_groups(tuple(codes.shape), axis, group_size, "codes")
     C.check_meta_shapes(tuple(codes.shape), scale, mn, G, axis, allow_cpu=allow)
     return launch_dequantize(codes, scale, mn, 8, G, axis, out, per=1)
+
+
+def quantile(a, rho: float, axis: int = -1):
+    """Mirrors `kvq.reference.quant.quantile`: the ``rho``-quantile along ``axis``, linear interpolation.
+
+    The same rule and op order: the values sorted in fp32, ``h = (n - 1) * rho`` in float64 on the
+    host, ``tau = s[lo] + frac * (s[hi] - s[lo])`` as three rounded fp32 operations; NaN sorts last,
+    as in NumPy. Differences: ``a`` is a torch float16 / bfloat16 / float32 tensor on a CUDA device
+    (the CPU only under ``TRITON_INTERPRET=1``); the result is a torch.float32 tensor (0-d for 1-D
+    input). One kernel: a program sorts whole rows (``tl.sort``); rows longer than ``MAX_SORT`` are
+    sorted by ``torch.sort`` and interpolated by torch's fp32 elementwise ops (the same bits).
+    """
+    C.check_float(a, "a", allow_cpu=C.interpreting())
+    axis = nx.normalize_axis(axis, a.dim())
+    check_ratio(rho)
+    n = a.shape[axis]
+    if n == 0:
+        raise ValueError("cannot take a quantile over an empty axis")
+    x = a.movedim(axis, -1).contiguous()
+    tau, _ = launch_quantile_rows(x, n, rho, clip=False)
+    return tau.reshape(tuple(x.shape[:-1]))
+
+
+def percentile_clip(x, ratio: float, axis: int = -1):
+    """Mirrors `kvq.reference.quant.percentile_clip`: ``tau = quantile_ratio(|x|)`` per row along ``axis``, then clip.
+
+    Returns ``(x_clipped, tau)`` as torch.float32 tensors (x's shape; tau without ``axis``), in ONE
+    kernel (sort, interpolate, clip). The clip is ``min(max(x, -tau), tau)`` with NumPy's choice
+    between equal arguments (the second), so zero signs agree. Differences: torch tensors (see
+    :func:`quantile`); NaN / inf raise ValueError while ``kvq.fast.validation`` is on (a full read of
+    ``x``); with it off NaN propagates into the clipped values and tau.
+    """
+    C.check_float(x, allow_cpu=C.interpreting())
+    axis = nx.normalize_axis(axis, x.dim())
+    C.check_finite(x)
+    check_ratio(ratio)
+    n = x.shape[axis]
+    if n == 0:
+        raise ValueError("cannot take a quantile over an empty axis")
+    xm = x.movedim(axis, -1).contiguous()
+    tau, out = launch_quantile_rows(xm, n, ratio, clip=True)
+    return out.movedim(-1, axis).contiguous(), tau.reshape(tuple(xm.shape[:-1]))
