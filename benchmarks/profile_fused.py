@@ -1,6 +1,7 @@
 """Profile the fused KIVI / Kitty decode kernel on the GPU: a launch-knob sweep, then one launch for ncu.
 
     python benchmarks/profile_fused.py --out $OUT                   # sweep TUNE knobs, JSON to $OUT/fused_sweep.json
+    python benchmarks/profile_fused.py --backend cupy --grid "num_warps=2,4;waves=2,3,4"       # the CuPy kernel
     ncu --set full -k regex:_fused -c 1 python benchmarks/profile_fused.py --once   # one decode, for ncu
 
 Shape: B = 8, T = 32K, 32 query / 8 KV heads, head dim 128 (the issue's "batch 8" row). The cache is
@@ -24,8 +25,8 @@ import bench_kivi_kitty as BK  # noqa: E402
 import common as C  # noqa: E402
 
 
-def setup(method: str, B: int, T: int):
-    mod, cfg = BK.config(method, T, dry=False)
+def setup(method: str, B: int, T: int, backend: str = "triton"):
+    mod, cfg = BK.config(method, T, dry=False, backend=backend)
     st = BK.build_cache(mod, cfg, B, 8, 128, T, "cuda")
     g = torch.Generator(device="cuda").manual_seed(1)
     qs = [torch.randn((B, 32, 1, 128), generator=g, device="cuda", dtype=torch.float16) for _ in range(4)]
@@ -37,15 +38,17 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     ap.add_argument("--once", action="store_true", help="one decode per method (for ncu)")
     ap.add_argument("--methods", default="KIVI-K2V2,Kitty")
+    ap.add_argument("--backend", default="triton", choices=("triton", "cupy"))
     ap.add_argument("--B", type=int, default=8)
     ap.add_argument("--T", type=int, default=32768)
     ap.add_argument("--grid", default="block_t=32,64,128;num_warps=4,8;waves=3")
     a = ap.parse_args()
-    from kvq.fast.triton import paged
+    import importlib
+    paged = importlib.import_module(f"kvq.fast.{a.backend}.paged")
     methods = a.methods.split(",")
     if a.once:
         for m in methods:
-            mod, cfg, st, qs = setup(m, a.B, a.T)
+            mod, cfg, st, qs = setup(m, a.B, a.T, a.backend)
             mod.decode_attention(cfg, st, qs[0])
             torch.cuda.synchronize()
         return
@@ -57,7 +60,7 @@ def main() -> None:
     rows = []
     old = dict(paged.TUNE)
     for m in methods:
-        mod, cfg, st, qs = setup(m, a.B, a.T)
+        mod, cfg, st, qs = setup(m, a.B, a.T, a.backend)
         for combo in itertools.product(*vals):
             paged.TUNE.update(dict(zip(keys, combo)))
             try:
@@ -71,8 +74,8 @@ def main() -> None:
             paged.TUNE.update(old)
         del st
         torch.cuda.empty_cache()
-    res = {"meta": C.meta(torch.device("cuda")), "B": a.B, "T": a.T, "rows": rows}
-    with open(os.path.join(a.out, "fused_sweep.json"), "w") as f:
+    res = {"meta": C.meta(torch.device("cuda")), "backend": a.backend, "B": a.B, "T": a.T, "rows": rows}
+    with open(os.path.join(a.out, f"fused_sweep_{a.backend}.json"), "w") as f:
         json.dump(res, f, indent=1)
 
 

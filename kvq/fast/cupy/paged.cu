@@ -430,39 +430,43 @@ __device__ __forceinline__ u32 byte_pair(u32 w0, u32 w1) {
     return __byte_perm(w0, w1, BB | (BB << 4) | ((4 + BB) << 8) | ((4 + BB) << 12));
 }
 
-// the 2-bit fields I of bytes 0 and 2 of x as a half2 of exact codes: OR 0x6400 makes each half
-// 1024 + code, one packed subtraction removes the 1024. Kitty (HIGH): code = low | high << 2.
-template <int I, bool HIGH>
-__device__ __forceinline__ u32 codes_h2(u32 x, u32 xh) {
-    u32 h = ((x >> (2 * I)) & 0x00030003u) | 0x64006400u;
-    if constexpr (HIGH) h |= ((xh >> (2 * I)) & 0x00030003u) << 2;
-    u32 r;
-    asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(h), "r"(0x64006400u));
+// the 2-bit fields I of bytes 0 and 2 of x as a half2 of exact codes, two per 32-bit operation and
+// without shifts: the field stays at bit 2I of each half, one lop3 masks it and ORs 0x6400 in (the
+// half is then 1024 + code * 4^I, exact), one fma.f16x2 by 4^-I with addend -1024 * 4^-I leaves the
+// code (exact: powers of two).
+template <int I>
+__device__ __forceinline__ u32 codes_h2(u32 x) {
+    constexpr u32 M = 0x00030003u << (2 * I);
+    constexpr u32 SCALE = I == 0 ? 0x3C003C00u : I == 1 ? 0x34003400u : I == 2 ? 0x2C002C00u : 0x24002400u;
+    constexpr u32 BIAS = I == 0 ? 0xE400E400u : I == 1 ? 0xDC00DC00u : I == 2 ? 0xD400D400u : 0xCC00CC00u;
+    u32 h, r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(h) : "r"(x), "n"(M), "n"(0x64006400u));      // (x & M) | magic
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(h), "r"(SCALE), "r"(BIAS));
     return r;
 }
 
-// 16 mma of one k-step: n-tile 4 BB + I takes fields I of byte BB of the two word pairs
-template <bool HIGH>
-__device__ __forceinline__ void mma_ktile(float (*c)[4], const u32* a, u32 w0, u32 w1, u32 w2, u32 w3, u32 h0,
-                                          u32 h1, u32 h2, u32 h3) {
-#pragma unroll
-    for (int bb = 0; bb < 4; ++bb) {
-        u32 xa, xb, ha = 0, hb = 0;
-        switch (bb) {                               // compile-time after unrolling
-            case 0: xa = byte_pair<0>(w0, w1); xb = byte_pair<0>(w2, w3);
-                    if (HIGH) { ha = byte_pair<0>(h0, h1); hb = byte_pair<0>(h2, h3); } break;
-            case 1: xa = byte_pair<1>(w0, w1); xb = byte_pair<1>(w2, w3);
-                    if (HIGH) { ha = byte_pair<1>(h0, h1); hb = byte_pair<1>(h2, h3); } break;
-            case 2: xa = byte_pair<2>(w0, w1); xb = byte_pair<2>(w2, w3);
-                    if (HIGH) { ha = byte_pair<2>(h0, h1); hb = byte_pair<2>(h2, h3); } break;
-            default: xa = byte_pair<3>(w0, w1); xb = byte_pair<3>(w2, w3);
-                    if (HIGH) { ha = byte_pair<3>(h0, h1); hb = byte_pair<3>(h2, h3); } break;
-        }
-        mma16816(c[4 * bb + 0], a, codes_h2<0, HIGH>(xa, ha), codes_h2<0, HIGH>(xb, hb));
-        mma16816(c[4 * bb + 1], a, codes_h2<1, HIGH>(xa, ha), codes_h2<1, HIGH>(xb, hb));
-        mma16816(c[4 * bb + 2], a, codes_h2<2, HIGH>(xa, ha), codes_h2<2, HIGH>(xb, hb));
-        mma16816(c[4 * bb + 3], a, codes_h2<3, HIGH>(xa, ha), codes_h2<3, HIGH>(xb, hb));
+// 2^x (approximate, flush-to-zero: probabilities of the online softmax, rule 7)
+__device__ __forceinline__ float ex2(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+
+// 16 mma of one k-step: n-tile 4 BB + I takes fields I of byte BB of the word pairs (w0, w1), (w2, w3)
+__device__ __forceinline__ void mma_ktile(float (*c)[4], const u32* a, u32 w0, u32 w1, u32 w2, u32 w3) {
+#define KVQ_MMA_BYTE(BB)                                                                  \
+    {                                                                                     \
+        const u32 xa = byte_pair<BB>(w0, w1), xb = byte_pair<BB>(w2, w3);                 \
+        mma16816(c[4 * BB + 0], a, codes_h2<0>(xa), codes_h2<0>(xb));                     \
+        mma16816(c[4 * BB + 1], a, codes_h2<1>(xa), codes_h2<1>(xb));                     \
+        mma16816(c[4 * BB + 2], a, codes_h2<2>(xa), codes_h2<2>(xb));                     \
+        mma16816(c[4 * BB + 3], a, codes_h2<3>(xa), codes_h2<3>(xb));                     \
     }
+    KVQ_MMA_BYTE(0)
+    KVQ_MMA_BYTE(1)
+    KVQ_MMA_BYTE(2)
+    KVQ_MMA_BYTE(3)
+#undef KVQ_MMA_BYTE
 }
 
 // Computes: the partials of paged_decode (same arguments, same output layout) for up to QT = 8 query
@@ -480,6 +484,8 @@ __device__ __forceinline__ void mma_ktile(float (*c)[4], const u32* a, u32 w0, u
 //   PV: the score fragment is the A fragment (k-step kk <- QK n-tiles 2kk, 2kk+1): columns 2t, 2t+1,
 //     2t+8, 2t+9 <-> tokens 32t + 2kk, 32t + 16 + 2kk, 32t + 2kk + 1, 32t + 17 + 2kk; n-tile jn (0..15),
 //     column n <-> channel 16 n + jn: thread g reads word g of the value rows of those four tokens.
+//   Kitty: the low plane takes the 8 k-steps above; the compact high plane adds db / 16 k-steps with
+//   A = 4 q * scale_k of the boosted channels (Algorithm 1: code = low + 4 high).
 // Grid, block, page staging (cp.async, double buffer per warp) and the warp combine as paged_decode.
 // Dynamic shared memory: QT*D*4 (queries) + NW * 2 * PageBuf::bytes.
 template <int KITTY>
@@ -499,6 +505,7 @@ __global__ void __launch_bounds__(128, 2)
     static_assert(GB == 32 && VBY == 32, "one 32-bit word per thread and row");
     extern __shared__ u32x4 dsmem4[];
     __shared__ float s_m[4][QT], s_l[4][QT];
+    __shared__ u8 s_inv[4][KITTY != 0 ? D : 1];                       // Kitty: high-plane row -> channel
     u8* dsmem = reinterpret_cast<u8*>(dsmem4);
     float* s_q = reinterpret_cast<float*>(dsmem);                     // [D][QT]
     const int bufb = PB::bytes(1, db);
@@ -523,16 +530,14 @@ __global__ void __launch_bounds__(128, 2)
     const int p1 = kvq_min(p0 + pps, NP);
     __syncthreads();                               // s_q is ready
 
-    // this thread's query values: row g, channels 16 kk + 2t + {0, 1, 8, 9}
-    float qv[8][4];
+    // this thread's query values (row g, channels 16 kk + 2t + {0, 1, 8, 9}) are read from s_q where
+    // used (registers for the page's fragments instead); their range over the row:
+    const float* qg = s_q + g;                     // qg[c * QT] = q of row g, channel c
     float qmax = 0.0f;
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            qv[kk][e] = s_q[(16 * kk + 2 * t + (e & 1) + 8 * (e >> 1)) * QT + g];
-            qmax = fmaxf(qmax, fabsf(qv[kk][e]));
-        }
+        for (int e = 0; e < 4; ++e) qmax = fmaxf(qmax, fabsf(qg[(16 * kk + 2 * t + (e & 1) + 8 * (e >> 1)) * QT]));
     qmax = fmaxf(qmax, __shfl_xor_sync(KVQ_FULL_MASK, qmax, 1));
     qmax = fmaxf(qmax, __shfl_xor_sync(KVQ_FULL_MASK, qmax, 2));
 
@@ -568,7 +573,7 @@ __global__ void __launch_bounds__(128, 2)
             for (int e = 0; e < 4; ++e) {
                 const int c = 16 * kk + 2 * t + (e & 1) + 8 * (e >> 1);
                 kmax = fmaxf(kmax, fabsf(f16_to_f32(kss[c])));
-                bias = fmaf(qv[kk][e], f16_to_f32(kms[c]), bias);
+                bias = fmaf(qg[c * QT], f16_to_f32(kms[c]), bias);
             }
 #pragma unroll
         for (int off = 1; off <= 2; off <<= 1) {
@@ -589,7 +594,10 @@ __global__ void __launch_bounds__(128, 2)
             const int c0 = 16 * kk + 2 * t;
             float f[4];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) f[e] = qv[kk][e] * f16_to_f32(kss[c0 + (e & 1) + 8 * (e >> 1)]) * inv;
+            for (int e = 0; e < 4; ++e) {
+                const int c = c0 + (e & 1) + 8 * (e >> 1);
+                f[e] = qg[c * QT] * f16_to_f32(kss[c]) * inv;
+            }
             u32 a[4];
             split2(f[0], f[1], a[0], a[1]);
             split2(f[2], f[3], a[2], a[3]);
@@ -598,17 +606,39 @@ __global__ void __launch_bounds__(128, 2)
             const u32 w1 = *reinterpret_cast<const u32*>(kw + (c0 + 1) * GB);
             const u32 w2 = *reinterpret_cast<const u32*>(kw + (c0 + 8) * GB);
             const u32 w3 = *reinterpret_cast<const u32*>(kw + (c0 + 9) * GB);
-            if constexpr (KITTY != 0) {
-                u32 h[4];
+            mma_ktile(S, a, w0, w1, w2, w3);     // Kitty: the low plane
+        }
+        if constexpr (KITTY != 0) {
+            // Algorithm 1 as extra k-steps: code = low + 4 high, so s += sum over boosted channels of
+            // (4 q * scale_k) . high, with the compact high plane (row r <-> the channel c with idx[c] = r)
+            // as the B operand: db / 16 k-steps instead of a high-plane gather in every k-step.
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int c = lane + 32 * e;
+                const int ix = buf[PB::KI + c];
+                if (ix < db) s_inv[warp][ix] = (u8)c;
+            }
+            __syncwarp();
+            for (int kh = 0; 16 * kh < db; ++kh) {
+                float f[4];
+                u32 w[4];
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int ix = buf[PB::KI + c0 + (e & 1) + 8 * (e >> 1)];
-                    h[e] = ix < db ? *reinterpret_cast<const u32*>(buf + PB::kh(1) + ix * GB + 4 * g) : 0u;
+                    const int r = 16 * kh + 2 * t + (e & 1) + 8 * (e >> 1);
+                    f[e] = 0.0f;
+                    w[e] = 0u;
+                    if (r < db) {
+                        const int c = s_inv[warp][r];
+                        f[e] = 4.0f * qg[c * QT] * f16_to_f32(kss[c]) * inv;
+                        w[e] = *reinterpret_cast<const u32*>(buf + PB::kh(1) + r * GB + 4 * g);
+                    }
                 }
-                mma_ktile<true>(S, a, w0, w1, w2, w3, h[0], h[1], h[2], h[3]);
-            } else {
-                mma_ktile<false>(S, a, w0, w1, w2, w3, 0u, 0u, 0u, 0u);
+                u32 a[4];
+                split2(f[0], f[1], a[0], a[1]);
+                split2(f[2], f[3], a[2], a[3]);
+                mma_ktile(S, a, w[0], w[1], w[2], w[3]);
             }
+            __syncwarp();                          // s_inv is rewritten for the next page
         }
 
         // ---- online softmax (base 2): S[jj][e] (e = 0, 1) <- p of token 32t + 16e + jj
@@ -617,14 +647,14 @@ __global__ void __launch_bounds__(128, 2)
         for (int jj = 0; jj < 16; ++jj)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                const float v = (S[jj][e] + S[jj][e + 2] * (1.0f / 2048.0f)) * rs + bias;
+                const float v = fmaf(S[jj][e + 2], rs * (1.0f / 2048.0f), fmaf(S[jj][e], rs, bias));
                 S[jj][e] = 32 * t + 16 * e + jj < nvalid ? v : -KVQ_INF;
                 tmax = fmaxf(tmax, S[jj][e]);
             }
         tmax = fmaxf(tmax, __shfl_xor_sync(KVQ_FULL_MASK, tmax, 1));
         tmax = fmaxf(tmax, __shfl_xor_sync(KVQ_FULL_MASK, tmax, 2));
         const float mnew = fmaxf(m, tmax);
-        const float alpha = m == mnew ? 1.0f : exp2f(m - mnew);
+        const float alpha = m == mnew ? 1.0f : ex2(m - mnew);
         l *= alpha;
         bsum *= alpha;
 #pragma unroll
@@ -635,7 +665,7 @@ __global__ void __launch_bounds__(128, 2)
         for (int jj = 0; jj < 16; ++jj)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                const float p = S[jj][e] == -KVQ_INF ? 0.0f : exp2f(S[jj][e] - mnew);
+                const float p = ex2(S[jj][e] - mnew);       // -inf -> 0
                 l += p;
                 S[jj][e] = p;
             }
@@ -658,10 +688,9 @@ __global__ void __launch_bounds__(128, 2)
             split2(f[0], f[1], a[0], a[1]);
             split2(f[2], f[3], a[2], a[3]);
             const u8* vw = buf + PB::VC + 4 * g;
-            mma_ktile<false>(acc, a, *reinterpret_cast<const u32*>(vw + tk[0] * VBY),
-                             *reinterpret_cast<const u32*>(vw + tk[1] * VBY),
-                             *reinterpret_cast<const u32*>(vw + tk[2] * VBY),
-                             *reinterpret_cast<const u32*>(vw + tk[3] * VBY), 0u, 0u, 0u, 0u);
+            mma_ktile(acc, a, *reinterpret_cast<const u32*>(vw + tk[0] * VBY),
+                      *reinterpret_cast<const u32*>(vw + tk[1] * VBY), *reinterpret_cast<const u32*>(vw + tk[2] * VBY),
+                      *reinterpret_cast<const u32*>(vw + tk[3] * VBY));
         }
         __syncwarp();                              // the next stage overwrites this buffer
         cur ^= 1;
@@ -678,8 +707,8 @@ __global__ void __launch_bounds__(128, 2)
     float* row = cacc + (warp * QT + g) * D + 32 * t;
 #pragma unroll
     for (int jn = 0; jn < 16; ++jn) {              // channel 16 n + jn of columns n = 2t, 2t + 1
-        row[jn] = acc[jn][0] + acc[jn][2] * (1.0f / 2048.0f) + bsum;
-        row[16 + jn] = acc[jn][1] + acc[jn][3] * (1.0f / 2048.0f) + bsum;
+        row[jn] = fmaf(acc[jn][2], 1.0f / 2048.0f, acc[jn][0]) + bsum;
+        row[16 + jn] = fmaf(acc[jn][3], 1.0f / 2048.0f, acc[jn][1]) + bsum;
     }
     if (t == 0) {
         s_m[warp][g] = m;

@@ -49,7 +49,7 @@ _GATHER_THREADS = 256
 
 #: launch knobs of the fused kernel for tuning runs (None = built-in): warps per block (<= 4),
 #: waves = target blocks per SM over the fused grid; mma: the tensor-core kernel where it applies
-TUNE = {"num_warps": None, "waves": 2, "mma": True}
+TUNE = {"num_warps": None, "waves": 4, "mma": True}
 
 
 def _buf_bytes(D: int, k_bits: int, v_bits: int, kitty: bool, ngv: int, db: int) -> int:
