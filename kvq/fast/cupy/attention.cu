@@ -51,7 +51,8 @@ struct AttnCfg {
 // ---- split kernel --------------------------------------------------------------------------------
 // Computes: for the rows r in [qt*QT, qt*QT + QT) of the G_q * T_q query rows of kv head (b, hk)
 //   (row r -> head hk*G_q + r / T_q, token r % T_q) and the keys [split*chunk, min(split*chunk + chunk,
-//   T)): s = (q . k) * scale * log2(e) in fp32; online softmax in base 2; o = sum 2^(s - m) v / l;
+//   T)): s = (q . k) * scale * log2(e) in fp32; online softmax in base 2 (float32: natural units, s =
+//   (q . k) * scale, exp / log: base-2 scores are 1.44x larger and lose that much absolute precision); o = sum 2^(s - m) v / l;
 //   lse = (m + log2 l) * ln 2 (natural log; -inf and o = 0 for no keys). Written as fp32 partial
 //   number split0 + split: o_part[(((p * B + b) * H_q + h) * T_q + t) * D + d], lse_part[...].
 // Grid: (num_splits * n_qtiles, H_kv, B); block (NW * 32) threads, exactly. The warps of a block take the split's
@@ -62,6 +63,17 @@ struct AttnCfg {
 //   end the NW warp states are merged through shared memory.
 // Bytes: reads each K and V element of the split once per query tile (once when G_q*T_q <= QT);
 //   writes (D + 1) fp32 per query row and split.
+// Accumulator of the dot products and of P.V: float, or double for float32 inputs (the fp32 path is
+// the precise one: its sums then carry no more rounding than the float32 reference's pairwise sums).
+template <int DT>
+struct AccT {
+    typedef float T;
+};
+template <>
+struct AccT<2> {
+    typedef double T;
+};
+
 template <int DT, int D, int QT, int NW>
 __global__ void __launch_bounds__(NW * 32)
     attn_split(const typename Ty<DT>::S* __restrict__ q, const typename Ty<DT>::S* __restrict__ k,
@@ -120,7 +132,8 @@ __global__ void __launch_bounds__(NW * 32)
     const S* kbase = k + (i64)b * sk_b + (i64)hk * sk_h;
     const S* vbase = v + (i64)b * sv_b + (i64)hk * sv_h;
 
-    float m[QT], l[QT], acc[QT][DPL];
+    float m[QT], l[QT];
+    typename AccT<DT>::T acc[QT][DPL];
 #pragma unroll
     for (int qi = 0; qi < QT; ++qi) {
         m[qi] = -KVQ_INF;
@@ -156,7 +169,7 @@ __global__ void __launch_bounds__(NW * 32)
         __syncwarp();                                  // ... and every lane's
 
         // scores: lane j <-> key kb + j, all QT query rows
-        float s[QT];
+        typename AccT<DT>::T s[QT];
 #pragma unroll
         for (int qi = 0; qi < QT; ++qi) s[qi] = 0.0f;
         const S* krow = ks + lane * KROW;
@@ -169,20 +182,20 @@ __global__ void __launch_bounds__(NW * 32)
                 float qf[VE];
                 load_f32<2, VE>(s_q + qi * D + cv * VE, qf);
 #pragma unroll
-                for (int e = 0; e < VE; ++e) s[qi] = fmaf(qf[e], kf[e], s[qi]);
+                for (int e = 0; e < VE; ++e) s[qi] = fma((typename AccT<DT>::T)qf[e], (typename AccT<DT>::T)kf[e], s[qi]);
             }
         }
 
-        // online softmax, base 2; p goes to shared memory for the P.V step
+        // online softmax, base 2 (float32: natural); p goes to shared memory for the P.V step
 #pragma unroll
         for (int qi = 0; qi < QT; ++qi) {
-            const float sc = lane < nk ? s[qi] : -KVQ_INF;
+            const float sc = lane < nk ? (float)s[qi] : -KVQ_INF;
             float tmax = sc;
 #pragma unroll
             for (int off = 16; off > 0; off >>= 1) tmax = fmaxf(tmax, __shfl_xor_sync(KVQ_FULL_MASK, tmax, off));
             const float mnew = fmaxf(m[qi], tmax);
-            const float alpha = m[qi] == mnew ? 1.0f : exp2f(m[qi] - mnew);
-            const float p = sc == -KVQ_INF ? 0.0f : exp2f(sc - mnew);
+            const float alpha = m[qi] == mnew ? 1.0f : DT == 2 ? expf(m[qi] - mnew) : exp2f(m[qi] - mnew);
+            const float p = sc == -KVQ_INF ? 0.0f : DT == 2 ? expf(sc - mnew) : exp2f(sc - mnew);
             l[qi] = fmaf(l[qi], alpha, p);             // this lane's share of the row sum
 #pragma unroll
             for (int e = 0; e < DPL; ++e) acc[qi][e] *= alpha;
@@ -207,7 +220,8 @@ __global__ void __launch_bounds__(NW * 32)
 #pragma unroll
             for (int qi = 0; qi < QT; ++qi)
 #pragma unroll
-                for (int e = 0; e < DPL; ++e) acc[qi][e] = fmaf(pj[qi], vf[e], acc[qi][e]);
+                for (int e = 0; e < DPL; ++e)
+                    acc[qi][e] = fma((typename AccT<DT>::T)pj[qi], (typename AccT<DT>::T)vf[e], acc[qi][e]);
         }
         __syncwarp();                                  // the next tile overwrites ks, vs, pw
     }
@@ -223,7 +237,7 @@ __global__ void __launch_bounds__(NW * 32)
 #pragma unroll
         for (int qi = 0; qi < QT; ++qi)
 #pragma unroll
-            for (int e = 0; e < DPL; ++e) cacc[(warp * QT + qi) * D + lane * DPL + e] = acc[qi][e];
+            for (int e = 0; e < DPL; ++e) cacc[(warp * QT + qi) * D + lane * DPL + e] = (float)acc[qi][e];
     }
     if (lane == 0) {
 #pragma unroll
@@ -234,7 +248,7 @@ __global__ void __launch_bounds__(NW * 32)
     }
     __syncthreads();
     combine_warps<QT, D>(&s_m[0][0], &s_l[0][0], cacc, NW, nq, tid, NW * 32, r0, hk, Gq, Tq, B, Hq, b,
-                         (i64)(split0 + split), o_part, lse_part);
+                         (i64)(split0 + split), o_part, lse_part, DT == 2);
 }
 
 // ---- merge kernel --------------------------------------------------------------------------------

@@ -150,7 +150,7 @@ def decode_attention(q, segments, *, scale=None):
     lse_part = torch.empty((S, B, H_q, T_q), dtype=torch.float32, device=dev)
     qq = q if q.stride(-1) == 1 else q.contiguous()
     fn = _split_kernel(dt, D, QT, nw)
-    qk_scale = np.float32(sc * LOG2E)
+    qk_scale = np.float32(sc if q.dtype == torch.float32 else sc * LOG2E)     # attn_split: fp32 in natural units
     for k, v, T, chunk, n, s0 in plan:
         kk, vv = _kv_operand(k), _kv_operand(v)
         L.run(fn, (n * qtiles, H_kv, B), (32 * nw,),

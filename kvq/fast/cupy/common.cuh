@@ -226,11 +226,12 @@ __device__ __forceinline__ void load_bytes(const u8* p, u32* b) {
 // s_m / s_l ([NW][QT], base-2 max and sum per warp and row), cacc ([NW][QT][D], un-normalized outputs);
 // row qi < nq is query row r0 + qi of kv head hk (-> query head hk * Gq + r / Tq, token r % Tq), written
 // to o_part / lse_part at partial `split` (natural-log lse; o = 0, lse = -inf for a row without keys).
+// nat: the states are in natural-log units (exp / log), else base 2 (exp2 / log2, lse times ln 2).
 template <int QT, int D>
 __device__ __forceinline__ void combine_warps(const float* s_m, const float* s_l, const float* cacc, int NW,
                                               int nq, int tid, int nthreads, int r0, int hk, int Gq, int Tq,
                                               int B, int Hq, int b, i64 split, float* __restrict__ o_part,
-                                              float* __restrict__ lse_part) {
+                                              float* __restrict__ lse_part, bool nat = false) {
     for (int idx = tid; idx < QT * D; idx += nthreads) {
         const int qi = idx / D;
         const int d = idx - qi * D;
@@ -242,7 +243,7 @@ __device__ __forceinline__ void combine_warps(const float* s_m, const float* s_l
             for (int w = 0; w < NW; ++w) {
                 const float mw = s_m[w * QT + qi];
                 if (mw != -KVQ_INF) {
-                    const float f = exp2f(mw - M);
+                    const float f = nat ? expf(mw - M) : exp2f(mw - M);
                     L = fmaf(f, s_l[w * QT + qi], L);
                     A = fmaf(f, cacc[(w * QT + qi) * D + d], A);
                 }
@@ -253,7 +254,8 @@ __device__ __forceinline__ void combine_warps(const float* s_m, const float* s_l
         const int t = r - (r / Tq) * Tq;
         const i64 prow = ((split * B + b) * Hq + h) * Tq + t;
         o_part[prow * D + d] = L > 0.0f ? A / L : 0.0f;
-        if (d == 0) lse_part[prow] = L > 0.0f ? (M + log2f(L)) * 0.693147180559945309f : -KVQ_INF;
+        if (d == 0)
+            lse_part[prow] = !(L > 0.0f) ? -KVQ_INF : nat ? M + logf(L) : (M + log2f(L)) * 0.693147180559945309f;
     }
 }
 

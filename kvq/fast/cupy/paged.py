@@ -18,6 +18,9 @@ gathered by ``paged_gather_tail`` (bit-exact dequantization) into one fp32 segme
 ``attention.cu``'s fp32 split kernel; all partials are merged by its log-sum-exp merge kernel.
 The fused kernel takes G = 128, D in {64, 128}, fp16 metadata and value groups of a multiple of 4
 channels; other configurations dequantize the cache and run the FP16-baseline kernels in fp32.
+fp16 q with 2-bit keys and values (one value group per token, D = 128, <= 8 query rows per KV head)
+takes the tensor-core kernel ``paged_decode_mma``; float32 q is the precise path: every token is
+gathered into the fp32 segment (double accumulators in ``attn_split``), none goes through a fused kernel.
 """
 
 from __future__ import annotations
@@ -180,7 +183,9 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
         K, V = dequantize_cache(cfg, codec, st)
         o, ls = A.decode_attention(q.float(), [(K, V)], scale=sc)
         return o.to(q.dtype), ls
-    NF = min(c["n_kpages"] * G, c["n_vq"])
+    # float32 q is the precise path: every token goes through the fp32 segment kernel (double
+    # accumulators, natural-log softmax), none through the fused 2-bit kernel
+    NF = 0 if q.dtype == torch.float32 else min(c["n_kpages"] * G, c["n_vq"])
     NP = -(-NF // G)
     G_q = H_q // H
     M = G_q * T_q
@@ -233,6 +238,6 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
                *(np.int64(s) for s in qf.stride()[:3]), *(np.int64(s) for s in tk.stride()[:3]),
                *(np.int64(s) for s in tv.stride()[:3]),
                np.int32(B), np.int32(H_q), np.int32(H), np.int32(T_q), np.int64(tk.shape[2]), np.int64(chunk),
-               np.int32(nt), np.int32(n_split), np.float32(sc * LOG2E)), dev)
+               np.int32(nt), np.int32(n_split), np.float32(sc)), dev)          # attn_split<fp32>: natural units
     A._merge_launch(o_part, lse_part, out, lse, rows, S_TOTAL, D)
     return out, lse
