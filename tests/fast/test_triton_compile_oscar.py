@@ -52,21 +52,22 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 TOKENS = dict(QMAX=3.0, BITS=2, PER=4, IN_BF16=False, FASTDIV=True, RANK=False, BLOCK_J=8)
-# name -> (kernel, x type, meta type, warps, constexprs); BLOCK_R as the launchers pick (TILE / SORT_TILE)
+# name -> (kernel, x type, meta type, warps, constexprs); BLOCK_R = 1 as the launchers pick on the GPU
+# (quant.sort_rows)
 VARIANTS = {
-    "tokens-D128-G128-fp16": ("tokens", "*fp16", "*fp16", 4, dict(TOKENS, D=128, G=128, BLOCK_R=8, BLOCK_NG=1,
+    "tokens-D128-G128-fp16": ("tokens", "*fp16", "*fp16", 4, dict(TOKENS, D=128, G=128, BLOCK_R=1, BLOCK_NG=1,
                                                                    BLOCK_J=32)),
-    "tokens-D128-G64-fp16": ("tokens", "*fp16", "*fp16", 4, dict(TOKENS, D=128, G=64, BLOCK_R=8, BLOCK_NG=2,
+    "tokens-D128-G64-fp16": ("tokens", "*fp16", "*fp16", 4, dict(TOKENS, D=128, G=64, BLOCK_R=1, BLOCK_NG=2,
                                                                   BLOCK_J=16)),
-    "tokens-D128-G32-bf16": ("tokens", "*i16", "*fp16", 4, dict(TOKENS, D=128, G=32, BLOCK_R=8, BLOCK_NG=4,
+    "tokens-D128-G32-bf16": ("tokens", "*i16", "*fp16", 4, dict(TOKENS, D=128, G=32, BLOCK_R=1, BLOCK_NG=4,
                                                                  IN_BF16=True)),
-    "tokens-D256-G128-fp32-meta32": ("tokens", "*fp32", "*fp32", 4, dict(TOKENS, D=256, G=128, BLOCK_R=4,
+    "tokens-D256-G128-fp32-meta32": ("tokens", "*fp32", "*fp32", 4, dict(TOKENS, D=256, G=128, BLOCK_R=1,
                                                                           BLOCK_NG=2, BLOCK_J=32)),
-    "tokens-D96-G32-4bit": ("tokens", "*fp16", "*fp16", 4, dict(TOKENS, D=96, G=32, BLOCK_R=8, BLOCK_NG=4,
+    "tokens-D96-G32-4bit": ("tokens", "*fp16", "*fp16", 4, dict(TOKENS, D=96, G=32, BLOCK_R=1, BLOCK_NG=4,
                                                                  QMAX=15.0, BITS=4, PER=2, BLOCK_J=16)),
-    "quantile-128": ("rows", "*fp16", None, 4, dict(ABS=False, CLIP=False, IN_BF16=False, BLOCK_R=16,
+    "quantile-128": ("rows", "*fp16", None, 4, dict(ABS=False, CLIP=False, IN_BF16=False, BLOCK_R=1,
                                                     BLOCK_S=128, RANK=False)),
-    "percentile-clip-128": ("rows", "*fp32", None, 4, dict(ABS=True, CLIP=True, IN_BF16=False, BLOCK_R=16,
+    "percentile-clip-128": ("rows", "*fp32", None, 4, dict(ABS=True, CLIP=True, IN_BF16=False, BLOCK_R=1,
                                                            BLOCK_S=128, RANK=False)),
     "percentile-clip-4096": ("rows", "*fp32", None, 4, dict(ABS=True, CLIP=True, IN_BF16=False, BLOCK_R=1,
                                                             BLOCK_S=4096, RANK=False)),

@@ -488,8 +488,9 @@ __device__ __forceinline__ void mma_ktile(float (*c)[4], const u32* a, u32 w0, u
 //   A = 4 q * scale_k of the boosted channels (Algorithm 1: code = low + 4 high).
 // Grid, block, page staging (cp.async, double buffer per warp) and the warp combine as paged_decode.
 // Dynamic shared memory: QT*D*4 (queries) + NW * 2 * PageBuf::bytes.
+#define KVQ_MMA_MAXW 4                             // warps per block at most (5 would cap registers at 168: spills)
 template <int KITTY>
-__global__ void __launch_bounds__(128, 2)
+__global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, 2)
     paged_decode_mma(const void* __restrict__ q, int q_dt, i64 sq_b, i64 sq_h, i64 sq_t,
                      const u8* __restrict__ kc, const u8* __restrict__ kh, const u8* __restrict__ ki,
                      const u16* __restrict__ ks, const u16* __restrict__ km, const u8* __restrict__ vc,
@@ -504,8 +505,8 @@ __global__ void __launch_bounds__(128, 2)
     constexpr int VBY = PB::VBY;
     static_assert(GB == 32 && VBY == 32, "one 32-bit word per thread and row");
     extern __shared__ u32x4 dsmem4[];
-    __shared__ float s_m[4][QT], s_l[4][QT];
-    __shared__ u8 s_inv[4][KITTY != 0 ? D : 1];                       // Kitty: high-plane row -> channel
+    __shared__ float s_m[KVQ_MMA_MAXW][QT], s_l[KVQ_MMA_MAXW][QT];
+    __shared__ u8 s_inv[KVQ_MMA_MAXW][KITTY != 0 ? D : 1];                       // Kitty: high-plane row -> channel
     u8* dsmem = reinterpret_cast<u8*>(dsmem4);
     float* s_q = reinterpret_cast<float*>(dsmem);                     // [D][QT]
     const int bufb = PB::bytes(1, db);
@@ -566,15 +567,21 @@ __global__ void __launch_bounds__(128, 2)
         const u16* kms = reinterpret_cast<const u16*>(buf + PB::KM);
 
         // ---- the page's key scale range and q . mn (log2 units)
-        float kmax = 0.0f, bias = 0.0f;
+        // channels 2t, 2t+1 (and 2t+8, 2t+9) are adjacent: one 32-bit load per pair; max |scale| on the
+        // fp16 bits (|x| = bits & 0x7fff orders like the values), two at a time
+        u32 kmax2 = 0u;
+        float bias = 0.0f;
 #pragma unroll
         for (int kk = 0; kk < 8; ++kk)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int c = 16 * kk + 2 * t + (e & 1) + 8 * (e >> 1);
-                kmax = fmaxf(kmax, fabsf(f16_to_f32(kss[c])));
-                bias = fmaf(qg[c * QT], f16_to_f32(kms[c]), bias);
+            for (int e = 0; e < 4; e += 2) {
+                const int c = 16 * kk + 2 * t + 8 * (e >> 1);
+                kmax2 = __vmaxu2(kmax2, *reinterpret_cast<const u32*>(kss + c) & 0x7fff7fffu);
+                const u32 mm = *reinterpret_cast<const u32*>(kms + c);
+                bias = fmaf(qg[c * QT], f16_to_f32((u16)(mm & 0xffffu)), bias);
+                bias = fmaf(qg[(c + 1) * QT], f16_to_f32((u16)(mm >> 16)), bias);
             }
+        float kmax = f16_to_f32((u16)kvq_max_i((int)(kmax2 & 0xffffu), (int)(kmax2 >> 16)));
 #pragma unroll
         for (int off = 1; off <= 2; off <<= 1) {
             kmax = fmaxf(kmax, __shfl_xor_sync(KVQ_FULL_MASK, kmax, off));
@@ -594,9 +601,11 @@ __global__ void __launch_bounds__(128, 2)
             const int c0 = 16 * kk + 2 * t;
             float f[4];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int c = c0 + (e & 1) + 8 * (e >> 1);
-                f[e] = qg[c * QT] * f16_to_f32(kss[c]) * inv;
+            for (int e = 0; e < 4; e += 2) {
+                const int c = c0 + 8 * (e >> 1);
+                const u32 sc2 = *reinterpret_cast<const u32*>(kss + c);
+                f[e] = qg[c * QT] * f16_to_f32((u16)(sc2 & 0xffffu)) * inv;
+                f[e + 1] = qg[(c + 1) * QT] * f16_to_f32((u16)(sc2 >> 16)) * inv;
             }
             u32 a[4];
             split2(f[0], f[1], a[0], a[1]);
@@ -655,12 +664,14 @@ __global__ void __launch_bounds__(128, 2)
         tmax = fmaxf(tmax, __shfl_xor_sync(KVQ_FULL_MASK, tmax, 2));
         const float mnew = fmaxf(m, tmax);
         const float alpha = m == mnew ? 1.0f : ex2(m - mnew);
-        l *= alpha;
-        bsum *= alpha;
+        if (__any_sync(KVQ_FULL_MASK, alpha != 1.0f)) {   // rescale only when some row's max moved
+            l *= alpha;
+            bsum *= alpha;
 #pragma unroll
-        for (int jn = 0; jn < 16; ++jn)
+            for (int jn = 0; jn < 16; ++jn)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[jn][e] *= alpha;
+                for (int e = 0; e < 4; ++e) acc[jn][e] *= alpha;
+        }
 #pragma unroll
         for (int jj = 0; jj < 16; ++jj)
 #pragma unroll

@@ -49,6 +49,7 @@ LOG2E = 1.4426950408889634
 G_FUSED = 128
 _SMEM_LIMIT = 200 * 1024            # dynamic shared memory a block may ask for (H100: 227 KiB)
 _GATHER_THREADS = 256
+MMA_MAX_WARPS = 4                   # paged.cu KVQ_MMA_MAXW
 
 #: launch knobs of the fused kernel for tuning runs (None = built-in): warps per block (<= 4),
 #: waves = target blocks per SM over the fused grid; mma: the tensor-core kernel where it applies
@@ -148,7 +149,7 @@ def _plan(D: int, k_bits: int, v_bits: int, kitty: bool, ngv: int, db: int, QT: 
     buf = _buf_bytes(D, k_bits, v_bits, kitty, ngv, db)
     smem = (lambda nw: QT * D * 4 + nw * 2 * buf) if mma else (lambda nw: _smem_bytes(D, QT, nw, buf))
     nw = TUNE["num_warps"] or 4
-    nw = max(1, min(4, nw))
+    nw = max(1, min(MMA_MAX_WARPS if mma else 4, nw))
     while nw > 1 and smem(nw) > _SMEM_LIMIT:
         nw -= 1
     return nw, smem(nw)

@@ -27,7 +27,6 @@ from .packing import _pack_launch
 
 __all__ = ["quantize_tokens"]
 
-TILE = 1024              # elements per program (BLOCK_R rows x next_pow2(D))
 
 
 # Fused OSCAR token quantizer: one program takes BLOCK_R token rows of D channels.
@@ -103,7 +102,7 @@ def _launch(x: torch.Tensor, clip, G: int, bits: int, meta: torch.dtype, per: in
     xin = x.view(torch.int16) if in_bf16 else x
     BNG, BJ = Q._p2(D // G), Q._p2(G // per)
     BS = BNG * BJ * per
-    BR = Q.sort_rows(BS, R, TILE)
+    BR = Q.sort_rows(BS, R)
     _quantize_tokens_kernel[(triton.cdiv(R, BR),)](
         xin, q, scale, mn, R, lo, hi, frac, D=D, G=G, QMAX=float(2 ** bits - 1), BITS=bits, PER=per,
         IN_BF16=in_bf16, FASTDIV=not C.interpreting(), BLOCK_R=BR, BLOCK_NG=BNG, BLOCK_J=BJ,
