@@ -5,7 +5,7 @@
 #   BENCH_QUICK=1 bash benchmarks/device.sh     # fewer shapes and rounds
 #   BENCH_ONLY=ceilings,kivi_kitty bash benchmarks/device.sh   # some benchmark sections only
 #
-# COMMIT (or env KVQ_COMMIT) names the commit in the results: the device copy has no .git.
+# COMMIT (or env KVQ_COMMIT) names the commit in the results (a .git on the device copy may be stale).
 # Each step has its own timeout (tests TEST_TIMEOUT=240 s, benchmarks BENCH_TIMEOUT=280 s) and a failed
 # step does not stop the next. Files written to $OUT (7; the device returns at most 8):
 #   gpu-tests.xml gpu-tests.log gpu-tests.json bench.log ceilings.json quant.json decode.json
