@@ -31,6 +31,10 @@ MIRRORED = {
     "kivi": ("KIVIConfig", "CONFIGS", "init", "append", "dequantize", "decode_attention"),
     "kitty": ("KittyConfig", "CONFIGS", "init", "append", "dequantize", "decode_attention",
               "channel_scores", "select_boost", "encode_page", "dequantize_page", "channel_sensitivity"),
+    "oscar": ("DEFAULT_CLIP_K", "DEFAULT_CLIP_V", "CLIP_GRID", "OSCARCalibration", "identity_calibration",
+              "calibrate", "calibrate_clip", "quantize_tokens",
+              "OSCARConfig", "CONFIGS", "OSCARState", "counts", "init", "append", "dequantize",
+              "decode_attention", "fold_value_rotation"),
 }
 
 #: backend -> module -> reference functions that have no fast version yet, and the issue that adds it
@@ -46,6 +50,16 @@ for _backend in BACKENDS:
     NOT_YET_IMPLEMENTED[_backend]["kitty"] = {
         "channel_sensitivity": "Kitty Fig. 2b analysis: one perturbed attention per channel; the reference serves it"}
 del _backend
+NOT_YET_IMPLEMENTED["triton"]["oscar"] = {
+    "calibrate": "offline calibration (Algorithm 1, float64 eigendecompositions): the reference serves it",
+    "calibrate_clip": "offline clip-ratio fit over CLIP_GRID: the reference serves it",
+    "fold_value_rotation": "offline float64 weight folding, once per model: the reference serves it",
+    "OSCARState": "the reference's class holds NumPy arrays; the fast state is "
+                  "kvq.fast.triton.oscar.OSCARTensorState (the same fields as torch tensors)",
+}
+NOT_YET_IMPLEMENTED["cupy"]["oscar"] = {
+    name: "OSCAR cache on CuPy: not yet (kvq.fast.triton.oscar serves it)"
+    for name in MIRRORED["oscar"]}
 
 
 def backend_module(module: str, backend: str | None = None):

@@ -32,15 +32,31 @@ TARGETS = [pytest.param(("triton", "cpu"), id="triton-interp"),
            pytest.param(("cupy", "cuda"), id="cupy-cuda", marks=pytest.mark.gpu)]
 
 
-@pytest.fixture(params=TARGETS)
-def target(request):
-    """(backend, device): tests/conftest.py's ``fast_target`` (same targets and skip rules)."""
+def _target(request):
     backend, device = request.param
     if device == "cpu" and torch.cuda.is_available():
         pytest.skip("the Triton interpreter target runs only on machines without a GPU (CI)")
     if backend == "cupy":
         pytest.importorskip("cupy")
     return request.param
+
+
+@pytest.fixture(params=TARGETS)
+def target(request):
+    """(backend, device): tests/conftest.py's ``fast_target`` (same targets and skip rules)."""
+    return _target(request)
+
+
+@pytest.fixture(params=[t for t in TARGETS if t.values[0][0] == "triton"])
+def triton_target(request):
+    """The Triton targets only (knobs of the Triton fused kernel)."""
+    return _target(request)
+
+
+@pytest.fixture(params=[t for t in TARGETS if t.values[0][0] == "cupy"])
+def cupy_target(request):
+    """The CuPy target only (knobs of the CUDA fused kernels; deselected without a GPU)."""
+    return _target(request)
 
 
 def _device_ok(device):
@@ -232,25 +248,21 @@ def test_decode_attention(target, a):
 
 
 @pytest.mark.parametrize("a", [ATTN[1], ATTN[6]], ids=["KIVI-K2V2-fp16", "Kitty-Pro-fp16"])
-def test_decode_p_split(target, a, monkeypatch):
+def test_decode_p_split(triton_target, a, monkeypatch):
     """The other setting of ``paged.TUNE["split_p"]``: True (P as hi + lo halves, two dots, ~fp32
     accuracy) instead of the default False (P rounded once to fp16) also meets the tolerance rule."""
-    if target[0] != "triton":
-        pytest.skip("TUNE['split_p'] is a knob of the Triton fused kernel (tensor-core P @ V)")
     FP = _paged("triton")
     monkeypatch.setitem(FP.TUNE, "split_p", True)
-    test_decode_attention(target, a)
+    test_decode_attention(triton_target, a)
 
 
 @pytest.mark.parametrize("a", [ATTN[1], ATTN[5], ATTN[6]], ids=["KIVI-K2V2-fp16", "Kitty-fp16-gqa8", "Kitty-Pro-fp16"])
-def test_decode_cuda_cores(target, a, monkeypatch):
+def test_decode_cuda_cores(cupy_target, a, monkeypatch):
     """CuPy: fp16 q with 2-bit keys and values takes the tensor-core kernel (paged_decode_mma) by
     default; ``TUNE["mma"] = False`` runs the CUDA-core kernel (paged_decode) on the same cases."""
-    if target[0] != "cupy":
-        pytest.skip("TUNE['mma'] is a knob of the CuPy fused kernels")
     FP = _paged("cupy")
     monkeypatch.setitem(FP.TUNE, "mma", False)
-    test_decode_attention(target, a)
+    test_decode_attention(cupy_target, a)
 
 
 @pytest.mark.parametrize("ci", [0, 3], ids=[IDS[0], IDS[3]])
