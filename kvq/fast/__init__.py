@@ -35,6 +35,9 @@ MIRRORED = {
               "calibrate", "calibrate_clip", "quantize_tokens",
               "OSCARConfig", "CONFIGS", "OSCARState", "counts", "init", "append", "dequantize",
               "decode_attention", "fold_value_rotation"),
+    "hadamard": ("is_power_of_two", "hadamard_matrix", "fwht_scale", "fwht"),
+    "higgs": ("SHIPPED_GRIDS", "HiggsConfig", "load_grid", "index_dtype", "group_sum_of_squares",
+              "nearest", "quantize", "dequantize", "bits_per_value"),
 }
 
 #: backend -> module -> reference functions that have no fast version yet, and the issue that adds it
@@ -60,6 +63,10 @@ NOT_YET_IMPLEMENTED["triton"]["oscar"] = {
 NOT_YET_IMPLEMENTED["cupy"]["oscar"] = {
     name: "OSCAR cache on CuPy: not yet (kvq.fast.triton.oscar serves it)"
     for name in MIRRORED["oscar"]}
+for _module in ("hadamard", "higgs"):
+    NOT_YET_IMPLEMENTED["cupy"][_module] = {
+        name: "AQUA-KV issue: CuPy HIGGS kernels not yet" for name in MIRRORED[_module]}
+del _module
 
 
 def backend_module(module: str, backend: str | None = None):
