@@ -1,9 +1,10 @@
-"""Run every kvq benchmark in one process (CUDA initializes once): ceilings, quant, decode, kivi_kitty.
+"""Run every kvq benchmark in one process (CUDA initializes once): ceilings, quant, decode, kivi_kitty, oscar.
 
-Writes ``ceilings.json``, ``quant.json``, ``decode.json`` and ``kivi_kitty.json`` to ``--out`` (each as soon as its section
-ends, so a later timeout loses nothing already measured) and prints a short summary table last.
+Writes ``ceilings.json``, ``quant.json``, ``decode.json``, ``kivi_kitty.json`` and ``oscar.json`` to ``--out``
+(each as soon as its section ends, so a later timeout loses nothing already measured) and prints a short summary table last.
 A wall-clock budget (``--budget-s``) is shared by the sections: quant may use at most 45% of it,
-measurements past the budget are recorded as skipped.
+kivi_kitty at most 90 s (leaving 45 s for oscar when it runs), oscar at most 60 s; measurements past the
+budget are recorded as skipped.
 
     python3 benchmarks/run_all.py --out benchmarks/results/h100-$(date +%F)     # on the GPU machine
     python3 benchmarks/run_all.py --out /tmp/kvq-dry --dry-run                  # CPU, tiny shapes
@@ -23,6 +24,8 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+OSCAR_RESERVE_S = 45.0                    # of the shared budget, kept back from kivi_kitty for oscar
+
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -31,7 +34,7 @@ def main(argv=None):
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny shapes; without a GPU, on the CPU with TRITON_INTERPRET=1")
     ap.add_argument("--budget-s", type=float, default=250.0, help="wall-clock budget for all sections")
-    ap.add_argument("--only", default="ceilings,quant,decode,kivi_kitty", help="comma-separated sections to run")
+    ap.add_argument("--only", default="ceilings,quant,decode,kivi_kitty,oscar", help="comma-separated sections to run")
     a = ap.parse_args(argv)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -42,6 +45,7 @@ def main(argv=None):
     import bench_ceilings
     import bench_decode
     import bench_kivi_kitty
+    import bench_oscar
     import bench_quant
     import common as C
 
@@ -84,7 +88,8 @@ def main(argv=None):
         print(f"[{time.monotonic() - t0:6.1f} s] decode done", flush=True)
 
     if "kivi_kitty" in sections:
-        kk_deadline = C.Deadline(min(max(deadline.left(), 0.0), 90.0))
+        reserve = OSCAR_RESERVE_S if "oscar" in sections else 0.0        # oscar's share, kept back
+        kk_deadline = C.Deadline(min(max(deadline.left() - reserve, 0.0), 90.0))
         try:
             kk = bench_kivi_kitty.run(device, copy_gbps=copy_gbps, quick=a.quick, dry_run=dry, deadline=kk_deadline)
         except Exception as e:
@@ -93,6 +98,17 @@ def main(argv=None):
         summary += ["== kivi_kitty: paged quantized decode, fp16 q, T_q 1, ms per call"] + \
             bench_kivi_kitty.summary_lines(kk)
         print(f"[{time.monotonic() - t0:6.1f} s] kivi_kitty done", flush=True)
+
+    if "oscar" in sections:
+        os_deadline = C.Deadline(min(max(deadline.left(), 0.0), 60.0))
+        try:
+            osc = bench_oscar.run(device, copy_gbps=copy_gbps, quick=a.quick, dry_run=dry, deadline=os_deadline)
+        except Exception as e:
+            osc = {"error": C.err_str(e), "shapes": []}
+        C.write_json(out, "oscar.json", {"meta": header, **osc})
+        summary += ["== oscar: INT2 decode (history dequantized to fp32, not fused), fp16 q, T_q 1, ms per call"] + \
+            bench_oscar.summary_lines(osc)
+        print(f"[{time.monotonic() - t0:6.1f} s] oscar done", flush=True)
 
     print(f"\nresults in {out}  ({time.monotonic() - t0:.1f} s)")
     print("\n".join(summary))
