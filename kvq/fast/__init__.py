@@ -63,10 +63,6 @@ NOT_YET_IMPLEMENTED["triton"]["oscar"] = {
 NOT_YET_IMPLEMENTED["cupy"]["oscar"] = {
     name: "OSCAR cache on CuPy: not yet (kvq.fast.triton.oscar serves it)"
     for name in MIRRORED["oscar"]}
-for _module in ("hadamard", "higgs"):
-    NOT_YET_IMPLEMENTED["cupy"][_module] = {
-        name: "AQUA-KV issue: CuPy HIGGS kernels not yet" for name in MIRRORED[_module]}
-del _module
 
 
 def backend_module(module: str, backend: str | None = None):

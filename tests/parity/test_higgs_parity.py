@@ -7,15 +7,19 @@ dequantized values are bit-identical: over the shipped grids, group sizes, odd f
 n = 300 has uint16 indices above 255) and NaN / inf errors. ``fwht`` over every power-of-two length
 1 .. 1024 and several axes, and the multi-launch path for long rows.
 
-Targets: Triton through the interpreter (CI, CPU) and on the GPU (``pytest -m gpu``). CuPy has no HIGGS
-kernels yet (``kvq.fast.NOT_YET_IMPLEMENTED["cupy"]["higgs"]``): its target is skipped.
+Targets: Triton through the interpreter (CI, CPU) and on the GPU (``pytest -m gpu``), and the CuPy
+kernels (``kvq.fast.cupy.higgs`` / ``.hadamard``) on the GPU; ``_fg`` / ``_fh`` name the target's backend.
 """
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 import torch
+
+import kvq.fast as kvq_fast
 
 from kvq.reference import hadamard as RH
 from kvq.reference import higgs as RG
@@ -23,21 +27,24 @@ from kvq.reference import higgs as RG
 from .cases import assert_bits_equal
 
 
+_BACKEND = "triton"          # the backend of the running test's target (set by the ``target`` fixture)
+
+
 @pytest.fixture
-def target(fast_target):
-    if fast_target[0] == "cupy":
-        pytest.skip("kvq.fast.cupy.higgs / hadamard are not implemented (NOT_YET_IMPLEMENTED['cupy'])")
+def target(fast_target, monkeypatch):
+    backend = fast_target[0]
+    if kvq_fast.NOT_YET_IMPLEMENTED[backend].get("higgs") or kvq_fast.NOT_YET_IMPLEMENTED[backend].get("hadamard"):
+        pytest.skip(f"kvq.fast.{backend}.higgs / hadamard are listed in NOT_YET_IMPLEMENTED[{backend!r}]")
+    monkeypatch.setattr(importlib.import_module(__name__), "_BACKEND", backend)
     return fast_target
 
 
 def _fg():
-    from kvq.fast.triton import higgs
-    return higgs
+    return importlib.import_module(f"kvq.fast.{_BACKEND}.higgs")
 
 
 def _fh():
-    from kvq.fast.triton import hadamard
-    return hadamard
+    return importlib.import_module(f"kvq.fast.{_BACKEND}.hadamard")
 
 
 def _t(a: np.ndarray, device: str, dtype=None) -> torch.Tensor:

@@ -95,11 +95,22 @@ def _paged_names():
     return tuple(names)
 
 
+def _higgs_names():
+    """higgs.cu: fwht over fp16 / bf16 / fp32 rows, the HIGGS quantizer per input dtype and index bits,
+    the decoder per output dtype and index bits, and the helper kernels."""
+    names = [f"fwht_rows<{dt}>" for dt in (0, 1, 2)] + ["fwht_stage", "higgs_nearest"]
+    names += [f"higgs_ss<{dt}>" for dt in (0, 1, 2)]
+    names += [f"higgs_quant<{dt}, {ib}>" for dt in (0, 1, 2) for ib in (8, 16, 32)]
+    names += [f"higgs_dequant<{dt}, {ib}>" for dt in (0, 1, 2) for ib in (8, 16, 32)]
+    return tuple(names)
+
+
 #: source file -> every kernel name expression the Python side may request (tests compile them all)
 KERNELS = {
     "quant.cu": _quant_names(),
     "attention.cu": _attention_names(),
     "paged.cu": _paged_names(),
+    "higgs.cu": _higgs_names(),
 }
 
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.MULTILINE)
