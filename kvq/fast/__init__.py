@@ -47,22 +47,19 @@ NOT_YET_IMPLEMENTED = {
     }
     for backend in BACKENDS
 }
-NOT_YET_IMPLEMENTED["cupy"]["quant"] = {"quantile": "OSCAR issue: fused rotate-clip-quantize",
-                                        "percentile_clip": "OSCAR issue: fused rotate-clip-quantize"}
 for _backend in BACKENDS:
     NOT_YET_IMPLEMENTED[_backend]["kitty"] = {
         "channel_sensitivity": "Kitty Fig. 2b analysis: one perturbed attention per channel; the reference serves it"}
 del _backend
-NOT_YET_IMPLEMENTED["triton"]["oscar"] = {
-    "calibrate": "offline calibration (Algorithm 1, float64 eigendecompositions): the reference serves it",
-    "calibrate_clip": "offline clip-ratio fit over CLIP_GRID: the reference serves it",
-    "fold_value_rotation": "offline float64 weight folding, once per model: the reference serves it",
-    "OSCARState": "the reference's class holds NumPy arrays; the fast state is "
-                  "kvq.fast.triton.oscar.OSCARTensorState (the same fields as torch tensors)",
-}
-NOT_YET_IMPLEMENTED["cupy"]["oscar"] = {
-    name: "OSCAR cache on CuPy: not yet (kvq.fast.triton.oscar serves it)"
-    for name in MIRRORED["oscar"]}
+for _backend in BACKENDS:
+    NOT_YET_IMPLEMENTED[_backend]["oscar"] = {
+        "calibrate": "offline calibration (Algorithm 1, float64 eigendecompositions): the reference serves it",
+        "calibrate_clip": "offline clip-ratio fit over CLIP_GRID: the reference serves it",
+        "fold_value_rotation": "offline float64 weight folding, once per model: the reference serves it",
+        "OSCARState": "the reference's class holds NumPy arrays; the fast state is "
+                      f"kvq.fast.{_backend}.oscar.OSCARTensorState (the same fields as torch tensors)",
+    }
+del _backend
 
 
 def backend_module(module: str, backend: str | None = None):

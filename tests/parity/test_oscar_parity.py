@@ -1,4 +1,4 @@
-"""kvq.fast.triton.oscar (and its rotation kernel kvq.fast.triton.rotate) against kvq.reference.oscar.
+"""kvq.fast.<backend>.oscar (and its rotation kernel kvq.fast.<backend>.rotate) against kvq.reference.oscar.
 
 The rotation kernel reproduces ``kvq.reference.rotations.rotate`` bit for bit (the same fp32 operations
 in the same order, no FMA), shared (D, D) and per-head (H, D, D) with the GQA mapping. So the cache
@@ -8,8 +8,8 @@ dequantize is bit-exact in the rotated frame and rotated back (the same kernel, 
 follows the tolerance rule (``tolerance.check_close``) against the reference in float64 (truth) and
 float32. Bad input raises the reference's error (same type and message) and leaves the state unchanged.
 
-Targets: Triton through the interpreter (CI, CPU) and on the GPU (``pytest -m gpu``). The CuPy backend
-has no OSCAR cache yet (``kvq.fast.NOT_YET_IMPLEMENTED["cupy"]["oscar"]``): its target is skipped.
+Targets: Triton through the interpreter (CI, CPU) and on the GPU, and the CuPy backend on the GPU
+(``pytest -m gpu``).
 """
 
 from __future__ import annotations
@@ -27,20 +27,20 @@ from .tolerance import check_close
 
 @pytest.fixture
 def target(fast_target):
-    """(backend, device) from tests/conftest.py's ``fast_target``; CuPy has no OSCAR cache yet."""
-    if fast_target[0] == "cupy":
-        pytest.skip("kvq.fast.cupy.oscar is not implemented (NOT_YET_IMPLEMENTED['cupy']['oscar'])")
+    """(backend, device) from tests/conftest.py's ``fast_target``."""
     return fast_target
 
 
-def _fast():
-    from kvq.fast.triton import oscar
-    return oscar
+def _fast(target):
+    """The backend's own OSCAR cache module, kvq.fast.<backend>.oscar."""
+    import importlib
+    return importlib.import_module(f"kvq.fast.{target[0]}.oscar")
 
 
-def _rotate():
-    from kvq.fast.triton.rotate import rotate
-    return rotate
+def _rotate(target):
+    """The backend's own rotation kernel, kvq.fast.<backend>.rotate.rotate."""
+    import importlib
+    return importlib.import_module(f"kvq.fast.{target[0]}.rotate").rotate
 
 
 def _orth(rng, *lead, D):
@@ -115,7 +115,7 @@ ROT = [("shared", 1, np.float16, 1), ("shared", 1, np.float32, 37), ("per_head",
 def test_rotate_bit_exact(target, kind, ratio, dtype, T):
     """rotate(x, R) == rotations.rotate bit for bit: shared / per-head R, odd T, zeros (-0.0 -> +0.0)."""
     _, device = target
-    rotate = _rotate()
+    rotate = _rotate(target)
     D = 32 if device == "cpu" else 128
     H_kv, B = 2, 2
     rng = np.random.default_rng(T)
@@ -141,7 +141,7 @@ def test_rotate_bit_exact(target, kind, ratio, dtype, T):
 
 def test_rotate_other_shapes_and_errors(target):
     _, device = target
-    rotate = _rotate()
+    rotate = _rotate(target)
     rng = np.random.default_rng(5)
     R = _orth(rng, D=16)
     x = rng.standard_normal((7, 16)).astype(np.float32)
@@ -171,7 +171,7 @@ def test_state_parity(target, kind, chunks, over):
     """Fast appends in chunks == reference bulk append, every field bit for bit; dequantize bit-exact
     in the rotated frame and rotated back."""
     _, device = target
-    F = _fast()
+    F = _fast(target)
     cfg, (B, H, D) = _setup(target, **over)
     calib = _calib(kind, H, D)
     T = (37 if chunks == "ones" else 61) if device == "cpu" else 1000
@@ -196,7 +196,7 @@ def test_state_parity(target, kind, chunks, over):
 def test_float32_input_prefix_states(target):
     """float32 input (rotated in fp32, rounded to the FP16 buffers); the state after every chunk."""
     _, device = target
-    F = _fast()
+    F = _fast(target)
     cfg, (B, H, D) = _setup(target)
     calib = _calib("per_head", H, D, seed=3)
     T = 45 if device == "cpu" else 700
@@ -237,7 +237,7 @@ ATTN = [
                                          for a in ATTN])
 def test_decode_attention(target, a):
     _, device = target
-    F = _fast()
+    F = _fast(target)
     kind, T, dtype, ratio, T_q, back = a
     cfg, (B, H, D) = _setup(target)
     T = T if device == "cpu" else T * 20
@@ -274,7 +274,7 @@ def _errors(fn_ref, fn_fast):
 
 def test_bad_input(target):
     _, device = target
-    F = _fast()
+    F = _fast(target)
     cfg, (B, H, D) = _setup(target)
     calib = _calib("per_head", H, D)
     k, v = _kv(B, H, 30, D, seed=2)
@@ -331,7 +331,7 @@ def test_bad_input(target):
 
 def test_module_objects(target):
     """Data names are the reference's objects; quantize_tokens / identity_calibration / counts mirror it."""
-    F = _fast()
+    F = _fast(target)
     for name in ("DEFAULT_CLIP_K", "DEFAULT_CLIP_V", "CLIP_GRID", "OSCARCalibration", "OSCARConfig", "CONFIGS"):
         assert getattr(F, name) is getattr(RO, name)
     c = F.identity_calibration(32, 0.9)

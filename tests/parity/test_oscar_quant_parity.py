@@ -1,7 +1,7 @@
 """OSCAR's quantizer pieces, fast against reference, bit for bit (numerics contract, DESIGN.md section 2).
 
 ``kvq.fast.<backend>.quant.quantile`` / ``percentile_clip`` against ``kvq.reference.quant``, and the fused
-Triton token quantizer ``kvq.fast.triton.oscar_quant.quantize_tokens`` against
+token quantizer ``kvq.fast.<backend>.oscar_quant.quantize_tokens`` (Triton and CuPy) against
 ``kvq.reference.rotations.quantize_tokens`` + ``packing.pack`` (what the OSCAR cache stores). Odd shapes,
 fp16 / bf16 / fp32 input, ties, constant rows, huge / tiny values, NaN / inf, G in {32, 64, 128}, clip
 ratios {1.0, 0.96, 0.92}. CPU: the Triton interpreter; GPU: ``pytest -m gpu``.
@@ -24,16 +24,15 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def _quant(backend):
-    if backend != "triton":
+    if "quantile" in F.NOT_YET_IMPLEMENTED.get(backend, {}).get("quant", {}):
         pytest.skip(f"{backend}: quantile / percentile_clip are listed in NOT_YET_IMPLEMENTED")
     return F.backend_module("quant", backend)
 
 
 def _oscar_quant(backend):
-    if backend != "triton":
-        pytest.skip("the fused OSCAR token quantizer exists for the Triton backend only")
-    from kvq.fast.triton import oscar_quant
-    return oscar_quant
+    """The backend's own fused token quantizer: kvq.fast.<backend>.oscar_quant."""
+    import importlib
+    return importlib.import_module(f"kvq.fast.{backend}.oscar_quant")
 
 
 def _rows(kind: str, shape, seed: int) -> np.ndarray:
@@ -131,7 +130,7 @@ def test_quantile_non_finite(fast_target):
 
 
 def test_long_rows_sorted_by_torch(fast_target, monkeypatch):
-    """Rows longer than MAX_SORT take torch.sort: the same bits (Triton only)."""
+    """Rows longer than MAX_SORT take torch.sort: the same bits."""
     backend, device = fast_target
     Q = _quant(backend)
     monkeypatch.setattr(Q, "MAX_SORT", 16)

@@ -105,12 +105,19 @@ def _higgs_names():
     return tuple(names)
 
 
+def _oscar_names():
+    """oscar.cu: quantile / percentile clip, the fixed-order rotation and the fused OSCAR token quantizer,
+    each per input dtype."""
+    return tuple(f"{k}<{dt}>" for k in ("quantile_rows", "rotate_rows", "oscar_quant_rows") for dt in (0, 1, 2))
+
+
 #: source file -> every kernel name expression the Python side may request (tests compile them all)
 KERNELS = {
     "quant.cu": _quant_names(),
     "attention.cu": _attention_names(),
     "paged.cu": _paged_names(),
     "higgs.cu": _higgs_names(),
+    "oscar.cu": _oscar_names(),
 }
 
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.MULTILINE)

@@ -27,13 +27,14 @@ from kvq.reference.quant import check_groups
 
 from . import _loader as L
 
-__all__ = ["quantize", "dequantize"]
+__all__ = ["quantize", "dequantize", "quantile", "percentile_clip"]
 
 _SRC = "quant.cu"
 _THREADS = 256          # rows kernels: 8 warps per block
 _CACHED = 4             # rows / cols kernels: chunks a thread keeps in registers (K in quant.cu)
 _MAXTY = 8              # cols kernels: token slices per block (MAXTY in quant.cu, 256 threads)
 _R = 4                  # cols kernels: tokens per chunk (R in quant.cu)
+MAX_SORT = 4096         # longest row sorted by one block (OSCAR_MAX_SORT in oscar.cu); longer: torch.sort
 
 
 def _pow2_ceil(v: int) -> int:
@@ -161,3 +162,101 @@ def dequantize(codes, scale, mn, group_size, axis: int = -1, out_dtype=np.float1
     G = check_groups(tuple(codes.shape), axis, group_size, "codes")
     C.check_meta_shapes(tuple(codes.shape), scale, mn, G, axis)
     return launch_dequantize(codes, scale, mn, G, axis, out_dtype_of(out_dtype), 8)
+
+
+# ----------------------------------------------------------------------------------------------------
+# quantiles (OSCAR App. A.5): oscar.cu quantile_rows
+
+
+def quantile_index(n: int, rho) -> tuple[int, int, float]:
+    """``(lo, hi, frac)`` of ``quant.quantile`` for n values: ``h = (n - 1) * rho`` in float64 (an
+    index, not data), ``lo = floor(h)``, ``hi = min(lo + 1, n - 1)``, ``frac = float32(h - lo)``."""
+    h = (n - 1) * float(rho)
+    lo = int(np.floor(h))
+    return lo, min(lo + 1, n - 1), float(np.float32(h - lo))
+
+
+def check_ratio(rho) -> None:
+    """The reference's check of a quantile ratio, with its message."""
+    if not (0.0 < float(rho) <= 1.0):
+        raise ValueError(f"quantile ratio rho={rho!r} must lie in (0, 1]")
+
+
+def sort_threads(bs: int) -> int:
+    """Threads of a block that sorts ``bs`` keys (a power of two): one per key pair, 32 to 256."""
+    return max(32, min(256, bs // 2))
+
+
+def launch_quantile_rows(x: torch.Tensor, n: int, rho, clip: bool):
+    """Quantile (of |x| when ``clip``) of each contiguous row of ``n`` elements of contiguous ``x``.
+
+    Returns ``(tau (rows,) fp32, clipped fp32 like x or None)``. Rows longer than :data:`MAX_SORT` are
+    sorted by ``torch.sort`` (exact; NaN last as in NumPy) and interpolated by torch's fp32 ops.
+    """
+    rows = x.numel() // n
+    lo, hi, frac = quantile_index(n, rho)
+    tau = torch.empty(rows, dtype=torch.float32, device=x.device)
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device) if clip else None
+    if rows == 0:
+        return tau, out
+    if n > MAX_SORT:
+        xf = x.reshape(rows, n).float()
+        v = xf.abs() if clip else xf
+        s = torch.sort(v, dim=1).values
+        s_lo, s_hi = s[:, lo], s[:, hi]
+        f = torch.tensor(frac, dtype=torch.float32, device=x.device)
+        tau.copy_(torch.add(s_lo, torch.mul(f, torch.sub(s_hi, s_lo))))
+        if clip:
+            t = tau[:, None]
+            y = torch.where((xf > -t) | torch.isnan(xf), xf, -t)
+            out.copy_(torch.where((y < t) | torch.isnan(y), y, t).reshape(x.shape))
+        return tau, out
+    bs = _pow2_ceil(n)
+    fn = L.kernel("oscar.cu", f"quantile_rows<{L.DT[x.dtype]}>")
+    L.run(fn, (L.grid_1d(rows, 1),), (sort_threads(bs),),
+          (x, tau, out if clip else tau, np.int64(rows), np.int32(n), np.int32(bs), np.int32(lo), np.int32(hi),
+           np.float32(frac), np.int32(bool(clip)), np.int32(bool(clip))), x.device)
+    return tau, out
+
+
+def quantile(a, rho: float, axis: int = -1):
+    """Mirrors `kvq.reference.quant.quantile`: the ``rho``-quantile along ``axis``, linear interpolation.
+
+    The same rule and op order: the values sorted (a bitonic sort of their monotone int32 bit patterns
+    in shared memory: exact), ``h = (n - 1) * rho`` in float64 on the host, ``tau = s[lo] + frac *
+    (s[hi] - s[lo])`` as three rounded fp32 operations (PTX, no FMA, no ftz); NaN sorts last, as in
+    NumPy. Differences: ``a`` is a torch float16 / bfloat16 / float32 CUDA tensor; the result is a
+    torch.float32 tensor (0-d for 1-D input). One kernel, one block per row; rows longer than
+    ``MAX_SORT`` are sorted by ``torch.sort`` and interpolated by torch's fp32 elementwise ops.
+    """
+    C.check_float(a, "a")
+    axis = nx.normalize_axis(axis, a.dim())
+    check_ratio(rho)
+    n = a.shape[axis]
+    if n == 0:
+        raise ValueError("cannot take a quantile over an empty axis")
+    x = a.movedim(axis, -1).contiguous()
+    tau, _ = launch_quantile_rows(x, n, rho, clip=False)
+    return tau.reshape(tuple(x.shape[:-1]))
+
+
+def percentile_clip(x, ratio: float, axis: int = -1):
+    """Mirrors `kvq.reference.quant.percentile_clip`: ``tau = quantile_ratio(|x|)`` per row along ``axis``, then clip.
+
+    Returns ``(x_clipped, tau)`` as torch.float32 tensors (x's shape; tau without ``axis``), in ONE
+    kernel (sort, interpolate, clip). The clip is ``min(max(x, -tau), tau)`` with NumPy's choice
+    between equal arguments (the second), so zero signs agree; comparisons are PTX ``setp`` without
+    ftz, so subnormals compare as in NumPy. Differences: torch CUDA tensors (see :func:`quantile`);
+    NaN / inf raise ValueError while ``kvq.fast.validation`` is on (a full read of ``x``); with it off
+    NaN propagates into the clipped values and tau.
+    """
+    C.check_float(x)
+    axis = nx.normalize_axis(axis, x.dim())
+    C.check_finite(x)
+    check_ratio(ratio)
+    n = x.shape[axis]
+    if n == 0:
+        raise ValueError("cannot take a quantile over an empty axis")
+    xm = x.movedim(axis, -1).contiguous()
+    tau, out = launch_quantile_rows(xm, n, ratio, clip=True)
+    return out.movedim(-1, axis).contiguous(), tau.reshape(tuple(xm.shape[:-1]))
