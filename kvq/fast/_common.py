@@ -210,3 +210,21 @@ def check_partials(partials, *, allow_cpu: bool = False):
             if ls.numel() and bool((torch.isnan(ls) | (ls == float("inf"))).any()):
                 raise ValueError(f"partial {i}: lse contains NaN or +inf")
     return os_, lses
+
+
+def check_decode_q(q, shape, device, length: int, *, allow_cpu: bool = False) -> None:
+    """A cache's decode query against the cache: q (B, H_q, T_q, D) with H_q a multiple of H_kv, a
+    float16 / bfloat16 / float32 tensor on the cache's device, and a non-empty cache (``shape`` =
+    (B, H_kv, D), ``length`` = tokens cached)."""
+    B, H, D = shape
+    check_tensor(q, "q", allow_cpu=allow_cpu)
+    if q.dim() != 4 or q.shape[0] != B or q.shape[3] != D or q.shape[1] % H:
+        raise ValueError(f"q has shape {tuple(q.shape)}; this cache takes (B={B}, H_q (a multiple of {H}), "
+                         f"T_q, D={D})")
+    if q.dtype not in ATTN_DTYPES:
+        raise TypeError(f"q has dtype {q.dtype}; the fast decode takes float16 / bfloat16 / float32 (the "
+                        f"reference tier computes float64 truths)")
+    if q.device != device:
+        raise ValueError(f"q is on {q.device}; the cache is on {device}")
+    if length == 0:
+        raise ValueError("the cache is empty: append tokens before attending")

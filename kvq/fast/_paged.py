@@ -320,15 +320,4 @@ def dequantize_cache(cfg, codec, st: PagedState):
 
 def check_q(codec, st: PagedState, q):
     """The decode query's shape, dtype and device against the cache (and a non-empty cache)."""
-    B, H, D = st.shape
-    C.check_tensor(q, "q", allow_cpu=codec.ops.allow_cpu())
-    if q.dim() != 4 or q.shape[0] != B or q.shape[3] != D or q.shape[1] % H:
-        raise ValueError(f"q has shape {tuple(q.shape)}; this cache takes (B={B}, H_q (a multiple of {H}), "
-                         f"T_q, D={D})")
-    if q.dtype not in C.ATTN_DTYPES:
-        raise TypeError(f"q has dtype {q.dtype}; the fast decode takes float16 / bfloat16 / float32 (the "
-                        f"reference tier computes float64 truths)")
-    if q.device != st.device:
-        raise ValueError(f"q is on {q.device}; the cache is on {st.device}")
-    if st.length == 0:
-        raise ValueError("the cache is empty: append tokens before attending")
+    C.check_decode_q(q, st.shape, st.device, st.length, allow_cpu=codec.ops.allow_cpu())

@@ -1,0 +1,262 @@
+"""The OSCAR cache on torch tensors (``kvq.reference.oscar``, section 4), shared by both fast backends.
+
+The state (:class:`OSCARTensorState`: the reference's fields as torch tensors, all in the rotated
+frame), the token routing (sink, window ring, pages allocated page-major then batch) and the reading of
+the cache are written once here; a backend passes its kernels as :class:`OscarOps`: the fixed-order
+rotation (the reference's operations in its order, so the same bits), the fused clip + INT2 + pack
+(``oscar_quant``), ``packing.unpack_dequantize`` and ``attention.decode_attention``. The public,
+documented functions are ``kvq.fast.triton.oscar`` and ``kvq.fast.cupy.oscar``.
+
+    from kvq.fast.triton.oscar import init, append, decode_attention      # (these call into here)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Callable
+
+import numpy as np
+import torch
+
+from kvq.fast import _common as C
+from kvq.reference import numerics as nx
+from kvq.reference import oscar as RO
+
+F16 = torch.float16
+
+
+@dataclass(frozen=True)
+class OscarOps:
+    """A backend's kernels for the OSCAR cache."""
+
+    name: str
+    rotate: Callable
+    oscar_quant: ModuleType
+    packing: ModuleType
+    attention: ModuleType
+    allow_cpu: Callable[[], bool]
+
+
+def _device(ops) -> torch.device:
+    if ops.allow_cpu():
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"kvq.fast.{ops.name} caches live on a CUDA device"
+                           + (" (or the CPU under TRITON_INTERPRET=1)" if ops.name == "triton" else ""))
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+@dataclass
+class OSCARTensorState:
+    """The fast tier's OSCAR cache: the fields of ``kvq.reference.oscar.OSCARState`` as torch tensors on
+    one device (same shapes, dtypes and meaning, all in the rotated frame), plus the host counters."""
+
+    sink_k: torch.Tensor        # (B, H, S0, D) fp16
+    sink_v: torch.Tensor        # (B, H, S0, D) fp16
+    win_k: torch.Tensor         # (B, H, W, D) fp16, ring: post-sink token p in slot p % W
+    win_v: torch.Tensor         # (B, H, W, D) fp16
+    k_codes: torch.Tensor       # (P, H, Pg, D * bits / 8) uint8, packed along channels
+    k_scale: torch.Tensor       # (P, H, Pg, D / G) meta dtype
+    k_mn: torch.Tensor          # (P, H, Pg, D / G)
+    v_codes: torch.Tensor       # (P, H, Pg, D * bits / 8) uint8
+    v_scale: torch.Tensor       # (P, H, Pg, D / G)
+    v_mn: torch.Tensor          # (P, H, Pg, D / G)
+    table: torch.Tensor         # (B, N) int32 page ids, -1 = none
+    length: int = 0
+    next_page: int = 0
+    shape: tuple = field(default=(0, 0, 0))   # (B, H, D)
+
+    @property
+    def device(self) -> torch.device:
+        return self.sink_k.device
+
+    def arrays(self) -> dict:
+        """Every tensor of the state by name (the reference state's ``arrays()`` keys)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)}
+
+    def copy(self) -> "OSCARTensorState":
+        return dataclasses.replace(self, **{n: a.clone() for n, a in self.arrays().items()})
+
+
+def init(ops: "OscarOps", cfg, batch: int, kv_heads: int, head_dim: int) -> OSCARTensorState:
+    """An empty cache, every buffer and the page pool preallocated, on the backend's device."""
+    for name, v in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    cfg.check_head_dim(head_dim)
+    B, H, D, Pg = int(batch), int(kv_heads), int(head_dim), cfg.page_size
+    N = -(-max(cfg.max_tokens - cfg.sink - cfg.window, 0) // Pg)
+    meta = C.torch_dtype(nx.dtype_name(cfg.meta_dtype))
+    dev = _device(ops)
+    z = lambda *s, dt=F16: torch.zeros(s, dtype=dt, device=dev)                    # noqa: E731
+    cb, mg = D * cfg.bits // 8, D // cfg.group_size
+    return OSCARTensorState(z(B, H, cfg.sink, D), z(B, H, cfg.sink, D), z(B, H, cfg.window, D),
+                            z(B, H, cfg.window, D), z(B * N, H, Pg, cb, dt=torch.uint8), z(B * N, H, Pg, mg, dt=meta),
+                            z(B * N, H, Pg, mg, dt=meta), z(B * N, H, Pg, cb, dt=torch.uint8),
+                            z(B * N, H, Pg, mg, dt=meta), z(B * N, H, Pg, mg, dt=meta),
+                            torch.full((B, N), -1, dtype=torch.int32, device=dev), shape=(B, H, D))
+
+
+
+def _rot(R, dev: torch.device, transpose: bool = False) -> torch.Tensor:
+    """A calibration rotation (NumPy fp32 (D, D) / (H, D, D)) on the device, optionally R^T."""
+    R = np.asarray(R)
+    if transpose:
+        R = np.swapaxes(R, -1, -2)
+    return torch.from_numpy(np.ascontiguousarray(R, dtype=np.float32)).to(dev)
+
+
+def _rotate16(ops, x, R: torch.Tensor, name: str) -> torch.Tensor:
+    """fp16(x R) as the reference's ``_rotate16``; overflow raises (while validation is on)."""
+    y = ops.rotate(x, R).to(F16)
+    if C.validation_enabled() and y.numel() and not bool(torch.isfinite(y).all()):
+        raise ValueError(f"{name} R overflows float16 (|x| > 65504); the FP16 buffers cannot hold it")
+    return y
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def _check_append(ops, cfg, calib, st: OSCARTensorState, k, v):
+    B, H, D = st.shape
+    allow = ops.allow_cpu()
+    for name, x in (("k", k), ("v", v)):
+        C.check_tensor(x, name, allow_cpu=allow)
+        if x.dtype not in (torch.float16, torch.float32):
+            raise TypeError(f"{name} has dtype {_dtype_name(x.dtype)}; append takes float16 or float32")
+        if x.dim() != 4 or x.shape[0] != B or x.shape[1] != H or x.shape[3] != D:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}; this cache takes (B={B}, H_kv={H}, T_new, D={D})")
+        if x.device != st.device:
+            raise ValueError(f"{name} is on {x.device}; the cache is on {st.device}")
+        C.check_finite(x, name)
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if st.length + k.shape[2] > cfg.max_tokens:
+        raise ValueError(f"appending {k.shape[2]} tokens to {st.length} exceeds the capacity "
+                         f"max_tokens={cfg.max_tokens}")
+    if not isinstance(calib, RO.OSCARCalibration):
+        raise TypeError(f"calib must be an OSCARCalibration, got {type(calib).__name__}")
+    calib.check(H, D)
+    dev = st.device
+    return _rotate16(ops, k, _rot(calib.R_K, dev), "k"), _rotate16(ops, v, _rot(calib.R_V, dev), "v")
+
+
+def append(ops: "OscarOps", cfg, calib, state: OSCARTensorState, k, v) -> OSCARTensorState:
+    """Route (B, H_kv, T_new, D) tokens as the reference: rotate, sink, window ring, clip + quantize + pack
+    the tokens leaving the window into their page slots (pages page-major, then batch). Validation and
+    quantization come before any write, so bad input leaves the state unchanged."""
+    k16, v16 = _check_append(ops, cfg, calib, state, k, v)
+    st, S, W, Pg = state, cfg.sink, cfg.window, cfg.page_size
+    B = st.shape[0]
+    T0, n = st.length, k16.shape[2]
+    if n == 0:
+        return st
+    dev = st.device
+    c0 = RO.counts(cfg, T0)
+    n_s = max(0, min(S - T0, n))
+    first = c0["n_hist"]                                      # post-sink index of the window's oldest
+    if c0["n_win"]:
+        order = torch.arange(first, c0["post"], device=dev) % W
+        ks = torch.cat([st.win_k.index_select(2, order), k16[:, :, n_s:]], dim=2)   # (B, H, m, D) in order
+        vs = torch.cat([st.win_v.index_select(2, order), v16[:, :, n_s:]], dim=2)
+    else:
+        ks, vs = k16[:, :, n_s:], v16[:, :, n_s:]
+    m = ks.shape[2]
+    e = m - min(m, W)                                         # the oldest e leave the window
+    if e:                                                     # QuantizeAndWrite (before any write)
+        meta = nx.dtype_name(cfg.meta_dtype)
+        kq = ops.oscar_quant.quantize_tokens(ks[:, :, :e], calib.clip_k, cfg.group_size, cfg.bits, meta)
+        vq = ops.oscar_quant.quantize_tokens(vs[:, :, :e], calib.clip_v, cfg.group_size, cfg.bits, meta)
+    if n_s:                                                   # 1. sink
+        st.sink_k[:, :, T0:T0 + n_s] = k16[:, :, :n_s]
+        st.sink_v[:, :, T0:T0 + n_s] = v16[:, :, :n_s]
+    if m > e:                                                 # 2. window ring
+        slots = torch.arange(first + e, first + m, device=dev) % W
+        st.win_k[:, :, slots] = ks[:, :, e:]
+        st.win_v[:, :, slots] = vs[:, :, e:]
+    if e:                                                     # 3. pages
+        pg0, pg1 = -(-first // Pg), (first + e - 1) // Pg + 1            # pages opened: [pg0, pg1)
+        if pg1 > pg0:
+            ids = st.next_page + torch.arange((pg1 - pg0) * B, dtype=torch.int32, device=dev).view(pg1 - pg0, B).t()
+            st.table[:, pg0:pg1] = ids
+            st.next_page += (pg1 - pg0) * B
+        pos = torch.arange(first, first + e, device=dev)
+        pid = st.table[:, pos // Pg].long()                                # (B, e)
+        sl = (pos % Pg).view(1, e).expand(B, e)
+        for dst, src in zip((st.k_codes, st.k_scale, st.k_mn, st.v_codes, st.v_scale, st.v_mn), kq + vq):
+            dst[pid, :, sl] = src.transpose(1, 2)                         # (B, e, H, ...)
+    st.length = T0 + n
+    return st
+
+
+def segments(ops: "OscarOps", cfg, st: OSCARTensorState):
+    """The cache in the rotated frame as three (K, V) fp32 segments (B, H, T_i, D): sink, history, recent.
+    The history is unpacked and dequantized by one kernel per K / V (bit-exact, fp32)."""
+    B, H, D = st.shape
+    c = RO.counts(cfg, st.length)
+    dev = st.device
+    ns, nh, npg = c["n_sink"], c["n_hist"], c["n_pages"]
+    sink = (st.sink_k[:, :, :ns].float(), st.sink_v[:, :, :ns].float())
+    if npg:
+        ids = st.table[:, :npg].long()                                     # (B, n)
+        hist = []
+        for codes, s, mn in ((st.k_codes, st.k_scale, st.k_mn), (st.v_codes, st.v_scale, st.v_mn)):
+            x = ops.packing.unpack_dequantize(codes[ids], s[ids], mn[ids], cfg.bits, cfg.group_size, axis=-1,
+                                  out_dtype="float32")                     # (B, n, H, Pg, D)
+            hist.append(x.permute(0, 2, 1, 3, 4).reshape(B, H, npg * cfg.page_size, D)[:, :, :nh])
+        hist = tuple(hist)
+    else:
+        hist = tuple(torch.zeros((B, H, 0, D), dtype=torch.float32, device=dev) for _ in range(2))
+    if c["n_win"]:
+        order = torch.arange(nh, c["post"], device=dev) % cfg.window
+        win = (st.win_k.index_select(2, order).float(), st.win_v.index_select(2, order).float())
+    else:
+        win = tuple(torch.zeros((B, H, 0, D), dtype=torch.float32, device=dev) for _ in range(2))
+    return [sink, hist, win]
+
+
+def dequantize(ops: "OscarOps", cfg, calib, state: OSCARTensorState, *, rotated: bool = False):
+    """(K, V) fp32 in token order: the rotated frame, or rotated back by the fixed-order kernel."""
+    if state.length == 0:
+        raise ValueError("the cache is empty")
+    segs = segments(ops, cfg, state)
+    K, V = (torch.cat([s[i] for s in segs], dim=2) for i in (0, 1))
+    if rotated:
+        return K, V
+    B, H, D = state.shape
+    calib.check(H, D)
+    dev = state.device
+    return ops.rotate(K, _rot(calib.R_K, dev, True)), ops.rotate(V, _rot(calib.R_V, dev, True))
+
+
+def decode_attention(ops: "OscarOps", cfg, calib, state: OSCARTensorState, q, *, scale=None,
+                     rotate_back: bool = True):
+    """q rotated by R_K, the three segments (history dequantized to fp32) attended by the backend's
+    FP16-baseline kernel in fp32, the output rotated back by R_V^T unless ``rotate_back=False``."""
+    B, H, D = state.shape
+    C.check_decode_q(q, state.shape, state.device, state.length, allow_cpu=ops.allow_cpu())
+    calib.check(H, D)
+    dev = state.device
+    qr = ops.rotate(q, _rot(calib.R_K, dev))                                   # (B, H_q, T_q, D) fp32
+    out, lse = ops.attention.decode_attention(qr, segments(ops, cfg, state), scale=scale)
+    if rotate_back:
+        out = ops.rotate(out, _rot(calib.R_V, dev, True))
+    return out.to(q.dtype), lse
+
+
+def identity_calibration(head_dim: int, clip_k: float = 1.0, clip_v: float = 1.0) -> RO.OSCARCalibration:
+    """Mirrors `kvq.reference.oscar.identity_calibration`: the reference's calibration object itself.
+
+    Differences: none (a calibration is host data, NumPy fp32 rotations; the cache functions copy
+    them to the cache's device).
+    """
+    return RO.identity_calibration(head_dim, clip_k, clip_v)
+
+
+def counts(cfg: RO.OSCARConfig, T: int) -> dict:
+    """Mirrors `kvq.reference.oscar.counts`: where T tokens live (host arithmetic, the reference's)."""
+    return RO.counts(cfg, T)
