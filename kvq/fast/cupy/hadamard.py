@@ -4,7 +4,7 @@ Mirrors ``kvq.reference.hadamard``: ``fwht`` runs the same ``log2(d)`` butterfly
 order (stage s: stride h = 2**s, ``(a, b) -> (a + b, a - b)``, each one rounded fp32 add / subtract),
 then one rounded multiply by ``fwht_scale(d)`` (the same fp32 constant, computed on the host), in the
 raw CUDA kernels of ``higgs.cu`` (``fwht_rows``, ``fwht_stage``: PTX arithmetic without FMA or ftz):
-bit-identical to the reference. The host-side helpers are those of ``kvq.fast.triton.hadamard``.
+bit-identical to the reference. The host-side helpers are shared with the Triton backend (``kvq.fast._higgs``).
 
     from kvq.fast.cupy.hadamard import fwht, hadamard_matrix
     y = fwht(x)                    # x (..., d) torch CUDA fp16 / bf16 / fp32, d a power of two -> fp32
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kvq.fast import _common as C
-from kvq.fast.triton import hadamard as TH
+from kvq.fast._higgs import hadamard_matrix  # noqa: F401  (host-side: the same for both backends)
 from kvq.reference import hadamard as RH
 from kvq.reference import numerics as nx
 
@@ -66,13 +66,6 @@ def fwht_scale(d: int):
     """Mirrors `kvq.reference.hadamard.fwht_scale`: the same fp32 host constant ``float32(1/sqrt(d))``
     (a NumPy float32 scalar; the kernels receive exactly these bits)."""
     return RH.fwht_scale(d)
-
-
-def hadamard_matrix(d: int) -> torch.Tensor:
-    """Mirrors `kvq.reference.hadamard.hadamard_matrix`: the same (d, d) float32 values, as a torch
-    tensor on the default device (as ``kvq.fast.triton.hadamard.hadamard_matrix``: built on the host by
-    the reference and copied; not a kernel)."""
-    return TH.hadamard_matrix(d)
 
 
 def fwht(x, axis: int = -1) -> torch.Tensor:

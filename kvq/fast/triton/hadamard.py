@@ -21,6 +21,8 @@ from kvq.fast import _common as C
 from kvq.reference import hadamard as RH
 from kvq.reference import numerics as nx
 
+from kvq.fast._higgs import hadamard_matrix  # noqa: F401
+
 from .quant import _load_f32
 
 __all__ = ["is_power_of_two", "hadamard_matrix", "fwht_scale", "fwht"]
@@ -127,10 +129,6 @@ def fwht_rows(x: torch.Tensor, d: int) -> torch.Tensor:
     return out
 
 
-def _default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def is_power_of_two(d) -> bool:
     """Mirrors `kvq.reference.hadamard.is_power_of_two` (the same host-side test; no difference)."""
     return RH.is_power_of_two(d)
@@ -140,13 +138,6 @@ def fwht_scale(d: int):
     """Mirrors `kvq.reference.hadamard.fwht_scale`: the same fp32 host constant ``float32(1/sqrt(d))``
     (a NumPy float32 scalar; the kernels receive exactly these bits)."""
     return RH.fwht_scale(d)
-
-
-def hadamard_matrix(d: int) -> torch.Tensor:
-    """Mirrors `kvq.reference.hadamard.hadamard_matrix`: the same (d, d) float32 values, as a torch
-    tensor on the default device (CUDA when present, else the CPU). Built on the host by the reference
-    (entries are exactly +-fwht_scale(d)) and copied; not a kernel."""
-    return torch.from_numpy(RH.hadamard_matrix(d)).to(_default_device())
 
 
 def fwht(x, axis: int = -1) -> torch.Tensor:

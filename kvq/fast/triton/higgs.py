@@ -32,17 +32,16 @@ from kvq.reference import higgs as RG
 from kvq.reference import numerics as nx
 from kvq.reference.higgs import SHIPPED_GRIDS, HiggsConfig  # noqa: F401  (data: the reference's objects)
 
+from kvq.fast._higgs import (_CONTAINER, _check_scale, _grid_tensor, _idx_max,  # noqa: F401
+                             index_dtype, load_grid)
+
 from .hadamard import _butterflies, fwht_scale
 from .quant import _OUT_KIND, _load_f32, _store_out
 
 __all__ = ["SHIPPED_GRIDS", "HiggsConfig", "load_grid", "index_dtype", "group_sum_of_squares",
            "nearest", "quantize", "dequantize", "bits_per_value"]
 
-_TORCH_INDEX = {np.dtype(np.uint8): torch.uint8, np.dtype(np.uint16): torch.uint16,
-                np.dtype(np.uint32): torch.uint32}
-#: index dtype -> (the signed container the kernels write / read, its bits)
-_CONTAINER = {torch.uint8: (torch.uint8, 8), torch.uint16: (torch.int16, 16), torch.uint32: (torch.int32, 32)}
-_GRIDS: dict = {}
+
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -201,31 +200,6 @@ def _p2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
-def _grid_tensor(cfg: HiggsConfig, device) -> torch.Tensor:
-    """The config's (n, d) fp32 grid on ``device`` (shipped grids cached per device)."""
-    device = torch.device(device)
-    if cfg.grid is not None:
-        return torch.from_numpy(np.ascontiguousarray(cfg.codebook())).to(device)
-    key = (cfg.d, cfg.n, str(device))
-    if key not in _GRIDS:
-        _GRIDS[key] = torch.from_numpy(np.array(RG.load_grid(cfg.d, cfg.n))).to(device)
-    return _GRIDS[key]
-
-
-def load_grid(d: int, n: int) -> torch.Tensor:
-    """Mirrors `kvq.reference.higgs.load_grid`: the same (n, d) float32 values (the same error for an
-    unshipped grid), as a torch tensor on the default device (CUDA when present, else the CPU);
-    a tensor cannot be read-only, so a fresh copy is returned."""
-    g = RG.load_grid(d, n)
-    return torch.from_numpy(np.array(g)).to(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-
-
-def index_dtype(n: int) -> torch.dtype:
-    """Mirrors `kvq.reference.higgs.index_dtype`: the same choice (uint8 up to n = 256, then uint16,
-    uint32), as the torch dtype (torch.uint8 / torch.uint16 / torch.uint32)."""
-    return _TORCH_INDEX[RG.index_dtype(n)]
-
-
 def bits_per_value(cfg: HiggsConfig, F: int):
     """Mirrors `kvq.reference.higgs.bits_per_value`: the same Fraction (host arithmetic; no difference)."""
     return RG.bits_per_value(cfg, F)
@@ -303,15 +277,6 @@ def nearest(v, grid) -> torch.Tensor:
     return out
 
 
-def _check_scale(x: torch.Tensor, scale: torch.Tensor, meta: str) -> None:
-    """After the quantize kernel: a non-finite scale means NaN / inf input, or a metadata overflow."""
-    if not C.validation_enabled() or bool(torch.isfinite(scale).all()):
-        return
-    C.check_finite(x)                                            # the reference's NaN / inf error first
-    raise ValueError(f"scale overflows {meta} metadata (the group RMS is beyond {meta}'s range); "
-                     f"use meta_dtype=np.float32 or rescale the input")
-
-
 def quantize(cfg: HiggsConfig, x):
     """Mirrors `kvq.reference.higgs.quantize`: ONE fused kernel per token group, bit-identical.
 
@@ -347,14 +312,6 @@ def quantize(cfg: HiggsConfig, x):
         num_warps=_warps(BR * g), enable_fp_fusion=False)
     _check_scale(xc, scale, meta)
     return (idx if cont == itype else idx.view(itype)), scale
-
-
-def _idx_max(idx: torch.Tensor) -> int:
-    cont, bits = _CONTAINER[idx.dtype]
-    w = idx.view(cont).to(torch.int64)
-    if bits < 64:
-        w = w & ((1 << bits) - 1)
-    return int(w.max())
 
 
 def dequantize(cfg: HiggsConfig, idx, scale, F: int, out_dtype=np.float32) -> torch.Tensor:
