@@ -15,6 +15,7 @@ import math
 import numbers
 import os
 
+import numpy as np
 import torch
 
 from kvq.reference import numerics as nx
@@ -228,3 +229,48 @@ def check_decode_q(q, shape, device, length: int, *, allow_cpu: bool = False) ->
         raise ValueError(f"q is on {q.device}; the cache is on {device}")
     if length == 0:
         raise ValueError("the cache is empty: append tokens before attending")
+
+
+def quantile_index(n: int, rho) -> tuple[int, int, float]:
+    """``(lo, hi, frac)`` of ``quant.quantile`` for n values: ``h = (n - 1) * rho`` in float64 (an
+    index, not data), ``lo = floor(h)``, ``hi = min(lo + 1, n - 1)``, ``frac = float32(h - lo)``
+    (returned as the Python float of that fp32 value, so a kernel argument holds it exactly)."""
+    h = (n - 1) * float(rho)
+    lo = int(np.floor(h))
+    return lo, min(lo + 1, n - 1), float(np.float32(h - lo))
+
+
+def check_ratio(rho) -> None:
+    """The reference's check of a quantile ratio, with its message."""
+    if not (0.0 < float(rho) <= 1.0):
+        raise ValueError(f"quantile ratio rho={rho!r} must lie in (0, 1]")
+
+
+def rotation_operands(x, R, *, allow_cpu: bool = False):
+    """Checks and operands of the fixed-order rotation kernels (``rotate`` of either backend): x
+    (..., D) float, R float32 (D, D) or (H_R, D, D) on x's device. Returns ``(x4, R, out, ratio,
+    r_stride, shape)``: x as (B, H, T, D), R contiguous, the fp32 output (B, H, T, D), the GQA ratio
+    H / H_R (1 for a shared R), R's head stride (0 for a shared R) and the shape to return."""
+    check_float(x, "x", allow_cpu=allow_cpu)
+    check_tensor(R, "R", allow_cpu=allow_cpu)
+    if R.dtype != torch.float32:
+        raise TypeError(f"R has dtype {str(R.dtype).replace('torch.', '')}; the cache keeps its rotations in float32")
+    if x.dim() == 0:
+        raise ValueError("x must have at least one axis (the channels)")
+    D = x.shape[-1]
+    if R.dim() not in (2, 3) or tuple(R.shape[-2:]) != (D, D):
+        raise ValueError(f"R has shape {tuple(R.shape)}; rotating vectors of length {D} needs ({D}, {D}) "
+                         f"or (H, {D}, {D})")
+    if R.device != x.device:
+        raise ValueError(f"R is on {R.device}; x is on {x.device}")
+    shape = tuple(x.shape)
+    if R.dim() == 3:
+        if x.dim() != 4 or x.shape[1] % R.shape[0]:
+            raise ValueError(f"x has shape {shape}; per-head rotations {tuple(R.shape)} need (B, H, T, {D}) "
+                             f"with H a multiple of {R.shape[0]}")
+        x4, ratio, r_sh = x, x.shape[1] // R.shape[0], D * D
+    else:
+        x4, ratio, r_sh = (x.reshape(1, 1, -1, D) if x.dim() != 4 else x), 1, 0
+    B, H, T, _ = x4.shape
+    out = torch.empty((B, H, T, D), dtype=torch.float32, device=x.device)
+    return x4, R.contiguous(), out, ratio, r_sh, shape

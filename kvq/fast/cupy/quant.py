@@ -168,20 +168,6 @@ def dequantize(codes, scale, mn, group_size, axis: int = -1, out_dtype=np.float1
 # quantiles (OSCAR App. A.5): oscar.cu quantile_rows
 
 
-def quantile_index(n: int, rho) -> tuple[int, int, float]:
-    """``(lo, hi, frac)`` of ``quant.quantile`` for n values: ``h = (n - 1) * rho`` in float64 (an
-    index, not data), ``lo = floor(h)``, ``hi = min(lo + 1, n - 1)``, ``frac = float32(h - lo)``."""
-    h = (n - 1) * float(rho)
-    lo = int(np.floor(h))
-    return lo, min(lo + 1, n - 1), float(np.float32(h - lo))
-
-
-def check_ratio(rho) -> None:
-    """The reference's check of a quantile ratio, with its message."""
-    if not (0.0 < float(rho) <= 1.0):
-        raise ValueError(f"quantile ratio rho={rho!r} must lie in (0, 1]")
-
-
 def sort_threads(bs: int) -> int:
     """Threads of a block that sorts ``bs`` keys (a power of two): one per key pair, 32 to 256."""
     return max(32, min(256, bs // 2))
@@ -260,3 +246,7 @@ def percentile_clip(x, ratio: float, axis: int = -1):
     xm = x.movedim(axis, -1).contiguous()
     tau, out = launch_quantile_rows(xm, n, ratio, clip=True)
     return out.movedim(-1, axis).contiguous(), tau.reshape(tuple(xm.shape[:-1]))
+
+
+quantile_index = C.quantile_index     # host-side, shared with the other backend (kvq.fast._common)
+check_ratio = C.check_ratio

@@ -40,33 +40,10 @@ def rotate(x: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
         form is (H_R, D, D) with the GQA mapping built in (the reference broadcasts (H, 1, D, D));
         fp16 / bf16 inputs are converted to fp32 inside the kernel (exact).
     """
-    C.check_float(x, "x")
-    C.check_tensor(R, "R")
-    if R.dtype != torch.float32:
-        raise TypeError(f"R has dtype {str(R.dtype).replace('torch.', '')}; the cache keeps its rotations in float32")
-    if x.dim() == 0:
-        raise ValueError("x must have at least one axis (the channels)")
-    D = x.shape[-1]
-    if R.dim() not in (2, 3) or tuple(R.shape[-2:]) != (D, D):
-        raise ValueError(f"R has shape {tuple(R.shape)}; rotating vectors of length {D} needs ({D}, {D}) "
-                         f"or (H, {D}, {D})")
-    if R.device != x.device:
-        raise ValueError(f"R is on {R.device}; x is on {x.device}")
-    shape = tuple(x.shape)
-    if R.dim() == 3:
-        if x.dim() != 4 or x.shape[1] % R.shape[0]:
-            raise ValueError(f"x has shape {shape}; per-head rotations {tuple(R.shape)} need (B, H, T, {D}) "
-                             f"with H a multiple of {R.shape[0]}")
-        x4 = x
-        ratio, r_sh = x.shape[1] // R.shape[0], D * D
-    else:
-        x4 = x.reshape(1, 1, -1, D) if x.dim() != 4 else x
-        ratio, r_sh = 1, 0
-    B, H, T, _ = x4.shape
-    out = torch.empty((B, H, T, D), dtype=torch.float32, device=x.device)
+    x4, Rc, out, ratio, r_sh, shape = C.rotation_operands(x, R, allow_cpu=False)
+    B, H, T, D = x4.shape
     if out.numel() == 0:
         return out.view(shape)
-    Rc = R.contiguous()
     ntiles = -(-T // _TT)
     fn = L.kernel("oscar.cu", f"rotate_rows<{L.DT[x4.dtype]}>")
     L.run(fn, (B * H * ntiles,), (_THREADS,),

@@ -647,21 +647,6 @@ def launch_dequantize(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, bi
     return o
 
 
-def quantile_index(n: int, rho) -> tuple[int, int, float]:
-    """``(lo, hi, frac)`` of ``quant.quantile`` for n values: ``h = (n - 1) * rho`` in float64 (an
-    index, not data), ``lo = floor(h)``, ``hi = min(lo + 1, n - 1)``, ``frac = float32(h - lo)``
-    (returned as the Python float of that fp32 value, so a kernel argument holds it exactly)."""
-    h = (n - 1) * float(rho)
-    lo = int(np.floor(h))
-    return lo, min(lo + 1, n - 1), float(np.float32(h - lo))
-
-
-def check_ratio(rho) -> None:
-    """The reference's check of a quantile ratio, with its message."""
-    if not (0.0 < float(rho) <= 1.0):
-        raise ValueError(f"quantile ratio rho={rho!r} must lie in (0, 1]")
-
-
 def use_rank() -> bool:
     """Rank selection instead of tl.sort: under the interpreter only (``INTERP_RANK``)."""
     return bool(INTERP_RANK) and C.interpreting()
@@ -804,3 +789,7 @@ def percentile_clip(x, ratio: float, axis: int = -1):
     xm = x.movedim(axis, -1).contiguous()
     tau, out = launch_quantile_rows(xm, n, ratio, clip=True)
     return out.movedim(-1, axis).contiguous(), tau.reshape(tuple(xm.shape[:-1]))
+
+
+quantile_index = C.quantile_index     # host-side, shared with the other backend (kvq.fast._common)
+check_ratio = C.check_ratio

@@ -76,35 +76,12 @@ def rotate(x: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
         CPU under ``TRITON_INTERPRET=1``); the per-head form is (H_R, D, D) with the GQA mapping
         built in (the reference broadcasts (H, 1, D, D)); bf16 input is widened to fp32 first (exact).
     """
-    C.check_float(x, "x", allow_cpu=C.interpreting())
-    C.check_tensor(R, "R", allow_cpu=C.interpreting())
-    if R.dtype != torch.float32:
-        raise TypeError(f"R has dtype {str(R.dtype).replace('torch.', '')}; the cache keeps its rotations in float32")
-    if x.dim() == 0:
-        raise ValueError("x must have at least one axis (the channels)")
-    D = x.shape[-1]
-    if R.dim() not in (2, 3) or tuple(R.shape[-2:]) != (D, D):
-        raise ValueError(f"R has shape {tuple(R.shape)}; rotating vectors of length {D} needs ({D}, {D}) "
-                         f"or (H, {D}, {D})")
-    if R.device != x.device:
-        raise ValueError(f"R is on {R.device}; x is on {x.device}")
-    if x.dtype == torch.bfloat16:
+    if isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16:
         x = x.float()                                                  # exact
-    shape = tuple(x.shape)
-    if R.dim() == 3:
-        if x.dim() != 4 or x.shape[1] % R.shape[0]:
-            raise ValueError(f"x has shape {shape}; per-head rotations {tuple(R.shape)} need (B, H, T, {D}) "
-                             f"with H a multiple of {R.shape[0]}")
-        x4 = x
-        ratio, r_sh = x.shape[1] // R.shape[0], D * D
-    else:
-        x4 = x.reshape(1, 1, -1, D) if x.dim() != 4 else x
-        ratio, r_sh = 1, 0
-    B, H, T, _ = x4.shape
-    out = torch.empty((B, H, T, D), dtype=torch.float32, device=x.device)
+    x4, Rc, out, ratio, r_sh, shape = C.rotation_operands(x, R, allow_cpu=C.interpreting())
+    B, H, T, D = x4.shape
     if out.numel() == 0:
         return out.view(shape)
-    Rc = R.contiguous()
     BT = _block_t(T, D)
     _rotate_kernel[(B * H, triton.cdiv(T, BT))](
         x4, Rc, out, T, H, ratio, r_sh, *x4.stride(), D=D, BLOCK_T=BT, BLOCK_D=triton.next_power_of_2(D),
