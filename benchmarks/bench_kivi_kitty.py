@@ -27,11 +27,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 
 import torch
 
 import common as C
-from bench_decode import OUT_TOL, LSE_TOL, reference as ref_attention, sdpa_fold, sdpa_gqa
+from bench_decode import OUT_TOL, LSE_TOL, reference as ref_attention
 
 BATCHES, CONTEXTS = (1, 8, 32), (8192, 32768, 131072)
 QUICK_BATCHES, QUICK_CONTEXTS = (8,), (32768, 131072)
@@ -155,30 +156,7 @@ def run_shape(B, T, Hq, Hkv, Dh, device, copy_gbps, quick, dry, deadline) -> dic
     gen = torch.Generator(device=device).manual_seed(B * 7919 + T)
     q = torch.randn((B, Hq, T_Q, Dh), generator=gen, device=device, dtype=torch.float16)
     # FP16 baselines on K / V of the same shape
-    base = {}
-    try:
-        copies = C.copies_for(fp16_kv, device)
-        ins = [(q, torch.randn((B, Hkv, T, Dh), generator=gen, device=device, dtype=torch.float16),
-                torch.randn((B, Hkv, T, Dh), generator=gen, device=device, dtype=torch.float16))
-               for _ in range(copies)]
-        for name, fn in (("sdpa_fold", lambda q_, k_, v_: sdpa_fold(q_, k_, v_, scale)),
-                         ("sdpa_gqa", lambda q_, k_, v_: sdpa_gqa(q_, k_, v_, scale)),
-                         ("kvq_fp16", lambda q_, k_, v_: fast.decode_attention(q_, [(k_, v_)], scale=scale))):
-            if deadline is not None and deadline.expired():
-                base[name] = {"skipped": "time budget exhausted"}
-                continue
-            try:
-                t = C.bench(fn, ins, device=device, quick=quick)
-                base[name] = {"ms": t["ms"], "timing": t, "n_copies": copies}
-            except Exception as e:
-                base[name] = {"error": C.err_str(e)}
-        del ins
-    except Exception as e:
-        base["error"] = C.err_str(e)
-    C.free_cuda(device)
-    sdpas = [(base[n]["ms"], n) for n in ("sdpa_gqa", "sdpa_fold") if base.get(n, {}).get("ms")]
-    if sdpas:                                      # the baseline is the faster SDPA variant
-        base["sdpa_best"] = {"ms": min(sdpas)[0], "impl": min(sdpas)[1]}
+    base = C.fp16_decode_baselines(q, B, T, Hkv, Dh, scale, device, quick, deadline, MEM_FRACTION)
     shape["fp16"] = base
     for backend, method in [(b, m) for b in BACKENDS for m in METHODS]:
         row = {"ms": None, "valid": False, "backend": backend}
@@ -282,20 +260,9 @@ def tune(device, quick, dry, deadline) -> dict:
 
 
 def run(device, *, copy_gbps=None, quick=False, dry_run=False, deadline=None) -> dict:
-    if dry_run:
-        batches, contexts, Hq, Hkv, Dh = DRY_BATCHES, DRY_CONTEXTS, DRY_H_Q, DRY_H_KV, DRY_D
-    elif quick:
-        batches, contexts, Hq, Hkv, Dh = QUICK_BATCHES, QUICK_CONTEXTS, H_Q, H_KV, D
-    else:
-        batches, contexts, Hq, Hkv, Dh = BATCHES, CONTEXTS, H_Q, H_KV, D
-    shapes = []
-    for T in contexts:
-        for B in batches:
-            try:
-                shapes.append(run_shape(B, T, Hq, Hkv, Dh, device, copy_gbps, quick, dry_run, deadline))
-            except Exception as e:
-                shapes.append({"B": B, "T": T, "error": C.err_str(e)})
-                C.free_cuda(device)
+    batches, contexts, Hq, Hkv, Dh = C.shape_sizes(sys.modules[__name__], quick, dry_run)
+    shapes = C.run_shapes(lambda B, T: run_shape(B, T, Hq, Hkv, Dh, device, copy_gbps, quick, dry_run, deadline),
+                          batches, contexts, device)
     flush = time_flush(device, quick, dry_run, deadline)
     try:
         tuning = tune(device, quick, dry_run, deadline)

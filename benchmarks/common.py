@@ -279,6 +279,70 @@ def free_cuda(device) -> None:
         torch.cuda.empty_cache()
 
 
+def shape_sizes(mod, quick: bool, dry: bool) -> tuple:
+    """``(batches, contexts, H_q, H_kv, D)`` of a decode benchmark module: its ``DRY_*`` sizes for a dry run,
+    ``QUICK_BATCHES`` / ``QUICK_CONTEXTS`` with the full heads for ``--quick``, else ``BATCHES`` / ``CONTEXTS``."""
+    if dry:
+        return mod.DRY_BATCHES, mod.DRY_CONTEXTS, mod.DRY_H_Q, mod.DRY_H_KV, mod.DRY_D
+    if quick:
+        return mod.QUICK_BATCHES, mod.QUICK_CONTEXTS, mod.H_Q, mod.H_KV, mod.D
+    return mod.BATCHES, mod.CONTEXTS, mod.H_Q, mod.H_KV, mod.D
+
+
+def run_shapes(run_shape, batches, contexts, device) -> list:
+    """``run_shape(B, T)`` for every context and batch, in that order; an exception becomes the shape's
+    ``error`` (and the CUDA cache is emptied) instead of ending the benchmark."""
+    shapes = []
+    for T in contexts:
+        for B in batches:
+            try:
+                shapes.append(run_shape(B, T))
+            except Exception as e:
+                shapes.append({"B": B, "T": T, "error": err_str(e)})
+                free_cuda(device)
+    return shapes
+
+
+def fp16_decode_baselines(q, B, T, Hkv, Dh, scale, device, quick, deadline, mem_fraction=0.4) -> dict:
+    """FP16 decode baselines on random FP16 K / V (B, Hkv, T, Dh) for the query q: torch SDPA two ways
+    (``bench_decode.sdpa_fold`` / ``sdpa_gqa``) and kvq's FP16 ``decode_attention``, each timed with
+    :func:`bench`; ``sdpa_best`` is the faster SDPA variant. Skipped (with the reason) when K + V exceed
+    ``mem_fraction`` of the free GPU memory; a deadline past its end skips the rest."""
+    import kvq.fast as fast
+    from bench_decode import sdpa_fold, sdpa_gqa
+    base = {}
+    fp16_kv = 2 * B * Hkv * T * Dh * 2
+    if torch.device(device).type == "cuda":
+        free = torch.cuda.mem_get_info()[0]
+        if fp16_kv > mem_fraction * free:
+            return {"skipped": f"FP16 K+V {fp16_kv / 1e9:.1f} GB > {mem_fraction:.0%} of free {free / 1e9:.1f} GB"}
+    gen = torch.Generator(device=device).manual_seed(B * 31 + T)
+    try:
+        copies = copies_for(fp16_kv, device)
+        ins = [(q, torch.randn((B, Hkv, T, Dh), generator=gen, device=device, dtype=torch.float16),
+                torch.randn((B, Hkv, T, Dh), generator=gen, device=device, dtype=torch.float16))
+               for _ in range(copies)]
+        for name, fn in (("sdpa_fold", lambda q_, k_, v_: sdpa_fold(q_, k_, v_, scale)),
+                         ("sdpa_gqa", lambda q_, k_, v_: sdpa_gqa(q_, k_, v_, scale)),
+                         ("kvq_fp16", lambda q_, k_, v_: fast.decode_attention(q_, [(k_, v_)], scale=scale))):
+            if deadline is not None and deadline.expired():
+                base[name] = {"skipped": "time budget exhausted"}
+                continue
+            try:
+                t = bench(fn, ins, device=device, quick=quick)
+                base[name] = {"ms": t["ms"], "timing": t, "n_copies": copies}
+            except Exception as e:
+                base[name] = {"error": err_str(e)}
+        del ins
+    except Exception as e:
+        base["error"] = err_str(e)
+    free_cuda(device)
+    sdpas = [(base[n]["ms"], n) for n in ("sdpa_gqa", "sdpa_fold") if base.get(n, {}).get("ms")]
+    if sdpas:                                      # the baseline is the faster SDPA variant
+        base["sdpa_best"] = {"ms": min(sdpas)[0], "impl": min(sdpas)[1]}
+    return base
+
+
 def standalone_main(doc: str, json_name: str, run, summary_lines) -> None:
     """Command line of one benchmark module run on its own (``--out``, ``--quick``, ``--dry-run``,
     ``--copy-gbps``): measures the copy ceiling unless given, runs, writes ``json_name``, prints the

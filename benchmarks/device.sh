@@ -4,6 +4,8 @@
 #   bash benchmarks/device.sh [COMMIT]          # as the device tool's command, from the repository root
 #   BENCH_QUICK=1 bash benchmarks/device.sh     # fewer shapes and rounds
 #   BENCH_ONLY=ceilings,kivi_kitty bash benchmarks/device.sh   # some benchmark sections only
+#   BENCH_ONLY=ceilings,aqua bash benchmarks/device.sh         # AQUA-KV (aqua.json); sections: ceilings, quant,
+#                                                                decode, kivi_kitty, oscar, aqua (run_all.py --only)
 #
 # COMMIT (or env KVQ_COMMIT) names the commit in the results (a .git on the device copy may be stale).
 # Each step has its own timeout (tests TEST_TIMEOUT=240 s, benchmarks BENCH_TIMEOUT=280 s) and a failed

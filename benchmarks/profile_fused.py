@@ -2,6 +2,7 @@
 
     python benchmarks/profile_fused.py --out $OUT                   # sweep TUNE knobs, JSON to $OUT/fused_sweep.json
     python benchmarks/profile_fused.py --backend cupy --grid "num_warps=2,4;waves=2,3,4"       # the CuPy kernel
+    python benchmarks/profile_fused.py --backend cupy --grid "side_stream=True,False"   # knob values: ints, True / False, strings
     ncu --set full -k regex:_fused -c 1 python benchmarks/profile_fused.py --once   # one decode, for ncu
 
 Shape: B = 8, T = 32K, 32 query / 8 KV heads, head dim 128 (the issue's "batch 8" row). The cache is
@@ -56,7 +57,7 @@ def main() -> None:
     for part in a.grid.split(";"):
         k, v = part.split("=")
         keys.append(k)
-        vals.append([int(x) if x.isdigit() else x == "True" for x in v.split(",")])
+        vals.append([int(x) if x.isdigit() else {"True": True, "False": False}.get(x, x) for x in v.split(",")])
     rows = []
     old = dict(paged.TUNE)
     for m in methods:
@@ -75,7 +76,7 @@ def main() -> None:
         del st
         torch.cuda.empty_cache()
     res = {"meta": C.meta(torch.device("cuda")), "backend": a.backend, "B": a.B, "T": a.T, "rows": rows}
-    with open(os.path.join(a.out, f"fused_sweep_{a.backend}.json"), "w") as f:
+    with open(os.path.join(a.out, f"fused_sweep_{a.backend}_B{a.B}_T{a.T}.json"), "w") as f:
         json.dump(res, f, indent=1)
 
 

@@ -1,10 +1,10 @@
-"""Run every kvq benchmark in one process (CUDA initializes once): ceilings, quant, decode, kivi_kitty, oscar.
+"""Run every kvq benchmark in one process (CUDA initializes once): ceilings, quant, decode, kivi_kitty, oscar, aqua.
 
-Writes ``ceilings.json``, ``quant.json``, ``decode.json``, ``kivi_kitty.json`` and ``oscar.json`` to ``--out``
+Writes ``ceilings.json``, ``quant.json``, ``decode.json``, ``kivi_kitty.json``, ``oscar.json`` and ``aqua.json`` to ``--out``
 (each as soon as its section ends, so a later timeout loses nothing already measured) and prints a short summary table last.
 A wall-clock budget (``--budget-s``) is shared by the sections: quant may use at most 45% of it,
-kivi_kitty at most 90 s (leaving 45 s for oscar when it runs), oscar at most 60 s; measurements past the
-budget are recorded as skipped.
+kivi_kitty at most 90 s (leaving 45 s for oscar when it runs), oscar at most 60 s, aqua what is left (at most
+90 s); measurements past the budget are recorded as skipped.
 
     python3 benchmarks/run_all.py --out benchmarks/results/h100-$(date +%F)     # on the GPU machine
     python3 benchmarks/run_all.py --out /tmp/kvq-dry --dry-run                  # CPU, tiny shapes
@@ -34,7 +34,7 @@ def main(argv=None):
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny shapes; without a GPU, on the CPU with TRITON_INTERPRET=1")
     ap.add_argument("--budget-s", type=float, default=250.0, help="wall-clock budget for all sections")
-    ap.add_argument("--only", default="ceilings,quant,decode,kivi_kitty,oscar", help="comma-separated sections to run")
+    ap.add_argument("--only", default="ceilings,quant,decode,kivi_kitty,oscar,aqua", help="comma-separated sections to run")
     a = ap.parse_args(argv)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -42,6 +42,7 @@ def main(argv=None):
     if device == "cpu":                   # before any Triton kernel is defined (kvq.fast imports lazily)
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
+    import bench_aqua
     import bench_ceilings
     import bench_decode
     import bench_kivi_kitty
@@ -99,16 +100,20 @@ def main(argv=None):
             bench_kivi_kitty.summary_lines(kk)
         print(f"[{time.monotonic() - t0:6.1f} s] kivi_kitty done", flush=True)
 
-    if "oscar" in sections:
-        os_deadline = C.Deadline(min(max(deadline.left(), 0.0), 60.0))
+    for name, mod, cap_s, title in (
+            ("oscar", bench_oscar, 60.0, "INT2 decode (history dequantized to fp32, not fused), fp16 q, T_q 1"),
+            ("aqua", bench_aqua, 90.0, "AQUA-KV encode / decode per layer, predictor cost, decode attention "
+                                       "(fp32 history), fp16 q, T_q 1")):
+        if name not in sections:
+            continue
+        sec_deadline = C.Deadline(min(max(deadline.left(), 0.0), cap_s))
         try:
-            osc = bench_oscar.run(device, copy_gbps=copy_gbps, quick=a.quick, dry_run=dry, deadline=os_deadline)
+            res = mod.run(device, copy_gbps=copy_gbps, quick=a.quick, dry_run=dry, deadline=sec_deadline)
         except Exception as e:
-            osc = {"error": C.err_str(e), "shapes": []}
-        C.write_json(out, "oscar.json", {"meta": header, **osc})
-        summary += ["== oscar: INT2 decode (history dequantized to fp32, not fused), fp16 q, T_q 1, ms per call"] + \
-            bench_oscar.summary_lines(osc)
-        print(f"[{time.monotonic() - t0:6.1f} s] oscar done", flush=True)
+            res = {"error": C.err_str(e), "shapes": []}
+        C.write_json(out, f"{name}.json", {"meta": header, **res})
+        summary += [f"== {name}: {title}, ms per call"] + mod.summary_lines(res)
+        print(f"[{time.monotonic() - t0:6.1f} s] {name} done", flush=True)
 
     print(f"\nresults in {out}  ({time.monotonic() - t0:.1f} s)")
     print("\n".join(summary))

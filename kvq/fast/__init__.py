@@ -38,6 +38,10 @@ MIRRORED = {
     "hadamard": ("is_power_of_two", "hadamard_matrix", "fwht_scale", "fwht"),
     "higgs": ("SHIPPED_GRIDS", "HiggsConfig", "load_grid", "index_dtype", "group_sum_of_squares",
               "nearest", "quantize", "dequantize", "bits_per_value"),
+    "aqua": ("Uniform", "Higgs", "KeepFP16", "AquaConfig", "Predictor", "AquaPredictors", "fit_ridge",
+             "fit_reduced_rank", "to_tokens", "from_tokens", "calibration_tokens", "calibrate", "encode",
+             "decode"),
+    "aqua_cache": ("AquaState", "init", "append", "dequantize", "forward", "bits_per_value", "state_bytes"),
 }
 
 #: backend -> module -> reference functions that have no fast version yet, and the issue that adds it
@@ -48,16 +52,23 @@ NOT_YET_IMPLEMENTED = {
     for backend in BACKENDS
 }
 for _backend in BACKENDS:
-    NOT_YET_IMPLEMENTED[_backend]["kitty"] = {
-        "channel_sensitivity": "Kitty Fig. 2b analysis: one perturbed attention per channel; the reference serves it"}
-del _backend
-for _backend in BACKENDS:
     NOT_YET_IMPLEMENTED[_backend]["oscar"] = {
         "calibrate": "offline calibration (Algorithm 1, float64 eigendecompositions): the reference serves it",
         "calibrate_clip": "offline clip-ratio fit over CLIP_GRID: the reference serves it",
         "fold_value_rotation": "offline float64 weight folding, once per model: the reference serves it",
         "OSCARState": "the reference's class holds NumPy arrays; the fast state is "
                       f"kvq.fast.{_backend}.oscar.OSCARTensorState (the same fields as torch tensors)",
+    }
+del _backend
+for _backend in BACKENDS:
+    NOT_YET_IMPLEMENTED[_backend]["aqua"] = {
+        name: "offline calibration (Algorithm 1, float64 ridge solves): the reference serves it"
+        for name in ("fit_ridge", "fit_reduced_rank", "calibration_tokens", "calibrate")}
+    NOT_YET_IMPLEMENTED[_backend]["aqua_cache"] = {
+        "AquaState": "the reference's class holds NumPy arrays; the fast state is "
+                     f"kvq.fast.{_backend}.aqua_cache.AquaTensorState (the same fields as torch tensors)",
+        "forward": "Algorithm 4 runs a model layer by layer: kvq has no torch model behind the KVModel interface "
+                   "yet; its cache steps are aqua_cache.append, decode_layer and decode_attention",
     }
 del _backend
 

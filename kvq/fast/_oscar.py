@@ -4,14 +4,16 @@ The state (:class:`OSCARTensorState`: the reference's fields as torch tensors, a
 frame), the token routing (sink, window ring, pages allocated page-major then batch) and the reading of
 the cache are written once here; a backend passes its kernels as :class:`OscarOps`: the fixed-order
 rotation (the reference's operations in its order, so the same bits), the fused clip + INT2 + pack
-(``oscar_quant``), ``packing.unpack_dequantize`` and ``attention.decode_attention``. The public,
-documented functions are ``kvq.fast.triton.oscar`` and ``kvq.fast.cupy.oscar``.
+(``oscar_quant``), ``packing.unpack_dequantize``, ``attention.decode_attention`` and, where it has
+one, a fused decode over the packed pages (``fused_decode``; without it decode dequantizes the history
+first). The public, documented functions are ``kvq.fast.triton.oscar`` and ``kvq.fast.cupy.oscar``.
 
     from kvq.fast.triton.oscar import init, append, decode_attention      # (these call into here)
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -37,6 +39,11 @@ class OscarOps:
     packing: ModuleType
     attention: ModuleType
     allow_cpu: Callable[[], bool]
+    #: ``fused_decode(cfg, state, q_rot, *, scale, precise) -> (out, lse)`` fp32: attention of the
+    #: rotated fp32 query over the packed history pages and the FP16 sink and window, merged
+    #: (``kvq.fast.triton.oscar_decode.decode``, ``kvq.fast.cupy.oscar.fused_decode``); ``precise``: q is
+    #: float32 (an fp32 output); None: the history is dequantized, then attended
+    fused_decode: Callable | None = None
 
 
 def _device(ops) -> torch.device:
@@ -101,12 +108,30 @@ def init(ops: "OscarOps", cfg, batch: int, kv_heads: int, head_dim: int) -> OSCA
 
 
 
+_ROT_CACHE: "collections.OrderedDict" = collections.OrderedDict()
+_ROT_CACHE_SIZE = 64
+
+
 def _rot(R, dev: torch.device, transpose: bool = False) -> torch.Tensor:
-    """A calibration rotation (NumPy fp32 (D, D) / (H, D, D)) on the device, optionally R^T."""
-    R = np.asarray(R)
+    """A calibration rotation (NumPy fp32 (D, D) / (H, D, D)) on the device, optionally R^T.
+
+    Copied to the device once per array object, device and transpose (the last 64 kept): decode and
+    append then make no host-to-device copy, so they can be captured in a CUDA graph. A calibration's
+    arrays are treated as immutable (as the calibration is): modifying one in place after its first
+    use is not seen."""
+    key = (id(R), str(dev), bool(transpose))
+    hit = _ROT_CACHE.get(key)
+    if hit is not None and hit[0] is R:
+        _ROT_CACHE.move_to_end(key)
+        return hit[1]
+    A = np.asarray(R)
     if transpose:
-        R = np.swapaxes(R, -1, -2)
-    return torch.from_numpy(np.ascontiguousarray(R, dtype=np.float32)).to(dev)
+        A = np.swapaxes(A, -1, -2)
+    t = torch.from_numpy(np.ascontiguousarray(A, dtype=np.float32)).to(dev)
+    _ROT_CACHE[key] = (R, t)                  # holds R: its id cannot be reused while cached
+    while len(_ROT_CACHE) > _ROT_CACHE_SIZE:
+        _ROT_CACHE.popitem(last=False)
+    return t
 
 
 def _rotate16(ops, x, R: torch.Tensor, name: str) -> torch.Tensor:
@@ -219,6 +244,15 @@ def segments(ops: "OscarOps", cfg, st: OSCARTensorState):
     return [sink, hist, win]
 
 
+def fp16_segment(cfg, st: OSCARTensorState):
+    """The FP16 tokens (sink, then the window ring in slot order, not token order: attention does not
+    depend on the order) as one (K, V) fp32 segment (B, H, n_sink + n_win, D)."""
+    c = RO.counts(cfg, st.length)
+    ns, nw = c["n_sink"], c["n_win"]
+    return tuple(torch.cat([sink[:, :, :ns], win[:, :, :nw]], dim=2).float()
+                 for sink, win in ((st.sink_k, st.win_k), (st.sink_v, st.win_v)))
+
+
 def dequantize(ops: "OscarOps", cfg, calib, state: OSCARTensorState, *, rotated: bool = False):
     """(K, V) fp32 in token order: the rotated frame, or rotated back by the fixed-order kernel."""
     if state.length == 0:
@@ -235,14 +269,18 @@ def dequantize(ops: "OscarOps", cfg, calib, state: OSCARTensorState, *, rotated:
 
 def decode_attention(ops: "OscarOps", cfg, calib, state: OSCARTensorState, q, *, scale=None,
                      rotate_back: bool = True):
-    """q rotated by R_K, the three segments (history dequantized to fp32) attended by the backend's
-    FP16-baseline kernel in fp32, the output rotated back by R_V^T unless ``rotate_back=False``."""
+    """q rotated by R_K; the backend's fused decode over the packed pages and the FP16 segment, or
+    (without one) the three segments, history dequantized to fp32, attended by its FP16-baseline kernel
+    in fp32; the output rotated back by R_V^T unless ``rotate_back=False``."""
     B, H, D = state.shape
     C.check_decode_q(q, state.shape, state.device, state.length, allow_cpu=ops.allow_cpu())
     calib.check(H, D)
     dev = state.device
     qr = ops.rotate(q, _rot(calib.R_K, dev))                                   # (B, H_q, T_q, D) fp32
-    out, lse = ops.attention.decode_attention(qr, segments(ops, cfg, state), scale=scale)
+    if ops.fused_decode is not None:
+        out, lse = ops.fused_decode(cfg, state, qr, scale=scale, precise=q.dtype == torch.float32)
+    else:
+        out, lse = ops.attention.decode_attention(qr, segments(ops, cfg, state), scale=scale)
     if rotate_back:
         out = ops.rotate(out, _rot(calib.R_V, dev, True))
     return out.to(q.dtype), lse

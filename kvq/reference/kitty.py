@@ -28,6 +28,7 @@ import numpy as np
 from . import metrics
 from . import numerics as nx
 from . import paged
+from .attention import check_shapes
 from .packing import pack, unpack
 from .quant import dequantize as _dequantize
 from .quant import quantize
@@ -238,6 +239,20 @@ def decode_attention(cfg: KittyConfig, state: paged.PagedState, q, *, scale=None
 # Fig. 2b: channel sensitivity
 
 
+def check_sensitivity_args(q_shape, k_shape, causal: bool) -> None:
+    """The shape rules of :func:`channel_sensitivity`, shared by every tier: q (B, H_q, T_q, D) and
+    k (B, H_kv, T, D) as attention takes them, at least one query row, and (causal) no query row
+    without a key. An empty k is left to the quantizer, which names it. Raises ValueError."""
+    q_shape, k_shape = tuple(q_shape), tuple(k_shape)
+    check_shapes(q_shape, k_shape, k_shape)
+    T_q, T = q_shape[2], k_shape[2]
+    if T_q == 0:
+        raise ValueError(f"q holds no query rows (shape {q_shape}); the score MSE would average over nothing")
+    if causal and 0 < T < T_q:
+        raise ValueError(f"query row 0 of batch 0 sees no key (causal: query 0 sits at position {T - T_q} "
+                         f"with T_q={T_q}, T_k={T}); softmax over an empty set is undefined")
+
+
 def channel_sensitivity(q, k, *, bits: int = 2, group_size=None, causal: bool = True, scale=None) -> np.ndarray:
     """Attention-score MSE when one key channel at a time is quantized (Kitty section 3.2, Fig. 2b).
 
@@ -249,8 +264,13 @@ def channel_sensitivity(q, k, *, bits: int = 2, group_size=None, causal: bool = 
         q: (B, H_q, T_q, D); k: (B, H_kv, T, D), H_q a multiple of H_kv (GQA).
     Returns:
         (H_q, D) float64: row h is query head h (Fig. 2b draws one series per query head of a group).
+    Raises:
+        TypeError on a dtype kvq does not take; ValueError on shapes attention refuses, no query rows,
+        a causal query row without a key (T_q > T), NaN / inf, or what ``quant.quantize`` refuses.
     """
     k32 = nx.as_f32(k, "k")
+    check_sensitivity_args(np.shape(q), k32.shape, bool(causal))
+    nx.check_finite(k32, "k")
     B, H, T, D = k32.shape
     G = T if group_size is None else group_size
     codes, s, m = quantize(k32, bits, G, axis=2)

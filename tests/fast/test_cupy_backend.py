@@ -169,3 +169,50 @@ def test_dtypes_round_trip(L, dtype):
         p, s, m = packing.quantize_pack(x, 4, 32, axis)
         assert p.shape[axis] == x.shape[axis] // 2 and p.dtype == torch.uint8
         assert s.dtype == torch.float16 and s.shape[axis] == x.shape[axis] // 32
+
+
+# ----------------------------------------------------------------------------------------------------
+# CPU: the fused decode's launch planning (kvq.fast.cupy.paged)
+
+
+@pytest.mark.parametrize("NP,n_base,nw,slots", [(1024, 64, 4, 528), (1024, 8, 4, 528), (1024, 256, 4, 528),
+                                                (1024, 256, 4, 396), (3, 64, 4, 528), (250, 64, 4, 528),
+                                                (1, 1, 4, 528), (4096, 2, 1, 264), (64, 8, 2, 100)])
+def test_split_plan_covers_every_page_once(NP, n_base, nw, slots):
+    """_n_splits: the splits cover pages [0, NP) exactly once in whole pages per warp, no split is
+    empty, and no other count in 1..NP has a smaller makespan under the documented model."""
+    from kvq.fast.cupy import paged
+
+    sp, pps = paged._n_splits(NP, n_base, nw, slots)
+    assert pps % nw == 0 and pps >= nw
+    assert sp == -(-NP // pps) and (sp - 1) * pps < NP <= sp * pps     # no empty split, all pages
+
+    def cost(s):
+        p = -(-(-(-NP // s)) // nw) * nw
+        s = -(-NP // p)
+        return -(-(n_base * s) // slots) * (p // nw + 1)
+
+    assert cost(sp) == min(cost(s) for s in range(1, NP + 1))
+
+
+def test_split_plan_fills_one_wave():
+    """B = 8, 8 KV heads, 128K tokens on 132 SMs x 4 blocks: 8 splits (512 blocks: one wave), not the
+    partial second wave that a fixed blocks-per-SM target gave (576 blocks)."""
+    from kvq.fast.cupy import paged
+
+    assert paged._n_splits(1024, 64, 4, 528) == (8, 128)
+
+
+def test_blocks_per_sm_limits(monkeypatch):
+    """blocks_per_sm: the least of the register (per-warp allocation in units of 256), shared-memory
+    (plus the driver's reserve per block) and thread limits."""
+    from kvq.fast.cupy import paged
+
+    monkeypatch.setattr(paged, "_device_limits", lambda i: (65536, 233472, 2048, 1024))
+    fn = type("F", (), {"num_regs": 128, "shared_size_bytes": 288})()
+    assert paged.blocks_per_sm(fn, 128, 45056, 0) == 4                 # registers: 65536 / (4096 * 4)
+    fn.num_regs = 168
+    assert paged.blocks_per_sm(fn, 128, 45056, 0) == 3                 # 5376 per warp
+    fn.num_regs = 32
+    assert paged.blocks_per_sm(fn, 128, 100000, 0) == 2                # shared memory
+    assert paged.blocks_per_sm(fn, 1024, 0, 0) == 2                    # threads

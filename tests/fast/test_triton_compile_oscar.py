@@ -1,6 +1,7 @@
-"""The OSCAR quantizer kernels (fused token quantizer, quantile / percentile clip) compile for sm_90
-(H100) without a GPU, with ``tl.sort`` (the GPU path) and no FMA contraction: type / layout errors and
-register spills show before a GPU run.
+"""The OSCAR kernels compile for sm_90 (H100) without a GPU: the quantizer kernels (fused token
+quantizer, quantile / percentile clip) with ``tl.sort`` (the GPU path) and no FMA contraction, and the
+fused decode's page kernel (``oscar_decode._pages_kernel``) with tensor-core mma on its fp16 path:
+type / layout errors and register spills show before a GPU run.
 
 Runs in a subprocess without ``TRITON_INTERPRET`` (under the interpreter ``@triton.jit`` returns an
 interpreted function that cannot be compiled).
@@ -22,34 +23,34 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent('''
-    import json, sys
+    import importlib, json, sys
     import triton
     from triton.compiler import ASTSource
     from triton.backends.compiler import GPUTarget
-    from kvq.fast.triton import oscar_quant, quant
     v = json.loads(sys.argv[1])
-    fn = {"tokens": oscar_quant._quantize_tokens_kernel, "rows": quant._quantile_rows_kernel}[v["kernel"]]
-    sig = {}
-    for a in fn.arg_names:
-        if a in v["cx"]:
-            sig[a] = "constexpr"
-        elif a == "x_ptr":
-            sig[a] = v["xt"]
-        elif a == "q_ptr":
-            sig[a] = "*u8"
-        elif a in ("s_ptr", "m_ptr"):
-            sig[a] = v["mt"]
-        elif a in ("t_ptr", "o_ptr"):
-            sig[a] = "*fp32"
-        elif a == "FRAC":
-            sig[a] = "fp32"
-        else:
-            sig[a] = "i32"
+    mod, name = v["kernel"].rsplit(".", 1)
+    fn = getattr(importlib.import_module(mod), name)
+    sig = {a: "constexpr" if a in v["cx"] else v["types"].get(a, "i32") for a in fn.arg_names}
     k = triton.compile(ASTSource(fn, sig, constexprs=v["cx"]), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": v["warps"], "enable_fp_fusion": False})
+                       options=v["options"])
     ptx = k.asm["ptx"]
-    print(json.dumps({"local": ptx.count("ld.local") + ptx.count("st.local"), "fma": ptx.count("fma.rn.f32")}))
+    print(json.dumps({"local": ptx.count("ld.local") + ptx.count("st.local"), "fma": ptx.count("fma.rn.f32"),
+                      "mma": ptx.count("mma.sync")}))
 ''')
+
+
+def _compile(kernel: str, types: dict, cx: dict, options: dict) -> dict:
+    """Compile ``kernel`` (module.name) for sm_90 in a subprocess without TRITON_INTERPRET: arguments of
+    ``types`` (others i32, constexprs ``cx``); returns the PTX counts (local memory, fp32 FMA, mma)."""
+    pytest.importorskip("triton")
+    arg = json.dumps({"kernel": kernel, "types": types, "cx": cx, "options": options})
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", SCRIPT, arg], capture_output=True, text=True, env=env,
+                         timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
 
 TOKENS = dict(QMAX=3.0, BITS=2, PER=4, IN_BF16=False, FASTDIV=True, RANK=False, BLOCK_J=8)
 # name -> (kernel, x type, meta type, warps, constexprs); BLOCK_R = 1 as the launchers pick on the GPU
@@ -77,15 +78,46 @@ VARIANTS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_oscar_kernels_compile_for_sm90(name):
-    pytest.importorskip("triton")
     kernel, xt, mt, warps, cx = VARIANTS[name]
-    arg = json.dumps({"kernel": kernel, "xt": xt, "mt": mt, "warps": warps, "cx": cx})
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", SCRIPT, arg], capture_output=True, text=True, env=env,
-                         timeout=600, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+    types = {"x_ptr": xt, "q_ptr": "*u8", "s_ptr": mt, "m_ptr": mt, "t_ptr": "*fp32", "o_ptr": "*fp32",
+             "FRAC": "fp32"}
+    fn = {"tokens": "kvq.fast.triton.oscar_quant._quantize_tokens_kernel",
+          "rows": "kvq.fast.triton.quant._quantile_rows_kernel"}[kernel]
+    out = _compile(fn, types, cx, {"num_warps": warps, "enable_fp_fusion": False})
     assert out["local"] == 0, f"{name}: register spills to local memory ({out})"
     if kernel == "rows":
         assert out["fma"] == 0, f"{name}: FMA contraction in the quantile interpolation ({out})"
+
+
+DECODE = dict(G_Q=4, D=128, G=128, PG=128, BITS=2, BT=64, BLOCK_M=16, PRECISE=False, TIGHT=True, NBLK=0,
+              K_TERMS=3, V_TERMS=1, SHIFT=2048.0)
+# name -> (meta type, warps, constexprs over DECODE): the tensor-core path (fp16 / bf16 q) for the paper's
+# G = 128 and the G = 64 / 32 ablations, 4-bit codes, D = 256, fp32 metadata, the other k / v terms; the
+# precise path (fp32 q, or G < 16) with IEEE fp32 dots
+DECODE_VARIANTS = {
+    "G128-2bit": ("*fp16", 4, {}),
+    "G64-2bit-gqa8": ("*fp16", 4, dict(G=64, G_Q=8)),
+    "G32-2bit-page16": ("*fp16", 4, dict(G=32, PG=16)),
+    "G128-4bit-meta32": ("*fp32", 4, dict(BITS=4)),
+    "D256-G64-8bit": ("*fp16", 8, dict(D=256, G=64, BITS=8, BT=32)),
+    "G128-2bit-k2-v2": ("*fp16", 4, dict(K_TERMS=2, V_TERMS=2)),
+    "G64-precise": ("*fp16", 4, dict(G=64, PRECISE=True, BT=32)),
+    "G16-precise-D64": ("*fp32", 4, dict(D=64, G=16, PRECISE=True, BT=32)),
+    "D256-G8-precise-gqa8": ("*fp16", 4, dict(D=256, G=8, G_Q=8, PRECISE=True, BT=32)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(DECODE_VARIANTS))
+def test_oscar_decode_kernel_compiles_for_sm90(name):
+    """The fused OSCAR page kernel: compiles, no register spills, and the tensor-core path really issues
+    mma instructions."""
+    mt, warps, cx = DECODE_VARIANTS[name]
+    types = {"q_ptr": "*fp32", "kc_ptr": "*u8", "vc_ptr": "*u8", "tab_ptr": "*i32", "o_ptr": "*fp32",
+             "m_ptr": "*fp32", "l_ptr": "*fp32", "ks_ptr": mt, "km_ptr": mt, "vs_ptr": mt, "vm_ptr": mt,
+             "qk_scale": "fp32"}
+    out = _compile("kvq.fast.triton.oscar_decode._pages_kernel", types, {**DECODE, **cx},
+                   {"num_warps": warps, "num_stages": 2})
+    assert out["local"] == 0, f"{name}: register spills to local memory ({out})"
+    if not cx.get("PRECISE"):
+        assert out["mma"] > 0, f"{name}: no tensor-core mma in the PTX ({out})"

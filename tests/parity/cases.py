@@ -24,6 +24,7 @@ Value kinds (``KINDS``):
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -186,3 +187,12 @@ def assert_bits_equal(fast, ref, what: str) -> None:
         fv = fast.detach().cpu().float().numpy()[i] if isinstance(fast, torch.Tensor) else fast[i]
         raise AssertionError(f"{what}: {len(bad)} of {fb.size} differ; first at {i}: fast {fv!r} "
                              f"(bits {fb[i]:#x}) vs reference {np.asarray(ref)[i]!r} (bits {rb[i]:#x})")
+
+
+def assert_same_error(fn_ref, fn_fast) -> None:
+    """Both calls raise, the fast tier the reference's exception: the same type and the same message."""
+    with pytest.raises(Exception) as er:
+        fn_ref()
+    with pytest.raises(Exception) as ef:
+        fn_fast()
+    assert type(ef.value) is type(er.value) and str(ef.value) == str(er.value), (ef.value, er.value)

@@ -24,7 +24,7 @@ import torch
 from kvq.reference import kitty as RT
 from kvq.reference import kivi as RK
 
-from .cases import assert_bits_equal
+from .cases import assert_bits_equal, assert_same_error as _errors
 from .tolerance import check_close
 
 TARGETS = [pytest.param(("triton", "cpu"), id="triton-interp"),
@@ -258,10 +258,19 @@ def test_decode_p_split(triton_target, a, monkeypatch):
 
 @pytest.mark.parametrize("a", [ATTN[1], ATTN[5], ATTN[6]], ids=["KIVI-K2V2-fp16", "Kitty-fp16-gqa8", "Kitty-Pro-fp16"])
 def test_decode_cuda_cores(cupy_target, a, monkeypatch):
-    """CuPy: fp16 q with 2-bit keys and values takes the tensor-core kernel (paged_decode_mma) by
+    """CuPy: fp16 q with 2-bit keys and values takes the tensor-core kernel (paged_decode_mma2) by
     default; ``TUNE["mma"] = False`` runs the CUDA-core kernel (paged_decode) on the same cases."""
     FP = _paged("cupy")
     monkeypatch.setitem(FP.TUNE, "mma", False)
+    test_decode_attention(cupy_target, a)
+
+
+@pytest.mark.parametrize("a", [ATTN[1], ATTN[6]], ids=["KIVI-K2V2-fp16", "Kitty-Pro-fp16"])
+def test_decode_one_stream(cupy_target, a, monkeypatch):
+    """CuPy: ``TUNE["side_stream"] = False`` runs the tail (gather + fp32 split kernel) on the caller's
+    stream after the fused kernel instead of beside it; same results."""
+    FP = _paged("cupy")
+    monkeypatch.setitem(FP.TUNE, "side_stream", False)
     test_decode_attention(cupy_target, a)
 
 
@@ -384,14 +393,6 @@ def test_kitty_page_functions(target):
         FT.encode_page(xt, torch.from_numpy(bad).to(device))
     with pytest.raises(ValueError, match="d_boost"):
         FT.select_boost(sc, D + 1)
-
-
-def _errors(fn_ref, fn_fast):
-    with pytest.raises(Exception) as er:
-        fn_ref()
-    with pytest.raises(Exception) as ef:
-        fn_fast()
-    assert type(ef.value) is type(er.value) and str(ef.value) == str(er.value), (ef.value, er.value)
 
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=[IDS[1], IDS[3]])

@@ -21,7 +21,7 @@ import torch
 from kvq.reference import oscar as RO
 from kvq.reference import rotations as RR
 
-from .cases import assert_bits_equal
+from .cases import assert_bits_equal, assert_same_error as _errors
 from .tolerance import check_close
 
 
@@ -262,14 +262,6 @@ def test_decode_attention(target, a):
 
 # ---------------------------------------------------------------------------------------------------
 # bad input
-
-
-def _errors(fn_ref, fn_fast):
-    with pytest.raises(Exception) as er:
-        fn_ref()
-    with pytest.raises(Exception) as ef:
-        fn_fast()
-    assert type(ef.value) is type(er.value) and str(ef.value) == str(er.value), (ef.value, er.value)
 
 
 def test_bad_input(target):

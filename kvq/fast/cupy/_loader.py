@@ -71,6 +71,10 @@ def attn_warps(dt: int, D: int) -> int:
 def _attention_names():
     names = [f"attn_split<{dt}, {D}, {qt}, {attn_warps(dt, D)}>" for dt in (0, 1, 2) for D in ATTN_DIMS
              for qt in ATTN_QT if attn_supported(dt, D)]
+    names += [f"attn_split<2, {D}, {qt}, {attn_warps(2, D)}, 0, {qdt}>" for D in ATTN_DIMS for qt in ATTN_QT
+              for qdt in (0, 1) if attn_supported(2, D)]      # fp32 data, fp16 / bf16 q, float sums (paged tail)
+    names += [f"attn_split<0, {D}, {qt}, {attn_warps(0, D)}, 1, 2>" for D in ATTN_DIMS for qt in ATTN_QT
+              if attn_supported(0, D)]                    # fp16 data, fp32 q, double sums (OSCAR's FP16 segments)
     names += [f"attn_merge<{dt}>" for dt in (0, 1, 2)]
     return tuple(names)
 
@@ -90,7 +94,7 @@ def paged_decode_name(D: int, k_bits: int, v_bits: int, kitty: bool, QT: int) ->
 def _paged_names():
     names = [paged_decode_name(D, kb, vb, kitty, qt) for D in PAGED_DIMS for kb, kitty in PAGED_KEYS
              for vb in PAGED_VBITS for qt in PAGED_QT]
-    names += [f"paged_decode_mma<{k}>" for k in (0, 1)]
+    names += [f"paged_decode_mma2<{k}, {nr}>" for k in (0, 1) for nr in (4, 8)]
     names += [f"paged_gather_tail<{k}>" for k in (0, 1)]
     return tuple(names)
 
@@ -111,6 +115,14 @@ def _oscar_names():
     return tuple(f"{k}<{dt}>" for k in ("quantile_rows", "rotate_rows", "oscar_quant_rows") for dt in (0, 1, 2))
 
 
+def _aqua_names():
+    """aqua.cu: the fused AQUA-KV decode per HIGGS index bits and per uniform code bits."""
+    return tuple(f"aqua_higgs<{ib}>" for ib in (8, 16, 32)) + tuple(f"aqua_uniform<{b}>" for b in (2, 4, 8))
+
+
+#: the tensor-core OSCAR decode (oscar_decode.cu): query rows per block (4 or 8)
+OSCAR_DECODE_NAMES = tuple(f"oscar_decode_mma<{nr}>" for nr in (4, 8))
+
 #: source file -> every kernel name expression the Python side may request (tests compile them all)
 KERNELS = {
     "quant.cu": _quant_names(),
@@ -118,6 +130,8 @@ KERNELS = {
     "paged.cu": _paged_names(),
     "higgs.cu": _higgs_names(),
     "oscar.cu": _oscar_names(),
+    "oscar_decode.cu": OSCAR_DECODE_NAMES,
+    "aqua.cu": _aqua_names(),
 }
 
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.MULTILINE)
@@ -208,18 +222,19 @@ def _pointer(t: torch.Tensor):
     return np.uint64(t.data_ptr())
 
 
-def run(fn, grid, block, args, device: torch.device) -> None:
-    """Launch ``fn`` on torch's current stream of ``device``: torch tensors in ``args`` become device
-    pointers (see :data:`ARG_MODE`; the tensors stay alive until the call returns, and torch's caching
-    allocator orders any reuse of their memory after this launch on the same stream); other values
-    are passed as they are (NumPy scalars of the kernel's C types)."""
+def run(fn, grid, block, args, device: torch.device, shared_mem: int = 0) -> None:
+    """Launch ``fn`` on torch's current stream of ``device`` with ``shared_mem`` bytes of dynamic shared
+    memory: torch tensors in ``args`` become device pointers (see :data:`ARG_MODE`; the tensors stay
+    alive until the call returns, and torch's caching allocator orders any reuse of their memory after
+    this launch on the same stream); other values are passed as they are (NumPy scalars of the
+    kernel's C types)."""
     import cupy
 
     dev = device.index if device.index is not None else torch.cuda.current_device()
     conv = _pointer if ARG_MODE == "pointer" else arg
     with cupy.cuda.Device(dev), _external_stream(_raw_stream(dev), dev):
         cargs = tuple(conv(a) if isinstance(a, torch.Tensor) else a for a in args)
-        fn(tuple(int(g) for g in grid), tuple(int(b) for b in block), cargs)
+        fn(tuple(int(g) for g in grid), tuple(int(b) for b in block), cargs, shared_mem=int(shared_mem))
 
 
 def grid_1d(work: int, per_block: int, cap: int = 1 << 20) -> int:

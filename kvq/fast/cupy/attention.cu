@@ -51,9 +51,9 @@ struct AttnCfg {
 // ---- split kernel --------------------------------------------------------------------------------
 // Computes: for the rows r in [qt*QT, qt*QT + QT) of the G_q * T_q query rows of kv head (b, hk)
 //   (row r -> head hk*G_q + r / T_q, token r % T_q) and the keys [split*chunk, min(split*chunk + chunk,
-//   T)): s = (q . k) * scale * log2(e) in fp32; online softmax in base 2 (float32: natural units, s =
-//   (q . k) * scale, exp / log: base-2 scores are 1.44x larger and lose that much absolute precision); o = sum 2^(s - m) v / l;
-//   lse = (m + log2 l) * ln 2 (natural log; -inf and o = 0 for no keys). Written as fp32 partial
+//   T)): s = (q . k) * scale * log2(e) in fp32; online softmax in base 2 (PRECISE, the float32 default:
+//   natural units, s = (q . k) * scale, exp / log); o = sum 2^(s - m) v / l; lse = (m + log2 l) * ln 2
+//   (natural log; -inf and o = 0 for no keys). Written as fp32 partial
 //   number split0 + split: o_part[(((p * B + b) * H_q + h) * T_q + t) * D + d], lse_part[...].
 // Grid: (num_splits * n_qtiles, H_kv, B); block (NW * 32) threads, exactly. The warps of a block take the split's
 //   tiles of 32 keys in turn (tile w, w + NW, ...), each with its own softmax state: a tile's K and V
@@ -63,8 +63,11 @@ struct AttnCfg {
 //   end the NW warp states are merged through shared memory.
 // Bytes: reads each K and V element of the split once per query tile (once when G_q*T_q <= QT);
 //   writes (D + 1) fp32 per query row and split.
-// Accumulator of the dot products and of P.V: float, or double for float32 inputs (the fp32 path is
-// the precise one: its sums then carry no more rounding than the float32 reference's pairwise sums).
+// Accumulator of the dot products and of P.V: float, or double when PRECISE (the default for float32
+// inputs: the fp32 path is the precise one, its sums then carry no more rounding than the float32
+// reference's pairwise sums; PRECISE also means natural-log units, else base 2 with log2(e) in the
+// scale). attn_split<2, D, QT, NW, 0, QDT>: fp32 keys / values with float accumulators and QDT (fp16 /
+// bf16) queries: the paged decode's tail for half-precision queries, whose fused part carries about 22 bits.
 template <int DT>
 struct AccT {
     typedef float T;
@@ -74,15 +77,16 @@ struct AccT<2> {
     typedef double T;
 };
 
-template <int DT, int D, int QT, int NW>
+template <int DT, int D, int QT, int NW, int PRECISE = (DT == 2), int QDT = DT>
 __global__ void __launch_bounds__(NW * 32)
-    attn_split(const typename Ty<DT>::S* __restrict__ q, const typename Ty<DT>::S* __restrict__ k,
+    attn_split(const typename Ty<QDT>::S* __restrict__ q, const typename Ty<DT>::S* __restrict__ k,
                const typename Ty<DT>::S* __restrict__ v, float* __restrict__ o_part,
                float* __restrict__ lse_part, i64 sq_b, i64 sq_h, i64 sq_t, i64 sk_b, i64 sk_h, i64 sk_t,
                i64 sv_b, i64 sv_h, i64 sv_t, int B, int Hq, int Hkv, int Tq, i64 T, i64 chunk, int num_splits,
                int split0, float qk_scale) {
     typedef AttnCfg<DT, D> Cfg;
     typedef typename Ty<DT>::S S;
+    typedef typename AccT<PRECISE ? 2 : 0>::T Acc;
     constexpr int VE = Cfg::VE;
     constexpr int NVEC = Cfg::NVEC;
     constexpr int KROW = Cfg::KROW;
@@ -120,7 +124,7 @@ __global__ void __launch_bounds__(NW * 32)
             const int r = r0 + qi;
             const int h = hk * Gq + r / Tq;
             const int t = r - (r / Tq) * Tq;
-            val = __fmul_rn(Ty<DT>::ld(q[(i64)b * sq_b + (i64)h * sq_h + (i64)t * sq_t + d]), qk_scale);
+            val = __fmul_rn(Ty<QDT>::ld(q[(i64)b * sq_b + (i64)h * sq_h + (i64)t * sq_t + d]), qk_scale);
         }
         s_q[idx] = val;
     }
@@ -133,7 +137,7 @@ __global__ void __launch_bounds__(NW * 32)
     const S* vbase = v + (i64)b * sv_b + (i64)hk * sv_h;
 
     float m[QT], l[QT];
-    typename AccT<DT>::T acc[QT][DPL];
+    Acc acc[QT][DPL];
 #pragma unroll
     for (int qi = 0; qi < QT; ++qi) {
         m[qi] = -KVQ_INF;
@@ -169,7 +173,7 @@ __global__ void __launch_bounds__(NW * 32)
         __syncwarp();                                  // ... and every lane's
 
         // scores: lane j <-> key kb + j, all QT query rows
-        typename AccT<DT>::T s[QT];
+        Acc s[QT];
 #pragma unroll
         for (int qi = 0; qi < QT; ++qi) s[qi] = 0.0f;
         const S* krow = ks + lane * KROW;
@@ -182,11 +186,11 @@ __global__ void __launch_bounds__(NW * 32)
                 float qf[VE];
                 load_f32<2, VE>(s_q + qi * D + cv * VE, qf);
 #pragma unroll
-                for (int e = 0; e < VE; ++e) s[qi] = fma((typename AccT<DT>::T)qf[e], (typename AccT<DT>::T)kf[e], s[qi]);
+                for (int e = 0; e < VE; ++e) s[qi] = fma((Acc)qf[e], (Acc)kf[e], s[qi]);
             }
         }
 
-        // online softmax, base 2 (float32: natural); p goes to shared memory for the P.V step
+        // online softmax, base 2 (PRECISE: natural); p goes to shared memory for the P.V step
 #pragma unroll
         for (int qi = 0; qi < QT; ++qi) {
             const float sc = lane < nk ? (float)s[qi] : -KVQ_INF;
@@ -194,8 +198,8 @@ __global__ void __launch_bounds__(NW * 32)
 #pragma unroll
             for (int off = 16; off > 0; off >>= 1) tmax = fmaxf(tmax, __shfl_xor_sync(KVQ_FULL_MASK, tmax, off));
             const float mnew = fmaxf(m[qi], tmax);
-            const float alpha = m[qi] == mnew ? 1.0f : DT == 2 ? expf(m[qi] - mnew) : exp2f(m[qi] - mnew);
-            const float p = sc == -KVQ_INF ? 0.0f : DT == 2 ? expf(sc - mnew) : exp2f(sc - mnew);
+            const float alpha = m[qi] == mnew ? 1.0f : PRECISE ? expf(m[qi] - mnew) : exp2f(m[qi] - mnew);
+            const float p = sc == -KVQ_INF ? 0.0f : PRECISE ? expf(sc - mnew) : exp2f(sc - mnew);
             l[qi] = fmaf(l[qi], alpha, p);             // this lane's share of the row sum
 #pragma unroll
             for (int e = 0; e < DPL; ++e) acc[qi][e] *= alpha;
@@ -221,7 +225,7 @@ __global__ void __launch_bounds__(NW * 32)
             for (int qi = 0; qi < QT; ++qi)
 #pragma unroll
                 for (int e = 0; e < DPL; ++e)
-                    acc[qi][e] = fma((typename AccT<DT>::T)pj[qi], (typename AccT<DT>::T)vf[e], acc[qi][e]);
+                    acc[qi][e] = fma((Acc)pj[qi], (Acc)vf[e], acc[qi][e]);
         }
         __syncwarp();                                  // the next tile overwrites ks, vs, pw
     }
@@ -248,39 +252,77 @@ __global__ void __launch_bounds__(NW * 32)
     }
     __syncthreads();
     combine_warps<QT, D>(&s_m[0][0], &s_l[0][0], cacc, NW, nq, tid, NW * 32, r0, hk, Gq, Tq, B, Hq, b,
-                         (i64)(split0 + split), o_part, lse_part, DT == 2);
+                         (i64)(split0 + split), o_part, lse_part, PRECISE != 0);
 }
 
 // ---- merge kernel --------------------------------------------------------------------------------
-// Computes: per row (of rows = B * H_q * T_q) and dim d, over the S partials s (in order):
+// Computes: per row (of rows = B * H_q * T_q) and dim d, over the S partials s:
 //   M = max_s lse_s; w_s = exp(lse_s - M); o = sum_s w_s o_s / sum_s w_s (rounded to DTO);
 //   lse = M + log(sum_s w_s); rows whose partials are all -inf get o = 0, lse = -inf.
 //   o_part is (S, rows, D) fp32, lse_part (S, rows) fp32, natural log.
-// Grid: 1-D grid-stride over rows * D, one output element per thread.
-// Bytes: reads S * rows * (D + 1) fp32 (the lse once per d, from cache); writes rows * D outputs + rows lse.
+// Grid: one block per row, 256 threads: the S weights are computed once into shared memory (block max
+//   and sum), then thread (j, d) (d < D, j < 256 / D) sums the partials s = j, j + 256 / D, ... of dim d
+//   (independent loads, four in flight) and the 256 / D sums are added through shared memory.
+// Dynamic shared memory: (S + 256 + 64) * 4 bytes.
+// Bytes: reads S * (D + 1) fp32 per row; writes D outputs + 1 lse per row.
 template <int DTO>
 __global__ void __launch_bounds__(256) attn_merge(const float* __restrict__ o_part,
                                                   const float* __restrict__ lse_part,
                                                   typename Ty<DTO>::S* __restrict__ out,
                                                   float* __restrict__ lse_out, i64 rows, int D, int S) {
-    const i64 total = rows * D;
-    for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (i64)gridDim.x * blockDim.x) {
-        const i64 row = idx / D;
-        const int d = (int)(idx - row * D);
-        float M = -KVQ_INF;
-        for (int s = 0; s < S; ++s) M = fmaxf(M, lse_part[(i64)s * rows + row]);
-        float L = 0.0f, A = 0.0f;
-        if (M != -KVQ_INF) {
-            for (int s = 0; s < S; ++s) {
-                const float ls = lse_part[(i64)s * rows + row];
-                if (ls != -KVQ_INF) {
-                    const float w = expf(ls - M);
-                    L += w;
-                    A = fmaf(w, o_part[((i64)s * rows + row) * D + d], A);
-                }
-            }
+    extern __shared__ float smf[];
+    float* w = smf;                                // [S]
+    float* red = smf + S;                          // [256]
+    float* wr = red + 256;                         // [64]: per-warp reductions
+    const i64 row = blockIdx.x;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    float M = -KVQ_INF;
+    for (int s = tid; s < S; s += 256) {
+        const float ls = lse_part[(i64)s * rows + row];
+        w[s] = ls;
+        M = fmaxf(M, ls);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(KVQ_FULL_MASK, M, off));
+    if (lane == 0) wr[warp] = M;
+    __syncthreads();
+    M = wr[0];
+    for (int i = 1; i < 8; ++i) M = fmaxf(M, wr[i]);
+    float L = 0.0f;
+    for (int s = tid; s < S; s += 256) {
+        const float x = M == -KVQ_INF || w[s] == -KVQ_INF ? 0.0f : expf(w[s] - M);
+        w[s] = x;
+        L += x;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(KVQ_FULL_MASK, L, off);
+    if (lane == 0) wr[32 + warp] = L;
+    __syncthreads();                               // w[] and the partial sums are ready
+    L = 0.0f;
+    for (int i = 0; i < 8; ++i) L += wr[32 + i];
+    const int ns = 256 / D;                        // partial groups
+    const int j = tid / D, d = tid - (tid / D) * D;
+    float A = 0.0f;
+    if (j < ns) {
+        const float* op = o_part + row * D + d;
+        const i64 step = rows * D;
+        int s = j;
+        for (; s + 3 * ns < S; s += 4 * ns) {
+            const float o0 = op[(i64)s * step], o1 = op[(i64)(s + ns) * step];
+            const float o2 = op[(i64)(s + 2 * ns) * step], o3 = op[(i64)(s + 3 * ns) * step];
+            A = fmaf(w[s], o0, A);
+            A = fmaf(w[s + ns], o1, A);
+            A = fmaf(w[s + 2 * ns], o2, A);
+            A = fmaf(w[s + 3 * ns], o3, A);
         }
-        out[idx] = Ty<DTO>::st(L > 0.0f ? A / L : 0.0f);
-        if (d == 0) lse_out[row] = L > 0.0f ? M + logf(L) : -KVQ_INF;
+        for (; s < S; s += ns) A = fmaf(w[s], op[(i64)s * step], A);
+        red[tid] = A;
+    }
+    __syncthreads();
+    if (tid < D) {
+        A = red[tid];
+        for (int i = 1; i < ns; ++i) A += red[i * D + tid];
+        out[row * D + tid] = Ty<DTO>::st(L > 0.0f ? A / L : 0.0f);
+        if (tid == 0) lse_out[row] = L > 0.0f ? M + logf(L) : -KVQ_INF;
     }
 }

@@ -67,10 +67,14 @@ def _kv_operand(t: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _split_kernel(dt: int, D: int, QT: int, nw: int):
-    """attn_split for these template values; asks for the largest shared-memory carveout, so that
-    six blocks of ~37 KiB static shared memory fit on an SM (one wave for B=32, H_kv=8, 4K keys)."""
-    fn = L.kernel(_SRC, f"attn_split<{dt}, {D}, {QT}, {nw}>")
+def _split_kernel(dt: int, D: int, QT: int, nw: int, qdt: int | None = None, precise: bool = False):
+    """attn_split for these template values; with ``qdt`` (the queries' dtype code, when it is not the
+    keys'): attention.cu's PRECISE = ``precise`` (double accumulators, natural units; else float
+    accumulators in base 2). Asks for the largest shared-memory carveout, so that six blocks of ~37 KiB
+    static shared memory fit on an SM (one wave for B=32, H_kv=8, 4K keys)."""
+    name = (f"attn_split<{dt}, {D}, {QT}, {nw}>" if qdt is None
+            else f"attn_split<{dt}, {D}, {QT}, {nw}, {int(precise)}, {qdt}>")
+    fn = L.kernel(_SRC, name)
     try:
         fn.preferred_shared_memory_carveout = 100
     except (AttributeError, RuntimeError):              # older CuPy: the driver's choice stays
@@ -79,10 +83,16 @@ def _split_kernel(dt: int, D: int, QT: int, nw: int):
 
 
 def _merge_launch(o_part, lse_part, out, lse, rows: int, S: int, D: int) -> None:
-    """o_part (S, rows, D) fp32, lse_part (S, rows) fp32 -> out (rows, D) in out's dtype, lse (rows,)."""
+    """o_part (S, rows, D) fp32, lse_part (S, rows) fp32 -> out (rows, D) in out's dtype, lse (rows,):
+    one block of 256 threads per row (attention.cu attn_merge)."""
+    if rows > 2 ** 31 - 1:
+        raise ValueError(f"{rows} query rows exceed the merge kernel's grid (2^31 - 1 blocks)")
+    smem = (S + _MERGE_THREADS + 64) * 4
+    if smem > 48 * 1024:
+        raise ValueError(f"{S} partials exceed the merge kernel's shared memory (48 KiB)")
     fn = L.kernel(_SRC, f"attn_merge<{L.DT[out.dtype]}>")
-    L.run(fn, (L.grid_1d(rows * D, _MERGE_THREADS),), (_MERGE_THREADS,),
-          (o_part, lse_part, out, lse, np.int64(rows), np.int32(D), np.int32(S)), out.device)
+    L.run(fn, (rows,), (_MERGE_THREADS,), (o_part, lse_part, out, lse, np.int64(rows), np.int32(D), np.int32(S)),
+          out.device, shared_mem=smem)
 
 
 # ----------------------------------------------------------------------------------------------------

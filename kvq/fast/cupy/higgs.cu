@@ -7,66 +7,13 @@
 // rms = sqrt_rn(div_rn(ss, g)); z = div_rn(fwht(x), scale_s) (0 where scale_s == 0); the nearest grid
 // point accumulates (v_k - c_jk)^2 over k in order and keeps the first minimum (strict <).
 // Every operation that feeds a stored bit is a PTX instruction without .ftz (common.cuh ieee_*, and
-// ieee_sqrt / ieee_lt below), never contracted into FMA, so results do not depend on -ftz / --fmad.
+// ieee_sqrt / ieee_lt of higgs.cuh), never contracted into FMA, so results do not depend on -ftz / --fmad.
 // Template codes: DT / DTO = 0 fp16, 1 bf16, 2 fp32 (common.cuh); IB = index bits 8 / 16 / 32.
 //
 // Work layout: a block of NT threads holds a TILE of fp32 values in shared memory: whole rows (fwht)
 // or R = min(MAXR, TILE / G) whole token groups (HIGGS), so every stage is a pass over the tile
 // between two __syncthreads.
-#include "common.cuh"
-
-constexpr int NT = 256;           // threads per block (every kernel here)
-constexpr int TILE = 8192;        // fp32 values per block in shared memory (32 KiB): rows / groups <= TILE
-constexpr int MAXR = 256;         // HIGGS token groups per block at most (their scales sit in shared memory)
-
-__device__ __forceinline__ float ieee_sqrt(float a) {
-    float r;
-    asm("sqrt.rn.f32 %0, %1;" : "=f"(r) : "f"(a));
-    return r;
-}
-
-// a < b as IEEE compares (false when either is NaN), subnormals kept (no .ftz).
-__device__ __forceinline__ bool ieee_lt(float a, float b) {
-    unsigned r;
-    asm("{\n\t.reg .pred p;\n\tsetp.lt.f32 p, %1, %2;\n\tselp.u32 %0, 1, 0, p;\n\t}" : "=r"(r) : "f"(a), "f"(b));
-    return r != 0u;
-}
-
-template <int IB> struct Idx;
-template <> struct Idx<8> { typedef u8 T; };
-template <> struct Idx<16> { typedef u16 T; };
-template <> struct Idx<32> { typedef u32 T; };
-
-// Butterfly stages s = 0 .. log2N - 1 on the E values of buf (rows of N = 2^log2N, E a multiple of N):
-// stage stride h = 2^s; pair p -> i = (p / h) * 2h + p % h (blocks of 2h never straddle a row).
-__device__ __forceinline__ void butterflies(float* buf, int E, int log2N) {
-    for (int s = 0; s < log2N; ++s) {
-        const int h = 1 << s;
-        for (int p = threadIdx.x; p < (E >> 1); p += NT) {
-            const int i = ((p >> s) << (s + 1)) | (p & (h - 1));
-            const float a = buf[i];
-            const float b = buf[i + h];
-            buf[i] = ieee_add(a, b);
-            buf[i + h] = ieee_sub(a, b);
-        }
-        __syncthreads();
-    }
-}
-
-// Halving tree over R rows of G = 2^log2G values of buf: a[i] = a[i] + a[i + h] for h = G/2, ..., 1;
-// row r's sum ends in buf[r * G].
-__device__ __forceinline__ void halving_tree(float* buf, int R, int log2G) {
-    for (int l = log2G - 1; l >= 0; --l) {
-        const int h = 1 << l;
-        for (int p = threadIdx.x; p < R * h; p += NT) {
-            const int i = ((p >> l) << log2G) | (p & (h - 1));
-            buf[i] = ieee_add(buf[i], buf[i + h]);
-        }
-        __syncthreads();
-    }
-}
-
-__device__ __forceinline__ int rows_per_block(int log2G) { return kvq_min(MAXR, TILE >> log2G); }
+#include "higgs.cuh"
 
 // Row FWHT: block b takes the TILE values [b * TILE, b * TILE + TILE) of x, i.e. TILE / N whole rows of
 // N = 2^log2N values (the last block is partial; zeros fill the tile and are not stored).
@@ -239,32 +186,6 @@ __global__ void __launch_bounds__(NT) higgs_dequant(const typename Idx<IB>::T* _
                                                     typename Ty<DTO>::S* __restrict__ out, i64 NGR, i64 F, i64 NG,
                                                     float FS, int N, int log2G, int log2D, int meta_half) {
     __shared__ float buf[TILE];
-    const int G = 1 << log2G;
-    const int R = rows_per_block(log2G);
-    const int E = R << log2G;
-    const i64 g0 = (i64)blockIdx.x * R;
-    const int nr = (int)(NGR - g0 < R ? NGR - g0 : R);
-    for (int e = threadIdx.x; e < E; e += NT) {
-        const int r = e >> log2G;
-        float y = 0.0f;
-        if (r < nr) {
-            u32 j = (u32)idx[(g0 << (log2G - log2D)) + (e >> log2D)];
-            j = j < (u32)N ? j : (u32)(N - 1);
-            const float c = __ldg(grid + (((i64)j) << log2D) + (e & ((1 << log2D) - 1)));
-            const float s = meta_half ? f16_to_f32(static_cast<const u16*>(scale)[g0 + r])
-                                      : static_cast<const float*>(scale)[g0 + r];
-            y = ieee_mul(c, s);
-        }
-        buf[e] = y;
-    }
-    __syncthreads();
-    butterflies(buf, E, log2G);
-    for (int e = threadIdx.x; e < E; e += NT) {
-        const int r = e >> log2G;
-        if (r >= nr) continue;
-        const i64 gi = g0 + r;
-        const i64 row = gi / NG;
-        const i64 col = (gi - row * NG) * G + (e & (G - 1));
-        if (col < F) out[row * F + col] = Ty<DTO>::st(ieee_mul(buf[e], FS));
-    }
+    higgs_decode_groups<IB>(idx, scale, grid, buf, NGR, F, NG, FS, N, log2G, log2D, meta_half,
+                            [&](i64 o, i64, float x) { out[o] = Ty<DTO>::st(x); });
 }

@@ -7,6 +7,7 @@ largest mean magnitude (eq. 2) at 4 bits, stored as a dense 2-bit ``low`` plane,
     from kvq.fast.cupy import kitty
     cfg = kitty.CONFIGS["Kitty"]
     st = kitty.init(cfg, 8, 8, 128); kitty.append(cfg, st, k, v); out, lse = kitty.decode_attention(cfg, st, q)
+    mse = kitty.channel_sensitivity(q, k)     # Fig. 2b: (H_q, D) score MSE per INT2 channel (float64)
 
 Bit-exactness: every state tensor equals the reference's after the same appends, except where a
 page's channel ranking has a near-tie: the scores are an order-dependent fp32 sum (contract rule 7),
@@ -19,12 +20,13 @@ from __future__ import annotations
 import torch
 
 from kvq.fast import _codecs as K
+from kvq.fast import _sensitivity as S
 from kvq.reference.kitty import CONFIGS, KittyConfig  # noqa: F401  (the reference's objects)
 
 from . import paged
 
 __all__ = ["KittyConfig", "CONFIGS", "init", "append", "dequantize", "decode_attention",
-           "channel_scores", "select_boost", "encode_page", "dequantize_page"]
+           "channel_scores", "select_boost", "encode_page", "dequantize_page", "channel_sensitivity"]
 
 
 def channel_scores(kpage):
@@ -103,3 +105,18 @@ def decode_attention(cfg: KittyConfig, state: paged.PagedState, q, *, scale=None
     float32; float64 q is refused.
     """
     return paged.decode_attention(cfg, KeyCodec, state, q, scale=scale)
+
+
+def channel_sensitivity(q, k, *, bits: int = 2, group_size=None, causal: bool = True, scale=None):
+    """Mirrors `kvq.reference.kitty.channel_sensitivity`: Fig. 2b, the (H_q, D) attention-score MSE per INT2 channel.
+
+    Row h is query head h (GQA: head h reads kv head ``h // (H_q // H_kv)``). The keys with every channel
+    quantized come from the bit-exact CuPy quantize / dequantize kernels (bit-identical to the
+    reference's); the shape rules and their messages are the reference's.
+    Differences: q and k are torch tensors on a CUDA device; the result is a torch.float64 tensor on k's
+    device. Scores and means are order-dependent (contract rule 7, the tolerance rule): each channel's
+    perturbation is applied to one shared score matrix as a rank-1 change of the logits, in float64
+    (``kvq.fast._sensitivity``). NaN / inf in q or k raise only while ``kvq.fast.validation`` is on
+    (otherwise they propagate into the result).
+    """
+    return S.channel_sensitivity(paged.OPS, q, k, bits=bits, group_size=group_size, causal=causal, scale=scale)

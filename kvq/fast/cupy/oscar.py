@@ -3,8 +3,10 @@
 The CuPy twin of ``kvq.fast.triton.oscar``: the same state (``OSCARTensorState``) and the same routing
 (sink, window ring, pages allocated page-major then batch), written once in ``kvq.fast._oscar``, run
 with the raw CUDA kernels of this backend: the fixed-order rotation ``kvq.fast.cupy.rotate`` (the reference's operations in its order,
-so the same bits), the fused clip + quantize + pack of ``kvq.fast.cupy.oscar_quant``, the history read
-back by ``packing.unpack_dequantize`` and attended by ``attention.decode_attention``.
+so the same bits), the fused clip + quantize + pack of ``kvq.fast.cupy.oscar_quant``, and decode by the
+tensor-core kernel of ``kvq.fast.cupy.oscar_decode`` over the packed pages (2-bit codes, G = D = 128,
+fp16 / bf16 q; otherwise the history is read back by ``packing.unpack_dequantize`` and attended by
+``attention.decode_attention``).
 
     from kvq.fast.cupy import oscar
     cfg = oscar.CONFIGS["OSCAR"]; st = oscar.init(cfg, batch=1, kv_heads=8, head_dim=128)
@@ -19,6 +21,7 @@ from kvq.reference.oscar import (CLIP_GRID, CONFIGS, DEFAULT_CLIP_K, DEFAULT_CLI
                                  OSCARCalibration, OSCARConfig)              # (the reference's objects)
 
 from . import attention as A
+from . import oscar_decode as OD
 from . import oscar_quant as OQ
 from . import packing as P
 from .rotate import rotate
@@ -27,8 +30,20 @@ __all__ = ["DEFAULT_CLIP_K", "DEFAULT_CLIP_V", "CLIP_GRID", "OSCARCalibration", 
            "quantize_tokens", "OSCARConfig", "CONFIGS", "OSCARTensorState", "counts", "init", "append",
            "dequantize", "decode_attention"]
 
+
+
+def fused_decode(cfg, st, q_rot, *, scale=None, precise: bool = True):
+    """The decode of ``kvq.fast._oscar.decode_attention`` (``OscarOps.fused_decode``): ``(out, lse)`` fp32 in
+    the rotated frame. The tensor-core kernel where it applies (``oscar_decode.supported``) and q is
+    half precision (``precise=False``); else the history is dequantized and the three segments attended
+    in fp32 (the precise path for float32 q: double accumulators)."""
+    if not precise and OD.supported(cfg, st, q_rot):
+        return OD.decode(cfg, st, q_rot, scale=scale)
+    return A.decode_attention(q_rot, _O.segments(OPS, cfg, st), scale=scale)
+
+
 #: this backend's kernels for the shared OSCAR cache code (``kvq.fast._oscar``)
-OPS = _O.OscarOps("cupy", rotate, OQ, P, A, lambda: False)
+OPS = _O.OscarOps("cupy", rotate, OQ, P, A, lambda: False, fused_decode=fused_decode)
 
 
 def quantize_tokens(x_rot, clip: float, group_size: int, bits: int = 2, meta_dtype="float16"):
@@ -77,15 +92,18 @@ def decode_attention(cfg: OSCARConfig, calib: OSCARCalibration, state: OSCARTens
                      rotate_back: bool = True):
     """Mirrors `kvq.reference.oscar.decode_attention`: ``(out, lse)`` of q (B, H_q, T_q, D) over the cache.
 
-    q is rotated by R_K (the fixed-order kernel; query head h uses the R_K of KV head h // (H_q / H_kv)),
-    the INT2 history is unpacked and dequantized into fp32 (bit-exact, ``packing.unpack_dequantize``),
-    and the sink, history and recent segments are attended in fp32 by the flash-decoding kernel of
-    ``kvq.fast.cupy.attention.decode_attention`` (one log-sum-exp merge); the output is rotated back by
-    R_V^T unless ``rotate_back=False``.
+    q is rotated by R_K (the fixed-order kernel; query head h uses the R_K of KV head h // (H_q / H_kv)).
+    fp16 / bf16 q over a 2-bit cache with one group per token (G = D = 128), pages of 128 tokens, fp16
+    metadata and at most 8 query rows per KV head: the tensor-core kernel ``oscar_decode_mma`` reads the
+    packed pages (codes exact in fp16, the rotated query as fp16 hi + lo, scale and min per token in
+    fp32), the FP16 sink and window go through ``attention.cu``'s split kernel beside it, one
+    log-sum-exp merge. Otherwise (and for float32 q, the precise path) the history is unpacked and
+    dequantized into fp32 (bit-exact, ``packing.unpack_dequantize``) and the three segments are attended
+    in fp32 by ``kvq.fast.cupy.attention.decode_attention``. The output is rotated back by R_V^T unless
+    ``rotate_back=False``.
     Differences: torch CUDA tensors; q float16 / bfloat16 / float32 (float64 is refused: the reference
     computes the float64 truth); out comes back in q's dtype (fp32 inside; the reference returns
     float32), lse float32; attention is an order-dependent reduction (tolerance rule, contract rule 7);
-    D must be one of the CuPy attention kernel's fp32 head dims (16, 32, 64, 128). No fused INT2 decode
-    kernel yet: the history is materialized in fp32 per call.
+    D must be one of the CuPy attention kernel's fp32 head dims (16, 32, 64, 128).
     """
     return _O.decode_attention(OPS, cfg, calib, state, q, scale=scale, rotate_back=rotate_back)

@@ -15,28 +15,13 @@
 // Template codes: D head dim (64 or 128), KB key bits (2/4/8; Kitty: 2 with a high plane), VB value
 // bits, QT query rows per block (4 or 8). The fused kernel takes G = 128 and fp16 metadata; the
 // Python side (paged.py) falls back otherwise.
-#include "common.cuh"
+#include "mma.cuh"
 
 #define KVQ_G 128
+#define GATHER_TOK 8                               // tokens per paged_gather_tail block
+#define GATHER_MAXD 256                            // head dims it takes
 
 // ---- helpers -------------------------------------------------------------------------------------
-
-__device__ __forceinline__ u32 p_smem_addr(const void* p) {
-    u64 a;
-    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
-    return (u32)a;
-}
-
-__device__ __forceinline__ void p_cp_async16(void* dst_smem, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(p_smem_addr(dst_smem)), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void p_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void p_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 
 // fma without .ftz: x * s + m rounded once (bit-exact dequantization when x * s is exact)
 __device__ __forceinline__ float fma_rn(float x, float s, float m) {
@@ -68,8 +53,6 @@ __device__ __forceinline__ void four_codes(u32 w, float* c) {
     c[3] = field_f32<BITS, 3 * BITS>(w);
 }
 
-__device__ __forceinline__ int kvq_max_i(int a, int b) { return a > b ? a : b; }
-
 // 4*BITS bits (1, 2 or 4 bytes) at p (aligned to their size), zero-extended.
 template <int BITS>
 __device__ __forceinline__ u32 load_quad(const u8* p) {
@@ -100,12 +83,6 @@ struct PageBuf {
     __device__ static int bytes(int ngv, int db) { return kh(ngv) + (KITTY ? db * GB : 0); }
     static_assert(D % 16 == 0 && GB % 16 == 0 && (G * VBY) % 16 == 0, "regions must be 16-byte multiples");
 };
-
-// Copy nbytes (a multiple of 16) from global src (16-byte aligned) to shared dst, the warp's lanes
-// taking 16-byte chunks in turn.
-__device__ __forceinline__ void warp_copy(u8* dst, const u8* src, int nbytes, int lane) {
-    for (int i = lane * 16; i < nbytes; i += 32 * 16) p_cp_async16(dst + i, src + i);
-}
 
 // Stage page j of sequence b, kv head hk (key page k_table[b, j], value page v_table[b, j]) into the
 // warp's page buffer `buf` (PageBuf layout) with 16-byte cp.async copies; the caller commits / waits.
@@ -393,123 +370,96 @@ __global__ void __launch_bounds__(128, 2)
                          (i64)(split), o_part, lse_part);
 }
 
-// ---- tensor-core fused decode kernel (fp16 q, D = 128, 2-bit keys and values, one value group per token)
+// ---- tensor-core fused decode kernel (paged_decode_mma2: fp16 q, D = 128, 2-bit keys and values, one
+// value group per token) ------------------------------------------------------------------------------
 
-// (lo, hi) -> one half2 register, lo in bits 0-15 (the element order of the mma fragments)
-__device__ __forceinline__ u32 f2_to_h2(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
+// Both products put the cache on the MMA's M side and the (at most 8) query rows on N = 8, so no MMA
+// row is padding: S^T (tokens x rows) = codes_K (tokens x channels) . (q * scale_k)^T and
+// O^T (channels x rows) = codes_V (channels x tokens) . (p * scale_v)^T (with the query rows on M,
+// as in FlashAttention, 8 of 16 rows would be padding: twice the mma and the accumulators).
 
-__device__ __forceinline__ void h2_to_f2(u32 h, float& lo, float& hi) {
-    asm("{.reg .f16 a, b;\n mov.b32 {a, b}, %2;\n cvt.f32.f16 %0, a;\n cvt.f32.f16 %1, b;}"
-        : "=f"(lo), "=f"(hi) : "r"(h));
-}
-
-// x0, x1 as hi = fp16(x) and lo = fp16((x - hi) * 2^11): x = hi + 2^-11 lo to about 22 bits
-__device__ __forceinline__ void split2(float x0, float x1, u32& hi, u32& lo) {
-    hi = f2_to_h2(x0, x1);
-    float h0, h1;
-    h2_to_f2(hi, h0, h1);
-    lo = f2_to_h2((x0 - h0) * 2048.0f, (x1 - h1) * 2048.0f);
-}
-
-// d += a b: mma.sync m16n8k16, f16 inputs, f32 accumulators (a: 4 registers, b: 2)
-__device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// byte BB of w0 to byte 0 and byte BB of w1 to byte 2 (bytes 1 and 3: don't care)
-template <int BB>
-__device__ __forceinline__ u32 byte_pair(u32 w0, u32 w1) {
-    return __byte_perm(w0, w1, BB | (BB << 4) | ((4 + BB) << 8) | ((4 + BB) << 12));
-}
-
-// the 2-bit fields I of bytes 0 and 2 of x as a half2 of exact codes, two per 32-bit operation and
-// without shifts: the field stays at bit 2I of each half, one lop3 masks it and ORs 0x6400 in (the
-// half is then 1024 + code * 4^I, exact), one fma.f16x2 by 4^-I with addend -1024 * 4^-I leaves the
-// code (exact: powers of two).
-template <int I>
-__device__ __forceinline__ u32 codes_h2(u32 x) {
-    constexpr u32 M = 0x00030003u << (2 * I);
-    constexpr u32 SCALE = I == 0 ? 0x3C003C00u : I == 1 ? 0x34003400u : I == 2 ? 0x2C002C00u : 0x24002400u;
-    constexpr u32 BIAS = I == 0 ? 0xE400E400u : I == 1 ? 0xDC00DC00u : I == 2 ? 0xD400D400u : 0xCC00CC00u;
-    u32 h, r;
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(h) : "r"(x), "n"(M), "n"(0x64006400u));      // (x & M) | magic
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(h), "r"(SCALE), "r"(BIAS));
-    return r;
-}
-
-// 2^x (approximate, flush-to-zero: probabilities of the online softmax, rule 7)
-__device__ __forceinline__ float ex2(float x) {
-    float r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-    return r;
-}
-
-// 16 mma of one k-step: n-tile 4 BB + I takes fields I of byte BB of the word pairs (w0, w1), (w2, w3)
-__device__ __forceinline__ void mma_ktile(float (*c)[4], const u32* a, u32 w0, u32 w1, u32 w2, u32 w3) {
-#define KVQ_MMA_BYTE(BB)                                                                  \
-    {                                                                                     \
-        const u32 xa = byte_pair<BB>(w0, w1), xb = byte_pair<BB>(w2, w3);                 \
-        mma16816(c[4 * BB + 0], a, codes_h2<0>(xa), codes_h2<0>(xb));                     \
-        mma16816(c[4 * BB + 1], a, codes_h2<1>(xa), codes_h2<1>(xb));                     \
-        mma16816(c[4 * BB + 2], a, codes_h2<2>(xa), codes_h2<2>(xb));                     \
-        mma16816(c[4 * BB + 3], a, codes_h2<3>(xa), codes_h2<3>(xb));                     \
-    }
-    KVQ_MMA_BYTE(0)
-    KVQ_MMA_BYTE(1)
-    KVQ_MMA_BYTE(2)
-    KVQ_MMA_BYTE(3)
-#undef KVQ_MMA_BYTE
-}
-
-// Computes: the partials of paged_decode (same arguments, same output layout) for up to QT = 8 query
-//   rows per kv head, with both products on the tensor cores (mma.sync m16n8k16, fp16 in, fp32 out):
-//   s = (q * scale_k) . codes + q . mn_k  and  o = (p * scale_v) . codes + p . mn_v. Codes are exact in
-//   fp16 (the 0x6400 magic, two per 32-bit operation, no shared-memory transpose); the fp32 factors
-//   q * scale_k (normalized by max|q| max|scale_k| per page) and p * scale_v are split as hi + 2^-11 lo:
-//   hi in MMA rows 0-7 and lo in rows 8-15 of the same tile (rows g and g + 8 of an mma fragment live
-//   in the same thread), so one mma computes both.
-// Fragment orders (the page's tokens and the value channels are visited in a fixed permuted order;
-//   the softmax and the final store undo nothing else): thread (g = lane / 4, t = lane % 4).
-//   QK: k-step kk covers channels 16 kk + 0..15; n-tile jj (0..15), column n <-> token 16 n + jj:
-//     thread g reads word g (tokens 16 g .. 16 g + 15) of the key rows of channels 16 kk + 2t, 2t+1,
-//     2t+8, 2t+9 and pairs two channels' bytes with one byte_perm (the B fragment).
-//   PV: the score fragment is the A fragment (k-step kk <- QK n-tiles 2kk, 2kk+1): columns 2t, 2t+1,
-//     2t+8, 2t+9 <-> tokens 32t + 2kk, 32t + 16 + 2kk, 32t + 2kk + 1, 32t + 17 + 2kk; n-tile jn (0..15),
-//     column n <-> channel 16 n + jn: thread g reads word g of the value rows of those four tokens.
-//   Kitty: the low plane takes the 8 k-steps above; the compact high plane adds db / 16 k-steps with
-//   A = 4 q * scale_k of the boosted channels (Algorithm 1: code = low + 4 high).
-// Grid, block, page staging (cp.async, double buffer per warp) and the warp combine as paged_decode.
-// Dynamic shared memory: QT*D*4 (queries) + NW * 2 * PageBuf::bytes.
-#define KVQ_MMA_MAXW 4                             // warps per block at most (5 would cap registers at 168: spills)
+// Copy the key half (K slot: codes, scale, mn, Kitty idx and high plane) or the value half (V slot:
+// codes, scale, mn) of page j of sequence b, kv head hk, into the warp's slot (cp.async, 16 bytes).
 template <int KITTY>
-__global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, 2)
-    paged_decode_mma(const void* __restrict__ q, int q_dt, i64 sq_b, i64 sq_h, i64 sq_t,
-                     const u8* __restrict__ kc, const u8* __restrict__ kh, const u8* __restrict__ ki,
-                     const u16* __restrict__ ks, const u16* __restrict__ km, const u8* __restrict__ vc,
-                     const u16* __restrict__ vs, const u16* __restrict__ vm, const int* __restrict__ k_table,
-                     const int* __restrict__ v_table, int n_tab, float* __restrict__ o_part,
-                     float* __restrict__ lse_part, int B, int Hq, int Hkv, int Tq, int NF, int NP, int pps,
-                     int num_splits, int db, int ngv, float qk_scale) {
-    constexpr int D = 128, KB = 2, VB = 2, QT = 8;
-    typedef PageBuf<D, KB, VB, KITTY != 0> PB;
-    constexpr int G = KVQ_G;
-    constexpr int GB = PB::GB;
-    constexpr int VBY = PB::VBY;
-    static_assert(GB == 32 && VBY == 32, "one 32-bit word per thread and row");
+__device__ __forceinline__ void stage_k2(u8* buf, int j, int b, int hk, int Hkv, int n_tab,
+                                         const int* __restrict__ k_table, const u8* __restrict__ kc,
+                                         const u8* __restrict__ kh, const u8* __restrict__ ki,
+                                         const u16* __restrict__ ks, const u16* __restrict__ km, int db,
+                                         int lane) {
+    constexpr int D = 128, GB = 32;
+    const i64 kph = (i64)kvq_max_i(k_table[(i64)b * n_tab + j], 0) * Hkv + hk;
+    warp_copy(buf, kc + kph * (D * GB), D * GB, lane);
+    warp_copy(buf + D * GB, reinterpret_cast<const u8*>(ks + kph * D), D * 2, lane);
+    warp_copy(buf + D * GB + 2 * D, reinterpret_cast<const u8*>(km + kph * D), D * 2, lane);
+    if constexpr (KITTY != 0) {
+        warp_copy(buf + D * GB + 4 * D, ki + kph * D, D, lane);
+        if (db > 0) warp_copy(buf + D * GB + 5 * D, kh + kph * db * GB, db * GB, lane);
+    }
+}
+
+__device__ __forceinline__ void stage_v2(u8* buf, int j, int b, int hk, int Hkv, int n_tab,
+                                         const int* __restrict__ v_table, const u8* __restrict__ vc,
+                                         const u16* __restrict__ vs, const u16* __restrict__ vm, int lane) {
+    constexpr int G = KVQ_G, VBY = 32;
+    const i64 vph = (i64)kvq_max_i(v_table[(i64)b * n_tab + j], 0) * Hkv + hk;
+    warp_copy(buf, vc + vph * (G * VBY), G * VBY, lane);
+    warp_copy(buf + G * VBY, reinterpret_cast<const u8*>(vs + vph * G), G * 2, lane);
+    warp_copy(buf + G * VBY + 2 * G, reinterpret_cast<const u8*>(vm + vph * G), G * 2, lane);
+}
+
+// The B fragment (k = 4 channels, n = row rb) of q * scale * inv for k-step channels c and c + 8 (pairs):
+// NR = 8: hi in b[0..1], lo (2^11 (x - hi)) in b[2..3]; NR = 4: rows g < 4 hi, rows g >= 4 lo of row g - 4.
+template <int NR>
+__device__ __forceinline__ void qk_bfrag(u32* b, float f0, float f1, float f2, float f3, bool lo) {
+    u32 h0, l0, h1, l1;
+    split2(f0, f1, h0, l0);
+    split2(f2, f3, h1, l1);
+    if constexpr (NR == 8) {
+        b[0] = h0, b[1] = h1, b[2] = l0, b[3] = l1;
+    } else {
+        b[0] = lo ? l0 : h0;
+        b[1] = lo ? l1 : h1;
+    }
+}
+
+// Computes: the partials of paged_decode (same arguments, same output layout) for up to NR <= 8 query
+//   rows per kv head, fp16 q, D = 128, 2-bit keys (KIVI, or Kitty's planes) and values, one value group
+//   per token, G = 128, fp16 metadata.
+//   Scores: S^T = codes_K . B, B (channels x rows) = q~ * scale_k 2^-ek (q~ = q / max|q_row|, 2^(ek-1) <=
+//   max|scale_k| < 2^ek) as hi + 2^-11 lo, both fp16: q~ is split once per block, the product by the
+//   exact fp16 two-product (two_prod_h2); NR = 4: hi in columns 0-3, lo in columns 4-7 of one mma;
+//   NR = 8: two mma. The bias q . mn_k is one more mma per k-step (A = mn_k 2^-em, every row alike,
+//   B = q~ hi / lo). s = (S_hi + 2^-11 S_lo) max|q_row| 2^ek + bias (log2 units).
+//   Softmax and P . V: page_softmax_pv (mma.cuh).
+// Fragment orders: m-tile mt of S^T, row g <-> token 16 g + 2 mt, row g + 8 <-> token 16 g + 2 mt + 1
+//   (word g of a key row holds tokens 16 g .. 16 g + 15: byte mt / 2, fields 2 (mt % 2) + {0, 1});
+//   k-step kk <-> channels 16 kk + {2t, 2t+1, 2t+8, 2t+9}. The PV k-step mt takes the tokens of score
+//   m-tile mt (columns 2t, 2t+1, 2t+8, 2t+9 <-> tokens 32t + 2mt, 32t + 16 + 2mt, 32t + 2mt + 1,
+//   32t + 17 + 2mt); m-tile mc of O^T, row g <-> channel 16 g + 2 mc, row g + 8 <-> 16 g + 2 mc + 1.
+//   Kitty: db / 16 extra k-steps with the compact high plane and B = 4 q * scale_k of the boosted channels.
+// Pages: per warp a K slot and a V slot (cp.async): the next page's keys load during this page's softmax
+//   and PV, its values during the next QK. Grid and combine as paged_decode.
+// Dynamic shared memory: QT*D*8 (queries [row][channel]: fp32, fp16 hi, fp16 lo) + NW * (kslot + vslot).
+template <int KITTY, int NR>
+__global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
+    paged_decode_mma2(const void* __restrict__ q, int q_dt, i64 sq_b, i64 sq_h, i64 sq_t,
+                      const u8* __restrict__ kc, const u8* __restrict__ kh, const u8* __restrict__ ki,
+                      const u16* __restrict__ ks, const u16* __restrict__ km, const u8* __restrict__ vc,
+                      const u16* __restrict__ vs, const u16* __restrict__ vm, const int* __restrict__ k_table,
+                      const int* __restrict__ v_table, int n_tab, float* __restrict__ o_part,
+                      float* __restrict__ lse_part, int B, int Hq, int Hkv, int Tq, int NF, int NP, int pps,
+                      int num_splits, int db, int ngv, float qk_scale) {
+    constexpr int D = 128, G = KVQ_G, GB = 32, VBY = 32, QT = 8;
+    constexpr int KS_OFF = D * GB, KM_OFF = KS_OFF + 2 * D, KH_OFF = KM_OFF + 2 * D + (KITTY ? D : 0);
+    constexpr int VS_OFF = G * VBY, VM_OFF = VS_OFF + 2 * G, VSLOT = VM_OFF + 2 * G;
     extern __shared__ u32x4 dsmem4[];
-    __shared__ float s_m[KVQ_MMA_MAXW][QT], s_l[KVQ_MMA_MAXW][QT];
-    __shared__ u8 s_inv[KVQ_MMA_MAXW][KITTY != 0 ? D : 1];                       // Kitty: high-plane row -> channel
+    __shared__ float s_m[KVQ_MMA_MAXW][QT], s_l[KVQ_MMA_MAXW][QT], s_qmax[QT];
+    __shared__ u8 s_inv[KVQ_MMA_MAXW][KITTY != 0 ? D : 1];
     u8* dsmem = reinterpret_cast<u8*>(dsmem4);
-    float* s_q = reinterpret_cast<float*>(dsmem);                     // [D][QT]
-    const int bufb = PB::bytes(1, db);
+    float* s_q = reinterpret_cast<float*>(dsmem);                     // [QT][D] q * qk_scale, fp32
+    u16* s_qh = reinterpret_cast<u16*>(dsmem + QT * D * 4);           // [QT][D] fp16(q~), q~ = q / max|q_row|
+    u16* s_ql = s_qh + QT * D;                                        // [QT][D] fp16(2^11 (q~ - hi))
+    const int kslot_b = KH_OFF + (KITTY ? db * GB : 0);
 
     const int tid = threadIdx.x;
     const int warp = tid >> 5;
@@ -518,216 +468,161 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, 2)
     const int t = lane & 3;
     const int NW = blockDim.x >> 5;
     const int split = (int)(blockIdx.x % (unsigned)num_splits);
-    const int qt = (int)(blockIdx.x / (unsigned)num_splits);
     const int hk = blockIdx.y;
     const int b = blockIdx.z;
     const int Gq = Hq / Hkv;
-    const int NQ = Gq * Tq;
-    const int r0 = qt * QT;
-    const int nq = kvq_min(QT, NQ - r0);
-    load_queries<D, QT>(s_q, q, q_dt, sq_b, sq_h, sq_t, b, hk, Gq, Tq, r0, nq, qk_scale, tid, blockDim.x);
-    u8* bufs = dsmem + QT * D * 4 + warp * 2 * bufb;
+    const int nq = kvq_min(QT, Gq * Tq);
+    mma_load_queries<D>(s_q, s_qh, s_ql, s_qmax, q, q_dt, sq_b, sq_h, sq_t, b, hk, Gq, Tq, nq, qk_scale);
+    u8* kslot = dsmem + QT * D * 8 + warp * (kslot_b + VSLOT);
+    u8* vslot = kslot + kslot_b;
     const int p0 = split * pps;
     const int p1 = kvq_min(p0 + pps, NP);
-    __syncthreads();                               // s_q is ready
 
-    // this thread's query values (row g, channels 16 kk + 2t + {0, 1, 8, 9}) are read from s_q where
-    // used (registers for the page's fragments instead); their range over the row:
-    const float* qg = s_q + g;                     // qg[c * QT] = q of row g, channel c
-    float qmax = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) qmax = fmaxf(qmax, fabsf(qg[(16 * kk + 2 * t + (e & 1) + 8 * (e >> 1)) * QT]));
-    qmax = fmaxf(qmax, __shfl_xor_sync(KVQ_FULL_MASK, qmax, 1));
-    qmax = fmaxf(qmax, __shfl_xor_sync(KVQ_FULL_MASK, qmax, 2));
+    const int rb = NR == 4 ? (g & 3) : g;          // the query row of this thread's B columns
+    const bool blo = NR == 4 && g >= 4;            // NR = 4: columns 4-7 hold the lo halves
+    const float* qrow = s_q + rb * D;
+    const u16* qhr = s_qh + rb * D;
+    const u16* qlr = s_ql + rb * D;
+    const float qmax_b = s_qmax[rb];
+    const bool tl = t < 2;
+    // the query rows of this thread's scores: NR = 8: 2t, 2t + 1 (its columns); NR = 4: rows 2 (t % 2) +
+    // {0, 1}, of the page's tokens 16 g + 2 mt (t < 2) or 16 g + 2 mt + 1 (t >= 2)
+    const int r0 = NR == 4 ? 2 * (t & 1) : 2 * t;
+    const float qmax0 = s_qmax[r0], qmax1 = s_qmax[r0 + 1];
 
-    float m = -KVQ_INF, l = 0.0f, bsum = 0.0f;
-    float acc[16][4];
+    float m0 = -KVQ_INF, m1 = -KVQ_INF, l0 = 0.0f, l1 = 0.0f, bs0 = 0.0f, bs1 = 0.0f;
+    float O[8][4];
 #pragma unroll
-    for (int jn = 0; jn < 16; ++jn)
+    for (int i = 0; i < 8; ++i)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[jn][e] = 0.0f;
+        for (int e = 0; e < 4; ++e) O[i][e] = 0.0f;
 
     int j = p0 + warp;
-    if (j < p1) stage_page<D, KB, VB, KITTY>(bufs, j, b, hk, Hkv, n_tab, k_table, v_table, kc, kh, ki, ks, km, vc,
-                                             vs, vm, 1, db, lane);
+    if (j < p1) stage_k2<KITTY>(kslot, j, b, hk, Hkv, n_tab, k_table, kc, kh, ki, ks, km, db, lane);
     p_commit();
-    int cur = 0;
+    if (j < p1) stage_v2(vslot, j, b, hk, Hkv, n_tab, v_table, vc, vs, vm, lane);
+    p_commit();
     for (; j < p1; j += NW) {                      // uniform across the warp
-        if (j + NW < p1)
-            stage_page<D, KB, VB, KITTY>(bufs + (cur ^ 1) * bufb, j + NW, b, hk, Hkv, n_tab, k_table, v_table, kc,
-                                         kh, ki, ks, km, vc, vs, vm, 1, db, lane);
-        p_commit();
-        p_wait<1>();
+        p_wait<1>();                               // the keys of page j
         __syncwarp();
-        const u8* buf = bufs + cur * bufb;
         const int nvalid = kvq_min(G, NF - j * G);
-        const u16* kss = reinterpret_cast<const u16*>(buf + PB::KS);
-        const u16* kms = reinterpret_cast<const u16*>(buf + PB::KM);
+        const u16* kss = reinterpret_cast<const u16*>(kslot + KS_OFF);
+        const u16* kms = reinterpret_cast<const u16*>(kslot + KM_OFF);
+        // the page's scale and min exponents: 2^(e-1) <= max|scale_k| < 2^e, alike for max|mn_k|
+        const int ek = pow2_above(warp_absmax128(kss, lane)), em = pow2_above(warp_absmax128(kms, lane));
+        const u32 fk = h2_pow2(-ek), fm = h2_pow2(-em);
 
-        // ---- the page's key scale range and q . mn (log2 units)
-        // channels 2t, 2t+1 (and 2t+8, 2t+9) are adjacent: one 32-bit load per pair; max |scale| on the
-        // fp16 bits (|x| = bits & 0x7fff orders like the values), two at a time
-        u32 kmax2 = 0u;
-        float bias = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < 8; ++kk)
-#pragma unroll
-            for (int e = 0; e < 4; e += 2) {
-                const int c = 16 * kk + 2 * t + 8 * (e >> 1);
-                kmax2 = __vmaxu2(kmax2, *reinterpret_cast<const u32*>(kss + c) & 0x7fff7fffu);
-                const u32 mm = *reinterpret_cast<const u32*>(kms + c);
-                bias = fmaf(qg[c * QT], f16_to_f32((u16)(mm & 0xffffu)), bias);
-                bias = fmaf(qg[(c + 1) * QT], f16_to_f32((u16)(mm >> 16)), bias);
-            }
-        float kmax = f16_to_f32((u16)kvq_max_i((int)(kmax2 & 0xffffu), (int)(kmax2 >> 16)));
-#pragma unroll
-        for (int off = 1; off <= 2; off <<= 1) {
-            kmax = fmaxf(kmax, __shfl_xor_sync(KVQ_FULL_MASK, kmax, off));
-            bias += __shfl_xor_sync(KVQ_FULL_MASK, bias, off);
-        }
-        const float rs = qmax * kmax;
-        const float inv = rs > 0.0f ? 1.0f / rs : 0.0f;
-
-        // ---- scores: 8 k-steps x 16 n-tiles
-        float S[16][4];
-#pragma unroll
-        for (int jj = 0; jj < 16; ++jj)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) S[jj][e] = 0.0f;
+        // ---- B fragments of the 8 k-steps: B = q~ * scale_k 2^-e as hi + 2^-11 lo, by the exact fp16
+        // two-product; and q~ . (mn_k 2^-em) on the tensor cores (one m-tile, every row the same)
+        u32 bq[8][NR == 8 ? 4 : 2];
+        float Sb[4] = {0.0f, 0.0f, 0.0f, 0.0f}, SbL[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int kk = 0; kk < 8; ++kk) {
-            const int c0 = 16 * kk + 2 * t;
-            float f[4];
-#pragma unroll
-            for (int e = 0; e < 4; e += 2) {
-                const int c = c0 + 8 * (e >> 1);
-                const u32 sc2 = *reinterpret_cast<const u32*>(kss + c);
-                f[e] = qg[c * QT] * f16_to_f32((u16)(sc2 & 0xffffu)) * inv;
-                f[e + 1] = qg[(c + 1) * QT] * f16_to_f32((u16)(sc2 >> 16)) * inv;
+            const int c = 16 * kk + 2 * t;
+            const u32 qh0 = *reinterpret_cast<const u32*>(qhr + c), qh1 = *reinterpret_cast<const u32*>(qhr + c + 8);
+            const u32 ql0 = *reinterpret_cast<const u32*>(qlr + c), ql1 = *reinterpret_cast<const u32*>(qlr + c + 8);
+            const u32 s0 = hmul2(*reinterpret_cast<const u32*>(kss + c), fk);
+            const u32 s1 = hmul2(*reinterpret_cast<const u32*>(kss + c + 8), fk);
+            u32 h0, l0, h1, l1;
+            two_prod_h2(qh0, ql0, s0, h0, l0);
+            two_prod_h2(qh1, ql1, s1, h1, l1);
+            const u32 m0 = hmul2(*reinterpret_cast<const u32*>(kms + c), fm);
+            const u32 m1 = hmul2(*reinterpret_cast<const u32*>(kms + c + 8), fm);
+            const u32 am[4] = {m0, m0, m1, m1};
+            if constexpr (NR == 8) {
+                bq[kk][0] = h0, bq[kk][1] = h1, bq[kk][2] = l0, bq[kk][3] = l1;
+                mma16816(Sb, am, qh0, qh1);
+                mma16816(SbL, am, ql0, ql1);
+            } else {
+                bq[kk][0] = blo ? l0 : h0;
+                bq[kk][1] = blo ? l1 : h1;
+                mma16816(Sb, am, blo ? ql0 : qh0, blo ? ql1 : qh1);
             }
-            u32 a[4];
-            split2(f[0], f[1], a[0], a[1]);
-            split2(f[2], f[3], a[2], a[3]);
-            const u8* kw = buf + PB::KC + 4 * g;
-            const u32 w0 = *reinterpret_cast<const u32*>(kw + c0 * GB);
-            const u32 w1 = *reinterpret_cast<const u32*>(kw + (c0 + 1) * GB);
-            const u32 w2 = *reinterpret_cast<const u32*>(kw + (c0 + 8) * GB);
-            const u32 w3 = *reinterpret_cast<const u32*>(kw + (c0 + 9) * GB);
-            mma_ktile(S, a, w0, w1, w2, w3);     // Kitty: the low plane
+        }
+        if constexpr (NR == 4) {                   // columns 4-7 (threads t + 2) hold the lo halves
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float x = __shfl_xor_sync(KVQ_FULL_MASK, Sb[e], 2);
+                SbL[e] = tl ? x : Sb[e];
+                Sb[e] = tl ? Sb[e] : x;
+            }
+        }
+        const float bias0 = fmaf(SbL[0], 1.0f / 2048.0f, Sb[0]) * ldexpf(qmax0, em);
+        const float bias1 = fmaf(SbL[1], 1.0f / 2048.0f, Sb[1]) * ldexpf(qmax1, em);
+        const float inv = qmax_b > 0.0f ? ldexpf(1.0f / qmax_b, -ek) : 0.0f;   // Kitty's high plane (fp32 q)
+
+        // ---- S^T = codes_K . B
+        float S[8][4], SL[NR == 8 ? 8 : 1][4];
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                S[i][e] = 0.0f;
+                if constexpr (NR == 8) SL[i][e] = 0.0f;
+            }
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+            const u8* kw = kslot + 4 * g + (16 * kk + 2 * t) * GB;
+            mma_mtiles<NR == 8 ? 2 : 1>(S, SL, bq[kk], *reinterpret_cast<const u32*>(kw),
+                                        *reinterpret_cast<const u32*>(kw + GB), *reinterpret_cast<const u32*>(kw + 8 * GB),
+                                        *reinterpret_cast<const u32*>(kw + 9 * GB));
         }
         if constexpr (KITTY != 0) {
-            // Algorithm 1 as extra k-steps: code = low + 4 high, so s += sum over boosted channels of
-            // (4 q * scale_k) . high, with the compact high plane (row r <-> the channel c with idx[c] = r)
-            // as the B operand: db / 16 k-steps instead of a high-plane gather in every k-step.
+            // Algorithm 1 as extra k-steps: code = low + 4 high, B = 4 q * scale_k of the boosted channel
+            // of compact row r (idx[c] = r)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int c = lane + 32 * e;
-                const int ix = buf[PB::KI + c];
+                const int ix = kslot[KM_OFF + 2 * D + c];
                 if (ix < db) s_inv[warp][ix] = (u8)c;
             }
             __syncwarp();
-            for (int kh = 0; 16 * kh < db; ++kh) {
+            for (int kb = 0; 16 * kb < db; ++kb) {
                 float f[4];
                 u32 w[4];
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int r = 16 * kh + 2 * t + (e & 1) + 8 * (e >> 1);
+                    const int r = 16 * kb + 2 * t + (e & 1) + 8 * (e >> 1);
                     f[e] = 0.0f;
                     w[e] = 0u;
                     if (r < db) {
                         const int c = s_inv[warp][r];
-                        f[e] = 4.0f * qg[c * QT] * f16_to_f32(kss[c]) * inv;
-                        w[e] = *reinterpret_cast<const u32*>(buf + PB::kh(1) + r * GB + 4 * g);
+                        f[e] = 4.0f * qrow[c] * f16_to_f32(kss[c]) * inv;
+                        w[e] = *reinterpret_cast<const u32*>(kslot + KH_OFF + r * GB + 4 * g);
                     }
                 }
-                u32 a[4];
-                split2(f[0], f[1], a[0], a[1]);
-                split2(f[2], f[3], a[2], a[3]);
-                mma_ktile(S, a, w[0], w[1], w[2], w[3]);
+                u32 bk[NR == 8 ? 4 : 2];
+                qk_bfrag<NR>(bk, f[0], f[1], f[2], f[3], blo);
+                mma_mtiles<NR == 8 ? 2 : 1>(S, SL, bk, w[0], w[1], w[2], w[3]);
             }
             __syncwarp();                          // s_inv is rewritten for the next page
         }
+        __syncwarp();
+        if (j + NW < p1) stage_k2<KITTY>(kslot, j + NW, b, hk, Hkv, n_tab, k_table, kc, kh, ki, ks, km, db, lane);
+        p_commit();
 
-        // ---- online softmax (base 2): S[jj][e] (e = 0, 1) <- p of token 32t + 16e + jj
-        float tmax = -KVQ_INF;
-#pragma unroll
-        for (int jj = 0; jj < 16; ++jj)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const float v = fmaf(S[jj][e + 2], rs * (1.0f / 2048.0f), fmaf(S[jj][e], rs, bias));
-                S[jj][e] = 32 * t + 16 * e + jj < nvalid ? v : -KVQ_INF;
-                tmax = fmaxf(tmax, S[jj][e]);
-            }
-        tmax = fmaxf(tmax, __shfl_xor_sync(KVQ_FULL_MASK, tmax, 1));
-        tmax = fmaxf(tmax, __shfl_xor_sync(KVQ_FULL_MASK, tmax, 2));
-        const float mnew = fmaxf(m, tmax);
-        const float alpha = m == mnew ? 1.0f : ex2(m - mnew);
-        if (__any_sync(KVQ_FULL_MASK, alpha != 1.0f)) {   // rescale only when some row's max moved
-            l *= alpha;
-            bsum *= alpha;
-#pragma unroll
-            for (int jn = 0; jn < 16; ++jn)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc[jn][e] *= alpha;
-        }
-#pragma unroll
-        for (int jj = 0; jj < 16; ++jj)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const float p = ex2(S[jj][e] - mnew);       // -inf -> 0
-                l += p;
-                S[jj][e] = p;
-            }
-        m = mnew;
-
-        // ---- o += (p * scale_v) . codes + p . mn_v: 8 k-steps x 16 n-tiles
-        const u16* vss = reinterpret_cast<const u16*>(buf + PB::VS);
-        const u16* vms = reinterpret_cast<const u16*>(buf + PB::vm(1));
-#pragma unroll
-        for (int kk = 0; kk < 8; ++kk) {
-            const int tk[4] = {32 * t + 2 * kk, 32 * t + 16 + 2 * kk, 32 * t + 2 * kk + 1, 32 * t + 17 + 2 * kk};
-            const float pk[4] = {S[2 * kk][0], S[2 * kk][1], S[2 * kk + 1][0], S[2 * kk + 1][1]};
-            float f[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                f[e] = pk[e] * f16_to_f32(vss[tk[e]]);
-                bsum = fmaf(pk[e], f16_to_f32(vms[tk[e]]), bsum);
-            }
-            u32 a[4];
-            split2(f[0], f[1], a[0], a[1]);
-            split2(f[2], f[3], a[2], a[3]);
-            const u8* vw = buf + PB::VC + 4 * g;
-            mma_ktile(acc, a, *reinterpret_cast<const u32*>(vw + tk[0] * VBY),
-                      *reinterpret_cast<const u32*>(vw + tk[1] * VBY), *reinterpret_cast<const u32*>(vw + tk[2] * VBY),
-                      *reinterpret_cast<const u32*>(vw + tk[3] * VBY));
-        }
-        __syncwarp();                              // the next stage overwrites this buffer
-        cur ^= 1;
+        // ---- scores of row r0 + e: (hi + 2^-11 lo) max|q_row| 2^ek + q . mn_k
+        const float rs0 = ldexpf(qmax0, ek), rs1 = ldexpf(qmax1, ek);
+        page_softmax_pv<NR>(S, SL, [&](int e, float hi, float lo, int, int) {
+            const float rs = (e & 1) ? rs1 : rs0;
+            return fmaf(lo, rs * (1.0f / 2048.0f), fmaf(hi, rs, (e & 1) ? bias1 : bias0));
+        }, nvalid, vslot, lane, m0, m1, l0, l1, bs0, bs1, O);
+        __syncwarp();
+        if (j + NW < p1) stage_v2(vslot, j + NW, b, hk, Hkv, n_tab, v_table, vc, vs, vm, lane);
+        p_commit();
     }
     p_wait<0>();                                   // no copy may be in flight at exit / reuse
+    mma_finish<NR, D>(dsmem + QT * D * 8, &s_m[0][0], &s_l[0][0], m0, m1, l0, l1, bs0, bs1, O, nq, hk, Gq, Tq, B, Hq,
+                      b, split, o_part, lse_part);
+}
 
-#pragma unroll
-    for (int off = 1; off <= 2; off <<= 1) {
-        l += __shfl_xor_sync(KVQ_FULL_MASK, l, off);
-        bsum += __shfl_xor_sync(KVQ_FULL_MASK, bsum, off);
-    }
-    __syncthreads();                               // every warp is done with its buffers
-    float* cacc = reinterpret_cast<float*>(dsmem + QT * D * 4);      // [NW][QT][D], over the warp areas
-    float* row = cacc + (warp * QT + g) * D + 32 * t;
-#pragma unroll
-    for (int jn = 0; jn < 16; ++jn) {              // channel 16 n + jn of columns n = 2t, 2t + 1
-        row[jn] = fmaf(acc[jn][2], 1.0f / 2048.0f, acc[jn][0]) + bsum;
-        row[16 + jn] = fmaf(acc[jn][3], 1.0f / 2048.0f, acc[jn][1]) + bsum;
-    }
-    if (t == 0) {
-        s_m[warp][g] = m;
-        s_l[warp][g] = l;
-    }
-    __syncthreads();
-    combine_warps<QT, D>(&s_m[0][0], &s_l[0][0], cacc, NW, nq, tid, blockDim.x, r0, hk, Gq, Tq, B, Hq, b,
-                         (i64)(split), o_part, lse_part);
+// code * scale[i] + mn[i] as two rounded fp32 operations (the reference's dequantize); scale / mn are
+// fp32 when meta32, else fp16
+__device__ __forceinline__ float dequant_meta(u32 code, const void* __restrict__ scale, const void* __restrict__ mn,
+                                              i64 i, int meta32) {
+    const float sc = meta32 ? reinterpret_cast<const float*>(scale)[i] : f16_to_f32(reinterpret_cast<const u16*>(scale)[i]);
+    const float m = meta32 ? reinterpret_cast<const float*>(mn)[i] : f16_to_f32(reinterpret_cast<const u16*>(mn)[i]);
+    return ieee_add(ieee_mul((float)code, sc), m);
 }
 
 // ---- tail gather kernel --------------------------------------------------------------------------
@@ -738,7 +633,9 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, 2)
 //   Q-buffer row p - KQ; its value is value page v_table[b, p / G] slot p % G when p < VQ, the value
 //   Q-buffer row p - VQ when p < VQ + NVB, else the window ring-buffer slot p % R. Out: (B, H, NT, D).
 //   meta32: scale / mn are fp32 (else fp16). Mirrors kvq.fast.triton.paged._gather_tail_kernel.
-// Grid: 1-D grid-stride over B * H * NT * D elements, one element per thread.
+// Grid: (ceil(NT / GATHER_TOK), H, B), 256 threads: a block takes GATHER_TOK tokens of (b, hk); the keys
+//   are read channel-major (consecutive threads, consecutive tokens of one channel row: the packed
+//   bytes are contiguous) into shared memory, then keys and values are written token-major.
 // Bytes: reads NT rows of K and V (packed bytes + metadata, or fp16) per (b, kv head); writes 2 NT D fp32.
 template <int KITTY>
 __global__ void __launch_bounds__(256)
@@ -751,24 +648,26 @@ __global__ void __launch_bounds__(256)
                       float* __restrict__ ok, float* __restrict__ ov, int B, int H, int D, int S, int NS,
                       int NF, int NT, int KQ, int VQ, int NVB, int R1, int n_tab, int G, int k_bits,
                       int v_bits, int ngv, int db, int meta32) {
-    const i64 total = (i64)B * H * NT * D;
-    for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (i64)gridDim.x * blockDim.x) {
-        const int d = (int)(idx % D);
-        const i64 row = idx / D;                   // (b * H + hk) * NT + u
-        const int u = (int)(row % NT);
-        const i64 bh = row / NT;
-        const int hk = (int)(bh % H);
-        const int b = (int)(bh / H);
-        float kx, vx;
+    __shared__ float s_k[GATHER_TOK][GATHER_MAXD + 1];
+    const int hk = blockIdx.y;
+    const int b = blockIdx.z;
+    const i64 bh = (i64)b * H + hk;
+    const int u0 = blockIdx.x * GATHER_TOK;
+    const int nu = kvq_min(GATHER_TOK, NT - u0);
+    // keys, channel-major (a warp reads one channel row's bytes of consecutive tokens), into s_k
+    for (int i = threadIdx.x; i < GATHER_TOK * D; i += blockDim.x) {
+        const int d = i / GATHER_TOK;
+        const int uu = i - d * GATHER_TOK;
+        if (uu >= nu) continue;
+        const int u = u0 + uu;
+        float kx;
         if (u < NS) {
             kx = f16_to_f32(sink_k[(bh * S + u) * D + d]);
-            vx = f16_to_f32(sink_v[(bh * S + u) * D + d]);
         } else {
             const int pp = NF + u - NS;
-            const int page = pp / G;
-            const int slot = pp - page * G;
-            // key
             if (pp < KQ) {
+                const int page = pp / G;
+                const int slot = pp - page * G;
                 const i64 kph = (i64)k_table[(i64)b * n_tab + page] * H + hk;
                 const int per = 8 / k_bits;
                 const int gb = G * k_bits / 8;
@@ -781,35 +680,42 @@ __global__ void __launch_bounds__(256)
                         code |= ((hb >> ((slot % 4) * 2)) & 3u) << 2;
                     }
                 }
-                const i64 mi = kph * D + d;
-                const float sc = meta32 ? reinterpret_cast<const float*>(ks)[mi]
-                                        : f16_to_f32(reinterpret_cast<const u16*>(ks)[mi]);
-                const float mn = meta32 ? reinterpret_cast<const float*>(km)[mi]
-                                        : f16_to_f32(reinterpret_cast<const u16*>(km)[mi]);
-                kx = ieee_add(ieee_mul((float)code, sc), mn);
+                kx = dequant_meta(code, ks, km, kph * D + d, meta32);
             } else {
                 kx = f16_to_f32(k_buf[(bh * G + (pp - KQ)) * D + d]);
             }
-            // value
+        }
+        s_k[uu][d] = kx;
+    }
+    __syncthreads();
+    // token-major: the keys from s_k, the values from their token rows (coalesced over d)
+    for (int i = threadIdx.x; i < GATHER_TOK * D; i += blockDim.x) {
+        const int uu = i / D;
+        const int d = i - uu * D;
+        if (uu >= nu) continue;
+        const int u = u0 + uu;
+        float vx;
+        if (u < NS) {
+            vx = f16_to_f32(sink_v[(bh * S + u) * D + d]);
+        } else {
+            const int pp = NF + u - NS;
             if (pp < VQ) {
+                const int page = pp / G;
+                const int slot = pp - page * G;
                 const i64 vrow = ((i64)v_table[(i64)b * n_tab + page] * H + hk) * G + slot;
                 const int per = 8 / v_bits;
                 const int vby = D * v_bits / 8;
                 const u32 byte = vc[vrow * vby + d / per];
                 const u32 code = (byte >> ((d % per) * v_bits)) & ((1u << v_bits) - 1u);
-                const i64 mi = vrow * ngv + d / (D / ngv);
-                const float sc = meta32 ? reinterpret_cast<const float*>(vs)[mi]
-                                        : f16_to_f32(reinterpret_cast<const u16*>(vs)[mi]);
-                const float mn = meta32 ? reinterpret_cast<const float*>(vm)[mi]
-                                        : f16_to_f32(reinterpret_cast<const u16*>(vm)[mi]);
-                vx = ieee_add(ieee_mul((float)code, sc), mn);
+                vx = dequant_meta(code, vs, vm, vrow * ngv + d / (D / ngv), meta32);
             } else if (pp < VQ + NVB) {
                 vx = f16_to_f32(v_buf[(bh * G + (pp - VQ)) * D + d]);
             } else {
                 vx = f16_to_f32(v_win[(bh * R1 + pp % R1) * D + d]);
             }
         }
-        ok[idx] = kx;
+        const i64 idx = (bh * NT + u) * D + d;
+        ok[idx] = s_k[uu][d];
         ov[idx] = vx;
     }
 }

@@ -19,7 +19,7 @@ gathered by ``paged_gather_tail`` (bit-exact dequantization) into one fp32 segme
 The fused kernel takes G = 128, D in {64, 128}, fp16 metadata and value groups of a multiple of 4
 channels; other configurations dequantize the cache and run the FP16-baseline kernels in fp32.
 fp16 q with 2-bit keys and values (one value group per token, D = 128, <= 8 query rows per KV head)
-takes the tensor-core kernel ``paged_decode_mma``; float32 q is the precise path: every token is
+takes the tensor-core kernel ``paged_decode_mma2``; float32 q is the precise path: every token is
 gathered into the fp32 segment (double accumulators in ``attn_split``), none goes through a fused kernel.
 """
 
@@ -49,11 +49,15 @@ LOG2E = 1.4426950408889634
 G_FUSED = 128
 _SMEM_LIMIT = 200 * 1024            # dynamic shared memory a block may ask for (H100: 227 KiB)
 _GATHER_THREADS = 256
+GATHER_TOK, GATHER_MAXD = 8, 256   # paged.cu: tail tokens per gather block, head dims it takes
 MMA_MAX_WARPS = 4                   # paged.cu KVQ_MMA_MAXW
 
-#: launch knobs of the fused kernel for tuning runs (None = built-in): warps per block (<= 4),
-#: waves = target blocks per SM over the fused grid; mma: the tensor-core kernel where it applies
-TUNE = {"num_warps": None, "waves": 4, "mma": True}
+#: launch knobs of the fused kernel for tuning runs (None = built-in): warps per block (<= 4);
+#: waves = target blocks per SM over the fused grid (None: the split count that minimizes the
+#: makespan model of ``_n_splits`` at the kernel's occupancy); mma: the tensor-core kernel where it
+#: applies (paged_decode_mma2; False: the CUDA-core kernel paged_decode);
+#: side_stream: the tail (gather + fp32 split kernel) on a second stream beside the fused kernel
+TUNE = {"num_warps": None, "waves": None, "mma": True, "side_stream": True}
 
 
 def _buf_bytes(D: int, k_bits: int, v_bits: int, kitty: bool, ngv: int, db: int) -> int:
@@ -97,19 +101,66 @@ def _allow_smem(fn, smem: int, device_index: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _mma_kernel(kitty: bool, smem: int, device_index: int):
-    """paged_decode_mma, allowed ``smem`` bytes of dynamic shared memory on that device."""
-    return _allow_smem(L.kernel(_SRC, f"paged_decode_mma<{int(kitty)}>"), smem, device_index)
+def _mma_kernel(kitty: bool, nr: int, smem: int, device_index: int):
+    """paged_decode_mma2<kitty, nr> (nr = 4 or 8 query rows), allowed ``smem`` bytes of dynamic shared
+    memory on that device."""
+    return _allow_smem(L.kernel(_SRC, f"paged_decode_mma2<{int(kitty)}, {nr}>"), smem, device_index)
 
 
-def _launch(fn, grid, block, args, device: torch.device, shared_mem: int) -> None:
-    """``_loader.run`` with dynamic shared memory (tensors as device pointers, torch's current stream)."""
+def _mma2_smem(kitty: bool, db: int, nw: int) -> int:
+    """Dynamic shared memory of paged_decode_mma2: the queries (8 x 128: fp32, and fp16 hi and lo) and per
+    warp a key slot (codes, scale, mn; Kitty: idx and high plane) and a value slot (codes, scale, mn)."""
+    D, G = 128, G_FUSED
+    kslot = D * 32 + 4 * D + ((D + db * 32) if kitty else 0)
+    vslot = G * 32 + 4 * G
+    return 8 * D * 8 + nw * (kslot + vslot)
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(device_index: int) -> torch.cuda.Stream:
+    """The second stream of a device on which decode runs the tail beside the fused kernel (forked
+    from and joined back into the caller's stream in every call, so CUDA-graph capture works)."""
+    return torch.cuda.Stream(device=device_index)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_limits(device_index: int) -> tuple:
+    """(registers, shared memory bytes, threads) per SM and the shared memory the driver keeps per block."""
     import cupy
 
-    dev = device.index if device.index is not None else torch.cuda.current_device()
-    with cupy.cuda.Device(dev), L._external_stream(L._raw_stream(dev), dev):
-        cargs = tuple(np.uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else a for a in args)
-        fn(tuple(int(g) for g in grid), tuple(int(b) for b in block), cargs, shared_mem=int(shared_mem))
+    p = cupy.cuda.runtime.getDeviceProperties(device_index)
+    return (int(p["regsPerMultiprocessor"]), int(p["sharedMemPerMultiprocessor"]),
+            int(p["maxThreadsPerMultiProcessor"]), int(p.get("reservedSharedMemPerBlock", 1024)))
+
+
+def blocks_per_sm(fn, threads: int, smem: int, device_index: int) -> int:
+    """Blocks of ``fn`` resident per SM at ``threads`` threads and ``smem`` bytes of dynamic shared
+    memory: the least of the register, shared-memory and thread limits (registers are allocated per
+    warp in units of 256)."""
+    regs, shm, thr, reserved = _device_limits(device_index)
+    per_warp = -(-max(int(fn.num_regs), 1) * 32 // 256) * 256
+    by_regs = regs // (per_warp * (threads // 32))
+    by_smem = shm // (smem + int(fn.shared_size_bytes) + reserved)
+    return max(1, min(by_regs, by_smem, thr // threads, 32))
+
+
+@functools.lru_cache(maxsize=4096)
+def _n_splits(NP: int, n_base: int, nw: int, slots: int) -> tuple:
+    """(splits, pages per split) of NP pages for n_base blocks per split on ``slots`` resident blocks:
+    the split count minimizing the makespan model waves(n_base * s) x (pages per warp + 1) (every page
+    costs the same; a block's prologue, combine and partial write about one page more), among the
+    counts that fill whole waves and never leave a warp without a page; ties go to fewer splits."""
+    cap = max(1, -(-NP // nw))
+    cands = {1, cap} | {max(1, min(cap, k * slots // n_base)) for k in range(1, 9)}
+    best = None
+    for sp in sorted(cands):
+        pps = -(-(-(-NP // sp)) // nw) * nw                # whole pages for every warp of a block
+        sp_real = -(-NP // pps)
+        cost = (-(-(n_base * sp_real) // slots), pps // nw + 1)
+        key = (cost[0] * cost[1], sp_real)
+        if best is None or key < best[0]:
+            best = (key, sp_real, pps)
+    return best[1], best[2]
 
 
 def _aligned(*ts) -> bool:
@@ -132,8 +183,9 @@ def gather_tail(cfg, codec, st: PagedState, NF: int):
     kp = codec.kernel_arrays(cfg, st)
     meta32 = int(kp["scale"].dtype == torch.float32)
     fn = L.kernel(_SRC, f"paged_gather_tail<{int(kp['kitty'])}>")
-    total = B * H * NT * D
-    L.run(fn, (L.grid_1d(total, _GATHER_THREADS),), (_GATHER_THREADS,),
+    if D > GATHER_MAXD:
+        raise ValueError(f"head_dim={D}: the tail gather takes D <= {GATHER_MAXD}")
+    L.run(fn, (-(-NT // GATHER_TOK), H, B), (_GATHER_THREADS,),
           (st.sink_k, st.sink_v, st.k_buf, st.v_buf, st.v_win, kp["codes"], kp["high"], kp["idx"], kp["scale"],
            kp["mn"], st.v_codes, st.v_scale, st.v_mn, st.k_table, st.v_table, ok, ov,
            np.int32(B), np.int32(H), np.int32(D), np.int32(S), np.int32(NS), np.int32(NF), np.int32(NT),
@@ -144,10 +196,9 @@ def gather_tail(cfg, codec, st: PagedState, NF: int):
 
 
 def _plan(D: int, k_bits: int, v_bits: int, kitty: bool, ngv: int, db: int, QT: int, mma: bool = False):
-    """(warps per block, dynamic shared memory bytes) of the fused kernel (``mma``: paged_decode_mma,
-    which keeps no per-warp probability buffer)."""
+    """(warps per block, dynamic shared memory bytes) of the fused kernel (``mma``: paged_decode_mma2)."""
     buf = _buf_bytes(D, k_bits, v_bits, kitty, ngv, db)
-    smem = (lambda nw: QT * D * 4 + nw * 2 * buf) if mma else (lambda nw: _smem_bytes(D, QT, nw, buf))
+    smem = (lambda nw: _mma2_smem(kitty, db, nw)) if mma else (lambda nw: _smem_bytes(D, QT, nw, buf))
     nw = TUNE["num_warps"] or 4
     nw = max(1, min(MMA_MAX_WARPS if mma else 4, nw))
     while nw > 1 and smem(nw) > _SMEM_LIMIT:
@@ -156,7 +207,7 @@ def _plan(D: int, k_bits: int, v_bits: int, kitty: bool, ngv: int, db: int, QT: 
 
 
 def mma_ok(cfg, kp: dict, q, D: int, M: int) -> bool:
-    """Whether decode takes the tensor-core kernel (paged_decode_mma): fp16 q, D = 128, 2-bit key codes
+    """Whether decode takes the tensor-core kernel (paged_decode_mma2): fp16 q, D = 128, 2-bit key codes
     (KIVI-K2 or Kitty's planes) and values, one value group per token, at most 8 query rows per KV head."""
     return (TUNE["mma"] and q.dtype == torch.float16 and D == 128 and kp["bits"] == 2 and cfg.v_bits == 2
             and cfg.v_group(D) == D and M <= 8)
@@ -197,48 +248,64 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     ngv = D // cfg.v_group(D)
     k_bits, kitty, db = kp["bits"], bool(kp["kitty"]), kp["d_boost"]
     mma = mma_ok(cfg, kp, q, D, M)
+    nr = 4 if M <= 4 else 8                           # the tensor-core kernel's query rows
     if mma:
         QT, qtiles = 8, 1
-    # fused splits: about TUNE["waves"] blocks per SM, each warp at least one page
+    # fused splits: by the makespan model at the kernel's occupancy (or about TUNE["waves"] blocks
+    # per SM), each warp at least one page
     n_split = pps = nw = smem = 0
+    fn = None
     if NP:
         nw, smem = _plan(D, k_bits, cfg.v_bits, kitty, ngv, db, QT, mma)
-        want = max(1, -(-int(TUNE["waves"] * sms) // (B * H * qtiles)))
-        pps = -(-NP // min(want, NP))
-        pps = -(-pps // nw) * nw                      # whole pages for every warp of a block
-        n_split = -(-NP // pps)
-    # the rest: sink + tokens [S + NF, T), one fp32 segment gathered by one kernel
-    tail = None
-    if c["n_sink"] + c["post"] - NF > 0:
-        tk, tv = gather_tail(cfg, codec, st, NF)
-        dt32 = L.DT[torch.float32]
-        tnw = L.attn_warps(dt32, D)
-        chunk, nt = A._splits(tk.shape[2], B * H * qtiles, 32 * tnw, sms)
-        tail = (tk, tv, chunk, nt, tnw)
-    S_TOTAL = n_split + (tail[3] if tail else 0)
+        fn = (_mma_kernel(kitty, nr, smem, dev_index) if mma
+              else _decode_kernel(D, k_bits, cfg.v_bits, kitty, QT, smem, dev_index))
+        if TUNE["waves"] is None:
+            slots = blocks_per_sm(fn, 32 * nw, smem, dev_index) * sms
+            n_split, pps = _n_splits(NP, B * H * qtiles, nw, slots)
+        else:
+            want = max(1, -(-int(TUNE["waves"] * sms) // (B * H * qtiles)))
+            pps = -(-NP // min(want, NP))
+            pps = -(-pps // nw) * nw                  # whole pages for every warp of a block
+            n_split = -(-NP // pps)
+    # the rest: sink + tokens [S + NF, T), one fp32 segment gathered by one kernel and attended by
+    # attention.cu's split kernel, on a side stream that runs beside the fused kernel (its blocks are
+    # launched first, so they take SM slots before the fused grid fills them)
+    NT = c["n_sink"] + c["post"] - NF
+    tnw = L.attn_warps(L.DT[torch.float32], D)
+    tqt = 4 if M <= 4 else 8                          # the tail's own query tile (attention.cu's QT)
+    tqtiles = -(-M // tqt)
+    chunk, nt = A._splits(NT, B * H * tqtiles, 32 * tnw, sms) if NT > 0 else (0, 0)
+    S_TOTAL = n_split + nt
     rows = B * H_q * T_q
     o_part = torch.empty((S_TOTAL, rows, D), dtype=torch.float32, device=dev)
     lse_part = torch.empty((S_TOTAL, rows), dtype=torch.float32, device=dev)
+    main = torch.cuda.current_stream(dev)
+    side = _side_stream(dev_index) if nt and n_split and TUNE["side_stream"] else main
+    if nt:
+        # the fp32 segment: precise (double accumulators, natural units) for float32 q; float
+        # accumulators in base 2 for half-precision q (whose fused part carries about 22 bits)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            tk, tv = gather_tail(cfg, codec, st, NF)
+            precise = q.dtype == torch.float32
+            qf = q if q.stride(-1) == 1 else q.contiguous()
+            fn_t = A._split_kernel(L.DT[torch.float32], D, tqt, tnw, None if precise else L.DT[q.dtype])
+            L.run(fn_t, (nt * tqtiles, H, B), (32 * tnw,),
+                  (qf, tk, tv, o_part, lse_part,
+                   *(np.int64(s) for s in qf.stride()[:3]), *(np.int64(s) for s in tk.stride()[:3]),
+                   *(np.int64(s) for s in tv.stride()[:3]),
+                   np.int32(B), np.int32(H_q), np.int32(H), np.int32(T_q), np.int64(NT), np.int64(chunk),
+                   np.int32(nt), np.int32(n_split), np.float32(sc if precise else sc * LOG2E)), dev)
     if n_split:
         qq = q if q.stride(-1) == 1 else q.contiguous()
-        fn = (_mma_kernel(kitty, smem, dev_index) if mma
-              else _decode_kernel(D, k_bits, cfg.v_bits, kitty, QT, smem, dev_index))
-        _launch(fn, (n_split * qtiles, H, B), (32 * nw,),
-                (qq, np.int32(L.DT[q.dtype]), *(np.int64(s) for s in qq.stride()[:3]),
-                 kp["codes"], kp["high"], kp["idx"], kp["scale"], kp["mn"], st.v_codes, st.v_scale, st.v_mn,
-                 st.k_table, st.v_table, np.int32(st.k_table.shape[1]), o_part, lse_part,
-                 np.int32(B), np.int32(H_q), np.int32(H), np.int32(T_q), np.int32(NF), np.int32(NP),
-                 np.int32(pps), np.int32(n_split), np.int32(db), np.int32(ngv), np.float32(sc * LOG2E)),
-                dev, smem)
-    if tail:
-        tk, tv, chunk, nt, tnw = tail
-        qf = q.float() if q.dtype != torch.float32 else (q if q.stride(-1) == 1 else q.contiguous())
-        fn = A._split_kernel(L.DT[torch.float32], D, QT, tnw)        # attention.cu's QT: 4 or 8 as here
-        L.run(fn, (nt * qtiles, H, B), (32 * tnw,),
-              (qf, tk, tv, o_part, lse_part,
-               *(np.int64(s) for s in qf.stride()[:3]), *(np.int64(s) for s in tk.stride()[:3]),
-               *(np.int64(s) for s in tv.stride()[:3]),
-               np.int32(B), np.int32(H_q), np.int32(H), np.int32(T_q), np.int64(tk.shape[2]), np.int64(chunk),
-               np.int32(nt), np.int32(n_split), np.float32(sc)), dev)          # attn_split<fp32>: natural units
+        L.run(fn, (n_split * qtiles, H, B), (32 * nw,),
+              (qq, np.int32(L.DT[q.dtype]), *(np.int64(s) for s in qq.stride()[:3]),
+               kp["codes"], kp["high"], kp["idx"], kp["scale"], kp["mn"], st.v_codes, st.v_scale, st.v_mn,
+               st.k_table, st.v_table, np.int32(st.k_table.shape[1]), o_part, lse_part,
+               np.int32(B), np.int32(H_q), np.int32(H), np.int32(T_q), np.int32(NF), np.int32(NP),
+               np.int32(pps), np.int32(n_split), np.int32(db), np.int32(ngv), np.float32(sc * LOG2E)),
+              dev, shared_mem=smem)
+    if side is not main:
+        main.wait_stream(side)                        # the tail's partials are written
     A._merge_launch(o_part, lse_part, out, lse, rows, S_TOTAL, D)
     return out, lse

@@ -85,6 +85,51 @@ def _tree_dot(q_ptrs, rmask, sq_d, k_rows, cmask, sk_d, LO: tl.constexpr, N: tl.
 
 
 @triton.jit
+def _softmax_step(s, m_i, l_i, PRECISE: tl.constexpr, LIBDEVICE: tl.constexpr, NAT2: tl.constexpr = False):
+    """One online-softmax step over a block of scores s (BLOCK_M, N) (masked keys at -inf): returns
+    ``(m_new, alpha, p, l_new)``, alpha = exp(m_i - m_new) rescaling the running sums. PRECISE: natural
+    units, accurate exp; NAT2: natural units, exp as exp2 of (s - m) log2(e) (the log2(e) rounding
+    touches only the differences, not the maximum); else s is in log2 units, exp2. (Shared with the
+    quantized decode kernels.)"""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if PRECISE:
+        alpha = _exp(m_i - m_new, LIBDEVICE)
+        p = _exp(s - m_new[:, None], LIBDEVICE)
+    elif NAT2:
+        alpha = tl.exp2((m_i - m_new) * 1.4426950408889634)
+        p = tl.exp2((s - m_new[:, None]) * 1.4426950408889634)
+    else:
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _query_rows(q_ptr, bh, mb, H_KV, sq_b, sq_h, sq_t, T_Q, M, G_Q: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The query rows of program (bh, mb): row m of kv head (b, hk) is query head hk * G_q + m // T_q,
+    token m % T_q (GQA). Returns ``(b, hk, h, t, rmask, q_ptrs)``, q_ptrs (BLOCK_M, 1) at channel 0."""
+    b = bh // H_KV
+    hk = bh % H_KV
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    h = hk * G_Q + rows // T_Q
+    t = rows % T_Q
+    q_off = b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h + t.to(tl.int64) * sq_t
+    return b, hk, h, t, rmask, q_ptr + q_off[:, None]
+
+
+@triton.jit
+def _store_split(o_ptr, m_ptr, l_ptr, b, h, t, H_Q, T_Q, S_TOTAL, split, acc, m_i, l_i, rmask, cols,
+                 D: tl.constexpr):
+    """Store one split's un-normalized (acc, m, l) at partial slot ``split`` of rows (b, h, t): o (rows,
+    S_TOTAL, D) with acc's columns at channels ``cols``, m and l (rows, S_TOTAL)."""
+    grow = ((b * H_Q + h) * T_Q + t).to(tl.int64) * S_TOTAL + split               # (row, split) index
+    tl.store(o_ptr + grow[:, None] * D + cols[None, :], acc, mask=rmask[:, None])
+    tl.store(m_ptr + grow, m_i, mask=rmask)
+    tl.store(l_ptr + grow, l_i, mask=rmask)
+
+
+@triton.jit
 def _attend_block(q, q_ptrs, rmask, sq_d, k_base, v_base, n0, end, sk_t, sk_d, sv_t, sv_d, qk_scale,
                   m_i, l_i, acc, D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISE: tl.constexpr,
                   BF16_BITS: tl.constexpr, LIBDEVICE: tl.constexpr):
@@ -105,14 +150,7 @@ def _attend_block(q, q_ptrs, rmask, sq_d, k_base, v_base, n0, end, sk_t, sk_d, s
         k = _ld(k_base + c64[:, None] * sk_t + d[None, :] * sk_d, cmask[:, None], BF16_BITS)
         s = tl.dot(q, tl.trans(k))
     s = tl.where(cmask[None, :], s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    if PRECISE:
-        alpha = _exp(m_i - m_new, LIBDEVICE)
-        p = _exp(s - m_new[:, None], LIBDEVICE)
-    else:
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, alpha, p, l_i = _softmax_step(s, m_i, l_i, PRECISE, LIBDEVICE)
     v = _ld(v_base + c64[:, None] * sv_t + d[None, :] * sv_d, cmask[:, None], BF16_BITS)
     if PRECISE:
         pv = tl.dot(p, v, input_precision="ieee")
@@ -141,15 +179,8 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr,
     sp = tl.program_id(1)
     mb = tl.program_id(2)
     LIBDEVICE: tl.constexpr = TIGHT                    # TIGHT <=> compiled for the GPU
-    b = bh // H_KV
-    hk = bh % H_KV
-    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < M
-    h = hk * G_Q + rows // T_Q
-    t = rows % T_Q
+    b, hk, h, t, rmask, q_ptrs = _query_rows(q_ptr, bh, mb, H_KV, sq_b, sq_h, sq_t, T_Q, M, G_Q, BLOCK_M)
     d = tl.arange(0, D)
-    q_off = b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h + t.to(tl.int64) * sq_t
-    q_ptrs = q_ptr + q_off[:, None]
     if PRECISE:
         q = tl.zeros((BLOCK_M, 16), tl.float32)        # unused: the precise path loads q in chunks
     else:
@@ -177,10 +208,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr,
     # store the split un-normalized: (acc, m, l). The merge weighs splits by exp(m_s - M), exact for
     # close maxima; going through lse_s = m_s + log(l_s) would round lse_s at its magnitude and cost
     # up to an ulp of |lse| in relative weight.
-    grow = ((b * H_Q + h) * T_Q + t).to(tl.int64) * S_TOTAL + SPLIT0 + sp       # (row, split) index
-    tl.store(o_ptr + grow[:, None] * D + d[None, :], acc, mask=rmask[:, None])
-    tl.store(m_ptr + grow, m_i, mask=rmask)
-    tl.store(l_ptr + grow, l_i, mask=rmask)
+    _store_split(o_ptr, m_ptr, l_ptr, b, h, t, H_Q, T_Q, S_TOTAL, SPLIT0 + sp, acc, m_i, l_i, rmask, d, D)
 
 
 @triton.jit
@@ -345,44 +373,70 @@ def decode_attention(q, segments, *, scale=None):
     lse = torch.empty((B, H_q, T_q), dtype=torch.float32, device=dev)
     if out.numel() == 0:
         return out, lse
-    G_q = H_q // H_kv
-    M = G_q * T_q
-    BLOCK_M = max(16, min(triton.next_power_of_2(M), 64))
-    m_blocks = triton.cdiv(M, BLOCK_M)
-    block_n, warps, stages, min_keys = _config(D, q.dtype, dev)
-    sms = _sm_count(dev)
-    plan = []
-    S = 0
-    for k, v in segments:
-        T = k.shape[2]
-        if T == 0:
-            continue
-        kps, n = _splits(B * H_kv * m_blocks, T, block_n, min_keys, sms)
-        plan.append((k, v, T, kps, n, S))
-        S += n
+    _, m_blocks = _row_blocks(H_q // H_kv, T_q)
+    plan, S = _plan(segments, B * H_kv * m_blocks, q.dtype, dev)
     if S == 0:
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
     rows = B * H_q * T_q
-    part = torch.empty(rows * S * (D + 2), dtype=torch.float32, device=dev)    # one allocation
-    o_part = part[:rows * S * D].view(rows, S, D)
-    m_part = part[rows * S * D:rows * S * (D + 1)].view(rows, S)
-    l_part = part[rows * S * (D + 1):].view(rows, S)
+    parts = _partials(rows, S, D, dev)
     precise = q.dtype == torch.float32
     interp = C.interpreting()
     bits = interp and q.dtype == torch.bfloat16         # the interpreter computes bf16 dots on raw bits:
     precise = precise or bits                           # there bf16 is widened to fp32 in the kernel
+    _launch_partials(q, plan, parts, S, H_kv, sc, precise, bits)
+    _merge_launch(*parts, out, lse, rows, S, D, log2=not precise)
+    return out, lse
+
+
+def _row_blocks(G_q: int, T_q: int):
+    """``(BLOCK_M, blocks)``: the G_q * T_q query rows of a kv head in blocks of BLOCK_M (>= 16 for tl.dot)."""
+    M = G_q * T_q
+    BLOCK_M = max(16, min(triton.next_power_of_2(M), 64))
+    return BLOCK_M, triton.cdiv(M, BLOCK_M)
+
+
+def _partials(rows: int, S: int, D: int, dev: torch.device):
+    """The partial buffers of S splits per row, one fp32 allocation: o (rows, S, D), m and l (rows, S)."""
+    part = torch.empty(rows * S * (D + 2), dtype=torch.float32, device=dev)
+    return (part[:rows * S * D].view(rows, S, D), part[rows * S * D:rows * S * (D + 1)].view(rows, S),
+            part[rows * S * (D + 1):].view(rows, S))
+
+
+def _plan(segments, base_programs: int, dtype: torch.dtype, dev: torch.device, s0: int = 0):
+    """Splits of the non-empty (k, v) segments, numbered from partial slot s0: ``(plan, end slot)``, one
+    ``(k, v, T, keys per split, splits, first slot, (BLOCK_N, warps, stages))`` per segment."""
+    D = segments[0][0].shape[3]
+    block_n, warps, stages, min_keys = _config(D, dtype, dev)
+    sms = _sm_count(dev)
+    plan = []
+    S = s0
+    for k, v in segments:
+        T = k.shape[2]
+        if T == 0:
+            continue
+        kps, n = _splits(base_programs, T, block_n, min_keys, sms)
+        plan.append((k, v, T, kps, n, S, (block_n, warps, stages)))
+        S += n
+    return plan, S
+
+
+def _launch_partials(q, plan, parts, S: int, H_kv: int, sc: float, precise: bool, bits: bool):
+    """Launch the partial kernel of every planned segment into ``parts`` (from :func:`_partials`, S
+    slots per row). bits: bf16 q / K / V passed as int16 bits (the interpreter)."""
+    B, H_q, T_q, D = q.shape
+    G_q = H_q // H_kv
+    BLOCK_M, m_blocks = _row_blocks(G_q, T_q)
+    interp = C.interpreting()
     qa = q.view(torch.int16) if bits else q
-    for k, v, T, kps, n, s0 in plan:
+    for k, v, T, kps, n, s0, (block_n, warps, stages) in plan:
         ka, va = (k.view(torch.int16), v.view(torch.int16)) if bits else (k, v)
         _partial_kernel[(B * H_kv, n, m_blocks)](
-            qa, ka, va, o_part, m_part, l_part, *q.stride(), *k.stride(), *v.stride(),
-            H_q, H_kv, T_q, T, M, kps, S, s0, sc if precise else sc * LOG2E,
+            qa, ka, va, *parts, *q.stride(), *k.stride(), *v.stride(),
+            H_q, H_kv, T_q, T, G_q * T_q, kps, S, s0, sc if precise else sc * LOG2E,
             G_Q=G_q, D=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n, PRECISE=precise, TIGHT=not interp,
             NBLK=kps // block_n if interp else 0, BF16_BITS=bits, num_warps=warps, num_stages=stages)
-    _merge_launch(o_part, m_part, l_part, out, lse, rows, S, D, log2=not precise)
-    return out, lse
 
 
 def _merge_launch(o_part, m_part, l_part, out, lse, rows: int, S: int, D: int, log2: bool):

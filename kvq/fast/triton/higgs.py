@@ -158,6 +158,26 @@ def _quantize_kernel(x_ptr, grid_ptr, i_ptr, s_ptr, NGR, F, NG, FS, N: tl.conste
         tl.store(i_ptr + io, idx, mask=im)
 
 
+@triton.jit
+def _decode_groups(i_ptr, s_ptr, grid_ptr, gi, gm, N, FS, G: tl.constexpr, LOG2G: tl.constexpr,
+                   D: tl.constexpr, IDX_BITS: tl.constexpr, BLOCK_R: tl.constexpr):
+    """fwht(grid[idx] * scale) of the BLOCK_R token groups ``gi`` (masked by ``gm``) -> (BLOCK_R, G) fp32.
+
+    c = grid[idx] (idx clamped into 0 .. N-1: memory safety only), y = c * scale (rounded), the
+    butterflies, one rounded multiply by FS. Shared by the HIGGS decoder and the fused AQUA-KV decode.
+    """
+    GD: tl.constexpr = G // D
+    e = tl.arange(0, G)[None, :]
+    ii = tl.load(i_ptr + gi[:, None] * GD + e // D, mask=gm[:, None] & (e < G), other=0).to(tl.int32)
+    if IDX_BITS == 16:
+        ii = ii & 0xFFFF
+    ii = tl.minimum(tl.maximum(ii, 0), N - 1)                             # memory safety only
+    c = tl.load(grid_ptr + ii * D + e % D)
+    s = tl.load(s_ptr + gi, mask=gm, other=0.0).to(tl.float32)
+    y = c * s[:, None]
+    return _butterflies(y, BLOCK_R, G, LOG2G) * FS
+
+
 # Fused HIGGS decoder: one program takes BLOCK_R token groups of G values.
 # Computes: c = grid[idx] (idx clamped into 0 .. N-1), y = c * scale (rounded), butterflies(y) * FS,
 #   rounded into the output dtype, the padding past F dropped.
@@ -166,20 +186,11 @@ def _quantize_kernel(x_ptr, grid_ptr, i_ptr, s_ptr, NGR, F, NG, FS, N: tl.conste
 def _dequantize_kernel(i_ptr, s_ptr, grid_ptr, o_ptr, NGR, F, NG, N, FS,
                        G: tl.constexpr, LOG2G: tl.constexpr, D: tl.constexpr, IDX_BITS: tl.constexpr,
                        OUT_KIND: tl.constexpr, BLOCK_R: tl.constexpr):
-    GD: tl.constexpr = G // D
     gi = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     gm = gi < NGR
     row = gi // NG
-    e = tl.arange(0, G)[None, :]
-    col = (gi % NG)[:, None] * G + e
-    ii = tl.load(i_ptr + gi[:, None] * GD + e // D, mask=gm[:, None] & (e < G), other=0).to(tl.int32)
-    if IDX_BITS == 16:
-        ii = ii & 0xFFFF
-    ii = tl.minimum(tl.maximum(ii, 0), N - 1)                             # memory safety only
-    c = tl.load(grid_ptr + ii * D + e % D)
-    s = tl.load(s_ptr + gi, mask=gm, other=0.0).to(tl.float32)
-    y = c * s[:, None]
-    y = _butterflies(y, BLOCK_R, G, LOG2G) * FS
+    col = (gi % NG)[:, None] * G + tl.arange(0, G)[None, :]
+    y = _decode_groups(i_ptr, s_ptr, grid_ptr, gi, gm, N, FS, G, LOG2G, D, IDX_BITS, BLOCK_R)
     _store_out(o_ptr + row[:, None] * F + col, y, gm[:, None] & (col < F), OUT_KIND)
 
 

@@ -26,6 +26,7 @@ from kvq.reference.oscar import (CLIP_GRID, CONFIGS, DEFAULT_CLIP_K, DEFAULT_CLI
                                  OSCARCalibration, OSCARConfig)              # (the reference's objects)
 
 from . import attention as A
+from . import oscar_decode as OD
 from . import oscar_quant as OQ
 from . import packing as P
 from .rotate import rotate
@@ -35,7 +36,7 @@ __all__ = ["DEFAULT_CLIP_K", "DEFAULT_CLIP_V", "CLIP_GRID", "OSCARCalibration", 
            "dequantize", "decode_attention"]
 
 #: this backend's kernels for the shared OSCAR cache code (``kvq.fast._oscar``)
-OPS = _O.OscarOps("triton", rotate, OQ, P, A, C.interpreting)
+OPS = _O.OscarOps("triton", rotate, OQ, P, A, C.interpreting, fused_decode=OD.decode)
 
 
 def quantize_tokens(x_rot, clip: float, group_size: int, bits: int = 2, meta_dtype="float16"):
@@ -84,15 +85,18 @@ def decode_attention(cfg: OSCARConfig, calib: OSCARCalibration, state: OSCARTens
                      rotate_back: bool = True):
     """Mirrors `kvq.reference.oscar.decode_attention`: ``(out, lse)`` of q (B, H_q, T_q, D) over the cache.
 
-    q is rotated by R_K (the fixed-order kernel; query head h uses the R_K of KV head h // (H_q / H_kv)),
-    the INT2 history is unpacked and dequantized into fp32 (bit-exact, ``packing.unpack_dequantize``),
-    and the sink, history and recent segments are attended by the FP16 flash-decoding kernel of
-    ``kvq.fast.triton.attention.decode_attention`` in its precise fp32 mode (one log-sum-exp merge); the
-    output is rotated back by R_V^T unless ``rotate_back=False``.
+    q is rotated by R_K (the fixed-order kernel; query head h uses the R_K of KV head h // (H_q / H_kv));
+    the INT-b history is read packed by the fused kernel of ``kvq.fast.triton.oscar_decode`` (pages
+    through the page table, unpacked and dequantized in registers, online softmax, split along the
+    sequence, all query heads of a KV head together), the FP16 sink and recent window by the
+    flash-decoding partial kernel of ``kvq.fast.triton.attention`` in its precise fp32 mode, and all
+    partials are merged by log-sum-exp (the paper's two kernels plus merge); the output is rotated back
+    by R_V^T unless ``rotate_back=False``.
     Differences: torch tensors; q float16 / bfloat16 / float32 (float64 is refused: the reference
     computes the float64 truth); out comes back in q's dtype (fp32 inside; the reference returns
-    float32), lse float32; attention is an order-dependent reduction (tolerance rule, contract rule 7);
-    D must be a power of two in [16, 256] (the attention kernel's). No fused INT2 decode kernel yet:
-    the history is materialized in fp32 per call (the paper's fused kernel reads the packed pages).
+    float32), lse float32; attention is an order-dependent reduction (tolerance rule, contract rule 7):
+    fp32 q takes the exact-dequantization IEEE fp32 path, fp16 / bf16 q the tensor-core path (codes
+    against hi + lo fp16 parts of the fp32 factors, see ``oscar_decode``); D must be a power of two in
+    [16, 256] (the kernels').
     """
     return _O.decode_attention(OPS, cfg, calib, state, q, scale=scale, rotate_back=rotate_back)

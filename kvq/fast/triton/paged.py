@@ -29,7 +29,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from kvq.fast import _common as C
 from kvq.fast import _paged
@@ -61,15 +60,6 @@ TUNE = {"num_warps": 4, "waves": 3, "block_t": None, "split_p": False, "k_terms"
 
 # ---------------------------------------------------------------------------------------------------
 # the fused decode kernel
-
-
-@triton.jit
-def _exp_nat(x, LIBDEVICE: tl.constexpr):
-    if LIBDEVICE:
-        y = libdevice.exp(x)
-    else:
-        y = tl.exp(x)
-    return y
 
 
 @triton.jit
@@ -255,14 +245,7 @@ def _page_block(q, q_ptrs, rmask, sq_d, m_i, l_i, acc, j, c0, valid, b, hk, H_KV
         s = (_split_dot(q * ks[None, :], kcodes, DT, K_TERMS, SHIFT)
              + tl.sum(q * km[None, :], axis=1)[:, None])
     s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    if PRECISE:
-        alpha = _exp_nat(m_i - m_new, LIBDEVICE)
-        p = _exp_nat(s - m_new[:, None], LIBDEVICE)
-    else:
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, alpha, p, l_i = A._softmax_step(s, m_i, l_i, PRECISE, LIBDEVICE)
     # values (BT, D) of the same tokens: value page j, slots c0 .. c0 + BT
     vrow = (vpid * H_KV + hk) * G + tok
     if V_WORDS:
@@ -329,15 +312,8 @@ def _fused_kernel(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr,
     mb = tl.program_id(2)
     LIBDEVICE: tl.constexpr = TIGHT
     NSUB: tl.constexpr = G // BT
-    b = bh // H_KV
-    hk = bh % H_KV
-    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < M
-    h = hk * G_Q + rows // T_Q
-    t = rows % T_Q
+    b, hk, h, t, rmask, q_ptrs = A._query_rows(q_ptr, bh, mb, H_KV, sq_b, sq_h, sq_t, T_Q, M, G_Q, BLOCK_M)
     d = tl.arange(0, D)
-    q_off = b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h + t.to(tl.int64) * sq_t
-    q_ptrs = q_ptr + q_off[:, None]
     if PRECISE:
         q = tl.zeros((BLOCK_M, 16), tl.float32)            # unused: the precise path loads q in chunks
     else:
@@ -367,14 +343,11 @@ def _fused_kernel(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr,
                                             K_TERMS, SHIFT, K_WORDS, V_WORDS)
     if not PRECISE:
         m_i = m_i * 0.6931471805599453                    # log2 units -> natural
-    grow = ((b * H_Q + h) * T_Q + t).to(tl.int64) * S_TOTAL + sp
     if V_WORDS:
         dst = _word_order(D, V_BITS)                     # acc's channel order (see _page_block)
     else:
         dst = d
-    tl.store(o_ptr + grow[:, None] * D + dst[None, :], acc, mask=rmask[:, None])
-    tl.store(m_ptr + grow, m_i, mask=rmask)
-    tl.store(l_ptr + grow, l_i, mask=rmask)
+    A._store_split(o_ptr, m_ptr, l_ptr, b, h, t, H_Q, T_Q, S_TOTAL, sp, acc, m_i, l_i, rmask, dst, D)
 
 # Gather the tail of the decode: the tokens the fused kernel does not cover (the sink and the post-sink
 # tokens [NF, T - S)), fp32 K / V rows in token order.
@@ -516,8 +489,7 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     qk = q.float() if (precise and q.dtype != torch.float32) else q
     G_q = H_q // H
     M = G_q * T_q
-    BLOCK_M = max(16, min(triton.next_power_of_2(M), 64))
-    m_blocks = triton.cdiv(M, BLOCK_M)
+    BLOCK_M, m_blocks = A._row_blocks(G_q, T_q)
     sms = A._sm_count(dev)
     # fused splits: about 3 waves of programs over the SMs
     n_split, pps = 0, 0
@@ -525,22 +497,15 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
         want = max(1, triton.cdiv(int(TUNE["waves"] * sms), B * H * m_blocks))
         pps = triton.cdiv(NP, min(want, NP))
         n_split = triton.cdiv(NP, pps)
-    # the rest: sink + tokens [S + NF, T), one fp32 segment gathered by one kernel
-    tail = None
-    tail_plan = None
+    # the rest: sink + tokens [S + NF, T), one fp32 segment gathered by one kernel, its splits after
+    # the fused kernel's n_split partial slots
+    tail_plan = []
+    S_TOTAL = n_split
     if c["n_sink"] + c["post"] - NF > 0:
-        tk, tv = gather_tail(cfg, codec, st, NF)
-        block_n, warps, stages, min_keys = A._config(D, torch.float32, dev)
-        Tt = tk.shape[2]
-        kps, nt = A._splits(B * H * m_blocks, Tt, block_n, min_keys, sms)
-        tail = (tk, tv)
-        tail_plan = (Tt, kps, nt, block_n, warps, stages)
-    S_TOTAL = n_split + (tail_plan[2] if tail_plan else 0)
+        tail_plan, S_TOTAL = A._plan([gather_tail(cfg, codec, st, NF)], B * H * m_blocks, torch.float32, dev,
+                                     s0=n_split)
     rows = B * H_q * T_q
-    part = torch.empty(rows * S_TOTAL * (D + 2), dtype=torch.float32, device=dev)
-    o_part = part[:rows * S_TOTAL * D].view(rows, S_TOTAL, D)
-    m_part = part[rows * S_TOTAL * D:rows * S_TOTAL * (D + 1)].view(rows, S_TOTAL)
-    l_part = part[rows * S_TOTAL * (D + 1):].view(rows, S_TOTAL)
+    o_part, m_part, l_part = A._partials(rows, S_TOTAL, D, dev)
     if n_split:
         kp = codec.kernel_arrays(cfg, st)
         BT = min(G, 32) if precise else min(G, TUNE["block_t"] or 128)
@@ -561,13 +526,7 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
             SHIFT=2048.0 if qk.dtype == torch.float16 else 256.0,
             num_warps=warps, num_stages=(TUNE["num_stages"] or 2) if not interp else 1)
     if tail_plan:
-        tk, tv = tail
-        Tt, kps, nt, block_n, warps, stages = tail_plan
         qf = q if q.dtype == torch.float32 else q.float()
-        A._partial_kernel[(B * H, nt, m_blocks)](
-            qf, tk, tv, o_part, m_part, l_part, *qf.stride(), *tk.stride(), *tv.stride(),
-            H_q, H, T_q, Tt, M, kps, S_TOTAL, n_split, sc,
-            G_Q=G_q, D=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n, PRECISE=True, TIGHT=not interp,
-            NBLK=kps // block_n if interp else 0, BF16_BITS=False, num_warps=warps, num_stages=stages)
+        A._launch_partials(qf, tail_plan, (o_part, m_part, l_part), S_TOTAL, H, sc, True, False)
     A._merge_launch(o_part, m_part, l_part, out, lse, rows, S_TOTAL, D, log2=False)
     return out, lse

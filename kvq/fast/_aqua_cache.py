@@ -1,0 +1,311 @@
+"""The AQUA-KV cache over all layers on torch tensors (``kvq.reference.aqua_cache``, AQUA-KV §3.3 and
+Algorithm 4), shared by both fast backends.
+
+The state (:class:`AquaTensorState`: the fields of the reference's ``AquaState`` as torch tensors), the
+token routing (sink, recent buffer, every full buffer compressed as one chunk, layer 0 first, each layer
+predicted from the reconstruction of the layer before, keys pre-RoPE by default) and the reading of the
+cache (Algorithm 3 per layer over the whole history, RoPE, flash-decoding over sink, history and
+buffer) are written once here, on the per-layer code of ``_aqua.py`` and a backend's
+:class:`kvq.fast._aqua.AquaOps`.
+
+    from kvq.fast.triton import aqua_cache                      # (these call into here)
+    st = aqua_cache.init(cfg, 28, batch=1, kv_heads=8, head_dim=128); aqua_cache.append(cfg, P, st, K, V)
+
+Numerics. Sinks, buffers, layer-0 codes and counters are the reference's bit for bit after the same
+appends; RoPE and its inverse are the reference's elementwise fp32 operations with the same host tables;
+every chunk is encoded on its own (the same shapes whatever the history), so streaming equals bulk bit
+for bit; residual codes of layers >= 1 and the reconstructions follow rule 7 (``_aqua.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvq.fast import _common as C
+from kvq.fast._aqua import check_backbone, decode, encode, to_tokens
+from kvq.fast._oscar import _device, _dtype_name
+from kvq.reference import aqua_cache as RAC
+from kvq.reference.model import rope_tables
+
+F16 = torch.float16
+_NP_TORCH = {np.dtype(np.uint8): torch.uint8, np.dtype(np.uint16): torch.uint16, np.dtype(np.uint32): torch.uint32,
+             np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32}
+
+
+# ---------------------------------------------------------------------------------------------------
+# RoPE: the reference's elementwise operations with its host tables (cached on the device)
+
+
+_ROPE: dict = {}
+_ROPE_ROUND = 4096
+
+
+def _rope_tables(theta: float, D: int, t0: int, n: int, device) -> tuple:
+    """(cos, sin) (n, D) fp32 of positions t0 .. t0 + n - 1: ``model.rope_tables`` (float64, rounded once),
+    computed on the host for positions 0 .. m - 1 and kept on the device (a table's row depends on its
+    position only, so a slice equals the reference's table of those positions)."""
+    key = (float(theta), int(D), str(device))
+    have = _ROPE.get(key)
+    if have is None or have[0].shape[0] < t0 + n:
+        m = -(-(t0 + n) // _ROPE_ROUND) * _ROPE_ROUND
+        cos, sin = rope_tables(np.arange(m), D, theta)
+        have = (torch.from_numpy(cos).to(device), torch.from_numpy(sin).to(device))
+        _ROPE[key] = have
+    return have[0][t0:t0 + n], have[1][t0:t0 + n]
+
+
+def _rope(x, cos, sin, inverse: bool) -> torch.Tensor:
+    """``model.apply_rope`` on fp32 x (..., T, D): ``x*cos -/+ rotate_half(x)*sin``, each op rounded once."""
+    D = x.shape[-1]
+    s = torch.cat([-x[..., D // 2:], x[..., :D // 2]], dim=-1) * sin
+    xc = x * cos
+    return xc - s if inverse else xc + s
+
+
+# ---------------------------------------------------------------------------------------------------
+# the cache state
+
+
+@dataclass
+class AquaTensorState:
+    """The fast tier's AQUA-KV cache: the fields of ``kvq.reference.aqua_cache.AquaState`` as torch tensors
+    on one device (same shapes, dtypes and meaning), plus the host counters. L layers, B batch, H KV heads,
+    D head dim, S sink, R buffer, C chunks, F = H * D."""
+
+    sink_k: torch.Tensor        # (L, B, H, S, D) fp16, post-RoPE
+    sink_v: torch.Tensor        # (L, B, H, S, D) fp16
+    buf_k: torch.Tensor         # (L, B, H, R, D) fp16, post-RoPE; unused slots are zero
+    buf_v: torch.Tensor         # (L, B, H, R, D) fp16
+    first_k: dict               # code name -> (B, C, R, ...) layer 0
+    first_v: dict
+    res_k: dict                 # code name -> (L - 1, B, C, R, ...) residual codes of layers 1..L-1
+    res_v: dict
+    length: int = 0
+    shape: tuple = field(default=(0, 0, 0, 0))   # (L, B, H, D)
+
+    @property
+    def device(self) -> torch.device:
+        return self.sink_k.device
+
+    # every tensor by name, code tensors as "first_k.<name>" ...: the reference's own method (the same keys)
+    arrays = RAC.AquaState.arrays
+
+    def copy(self) -> "AquaTensorState":
+        return dataclasses.replace(
+            self, sink_k=self.sink_k.clone(), sink_v=self.sink_v.clone(), buf_k=self.buf_k.clone(),
+            buf_v=self.buf_v.clone(), **{g: {n: a.clone() for n, a in getattr(self, g).items()}
+                                         for g in ("first_k", "first_v", "res_k", "res_v")})
+
+
+def _empty_codes(bb, lead: tuple, R: int, F: int, device) -> dict:
+    """Zero tensors shaped like the backbone's codes of R token vectors (the reference's probe of one)."""
+    probe = bb.encode(np.zeros((1, 1, F), np.float32))
+    return {n: torch.zeros(lead + (R,) + a.shape[2:], dtype=_NP_TORCH[a.dtype], device=device)
+            for n, a in probe.items()}
+
+
+def init(ops, cfg, n_layers: int, batch: int, kv_heads: int, head_dim: int) -> AquaTensorState:
+    """An empty cache for ``batch`` sequences of up to ``cfg.max_tokens`` tokens, every tensor preallocated."""
+    for name, v in (("n_layers", n_layers), ("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    L, B, H, D, S, R = int(n_layers), int(batch), int(kv_heads), int(head_dim), cfg.sink, cfg.buffer
+    if cfg.pre_rope and D % 2:
+        raise ValueError(f"head_dim={D} must be even for RoPE")
+    check_backbone(cfg.backbone, "backbone")
+    check_backbone(cfg.first_layer, "first_layer")
+    F, Cn = H * D, max(cfg.max_tokens - S, 0) // R
+    dev = _device(ops)
+    z = lambda T: torch.zeros((L, B, H, T, D), dtype=F16, device=dev)             # noqa: E731
+    return AquaTensorState(z(S), z(S), z(R), z(R), _empty_codes(cfg.first_layer, (B, Cn), R, F, dev),
+                           _empty_codes(cfg.first_layer, (B, Cn), R, F, dev),
+                           _empty_codes(cfg.backbone, (L - 1, B, Cn), R, F, dev),
+                           _empty_codes(cfg.backbone, (L - 1, B, Cn), R, F, dev), shape=(L, B, H, D))
+
+
+def _check_predictors(P, L: int) -> None:
+    if P.n_layers != L:
+        raise ValueError(f"predictors are for {P.n_layers} layers, the cache has {L}")
+
+
+def _check_append(ops, cfg, P, st: AquaTensorState, K, V):
+    """The reference's checks, in its order and with its messages; returns K, V as fp16 tensors."""
+    L, B, H, D = st.shape
+    _check_predictors(P, L)
+    out = []
+    for name, x in (("K", K), ("V", V)):
+        C.check_tensor(x, name, allow_cpu=ops.allow_cpu())
+        if x.dtype not in (torch.float16, torch.float32):
+            raise TypeError(f"{name} has dtype {_dtype_name(x.dtype)}; append takes float16 or float32")
+        if x.dim() != 5 or tuple(x.shape[:3]) != (L, B, H) or x.shape[4] != D:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}; this cache takes (L={L}, B={B}, H_kv={H}, "
+                             f"T_new, D={D})")
+        if x.device != st.device:
+            raise ValueError(f"{name} is on {x.device}; the cache is on {st.device}")
+        C.check_finite(x, name)
+        x16 = x.to(F16)
+        if C.validation_enabled() and x16.numel() and not bool(torch.isfinite(x16).all()):
+            raise ValueError(f"{name} overflows float16 (|x| > 65504); the FP16 buffers cannot hold it")
+        out.append(x16)
+    if out[0].shape != out[1].shape:
+        raise ValueError(f"K and V must have the same shape, got {tuple(out[0].shape)} and {tuple(out[1].shape)}")
+    n = out[0].shape[3]
+    if st.length + n > cfg.max_tokens:
+        raise ValueError(f"appending {n} tokens to {st.length} exceeds the capacity max_tokens={cfg.max_tokens}")
+    return out
+
+
+def _encode_chunk(ops, cfg, P, st: AquaTensorState, k16, v16, c: int) -> list:
+    """Algorithm 2 on chunk c, layer 0 first: k16, v16 (L, B, H, R, D) fp16 -> [(Kq, Vq)] per layer."""
+    L, B, H, D = st.shape
+    if cfg.pre_rope:
+        cos, sin = _rope_tables(cfg.rope_theta, D, cfg.sink + c * cfg.buffer, cfg.buffer, st.device)
+    K_hat = V_hat = None
+    out = []
+    for l in range(L):
+        k = k16[l].float()
+        if cfg.pre_rope:
+            k = _rope(k, cos, sin, inverse=True)
+        Kq, Vq, K_hat, V_hat = encode(ops, cfg, P, l, to_tokens(k), to_tokens(v16[l].float()), K_hat, V_hat)
+        out.append((Kq, Vq))
+    return out
+
+
+def append(ops, cfg, P, state: AquaTensorState, K, V) -> AquaTensorState:
+    """Route (L, B, H, T_new, D) tokens as the reference: sink while it has room, then the buffer; every full
+    buffer is compressed as one chunk (each chunk on its own, so streaming equals bulk). Validation and
+    every chunk's encoding come before any write, so bad input leaves the state unchanged."""
+    K16, V16 = _check_append(ops, cfg, P, state, K, V)
+    st, S, R = state, cfg.sink, cfg.buffer
+    n, T0 = K16.shape[3], st.length
+    if n == 0:
+        return st
+    _, c0, b0 = RAC._counts(cfg, T0)
+    s = max(0, min(S - T0, n))                                       # new tokens that go to the sink
+    m = b0 + n - s                                                   # post-sink tokens not in a chunk yet
+    full = m // R
+    chunks = []
+    if full:
+        seq_k = torch.cat([st.buf_k[:, :, :, :b0], K16[:, :, :, s:]], dim=3)     # (L, B, H, m, D) in order
+        seq_v = torch.cat([st.buf_v[:, :, :, :b0], V16[:, :, :, s:]], dim=3)
+        chunks = [_encode_chunk(ops, cfg, P, st, seq_k[:, :, :, i * R:(i + 1) * R], seq_v[:, :, :, i * R:(i + 1) * R],
+                                c0 + i) for i in range(full)]
+    if s:                                                            # commit: sink
+        st.sink_k[:, :, :, T0:T0 + s] = K16[:, :, :, :s]
+        st.sink_v[:, :, :, T0:T0 + s] = V16[:, :, :, :s]
+    for i, layers in enumerate(chunks):                              # chunk codes
+        for l, (Kq, Vq) in enumerate(layers):
+            for dst, codes in (((st.first_k, Kq), (st.first_v, Vq)) if l == 0 else ((st.res_k, Kq), (st.res_v, Vq))):
+                for name, a in codes.items():
+                    (dst[name][:, c0 + i] if l == 0 else dst[name][l - 1, :, c0 + i]).copy_(a)
+    if full:                                                         # the buffer: what is left after the chunks
+        left = m - full * R
+        st.buf_k.zero_()
+        st.buf_v.zero_()
+        st.buf_k[:, :, :, :left] = seq_k[:, :, :, full * R:]
+        st.buf_v[:, :, :, :left] = seq_v[:, :, :, full * R:]
+    elif n > s:
+        st.buf_k[:, :, :, b0:m] = K16[:, :, :, s:]
+        st.buf_v[:, :, :, b0:m] = V16[:, :, :, s:]
+    st.length = T0 + n
+    return st
+
+
+# ---------------------------------------------------------------------------------------------------
+# reading the cache: Algorithm 3 per layer over all chunks, segments, attention
+
+
+def _check_layer(l, L: int) -> int:
+    if isinstance(l, bool) or not isinstance(l, (int, np.integer)) or not 0 <= l < L:
+        raise ValueError(f"layer index {l!r} is outside [0, {L})")
+    return int(l)
+
+
+def _layer_codes(st: AquaTensorState, l: int, n: int) -> tuple:
+    """Layer l's codes of the first n chunks as (B, n * R, ...) tensors (Kq, Vq)."""
+    B = st.shape[1]
+    out = []
+    for group in ((st.first_k, st.first_v) if l == 0 else (st.res_k, st.res_v)):
+        d = {}
+        for name, a in group.items():
+            x = a[:, :n] if l == 0 else a[l - 1, :, :n]                 # (B, n, R, ...)
+            d[name] = x.reshape((B, n * x.shape[2]) + tuple(x.shape[3:]))
+        out.append(d)
+    return tuple(out)
+
+
+def decode_layer(ops, cfg, P, st: AquaTensorState, l: int, prev=None) -> tuple:
+    """Layer l's reconstructed history (Algorithm 3 over every chunk at once): ``(K_hat, V_hat)`` token
+    vectors (B, n_chunks * R, F) fp32, keys pre-RoPE when ``cfg.pre_rope``. ``prev``: layer l-1's result
+    (decoded from layer 0 up when None)."""
+    L, B, H, D = st.shape
+    l = _check_layer(l, L)
+    _check_predictors(P, L)
+    F = H * D
+    _, n, _ = RAC._counts(cfg, st.length)
+    if n == 0:
+        return tuple(torch.zeros((B, 0, F), dtype=torch.float32, device=st.device) for _ in range(2))
+    if l and prev is None:
+        for j in range(l):
+            prev = decode_layer(ops, cfg, P, st, j, prev)
+    if l:
+        want = (B, n * cfg.buffer, F)
+        if len(prev) != 2 or any(tuple(p.shape) != want for p in prev):
+            raise ValueError(f"prev must be layer {l - 1}'s (K_hat, V_hat), each of shape {want}")
+    Kq, Vq = _layer_codes(st, l, n)
+    return decode(ops, cfg, P, l, Kq, Vq, F, *(prev if l else (None, None)))
+
+
+def segments(cfg, st: AquaTensorState, l: int, hat) -> list:
+    """Layer l's cache as three (K, V) fp32 segments (B, H, T_i, D), keys post-RoPE: sink, history, buffer."""
+    L, B, H, D = st.shape
+    n_sink, n, n_buf = RAC._counts(cfg, st.length)
+    K_hat, V_hat = hat
+    k = K_hat.reshape(B, -1, H, D).transpose(1, 2)                          # (B, H, n * R, D), a view
+    if cfg.pre_rope and k.shape[2]:
+        k = _rope(k, *_rope_tables(cfg.rope_theta, D, cfg.sink, k.shape[2], st.device), inverse=False)
+    return [(st.sink_k[l, :, :, :n_sink].float(), st.sink_v[l, :, :, :n_sink].float()),
+            (k, V_hat.reshape(B, -1, H, D).transpose(1, 2)),
+            (st.buf_k[l, :, :, :n_buf].float(), st.buf_v[l, :, :, :n_buf].float())]
+
+
+def dequantize(ops, cfg, P, st: AquaTensorState) -> list:
+    """``[(K_l, V_l)]`` fp32 (B, H, T, D), keys post-RoPE: sink, decoded chunks, buffer, per layer."""
+    out, hat = [], None
+    for l in range(st.shape[0]):
+        hat = decode_layer(ops, cfg, P, st, l, hat)
+        segs = segments(cfg, st, l, hat)
+        out.append(tuple(torch.cat([s[i] for s in segs], dim=2) for i in (0, 1)))
+    return out
+
+
+def decode_attention(ops, cfg, P, st: AquaTensorState, l: int, q, hat=None, *, scale=None):
+    """``(out, lse)`` of q (B, H_q, T_q, D) over layer l's cache: the history reconstructed (``hat``, or
+    :func:`decode_layer` when None), RoPE'd, and the sink, history and buffer attended in fp32 by the
+    backend's flash-decoding kernel (one log-sum-exp merge); out in q's dtype."""
+    L, B, H, D = st.shape
+    C.check_decode_q(q, (B, H, D), st.device, st.length, allow_cpu=ops.allow_cpu())
+    l = _check_layer(l, L)
+    if hat is None:
+        hat = decode_layer(ops, cfg, P, st, l)
+    want = (B, RAC._counts(cfg, st.length)[1] * cfg.buffer, H * D)
+    if len(hat) != 2 or any(tuple(h.shape) != want for h in hat):
+        raise ValueError(f"hat must be layer {l}'s (K_hat, V_hat) from decode_layer, each of shape {want}")
+    out, lse = ops.attention.decode_attention(q.float(), segments(cfg, st, l, hat), scale=scale)
+    return out.to(q.dtype), lse
+
+
+def bits_per_value(cfg, n_layers: int, F: int):
+    """Mirrors `kvq.reference.aqua_cache.bits_per_value`: the same Fraction (host arithmetic; no difference)."""
+    return RAC.bits_per_value(cfg, n_layers, F)
+
+
+def state_bytes(st: AquaTensorState) -> int:
+    """Mirrors `kvq.reference.aqua_cache.state_bytes`: bytes of every tensor of the state (the same count:
+    the same shapes and dtypes). Differences: takes an :class:`AquaTensorState`."""
+    return int(sum(a.numel() * a.element_size() for a in st.arrays().values()))
+

@@ -1,0 +1,373 @@
+// kvq CUDA device helpers of the tensor-core decode kernels (paged.cu, oscar_decode.cu): cp.async
+// page staging, fp16 splitting and the exact fp16 two-product, mma.sync m16n8k16 with the 2-bit code
+// unpacking that feeds it (0x6400 magic, lop3 + fma.f16x2), movmatrix, warp reductions.
+// The loader (_loader.py) pastes this file (and common.cuh) in place of `#include "mma.cuh"`.
+#ifndef KVQ_MMA_CUH
+#define KVQ_MMA_CUH
+#include "common.cuh"
+
+__device__ __forceinline__ u32 p_smem_addr(const void* p) {
+    u64 a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    return (u32)a;
+}
+
+__device__ __forceinline__ void p_cp_async16(void* dst_smem, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(p_smem_addr(dst_smem)), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void p_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void p_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ int kvq_max_i(int a, int b) { return a > b ? a : b; }
+
+// Copy nbytes (a multiple of 16) from global src (16-byte aligned) to shared dst, the warp's lanes
+// taking 16-byte chunks in turn.
+__device__ __forceinline__ void warp_copy(u8* dst, const u8* src, int nbytes, int lane) {
+    for (int i = lane * 16; i < nbytes; i += 32 * 16) p_cp_async16(dst + i, src + i);
+}
+
+// warp_copy with the 16-byte chunks XOR-swizzled within groups of 8: chunk i lands at i ^ ((i >> 5) & 7),
+// so that the 8 rows of 512 bytes a tensor-core kernel's lanes g = 0..7 read at one time fall in 8
+// different bank groups (nbytes a multiple of 16, at most 4096)
+__device__ __forceinline__ void warp_copy_swz(u8* dst, const u8* src, int nbytes, int lane) {
+    for (int i = lane; i < nbytes / 16; i += 32) p_cp_async16(dst + 16 * (i ^ ((i >> 5) & 7)), src + 16 * i);
+}
+
+// (lo, hi) -> one half2 register, lo in bits 0-15 (the element order of the mma fragments)
+__device__ __forceinline__ u32 f2_to_h2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ void h2_to_f2(u32 h, float& lo, float& hi) {
+    asm("{.reg .f16 a, b;\n mov.b32 {a, b}, %2;\n cvt.f32.f16 %0, a;\n cvt.f32.f16 %1, b;}"
+        : "=f"(lo), "=f"(hi) : "r"(h));
+}
+
+// x0, x1 as hi = fp16(x) and lo = fp16((x - hi) * 2^11): x = hi + 2^-11 lo to about 22 bits
+__device__ __forceinline__ void split2(float x0, float x1, u32& hi, u32& lo) {
+    hi = f2_to_h2(x0, x1);
+    float h0, h1;
+    h2_to_f2(hi, h0, h1);
+    lo = f2_to_h2((x0 - h0) * 2048.0f, (x1 - h1) * 2048.0f);
+}
+
+// d += a b: mma.sync m16n8k16, f16 inputs, f32 accumulators (a: 4 registers, b: 2)
+__device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// byte BB of w0 to byte 0 and byte BB of w1 to byte 2 (bytes 1 and 3: don't care)
+template <int BB>
+__device__ __forceinline__ u32 byte_pair(u32 w0, u32 w1) {
+    return __byte_perm(w0, w1, BB | (BB << 4) | ((4 + BB) << 8) | ((4 + BB) << 12));
+}
+
+// the 2-bit fields I of bytes 0 and 2 of x as a half2 of exact codes, two per 32-bit operation and
+// without shifts: the field stays at bit 2I of each half, one lop3 masks it and ORs 0x6400 in (the
+// half is then 1024 + code * 4^I, exact), one fma.f16x2 by 4^-I with addend -1024 * 4^-I leaves the
+// code (exact: powers of two).
+template <int I>
+__device__ __forceinline__ u32 codes_h2(u32 x) {
+    constexpr u32 M = 0x00030003u << (2 * I);
+    constexpr u32 SCALE = I == 0 ? 0x3C003C00u : I == 1 ? 0x34003400u : I == 2 ? 0x2C002C00u : 0x24002400u;
+    constexpr u32 BIAS = I == 0 ? 0xE400E400u : I == 1 ? 0xDC00DC00u : I == 2 ? 0xD400D400u : 0xCC00CC00u;
+    u32 h, r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(h) : "r"(x), "n"(M), "n"(0x64006400u));      // (x & M) | magic
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(h), "r"(SCALE), "r"(BIAS));
+    return r;
+}
+
+// 2^x (approximate, flush-to-zero: probabilities of the online softmax, rule 7)
+__device__ __forceinline__ float ex2(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+
+// transpose an 8x8 matrix of 16-bit elements held in the mma fragment layout (thread (g, t): row g,
+// columns 2t, 2t + 1) across the warp
+__device__ __forceinline__ u32 movmatrix_t(u32 x) {
+    u32 r;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
+    return r;
+}
+
+// NB accumulator sets c[k] (8 m-tiles each) += A . B_k over one k-step, the A fragments of the 8 m-tiles
+// built from the word pairs (w0, w1), (w2, w3): m-tile 2 BB + i takes fields 2i (rows g) and 2i + 1
+// (rows g + 8) of byte BB (columns 2t, 2t + 1 from (w0, w1), 2t + 8, 2t + 9 from (w2, w3)).
+template <int NB>
+__device__ __forceinline__ void mma_mtiles(float (*c0)[4], float (*c1)[4], const u32* b, u32 w0, u32 w1, u32 w2,
+                                           u32 w3) {
+#define KVQ_MT(BB)                                                                                   \
+    {                                                                                                \
+        const u32 xa = byte_pair<BB>(w0, w1), xb = byte_pair<BB>(w2, w3);                           \
+        const u32 a0[4] = {codes_h2<0>(xa), codes_h2<1>(xa), codes_h2<0>(xb), codes_h2<1>(xb)};     \
+        mma16816(c0[2 * BB], a0, b[0], b[1]);                                                        \
+        if constexpr (NB == 2) mma16816(c1[2 * BB], a0, b[2], b[3]);                                 \
+        const u32 a1[4] = {codes_h2<2>(xa), codes_h2<3>(xa), codes_h2<2>(xb), codes_h2<3>(xb)};     \
+        mma16816(c0[2 * BB + 1], a1, b[0], b[1]);                                                    \
+        if constexpr (NB == 2) mma16816(c1[2 * BB + 1], a1, b[2], b[3]);                             \
+    }
+    KVQ_MT(0)
+    KVQ_MT(1)
+    KVQ_MT(2)
+    KVQ_MT(3)
+#undef KVQ_MT
+}
+
+// max |x| of the 128 fp16 values at p (16-byte aligned) over the warp, as a float
+__device__ __forceinline__ float warp_absmax128(const u16* p, int lane) {
+    const uint2 v = reinterpret_cast<const uint2*>(p)[lane];
+    const u32 m2 = __vmaxu2(v.x & 0x7fff7fffu, v.y & 0x7fff7fffu);
+    const u32 m = __reduce_max_sync(KVQ_FULL_MASK, kvq_max_i((int)(m2 & 0xffffu), (int)(m2 >> 16)));
+    return f16_to_f32((u16)m);
+}
+
+__device__ __forceinline__ float h_lo(u32 x) { return f16_to_f32((u16)(x & 0xffffu)); }
+__device__ __forceinline__ float h_hi(u32 x) { return f16_to_f32((u16)(x >> 16)); }
+
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+    u32 r;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
+// e with 2^(e-1) <= x < 2^e for a positive normal float (0 for x = 0), clamped to [-14, 14] so that
+// 2^-e is a normal fp16 (a tiny page keeps 2^-e = 2^14: values stay < 1, only less normalized)
+__device__ __forceinline__ int pow2_above(float x) {
+    const int e = (int)((__float_as_uint(x) >> 23) & 0xffu) - 126;
+    return x > 0.0f ? kvq_min(kvq_max_i(e, -14), 14) : 0;
+}
+
+// 2^k (|k| <= 14) in both halves of a half2
+__device__ __forceinline__ u32 h2_pow2(int k) {
+    const u32 h = (u32)(k + 15) << 10;
+    return h | (h << 16);
+}
+
+// x = (qh + 2^-11 ql) * s as hi + 2^-11 lo, two at a time in fp16: hi = fp16(qh s); the residual
+// 2^11 (qh s - hi) is exact in fp16 (the error of a rounded product of two fp16 numbers is one, here
+// scaled by 2^11 out of the subnormal range: one fma, no rounding); lo = fp16(ql s + that residual).
+// Needs |qh s| <= 1 (no overflow at 2^11).
+__device__ __forceinline__ void two_prod_h2(u32 qh, u32 ql, u32 s, u32& hi, u32& lo) {
+    hi = hmul2(qh, s);
+    const u32 r = hfma2(hmul2(qh, 0x68006800u), s, hmul2(hi, 0xE800E800u));   // 2^11 qh s - 2^11 hi
+    lo = hfma2(ql, s, r);
+}
+
+
+#define KVQ_MMA_MAXW 4                             // warps per block of the tensor-core decode kernels at most
+
+// The block's 8 query rows (row qi < nq -> query head hk * Gq + qi / Tq, token qi % Tq; rows >= nq are
+// zero) times qk_scale: s_q [8][D] fp32, s_qmax[8] = max |row|, and q~ = row / max |row| as fp16 hi
+// (s_qh) + 2^-11 lo (s_ql), [8][D] each. q_dt: 0 fp16, 2 fp32. Ends with __syncthreads.
+template <int D>
+__device__ __forceinline__ void mma_load_queries(float* s_q, u16* s_qh, u16* s_ql, float* s_qmax,
+                                                 const void* __restrict__ q, int q_dt, i64 sq_b, i64 sq_h, i64 sq_t,
+                                                 int b, int hk, int Gq, int Tq, int nq, float qk_scale) {
+    constexpr int QT = 8;
+    const int tid = threadIdx.x, lane = tid & 31;
+    for (int idx = tid; idx < QT * D; idx += blockDim.x) {
+        const int qi = idx / D, d = idx - (idx / D) * D;
+        float val = 0.0f;
+        if (qi < nq) {
+            const int h = hk * Gq + qi / Tq, tq = qi - (qi / Tq) * Tq;
+            const i64 off = (i64)b * sq_b + (i64)h * sq_h + (i64)tq * sq_t + d;
+            const float x = q_dt == 0 ? f16_to_f32(reinterpret_cast<const u16*>(q)[off])
+                                      : reinterpret_cast<const float*>(q)[off];
+            val = __fmul_rn(x, qk_scale);
+        }
+        s_q[idx] = val;
+    }
+    __syncthreads();
+    if (tid < 32) {                                // max |q| per row: lane -> row lane % 8, quarter lane / 8
+        float mx = 0.0f;
+        for (int c = (D / 4) * (lane >> 3); c < (D / 4) * (lane >> 3) + D / 4; ++c)
+            mx = fmaxf(mx, fabsf(s_q[(lane & 7) * D + c]));
+        mx = fmaxf(mx, __shfl_xor_sync(KVQ_FULL_MASK, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(KVQ_FULL_MASK, mx, 16));
+        if (lane < QT) s_qmax[lane] = mx;
+    }
+    __syncthreads();
+    for (int idx = 2 * tid; idx < QT * D; idx += 2 * blockDim.x) {   // q~ as hi + 2^-11 lo, pairs
+        const float mx = s_qmax[idx / D];
+        const float r = mx > 0.0f ? 1.0f / mx : 0.0f;
+        u32 hi, lo;
+        split2(s_q[idx] * r, s_q[idx + 1] * r, hi, lo);
+        *reinterpret_cast<u32*>(s_qh + idx) = hi;
+        *reinterpret_cast<u32*>(s_ql + idx) = lo;
+    }
+    __syncthreads();
+}
+
+// One page's softmax and P . V for a warp of a tensor-core decode kernel (thread (g, t) = (lane / 4,
+// lane % 4)), given the page's score accumulators S^T (m-tile mt: rows g <-> token 16 g + 2 mt, rows
+// g + 8 <-> token 16 g + 2 mt + 1; columns: NR = 8 the 8 query rows (hi in S, lo in SL), NR = 4 hi of
+// rows 0-3 in columns 0-3, lo in 4-7) and a value slot in shared memory: codes (128 tokens x 32 bytes,
+// 2-bit packed along the 128 channels), scale and mn (one fp16 each per token).
+//   score(e, hi, lo, mt, odd) -> the log2-unit score of query row r0 + e (r0 = 2t, NR = 4: 2 (t % 2))
+//   and token 16 g + 2 mt + odd.
+// NR = 4: threads t and t + 2 swap halves so that each ends with one token per m-tile (16 g + 2 mt + 1
+// for t >= 2). Online softmax in base 2 whose reference M runs over max_page(s) + E, 2^(E-1) <=
+// max|scale_v| < 2^E (exact): B (tokens x rows) = 2^(s - M) scale_v <= 1 in fp16, transposed from the
+// score fragments by movmatrix; O^T (m-tile mc: rows g <-> channel 16 g + 2 mc, g + 8 <-> 16 g + 2 mc + 1; columns 2t,
+// 2t + 1) += codes_V . B; l += 2^(s - M); bs += 2^(s - M) mn_v (per thread, reduced in mma_finish).
+// The value slot's cp.async group is waited for after the scores (p_wait<1>: one later group, the next
+// page's keys, may still be in flight).
+template <int NR, class F>
+__device__ __forceinline__ void page_softmax_pv(float (*S)[4], float (*SL)[4], F score, int nvalid, const u8* vslot,
+                                                int lane, float& m0, float& m1, float& l0, float& l1, float& bs0,
+                                                float& bs1, float (*O)[4]) {
+    constexpr int G = 128, VBY = 32, VS_OFF = G * VBY, VM_OFF = VS_OFF + 2 * G;
+    constexpr int NE = NR == 4 ? 2 : 4;
+    const int g = lane >> 2, t = lane & 3;
+    const bool tl = t < 2;
+    float mp0 = -KVQ_INF, mp1 = -KVQ_INF;
+#pragma unroll
+    for (int mt = 0; mt < 8; ++mt) {
+        float hi[NE], lo[NE];
+        int tok[NE];
+        if constexpr (NR == 8) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) hi[e] = S[mt][e], lo[e] = SL[mt][e], tok[e] = 16 * g + 2 * mt + (e >> 1);
+        } else {
+            const float x0 = __shfl_xor_sync(KVQ_FULL_MASK, tl ? S[mt][2] : S[mt][0], 2);
+            const float x1 = __shfl_xor_sync(KVQ_FULL_MASK, tl ? S[mt][3] : S[mt][1], 2);
+            hi[0] = tl ? S[mt][0] : x0, hi[1] = tl ? S[mt][1] : x1;
+            lo[0] = tl ? x0 : S[mt][2], lo[1] = tl ? x1 : S[mt][3];
+            tok[0] = tok[1] = 16 * g + 2 * mt + (tl ? 0 : 1);
+        }
+#pragma unroll
+        for (int e = 0; e < NE; ++e) {
+            const float v = score(e & 1, hi[e], lo[e], mt, tok[e] & 1);
+            S[mt][e] = tok[e] < nvalid ? v : -KVQ_INF;
+            if (e & 1) mp1 = fmaxf(mp1, S[mt][e]);
+            else mp0 = fmaxf(mp0, S[mt][e]);
+        }
+    }
+#pragma unroll
+    for (int off = NR == 4 ? 2 : 4; off <= 16; off <<= 1) {
+        if (off == 2 && NR == 8) continue;
+        mp0 = fmaxf(mp0, __shfl_xor_sync(KVQ_FULL_MASK, mp0, off));
+        mp1 = fmaxf(mp1, __shfl_xor_sync(KVQ_FULL_MASK, mp1, off));
+    }
+    p_wait<1>();                                   // the page's values (the next page's keys may be in flight)
+    __syncwarp();
+    const u16* vss = reinterpret_cast<const u16*>(vslot + VS_OFF);
+    const u16* vms = reinterpret_cast<const u16*>(vslot + VM_OFF);
+    const float vmax = warp_absmax128(vss, lane);
+    const float voff = vmax > 0.0f ? (float)((int)(__float_as_uint(vmax) >> 23) - 126) : 0.0f;
+    const float mn0 = fmaxf(m0, mp0 + voff), mn1 = fmaxf(m1, mp1 + voff);
+    const float a0 = m0 == mn0 ? 1.0f : ex2(m0 - mn0), a1 = m1 == mn1 ? 1.0f : ex2(m1 - mn1);
+    if (__any_sync(KVQ_FULL_MASK, a0 != 1.0f || a1 != 1.0f)) {     // rescale when some row's M moved
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            O[i][0] *= a0;
+            O[i][1] *= a1;
+            O[i][2] *= a0;
+            O[i][3] *= a1;
+        }
+        l0 *= a0;
+        l1 *= a1;
+        bs0 *= a0;
+        bs1 *= a1;
+    }
+    m0 = mn0;
+    m1 = mn1;
+    const float ms0 = mn0 == -KVQ_INF ? 0.0f : mn0, ms1 = mn1 == -KVQ_INF ? 0.0f : mn1;
+    u32 bp[8][2];
+#pragma unroll
+    for (int mt = 0; mt < 8; ++mt) {
+        const int tk = 16 * g + 2 * mt;
+        const u32 sv = *reinterpret_cast<const u32*>(vss + tk), mv = *reinterpret_cast<const u32*>(vms + tk);
+        if constexpr (NR == 8) {
+            const float pa0 = ex2(S[mt][0] - ms0), pa1 = ex2(S[mt][1] - ms1);   // token tk
+            const float pb0 = ex2(S[mt][2] - ms0), pb1 = ex2(S[mt][3] - ms1);   // token tk + 1
+            l0 += pa0 + pb0;
+            l1 += pa1 + pb1;
+            const float sa = h_lo(sv), sb = h_hi(sv), na = h_lo(mv), nb = h_hi(mv);
+            bs0 = fmaf(pa0, na, fmaf(pb0, nb, bs0));
+            bs1 = fmaf(pa1, na, fmaf(pb1, nb, bs1));
+            bp[mt][0] = movmatrix_t(f2_to_h2(pa0 * sa, pa1 * sa));
+            bp[mt][1] = movmatrix_t(f2_to_h2(pb0 * sb, pb1 * sb));
+        } else {                                   // this thread's token: tk (t < 2) or tk + 1
+            const float p0 = ex2(S[mt][0] - ms0), p1 = ex2(S[mt][1] - ms1);
+            l0 += p0;
+            l1 += p1;
+            const float sw = tl ? h_lo(sv) : h_hi(sv), nw = tl ? h_lo(mv) : h_hi(mv);
+            bs0 = fmaf(p0, nw, bs0);
+            bs1 = fmaf(p1, nw, bs1);
+            const u32 pk = f2_to_h2(p0 * sw, p1 * sw);
+            const u32 other = __shfl_xor_sync(KVQ_FULL_MASK, pk, 2);   // token tk + 1, from t + 2
+            bp[mt][0] = movmatrix_t(tl ? pk : 0u);                     // columns 4-7: zero
+            bp[mt][1] = movmatrix_t(tl ? other : 0u);
+        }
+    }
+    // O += codes_V . B: k-step mt <-> the tokens of score m-tile mt (columns 2t, 2t+1, 2t+8, 2t+9 <->
+    // tokens 32t + 2mt, 32t + 16 + 2mt, 32t + 2mt + 1, 32t + 17 + 2mt); word g of their value rows
+    const u8* vw = vslot + 4 * g + 32 * t * VBY;
+#pragma unroll
+    for (int mt = 0; mt < 8; ++mt) {
+        const u8* w = vw + 2 * mt * VBY;
+        mma_mtiles<1>(O, O, bp[mt], *reinterpret_cast<const u32*>(w), *reinterpret_cast<const u32*>(w + 16 * VBY),
+                      *reinterpret_cast<const u32*>(w + VBY), *reinterpret_cast<const u32*>(w + 17 * VBY));
+    }
+}
+
+// End of a tensor-core decode kernel: reduce each thread's l and sum p mn_v over its tokens, write the
+// warp's un-normalized rows (O + sum p mn_v) and (m, l) over its page area (cacc, [NW][8][D] fp32; all
+// warps must be done with their slots) and combine the block's warps into partial `split`.
+template <int NR, int D>
+__device__ __forceinline__ void mma_finish(u8* area, float* s_m, float* s_l, float m0, float m1, float l0, float l1,
+                                           float bs0, float bs1, float (*O)[4], int nq, int hk, int Gq, int Tq,
+                                           int B, int Hq, int b, int split, float* __restrict__ o_part,
+                                           float* __restrict__ lse_part) {
+    constexpr int QT = 8;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int off = NR == 4 ? 2 : 4; off <= 16; off <<= 1) {
+        if (off == 2 && NR == 8) continue;
+        l0 += __shfl_xor_sync(KVQ_FULL_MASK, l0, off);
+        l1 += __shfl_xor_sync(KVQ_FULL_MASK, l1, off);
+        bs0 += __shfl_xor_sync(KVQ_FULL_MASK, bs0, off);
+        bs1 += __shfl_xor_sync(KVQ_FULL_MASK, bs1, off);
+    }
+    __syncthreads();                               // every warp is done with its slots
+    float* cacc = reinterpret_cast<float*>(area);
+    const int c0s = 2 * t, c1s = 2 * t + 1;
+    float* r0p = cacc + (warp * QT + c0s) * D + 16 * g;
+    float* r1p = cacc + (warp * QT + c1s) * D + 16 * g;
+#pragma unroll
+    for (int mc = 0; mc < 8; ++mc) {               // channels 16 g + 2 mc (+1)
+        *reinterpret_cast<float2*>(r0p + 2 * mc) = make_float2(O[mc][0] + bs0, O[mc][2] + bs0);
+        *reinterpret_cast<float2*>(r1p + 2 * mc) = make_float2(O[mc][1] + bs1, O[mc][3] + bs1);
+    }
+    if (g == 0) {
+        s_m[warp * QT + c0s] = m0;
+        s_m[warp * QT + c1s] = m1;
+        s_l[warp * QT + c0s] = l0;
+        s_l[warp * QT + c1s] = l1;
+    }
+    __syncthreads();
+    combine_warps<QT, D>(s_m, s_l, cacc, blockDim.x >> 5, nq, tid, blockDim.x, 0, hk, Gq, Tq, B, Hq, b, (i64)split,
+                         o_part, lse_part);
+}
+
+#endif  // KVQ_MMA_CUH

@@ -1,0 +1,187 @@
+// kvq CUDA kernel: fused INT2 decode attention over the OSCAR cache's paged history (kvq/reference/oscar.py,
+// section 4 and Algorithm 1 of App. B), on the tensor cores.
+//
+// Mirrors the history segment of kvq/reference/oscar.py decode_attention within numerics contract rule 7
+// (order-dependent reductions: the tolerance rule); the codes are exact fp16 numbers and every
+// dequantization factor enters in fp32.
+//
+// Layout (kvq.fast._oscar.OSCARTensorState, all in the rotated frame), per pool page p and kv head h:
+//   k_codes / v_codes (Pg = 128 tokens, D / 4 bytes) u8: 2-bit codes packed along channels (byte j of a
+//   token row holds channels 4j .. 4j + 3 at bits 0, 2, 4, 6), k_scale / k_mn / v_scale / v_mn (Pg, D / G)
+//   fp16 with one group per token here (G = D = 128); table (B, N) int32: page j of sequence b holds the
+//   history tokens [j Pg, j Pg + Pg).
+#include "mma.cuh"
+
+// The 2-bit field I of bytes 0 and 2 of x as a half2 of exact codes, I known only at run time (as
+// codes_h2<I>): mask and magic, then the fma by 4^-I with addend -1024 4^-I (m, sc, bi per thread).
+__device__ __forceinline__ u32 codes_h2_rt(u32 x, u32 m, u32 sc, u32 bi) {
+    u32 h;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(h) : "r"(x), "r"(m), "n"(0x64006400u));      // (x & m) | magic
+    return hfma2(h, sc, bi);
+}
+
+// Computes: the partials of the INT2 history of the OSCAR cache for the (at most 8) query rows of kv head
+//   (b, hk) (row r -> query head hk * G_q + r / T_q, token r % T_q) over the pages [split * pps,
+//   min(split * pps + pps, NP)) (history tokens >= NH masked): s = (q_rot . k) * scale * log2(e) with
+//   k = code * scale_k + mn_k per token, online softmax in base 2, o = sum 2^(s - m) v / l with v = code *
+//   scale_v + mn_v; writes partial `split` in attention.cu's layout (o_part / lse_part, natural log).
+//   q is the rotated query, fp32 (B, H_q, T_q, D) with strides.
+// Scores: S^T (tokens x rows) = codes_K . q~^T on the tensor cores (q~ = q / max|q_row| as fp16 hi +
+//   2^-11 lo: NR = 4 hi in columns 0-3, lo in 4-7 of one mma; NR = 8 two mma), then s = max|q_row|
+//   (scale_k (S_hi + 2^-11 S_lo) + mn_k sum_c q~_c) per token (scale and min per token: they multiply
+//   the product, not the operand). Fragment orders: m-tile mt, row g <-> token 16 g + 2 mt, row g + 8 <->
+//   token 16 g + 2 mt + 1 (their 32-byte rows are adjacent in shared memory); k-step kk <-> word kk of a
+//   token row, columns 2t, 2t + 1, 2t + 8, 2t + 9 <-> channels 16 kk + t, 16 kk + 8 + t, 16 kk + 4 + t,
+//   16 kk + 12 + t: field t of bytes 0 and 2 (of bytes 1 and 3 after a shift by 8) is one half2.
+// Softmax and P . V: page_softmax_pv (mma.cuh), the value page has the layout of a KIVI value page.
+// Grid: (num_splits, H_kv, B); block NW * 32 threads, each warp its own pages with a key and a value
+//   slot in shared memory (cp.async: the next page's keys load during this page's softmax and P . V,
+//   its values during the next scores; the key codes XOR-swizzled in 16-byte chunks, warp_copy_swz,
+//   so that the lanes' row reads are free of bank conflicts); warps combined at the end.
+// Dynamic shared memory: 8 * D * 8 (queries: fp32, fp16 hi, fp16 lo) + NW * 2 * (Pg * 32 + 4 * Pg).
+// Bytes: reads each packed K / V page of the split and its metadata once, the page-table entries and
+//   the queries; writes (D + 1) fp32 per query row and split.
+template <int NR>
+__global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
+    oscar_decode_mma(const float* __restrict__ q, i64 sq_b, i64 sq_h, i64 sq_t, const u8* __restrict__ kc,
+                     const u16* __restrict__ ks, const u16* __restrict__ km, const u8* __restrict__ vc,
+                     const u16* __restrict__ vs, const u16* __restrict__ vm, const int* __restrict__ table,
+                     int n_tab, float* __restrict__ o_part, float* __restrict__ lse_part, int B, int Hq, int Hkv,
+                     int Tq, int NH, int NP, int pps, int num_splits, float qk_scale) {
+    constexpr int D = 128, PG = 128, ROW = 32, QT = 8;
+    constexpr int S_OFF = PG * ROW, M_OFF = S_OFF + 2 * PG, SLOT = M_OFF + 2 * PG;
+    extern __shared__ u32x4 dsmem4[];
+    __shared__ float s_m[KVQ_MMA_MAXW][QT], s_l[KVQ_MMA_MAXW][QT], s_qmax[QT], s_qsum[QT];
+    u8* dsmem = reinterpret_cast<u8*>(dsmem4);
+    float* s_q = reinterpret_cast<float*>(dsmem);                     // [QT][D] q * qk_scale, fp32
+    u16* s_qh = reinterpret_cast<u16*>(dsmem + QT * D * 4);           // [QT][D] fp16(q~)
+    u16* s_ql = s_qh + QT * D;                                        // [QT][D] fp16(2^11 (q~ - hi))
+
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5;
+    const int lane = tid & 31;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int NW = blockDim.x >> 5;
+    const int split = (int)(blockIdx.x % (unsigned)num_splits);
+    const int hk = blockIdx.y;
+    const int b = blockIdx.z;
+    const int Gq = Hq / Hkv;
+    const int nq = kvq_min(QT, Gq * Tq);
+    mma_load_queries<D>(s_q, s_qh, s_ql, s_qmax, q, 2, sq_b, sq_h, sq_t, b, hk, Gq, Tq, nq, qk_scale);
+    if (tid < 32) {                                // sum_c q~_c per row (fp32): the factor of mn_k
+        float sm = 0.0f;
+        const float mx = s_qmax[lane & 7];
+        const float r = mx > 0.0f ? 1.0f / mx : 0.0f;
+        for (int c = 32 * (lane >> 3); c < 32 * (lane >> 3) + 32; ++c) sm += s_q[(lane & 7) * D + c] * r;
+        sm += __shfl_xor_sync(KVQ_FULL_MASK, sm, 8);
+        sm += __shfl_xor_sync(KVQ_FULL_MASK, sm, 16);
+        if (lane < QT) s_qsum[lane] = sm;
+    }
+    __syncthreads();
+    u8* kslot = dsmem + QT * D * 8 + warp * 2 * SLOT;
+    u8* vslot = kslot + SLOT;
+    const int p0 = split * pps;
+    const int p1 = kvq_min(p0 + pps, NP);
+
+    // the B fragments of the 8 k-steps (constant: q~ hi / lo of row rb at this thread's channels)
+    constexpr int NB = NR == 8 ? 4 : 2;
+    const int rb = NR == 4 ? (g & 3) : g;
+    const bool blo = NR == 4 && g >= 4;            // NR = 4: columns 4-7 hold the lo halves
+    u32 bq[8][NB];
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+        const int c = 16 * kk + t;
+#pragma unroll
+        for (int part = 0; part < NB / 2; ++part) {
+            const u16* src = (NR == 8 ? part == 1 : blo) ? s_ql + rb * D : s_qh + rb * D;
+            bq[kk][2 * part] = (u32)src[c] | ((u32)src[c + 8] << 16);
+            bq[kk][2 * part + 1] = (u32)src[c + 4] | ((u32)src[c + 12] << 16);
+        }
+    }
+    const u32 cm = 0x00030003u << (2 * t);          // field t of each half: mask, 4^-t, -1024 4^-t
+    const u32 csc = t == 0 ? 0x3C003C00u : t == 1 ? 0x34003400u : t == 2 ? 0x2C002C00u : 0x24002400u;
+    const u32 cbi = t == 0 ? 0xE400E400u : t == 1 ? 0xDC00DC00u : t == 2 ? 0xD400D400u : 0xCC00CC00u;
+    // the query rows of this thread's scores: NR = 8: 2t, 2t + 1; NR = 4: 2 (t % 2) + {0, 1}
+    const int r0 = NR == 4 ? 2 * (t & 1) : 2 * t;
+    const float qmax0 = s_qmax[r0], qmax1 = s_qmax[r0 + 1];
+    const float qs0 = s_qsum[r0], qs1 = s_qsum[r0 + 1];
+
+    float m0 = -KVQ_INF, m1 = -KVQ_INF, l0 = 0.0f, l1 = 0.0f, bs0 = 0.0f, bs1 = 0.0f;
+    float O[8][4];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) O[i][e] = 0.0f;
+
+    auto stage = [&](u8* slot, const u8* codes, const u16* sc, const u16* mn, int jj, bool swz) {
+        const i64 ph = (i64)kvq_max_i(table[(i64)b * n_tab + jj], 0) * Hkv + hk;
+        if (swz) warp_copy_swz(slot, codes + ph * (PG * ROW), PG * ROW, lane);   // key codes: swizzled
+        else warp_copy(slot, codes + ph * (PG * ROW), PG * ROW, lane);
+        warp_copy(slot + S_OFF, reinterpret_cast<const u8*>(sc + ph * PG), PG * 2, lane);
+        warp_copy(slot + M_OFF, reinterpret_cast<const u8*>(mn + ph * PG), PG * 2, lane);
+    };
+    int j = p0 + warp;
+    if (j < p1) stage(kslot, kc, ks, km, j, true);
+    p_commit();
+    if (j < p1) stage(vslot, vc, vs, vm, j, false);
+    p_commit();
+    for (; j < p1; j += NW) {                      // uniform across the warp
+        p_wait<1>();                               // the keys of page j
+        __syncwarp();
+        const int nvalid = kvq_min(PG, NH - j * PG);
+
+        // ---- S^T = codes_K . q~^T (hi / lo)
+        float S[8][4], SL[NR == 8 ? 8 : 1][4];
+#pragma unroll
+        for (int mt = 0; mt < 8; ++mt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                S[mt][e] = 0.0f;
+                if constexpr (NR == 8) SL[mt][e] = 0.0f;
+            }
+            // tokens 16 g + 2 mt and + 1: 16-byte chunks 32 g + 4 mt + v, stored at 32 g + ((4 mt + v) ^ g)
+            const u32x4* rows = reinterpret_cast<const u32x4*>(kslot) + 32 * g;
+            u32 w[16];
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                const u32x4 x = rows[(4 * mt + v) ^ g];
+                w[4 * v] = x.x, w[4 * v + 1] = x.y, w[4 * v + 2] = x.z, w[4 * v + 3] = x.w;
+            }
+#pragma unroll
+            for (int kk = 0; kk < 8; ++kk) {
+                const u32 wa = w[kk], wb = w[8 + kk];
+                const u32 a[4] = {codes_h2_rt(wa, cm, csc, cbi), codes_h2_rt(wb, cm, csc, cbi),
+                                  codes_h2_rt(wa >> 8, cm, csc, cbi), codes_h2_rt(wb >> 8, cm, csc, cbi)};
+                mma16816(S[mt], a, bq[kk][0], bq[kk][1]);
+                if constexpr (NR == 8) mma16816(SL[mt], a, bq[kk][2], bq[kk][3]);
+            }
+        }
+        __syncwarp();
+        const u16* kss = reinterpret_cast<const u16*>(kslot + S_OFF);
+        const u16* kms = reinterpret_cast<const u16*>(kslot + M_OFF);
+        // scale and min of this thread's tokens (16 g + 2 mt, + 1), before the slot is reused
+        u32 ksc[8], kmn[8];
+#pragma unroll
+        for (int mt = 0; mt < 8; ++mt) {
+            ksc[mt] = *reinterpret_cast<const u32*>(kss + 16 * g + 2 * mt);
+            kmn[mt] = *reinterpret_cast<const u32*>(kms + 16 * g + 2 * mt);
+        }
+        __syncwarp();
+        if (j + NW < p1) stage(kslot, kc, ks, km, j + NW, true);
+        p_commit();
+
+        // ---- scores of row r0 + e and this thread's token: max|q_row| (scale (hi + 2^-11 lo) + mn sum q~)
+        page_softmax_pv<NR>(S, SL, [&](int e, float hi, float lo, int mt, int odd) {
+            const float sc = odd ? h_hi(ksc[mt]) : h_lo(ksc[mt]), mn = odd ? h_hi(kmn[mt]) : h_lo(kmn[mt]);
+            const float qm = e ? qmax1 : qmax0;
+            return qm * fmaf(sc, fmaf(lo, 1.0f / 2048.0f, hi), mn * (e ? qs1 : qs0));
+        }, nvalid, vslot, lane, m0, m1, l0, l1, bs0, bs1, O);
+        __syncwarp();
+        if (j + NW < p1) stage(vslot, vc, vs, vm, j + NW, false);
+        p_commit();
+    }
+    p_wait<0>();                                   // no copy may be in flight at exit / reuse
+    mma_finish<NR, D>(dsmem + QT * D * 8, &s_m[0][0], &s_l[0][0], m0, m1, l0, l1, bs0, bs1, O, nq, hk, Gq, Tq, B, Hq,
+                      b, split, o_part, lse_part);
+}

@@ -1,0 +1,124 @@
+"""CuPy fused INT2 decode over the OSCAR cache (``kvq.reference.oscar`` section 4): the tensor-core
+kernel ``oscar_decode_mma`` of ``oscar_decode.cu`` over the packed history pages, the FP16 sink and
+window attended by ``attention.cu``'s split kernel straight from their fp16 buffers (beside the fused
+kernel, on a second stream), all partials merged by log-sum-exp.
+
+    out, lse = decode(cfg, state, q_rot, scale=None)      # q_rot: (B, H_q, T_q, D) fp32, the rotated query
+
+It takes 2-bit codes, D = 128, one quantization group per token (G = 128), pages of 128 tokens, fp16
+metadata and at most 8 query rows per KV head (``supported``); ``kvq.fast.cupy.oscar`` falls back to
+dequantizing the history otherwise, and for float32 queries (the precise path: scores here carry about
+22 bits, probabilities times value scales are rounded once to fp16).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from kvq.fast import _common as C
+from kvq.reference import oscar as RO
+
+from . import _loader as L
+from . import attention as A
+from . import paged as PD
+
+_SRC = "oscar_decode.cu"
+LOG2E = 1.4426950408889634
+PAGE = 128                          # tokens per page (OSCARConfig.page_size) the kernel takes
+HEAD_DIM = 128
+
+
+def supported(cfg, st, q_rot) -> bool:
+    """Whether the fused kernel takes this cache and query (else the history is dequantized)."""
+    B, H, D = st.shape
+    M = (q_rot.shape[1] // H) * q_rot.shape[2]
+    return (cfg.bits == 2 and D == HEAD_DIM and cfg.group_size == D and cfg.page_size == PAGE
+            and st.k_scale.dtype == torch.float16 and M <= 8 and q_rot.dtype == torch.float32
+            and B <= 65535 and H <= 65535)
+
+
+def smem_bytes(nw: int) -> int:
+    """Dynamic shared memory of oscar_decode_mma: the queries (8 x 128: fp32, fp16 hi, fp16 lo) and per
+    warp a key slot and a value slot (codes 128 x 32 bytes, scale and mn 128 fp16 each)."""
+    return 8 * HEAD_DIM * 8 + nw * 2 * (PAGE * 32 + 4 * PAGE)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(nr: int, smem: int, device_index: int):
+    return PD._allow_smem(L.kernel(_SRC, f"oscar_decode_mma<{nr}>"), smem, device_index)
+
+
+def _fp16_segments(cfg, st):
+    """The sink and the window (ring slots in any order: attention does not depend on it) as fp16 views."""
+    c = RO.counts(cfg, st.length)
+    segs = []
+    if c["n_sink"]:
+        segs.append((st.sink_k[:, :, :c["n_sink"]], st.sink_v[:, :, :c["n_sink"]]))
+    if c["n_win"]:
+        segs.append((st.win_k[:, :, :c["n_win"]], st.win_v[:, :, :c["n_win"]]))
+    return segs
+
+
+def decode(cfg, st, q_rot, *, scale=None):
+    """Attention of the rotated fp32 query over the whole cache: ``(out fp32, lse fp32)`` in the rotated
+    frame (the caller rotates back). Requires ``supported(cfg, st, q_rot)``."""
+    B, H, D = st.shape
+    _, H_q, T_q, _ = q_rot.shape
+    sc = C.softmax_scale(scale, D)
+    dev = q_rot.device
+    dev_index = dev.index if dev.index is not None else torch.cuda.current_device()
+    sms = L.sm_count(dev_index)
+    c = RO.counts(cfg, st.length)
+    NH, NP = c["n_hist"], c["n_pages"]
+    M = (H_q // H) * T_q
+    nr = 4 if M <= 4 else 8
+    qq = q_rot if q_rot.stride(-1) == 1 else q_rot.contiguous()
+    n_split = pps = 0
+    if NP:
+        nw = PD.MMA_MAX_WARPS
+        smem = smem_bytes(nw)
+        fn = _kernel(nr, smem, dev_index)
+        slots = PD.blocks_per_sm(fn, 32 * nw, smem, dev_index) * sms
+        n_split, pps = PD._n_splits(NP, B * H, nw, slots)
+    # the FP16 segments: attn_split<fp16 K / V, fp32 q, PRECISE: double sums, natural units (the fp32
+    # lse bound left no room for base-2 rounding here)>, one launch per segment
+    tqt = 4 if M <= 4 else 8
+    tqtiles = -(-M // tqt)
+    tnw = L.attn_warps(L.DT[torch.float16], D)
+    tails = []
+    s0 = n_split
+    for k, v in _fp16_segments(cfg, st):
+        chunk, nt = A._splits(k.shape[2], B * H * tqtiles, 32 * tnw, sms)
+        tails.append((k, v, chunk, nt, s0))
+        s0 += nt
+    S_TOTAL = s0
+    rows = B * H_q * T_q
+    o_part = torch.empty((S_TOTAL, rows, D), dtype=torch.float32, device=dev)
+    lse_part = torch.empty((S_TOTAL, rows), dtype=torch.float32, device=dev)
+    main = torch.cuda.current_stream(dev)
+    side = PD._side_stream(dev_index) if tails and n_split and PD.TUNE["side_stream"] else main
+    if tails:
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            fn_t = A._split_kernel(L.DT[torch.float16], D, tqt, tnw, L.DT[torch.float32], precise=True)
+            for k, v, chunk, nt, first in tails:
+                L.run(fn_t, (nt * tqtiles, H, B), (32 * tnw,),
+                      (qq, k, v, o_part, lse_part, *(np.int64(s) for s in qq.stride()[:3]),
+                       *(np.int64(s) for s in k.stride()[:3]), *(np.int64(s) for s in v.stride()[:3]),
+                       np.int32(B), np.int32(H_q), np.int32(H), np.int32(T_q), np.int64(k.shape[2]),
+                       np.int64(chunk), np.int32(nt), np.int32(first), np.float32(sc)), dev)   # natural units
+    if n_split:
+        L.run(fn, (n_split, H, B), (32 * nw,),
+              (qq, *(np.int64(s) for s in qq.stride()[:3]), st.k_codes, st.k_scale, st.k_mn, st.v_codes,
+               st.v_scale, st.v_mn, st.table, np.int32(st.table.shape[1]), o_part, lse_part,
+               np.int32(B), np.int32(H_q), np.int32(H), np.int32(T_q), np.int32(NH), np.int32(NP),
+               np.int32(pps), np.int32(n_split), np.float32(sc * LOG2E)), dev, shared_mem=smem)
+    if side is not main:
+        main.wait_stream(side)
+    out = torch.empty((B, H_q, T_q, D), dtype=torch.float32, device=dev)
+    lse = torch.empty((B, H_q, T_q), dtype=torch.float32, device=dev)
+    A._merge_launch(o_part, lse_part, out, lse, rows, S_TOTAL, D)
+    return out, lse

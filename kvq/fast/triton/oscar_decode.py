@@ -1,0 +1,298 @@
+"""Triton fused decode over the OSCAR cache's quantized pages (OSCAR section 4, "Decoding Attention
+Kernel"; App. B, DecodeStep): the INT-b history is read packed, never materialized.
+
+The history tokens of sequence b live in pages ``table[b, j]`` of the pool (token j * Pg + slot), one
+row per token and KV head: codes packed along channels (D * bits / 8 bytes), a scale and a min per
+group of G channels. One kernel (``_pages_kernel``) splits the history of every (batch, kv head) into
+ranges of tokens, unpacks and dequantizes the keys and values in registers and runs flash-decoding with
+an online softmax for all the query rows of the KV head at once (GQA: the G_q = H_q / H_kv query heads
+times T_q tokens); the FP16 sink and recent window form one small fp32 segment for the FP16-baseline
+partial kernel of ``kvq.fast.triton.attention``; the log-sum-exp merge kernel there combines every
+partial: three attention launches per decode (pages, sink + window, merge), in the partial layout
+of ``kvq.fast.triton.paged``.
+
+    from kvq.fast.triton import oscar                     # oscar.decode_attention calls into here
+    out, lse = oscar.decode_attention(cfg, calib, st, q)
+
+Numerics (the query is rotated, ``q R_K``, fp32). ``precise`` (fp32 q: an fp32 output to meet, or a
+group size under 16): keys and values are dequantized in registers as the reference does
+(``code * scale + mn`` in fp32), scores by IEEE fp32 dots in a pairwise tree of 16-channel chunks,
+``P @ V`` an IEEE fp32 dot, accurate exp. Otherwise (fp16 / bf16 q) the tensor cores take the codes
+(exact in fp16) against fp32 factors split into hi + lo fp16 halves (``paged._split_dot``): per group g,
+``s += scale_t,g (q_g @ codes_g) + mn_t,g sum(q_g)`` with q_g in ``TUNE["k_terms"]`` parts (3: ~33
+bits, beyond fp32's 24), and ``acc[:, g] += (p * scale_g) @ codes_g + p @ mn_g`` with P in ``TUNE["v_terms"]`` parts (1:
+rounded once, as the FP16 flash-decoding kernel does; fine for an fp16 / bf16 output); the lse keeps
+about fp32 accuracy either way.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvq.fast import _common as C
+from kvq.fast import _oscar as _O
+from kvq.reference import oscar as RO
+
+from . import attention as A
+from .paged import _codes_to, _split_dot
+from .quant import _unpack_last
+
+#: launch knobs (None = the built-in choice), for tuning runs on the GPU: num_warps; waves = target
+#: programs per SM over the page grid; block_t = history tokens per inner step (a power of two >= 16;
+#: the tensor-core path computes a step of 16 on a tile of ``KMIN`` = 32 token lanes, half masked);
+#: k_terms: parts of q in the key dots (3: ~33 bits; 2: ~22 bits, measured in the interpreter to miss
+#: the lse tolerance at D = G = 128 with large magnitudes); v_terms: parts of P * scale in P @ V (1:
+#: rounded once to fp16, 2: ~fp32); num_stages: software-pipelining depth
+TUNE = {"num_warps": 4, "waves": 3, "block_t": None, "k_terms": 3, "v_terms": 1, "num_stages": None}
+
+#: the smallest K extent (reduction length) of a tensor-core ``tl.dot`` here: the fp16 operands derived
+#: from 8-bit loads (the packed codes) make Triton (3.6, NVIDIA mma v2) pick the operand layout of
+#: kWidth = 8, which spans 4 lanes x 8 = 32 along K; with K = 16 that layout wraps (lanes 2, 3 of a quad
+#: repeat lanes 0, 1) and the single k16 mma sums half of the products twice and drops the other half
+#: (wrong on the GPU, exact in the interpreter). So P @ V runs on tiles of at least KMIN tokens and the
+#: key dot on groups padded to KMIN channels, the padding masked to zero.
+KMIN = tl.constexpr(32)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the page kernel
+
+
+@triton.jit
+def _token_rows(tab_ptr, b, n, tmask, N_TAB, H_KV, hk, PG: tl.constexpr):
+    """Pool rows (int64) of history tokens n (BT,) of sequence b, KV head hk: page ``table[b, n // Pg]``,
+    slot ``n % Pg``; row r holds the token's codes at ``r * (D * bits / 8)``, its metadata at ``r * D / G``."""
+    pid = tl.load(tab_ptr + b * N_TAB + n // PG, mask=tmask, other=0)
+    pid = tl.maximum(pid, 0).to(tl.int64)
+    return (pid * H_KV + hk) * PG + n % PG
+
+
+@triton.jit
+def _dequant(c_ptr, s_ptr, m_ptr, row, tmask, dc, CB: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr):
+    """Channels ``dc`` (N,) of the tokens at pool rows ``row`` (BT,), fp32 (BT, N): ``code * scale + mn``,
+    the reference's dequantization (the GPU may contract it into one FMA: the kernel keeps FMA on for
+    its IEEE dots, and one rounding less inside a dot product is within the tolerance rule)."""
+    PER: tl.constexpr = 8 // BITS
+    NG: tl.constexpr = CB * PER // G
+    m2 = tmask[:, None]
+    byte = tl.load(c_ptr + row[:, None] * CB + (dc // PER)[None, :], mask=m2, other=0).to(tl.int32)
+    code = (byte >> ((dc % PER) * BITS)[None, :]) & ((1 << BITS) - 1)
+    gi = row[:, None] * NG + (dc // G)[None, :]
+    sc = tl.load(s_ptr + gi, mask=m2, other=0.0).to(tl.float32)
+    mn = tl.load(m_ptr + gi, mask=m2, other=0.0).to(tl.float32)
+    return code.to(tl.float32) * sc + mn
+
+
+@triton.jit
+def _group(c_ptr, s_ptr, m_ptr, row, tmask, g, CB: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+           BT: tl.constexpr, GK: tl.constexpr):
+    """Group g of the tokens at pool rows ``row`` (BT,): codes as fp16 (BT, GK) (exact; GK >= G columns,
+    the G channels of the group, then zeros: a dot's K extent padded to ``KMIN``), scale and min (BT,)
+    fp32. Masked tokens and the padding columns load no byte (code 0)."""
+    PER: tl.constexpr = 8 // BITS
+    NG: tl.constexpr = CB * PER // G
+    GB: tl.constexpr = G // PER
+    GKB: tl.constexpr = GK // PER
+    jb = tl.arange(0, GKB)
+    byte = tl.load(c_ptr + row[:, None] * CB + g * GB + jb[None, :], mask=tmask[:, None] & (jb < GB)[None, :],
+                   other=0).to(tl.int32)
+    codes = _codes_to(_unpack_last(byte, BT, GKB, PER, BITS), tl.float16, True)
+    sc = tl.load(s_ptr + row * NG + g, mask=tmask, other=0.0).to(tl.float32)
+    mn = tl.load(m_ptr + row * NG + g, mask=tmask, other=0.0).to(tl.float32)
+    return codes, sc, mn
+
+
+@triton.jit
+def _tree_scores(q_ptrs, rmask, sq_d, kc_ptr, ks_ptr, km_ptr, row, tmask, LO: tl.constexpr, N: tl.constexpr,
+                 CB: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr):
+    """Precise q k over channel chunks [16 LO, 16 (LO + N)): IEEE fp32 dots of 16 channels of exactly
+    dequantized keys, summed as a pairwise tree (BLOCK_M, BT)."""
+    if N == 1:
+        dc = LO * 16 + tl.arange(0, 16)
+        qc = tl.load(q_ptrs + dc[None, :] * sq_d, mask=rmask[:, None], other=0.0)
+        kt = _dequant(kc_ptr, ks_ptr, km_ptr, row, tmask, dc, CB, G, BITS)                  # (BT, 16)
+        r = tl.dot(qc, tl.trans(kt), input_precision="ieee")
+    else:
+        r = (_tree_scores(q_ptrs, rmask, sq_d, kc_ptr, ks_ptr, km_ptr, row, tmask, LO, N // 2, CB, G, BITS)
+             + _tree_scores(q_ptrs, rmask, sq_d, kc_ptr, ks_ptr, km_ptr, row, tmask, LO + N // 2, N // 2, CB, G,
+                            BITS))
+    return r
+
+
+@triton.jit
+def _split_scores(q_ptrs, rmask, sq_d, kc_ptr, ks_ptr, km_ptr, row, tmask, CB: tl.constexpr, G: tl.constexpr,
+                  BITS: tl.constexpr, BT: tl.constexpr, BLOCK_M: tl.constexpr, TERMS: tl.constexpr,
+                  SHIFT: tl.constexpr):
+    """Tensor-core q k (BLOCK_M, BT): per group g, ``scale_g (q_g @ codes_g^T) + mn_g sum(q_g)``; q_g (fp32)
+    goes through the dot as TERMS fp16 parts against the exact fp16 codes. The dot's K extent (channels)
+    is GK = max(G, KMIN): a group of 16 channels is padded with zero columns of q and of the codes."""
+    PER: tl.constexpr = 8 // BITS
+    NG: tl.constexpr = CB * PER // G
+    if G < KMIN:
+        GK: tl.constexpr = KMIN
+    else:
+        GK: tl.constexpr = G
+    ck = tl.arange(0, GK)
+    cmask = ck < G
+    s = tl.zeros((BLOCK_M, BT), tl.float32)
+    for g in tl.static_range(NG):
+        dg = g * G + ck
+        qg = tl.load(q_ptrs + dg[None, :] * sq_d, mask=rmask[:, None] & cmask[None, :], other=0.0)  # (BLOCK_M, GK)
+        codes, sc, mn = _group(kc_ptr, ks_ptr, km_ptr, row, tmask, g, CB, G, BITS, BT, GK)     # (BT, GK)
+        s += (_split_dot(qg, tl.trans(codes), tl.float16, TERMS, SHIFT) * sc[None, :]
+              + tl.sum(qg, axis=1)[:, None] * mn[None, :])
+    return s
+
+
+@triton.jit
+def _split_pv(p, vc_ptr, vs_ptr, vm_ptr, row, tmask, LO: tl.constexpr, N: tl.constexpr, CB: tl.constexpr,
+              G: tl.constexpr, BITS: tl.constexpr, BT: tl.constexpr, BLOCK_M: tl.constexpr,
+              TERMS: tl.constexpr, SHIFT: tl.constexpr):
+    """Tensor-core p v over the groups [LO, LO + N), (BLOCK_M, N * G) in channel order: group g's
+    columns are ``(p * scale_g) @ codes_g + p @ mn_g``, the groups joined pairwise (a tree)."""
+    if N == 1:
+        codes, sc, mn = _group(vc_ptr, vs_ptr, vm_ptr, row, tmask, LO, CB, G, BITS, BT, G)       # (BT, G)
+        r = (_split_dot(p * sc[None, :], codes, tl.float16, TERMS, SHIFT)
+             + tl.sum(p * mn[None, :], axis=1)[:, None])
+    else:
+        lo = _split_pv(p, vc_ptr, vs_ptr, vm_ptr, row, tmask, LO, N // 2, CB, G, BITS, BT, BLOCK_M, TERMS, SHIFT)
+        hi = _split_pv(p, vc_ptr, vs_ptr, vm_ptr, row, tmask, LO + N // 2, N // 2, CB, G, BITS, BT, BLOCK_M,
+                       TERMS, SHIFT)
+        r = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BLOCK_M, N * G))         # [lo | hi]
+    return r
+
+
+@triton.jit
+def _history_block(q_ptrs, rmask, sq_d, m_i, l_i, acc, n0, end, b, hk, H_KV, N_TAB, qk_scale,
+                   kc_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, tab_ptr,
+                   D: tl.constexpr, G: tl.constexpr, PG: tl.constexpr, BITS: tl.constexpr, BT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, PRECISE: tl.constexpr, LIBDEVICE: tl.constexpr,
+                   K_TERMS: tl.constexpr, V_TERMS: tl.constexpr, SHIFT: tl.constexpr):
+    """History tokens [n0, n0 + BT) (masked at ``end``): one online-softmax update of (m_i, l_i, acc).
+
+    The tensor-core path works on a tile of BK = max(BT, KMIN) token lanes (lanes >= BT masked: no load,
+    score -inf, p = 0), so that P @ V never runs a K extent under KMIN (see ``KMIN``); the precise path's
+    IEEE fp32 dots take BK = BT."""
+    CB: tl.constexpr = D * BITS // 8
+    if PRECISE or BT >= KMIN:
+        BK: tl.constexpr = BT
+    else:
+        BK: tl.constexpr = KMIN
+    lane = tl.arange(0, BK)
+    n = n0 + lane
+    tmask = (lane < BT) & (n < end)
+    row = _token_rows(tab_ptr, b, n, tmask, N_TAB, H_KV, hk, PG)
+    if PRECISE:
+        s = _tree_scores(q_ptrs, rmask, sq_d, kc_ptr, ks_ptr, km_ptr, row, tmask, 0, D // 16, CB, G, BITS)
+    else:
+        s = _split_scores(q_ptrs, rmask, sq_d, kc_ptr, ks_ptr, km_ptr, row, tmask, CB, G, BITS, BK, BLOCK_M,
+                          K_TERMS, SHIFT)
+    s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))
+    m_new, alpha, p, l_i = A._softmax_step(s, m_i, l_i, PRECISE, LIBDEVICE, True)
+    if PRECISE:
+        v = _dequant(vc_ptr, vs_ptr, vm_ptr, row, tmask, tl.arange(0, D), CB, G, BITS)           # (BT, D)
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = _split_pv(p, vc_ptr, vs_ptr, vm_ptr, row, tmask, 0, D // G, CB, G, BITS, BK, BLOCK_M, V_TERMS,
+                       SHIFT)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+# Fused decode over the OSCAR history pages.
+# Computes: for the G_q * T_q query rows of kv head (b, hk) (row m -> query head hk*G_q + m // T_q, token
+#   m % T_q; q rotated, fp32) and the history tokens [sp*TPS, min((sp+1)*TPS, NH)) of sequence b: each
+#   token's key and value rows (page table[b, n // Pg], slot n % Pg; codes packed along channels, scale
+#   and min per group of G channels) are unpacked and dequantized in registers, s = q k * scale, online
+#   softmax, acc += p v, in blocks of BT tokens. Writes the un-normalized (acc, m, l) of split sp at
+#   partial slot sp. Scores stay in natural units (s * scale, the reference's rounding; exp2 of
+#   (s - m) * log2 e on the fast path), so no rounding of log2 e or ln 2 reaches m and the lse.
+# Grid: (B * H_kv, n_splits, cdiv(G_q * T_q, BLOCK_M)); BLOCK_M >= 16 rows (tl.dot), padded and masked.
+# Bytes: reads each history token's K / V codes (2 D bits / 8) and metadata (4 D / G meta values) once per
+#   row block, plus the queries; writes rows * n_splits * (D + 2) fp32.
+@triton.jit(do_not_specialize=["T_Q", "M", "NH", "TPS", "S_TOTAL", "N_TAB"])
+def _pages_kernel(q_ptr, kc_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, tab_ptr, o_ptr, m_ptr, l_ptr,
+                  sq_b, sq_h, sq_t, sq_d, H_Q, H_KV, T_Q, M, NH, TPS, S_TOTAL, N_TAB, qk_scale,
+                  G_Q: tl.constexpr, D: tl.constexpr, G: tl.constexpr, PG: tl.constexpr, BITS: tl.constexpr,
+                  BT: tl.constexpr, BLOCK_M: tl.constexpr, PRECISE: tl.constexpr, TIGHT: tl.constexpr,
+                  NBLK: tl.constexpr, K_TERMS: tl.constexpr, V_TERMS: tl.constexpr, SHIFT: tl.constexpr):
+    bh = tl.program_id(0)
+    sp = tl.program_id(1)
+    mb = tl.program_id(2)
+    LIBDEVICE: tl.constexpr = TIGHT                    # TIGHT <=> compiled for the GPU
+    b, hk, h, t, rmask, q_ptrs = A._query_rows(q_ptr, bh, mb, H_KV, sq_b, sq_h, sq_t, T_Q, M, G_Q, BLOCK_M)
+    start = sp * TPS
+    end = tl.minimum(start + TPS, NH)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    # the first block of a split always holds a token (start < NH), so m_i is finite from then on
+    if TIGHT:
+        for n0 in range(start, end, BT):
+            m_i, l_i, acc = _history_block(q_ptrs, rmask, sq_d, m_i, l_i, acc, n0, end, b, hk, H_KV, N_TAB,
+                                           qk_scale, kc_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, tab_ptr,
+                                           D, G, PG, BITS, BT, BLOCK_M, PRECISE, LIBDEVICE, K_TERMS, V_TERMS,
+                                           SHIFT)
+    else:                                              # interpreter: constexpr trip count, masked
+        for it in range(0, NBLK):
+            m_i, l_i, acc = _history_block(q_ptrs, rmask, sq_d, m_i, l_i, acc, start + it * BT, end, b, hk,
+                                           H_KV, N_TAB, qk_scale, kc_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr,
+                                           vm_ptr, tab_ptr, D, G, PG, BITS, BT, BLOCK_M, PRECISE, LIBDEVICE,
+                                           K_TERMS, V_TERMS, SHIFT)
+    A._store_split(o_ptr, m_ptr, l_ptr, b, h, t, H_Q, T_Q, S_TOTAL, sp, acc, m_i, l_i, rmask,
+                   tl.arange(0, D), D)
+
+
+# ---------------------------------------------------------------------------------------------------
+# launch
+
+
+def _history_splits(NH: int, bt_max: int, base_programs: int, dev: torch.device):
+    """``(BT, tokens per split, splits)``: about TUNE["waves"] waves of programs over the SMs, splits of
+    whole blocks of BT tokens (bt_max, smaller for a short history, at least 16)."""
+    want = max(1, triton.cdiv(int(TUNE["waves"] * A._sm_count(dev)), base_programs))
+    BT = max(16, min(bt_max, triton.next_power_of_2(triton.cdiv(max(NH, 1), want))))
+    if NH == 0:
+        return BT, 0, 0
+    blocks = triton.cdiv(NH, BT)
+    tps = triton.cdiv(blocks, min(want, blocks)) * BT
+    return BT, tps, triton.cdiv(NH, tps)
+
+
+def decode(cfg, st, qr, *, scale=None, precise: bool = True):
+    """Attention of the rotated query ``qr`` (B, H_q, T_q, D) fp32 over an OSCAR cache ``st``
+    (``kvq.fast._oscar.OSCARTensorState``): the INT-b history through the fused page kernel, the FP16
+    sink and window (``kvq.fast._oscar.fp16_segment``: (K, V) fp32, in any order) through the
+    FP16-baseline partial kernel, one log-sum-exp merge. Returns ``(out, lse)`` fp32, out in the rotated
+    frame. ``precise``: the exact-dequantization IEEE fp32 path (for an fp32 output); else tensor cores."""
+    tail = _O.fp16_segment(cfg, st)
+    B, H, D = st.shape
+    _, H_q, T_q, _ = qr.shape
+    A._check_d(D)
+    sc = C.softmax_scale(scale, D)
+    dev = qr.device
+    G, bits = cfg.group_size, cfg.bits
+    NH = RO.counts(cfg, st.length)["n_hist"]
+    precise = precise or G < 16                        # tl.dot takes groups of >= 16 channels
+    BLOCK_M, m_blocks = A._row_blocks(H_q // H, T_q)
+    base = B * H * m_blocks
+    BT, tps, n_split = _history_splits(NH, 32 if precise else (TUNE["block_t"] or 64), base, dev)
+    plan, S = A._plan([tail], base, torch.float32, dev, s0=n_split)
+    rows = B * H_q * T_q
+    parts = A._partials(rows, S, D, dev)
+    out = torch.empty(tuple(qr.shape), dtype=torch.float32, device=dev)
+    lse = torch.empty((B, H_q, T_q), dtype=torch.float32, device=dev)
+    interp = C.interpreting()
+    if n_split:
+        _pages_kernel[(B * H, n_split, m_blocks)](
+            qr, st.k_codes, st.k_scale, st.k_mn, st.v_codes, st.v_scale, st.v_mn, st.table, *parts,
+            *qr.stride(), H_q, H, T_q, (H_q // H) * T_q, NH, tps, S, st.table.shape[1],
+            sc, G_Q=H_q // H, D=D, G=G, PG=cfg.page_size, BITS=bits, BT=BT,
+            BLOCK_M=BLOCK_M, PRECISE=precise, TIGHT=not interp, NBLK=tps // BT if interp else 0,
+            K_TERMS=int(TUNE["k_terms"]), V_TERMS=int(TUNE["v_terms"]), SHIFT=2048.0,
+            num_warps=TUNE["num_warps"] or 4, num_stages=(TUNE["num_stages"] or 2) if not interp else 1)
+    A._launch_partials(qr, plan, parts, S, H, sc, True, False)
+    A._merge_launch(*parts, out, lse, rows, S, D, log2=False)
+    return out, lse

@@ -1,0 +1,152 @@
+"""The CuPy fused OSCAR decode (kvq.fast.cupy.oscar_decode: the tensor-core kernel oscar_decode_mma over the
+packed pages, the FP16 sink and window through attention.cu's split kernel) against
+kvq.reference.oscar.decode_attention, on the GPU (``pytest -m gpu``).
+
+out (in q's dtype) and lse (float32) follow the tolerance rule (``tolerance.check_close``) against the
+reference on float64 q (truth) and float32 q (ref32), as in test_oscar_decode_parity.py (whose cache
+builders this file reuses: the fast state is the reference state's arrays). Cases: 4 and 8 query rows
+per KV head (GQA 4 and 8, T_q 2), bf16 q, a history shorter than a page, no history at all, large
+magnitudes, the single-stream setting, and the configurations that fall back to the unfused path
+(float32 q, G < D); each checks which path ran.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvq.reference import oscar as RO
+
+from .test_oscar_decode_parity import BASE, _check, _q, _state
+from .tolerance import check_close
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+@pytest.fixture
+def mods():
+    pytest.importorskip("cupy")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from kvq.fast.cupy import oscar, oscar_decode
+    return oscar, oscar_decode
+
+
+@pytest.fixture
+def fused_calls(mods, monkeypatch):
+    """How many decodes went through the tensor-core path (``oscar_decode.decode`` wrapped)."""
+    _, OD = mods
+    calls = []
+    inner = OD.decode
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return inner(*a, **kw)
+
+    monkeypatch.setattr(OD, "decode", counting)
+    return calls
+
+
+# (id, q dtype, GQA ratio, T_q, T)
+CASES = [("fp16-gqa4", torch.float16, 4, 1, 3001), ("fp16-gqa8", torch.float16, 8, 1, 2222),
+         ("fp16-gqa4-tq2", torch.float16, 4, 2, 1900), ("bf16-gqa4", torch.bfloat16, 4, 1, 1500),
+         ("fp16-gqa1", torch.float16, 1, 1, 999)]
+
+
+@pytest.mark.parametrize("c", CASES, ids=[c[0] for c in CASES])
+def test_decode_attention(mods, fused_calls, c):
+    F, _ = mods
+    _, dtype, ratio, T_q, T = c
+    cfg, calib, rs, fs = _state(DEV, 1, T, seed=T)
+    assert RO.counts(cfg, T)["n_pages"] >= 2
+    q = _q(DEV, ratio, T_q, dtype, seed=T + 1)
+    out, lse = F.decode_attention(cfg, calib, fs, q)
+    _check(cfg, calib, rs, out, lse, q)
+    out2, _ = F.decode_attention(cfg, calib, fs, q, scale=0.3, rotate_back=False)
+    o64, _ = RO.decode_attention(cfg, calib, rs, q.cpu().double().numpy(), scale=0.3, rotate_back=False)
+    o32, _ = RO.decode_attention(cfg, calib, rs, q.cpu().float().numpy(), scale=0.3, rotate_back=False)
+    check_close(out2, o64, o32, dtype, "out (scale 0.3, rotated frame)")
+    assert len(fused_calls) == 2
+
+
+def test_history_shorter_than_a_page(mods, fused_calls):
+    """Three history tokens in one partly filled page (the rest of the page masked)."""
+    F, _ = mods
+    cfg = RO.OSCARConfig(**BASE[DEV])
+    T = cfg.sink + cfg.window + 3
+    cfg, calib, rs, fs = _state(DEV, 1, T, seed=5)
+    assert RO.counts(cfg, T)["n_hist"] == 3
+    q = _q(DEV, 4, 2, torch.float16, seed=6)
+    out, lse = F.decode_attention(cfg, calib, fs, q)
+    _check(cfg, calib, rs, out, lse, q)
+    assert len(fused_calls) == 1
+
+
+@pytest.mark.parametrize("T", ["sink", "sink+window"])
+def test_no_pages(mods, fused_calls, T):
+    """Only FP16 tokens: the split kernel alone, no page kernel."""
+    F, _ = mods
+    cfg = RO.OSCARConfig(**BASE[DEV])
+    n = cfg.sink - 1 if T == "sink" else cfg.sink + cfg.window
+    cfg, calib, rs, fs = _state(DEV, 1, n, seed=7)
+    q = _q(DEV, 4, 1, torch.float16, seed=8)
+    out, lse = F.decode_attention(cfg, calib, fs, q)
+    _check(cfg, calib, rs, out, lse, q)
+    assert len(fused_calls) == 1
+
+
+def test_decode_large_magnitudes(mods, fused_calls):
+    """Keys and values up to ~3e4, |q| up to ~1e3 and scale 1e-5: q~ and the value scales are normalized
+    per row and per page, nothing overflows fp16."""
+    F, _ = mods
+    cfg, calib, rs, fs = _state(DEV, 1, 1500, seed=9, big=True)
+    assert float(np.abs(rs.win_k.astype(np.float32)).max()) > 5e3
+    q = _q(DEV, 4, 1, torch.float16, seed=10, mag=300.0)
+    out, lse = F.decode_attention(cfg, calib, fs, q, scale=1e-5)
+    _check(cfg, calib, rs, out, lse, q, scale=1e-5)
+    assert len(fused_calls) == 1
+
+
+def test_one_stream(mods, fused_calls, monkeypatch):
+    """``paged.TUNE["side_stream"] = False``: the FP16 segments after the page kernel, on one stream."""
+    F, _ = mods
+    from kvq.fast.cupy import paged
+    monkeypatch.setitem(paged.TUNE, "side_stream", False)
+    cfg, calib, rs, fs = _state(DEV, 1, 2500, seed=11)
+    q = _q(DEV, 4, 1, torch.float16, seed=12)
+    out, lse = F.decode_attention(cfg, calib, fs, q)
+    _check(cfg, calib, rs, out, lse, q)
+    assert len(fused_calls) == 1
+
+
+@pytest.mark.parametrize("what", ["fp32-q", "G64", "4bit"])
+def test_unfused_fallback(mods, fused_calls, what):
+    """float32 q (the precise path), groups smaller than D and 4-bit codes dequantize the history and
+    attend in fp32; same tolerance rule."""
+    F, _ = mods
+    ng, over, dtype = {"fp32-q": (1, {}, torch.float32), "G64": (2, {}, torch.float16),
+                       "4bit": (1, dict(bits=4), torch.float16)}[what]
+    cfg, calib, rs, fs = _state(DEV, ng, 1300, seed=13, **over)
+    q = _q(DEV, 4, 1, dtype, seed=14)
+    out, lse = F.decode_attention(cfg, calib, fs, q)
+    _check(cfg, calib, rs, out, lse, q)
+    assert fused_calls == []
+
+
+def test_cuda_graph_capture(mods):
+    """decode_attention (fused path) makes no host-to-device copy: with validation off (its checks read
+    values back) it captures into a CUDA graph, and a replay gives the eager result."""
+    import kvq.fast as fast
+    F, _ = mods
+    cfg, calib, rs, fs = _state(DEV, 1, 1400, seed=15)
+    q = _q(DEV, 4, 1, torch.float16, seed=16)
+    out0, lse0 = F.decode_attention(cfg, calib, fs, q)            # warm-up: compile, copy rotations
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with fast.validation(False), torch.cuda.graph(g):
+        out, lse = F.decode_attention(cfg, calib, fs, q)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, out0) and torch.equal(lse, lse0)

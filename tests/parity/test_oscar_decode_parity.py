@@ -1,0 +1,285 @@
+"""The fused OSCAR decode (kvq.fast.triton.oscar_decode, behind kvq.fast.triton.oscar.decode_attention)
+against kvq.reference.oscar.decode_attention.
+
+decode_attention is an order-dependent reduction (contract rule 7): out (in q's dtype) and lse (float32)
+follow the tolerance rule (``tolerance.check_close``) against the reference run on float64 q (truth)
+and float32 q (ref32), as the KIVI / Kitty decode tests do. Cases: group sizes D, D / 2, D / 4 (on the
+CPU D = 32, so D / 4 = 8 < 16 runs the exact-dequantization path for fp16 q too), 2-, 4- and 8-bit
+codes, fp16 and fp32 metadata, GQA ratios 1 / 4 / 8, T_q 1 and 2, 72 query rows per KV head (two row
+blocks), a page size that is not a power of two, a history shorter than one page, a cache with only
+the sink and window, large magnitudes, other settings of the launch knobs (``oscar_decode.TUNE``),
+a check that decode really goes through the page kernel (the unfused history dequantization is
+made to raise), and a compile check for sm_90 of the page kernel's tensor-core dots (no GPU needed):
+their operand layouts must not wrap along K, a GPU-only error the interpreter cannot see.
+
+The fast cache is built from the reference state's arrays (``test_oscar_parity`` proves that fast
+appends give exactly these bytes), so every case costs one decode; one case appends through the fast
+tier. Targets: the Triton interpreter on the CPU (small shapes; CI) and Triton on CUDA (larger shapes,
+``pytest -m gpu``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvq.fast import _oscar
+from kvq.reference import oscar as RO
+
+from .tolerance import check_close
+
+TARGETS = [pytest.param("cpu", id="triton-interp"),
+           pytest.param("cuda", id="triton-cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(params=TARGETS)
+def device(request):
+    """The Triton targets of tests/conftest.py's ``fast_target`` (same skip rules; the page kernel is Triton's)."""
+    if request.param == "cpu" and torch.cuda.is_available():
+        pytest.skip("the Triton interpreter target runs only on machines without a GPU (CI)")
+    return request.param
+
+
+def _mods():
+    from kvq.fast.triton import oscar, oscar_decode
+    return oscar, oscar_decode
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The grids of the page kernel's launches (``oscar_decode._pages_kernel`` wrapped)."""
+    _, OD = _mods()
+    grids = []
+    kernel = OD._pages_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(OD, "_pages_kernel", Counting())
+    return grids
+
+
+# per device: (B, H_kv, D) and the base config (sink, window, page size, capacity)
+SHAPE = {"cpu": (2, 2, 32), "cuda": (2, 4, 128)}
+BASE = {"cpu": dict(sink=3, window=5, page_size=8, max_tokens=256),
+        "cuda": dict(sink=64, window=256, page_size=128, max_tokens=4096)}
+
+
+def _calib(H, D, seed):
+    rng = np.random.default_rng(seed)
+    R = [np.linalg.qr(rng.standard_normal((H, D, D)))[0].astype(np.float32) for _ in range(2)]
+    return RO.OSCARCalibration(R[0], R[1], 0.95, 0.9)
+
+
+def _state(device, ng, T, seed, big=False, D=None, **over):
+    """(cfg, calib, reference state, fast state): T tokens, group size D // ng (D: the device's, or given)."""
+    B, H, D0 = SHAPE[device]
+    D = D or D0
+    cfg = RO.OSCARConfig(**dict(BASE[device], group_size=D // ng, **over))
+    calib = _calib(H, D, seed)
+    rng = np.random.default_rng(seed + 1)
+    k = rng.standard_normal((B, H, T, D)).astype(np.float32)
+    k[:, :, :, 3] *= 8.0                                                   # an outlier channel
+    v = rng.standard_normal((B, H, T, D)).astype(np.float32)
+    if big:                                          # |k R|, |v R| <= the largest token norm = 3e4
+        k = k * np.float32(3e4 / np.linalg.norm(k, axis=-1).max())
+        v = v * np.float32(3e4 / np.linalg.norm(v, axis=-1).max())
+    rs = RO.init(cfg, B, H, D)
+    RO.append(cfg, calib, rs, k.astype(np.float16), v.astype(np.float16))
+    fa = {n: torch.from_numpy(np.ascontiguousarray(a)).to(device) for n, a in rs.arrays().items()}
+    fs = _oscar.OSCARTensorState(**fa, length=rs.length, next_page=rs.next_page, shape=tuple(rs.shape))
+    return cfg, calib, rs, fs
+
+
+def _check(cfg, calib, rs, out, lse, q, what="", **kw):
+    assert out.dtype == q.dtype and tuple(out.shape) == tuple(q.shape)
+    assert lse.dtype == torch.float32 and tuple(lse.shape) == tuple(q.shape[:3])
+    q32 = q.detach().cpu().float().numpy()
+    o64, l64 = RO.decode_attention(cfg, calib, rs, q32.astype(np.float64), **kw)
+    o32, l32 = RO.decode_attention(cfg, calib, rs, q32, **kw)
+    check_close(out, o64, o32, q.dtype, f"{what}out")
+    check_close(lse, l64, l32, torch.float32, f"{what}lse")
+
+
+def _q(device, ratio, T_q, dtype, seed, mag=1.0, D=None):
+    B, H, D0 = SHAPE[device]
+    D = D or D0
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, H * ratio, T_q, D)).astype(np.float32) * np.float32(mag)
+    return torch.from_numpy(q).to(dtype).to(device)
+
+
+# (id, ng = groups per token (G = D / ng), config overrides, q dtype, GQA ratio, T_q, T on cpu, T on cuda)
+CASES = [
+    ("ng1-2bit-fp16", 1, {}, torch.float16, 4, 1, 50, 3001),
+    ("ng2-2bit-meta32-fp32", 2, dict(meta_dtype="float32"), torch.float32, 1, 2, 47, 2100),
+    ("ng2-4bit-fp16-gqa8", 2, dict(bits=4), torch.float16, 8, 1, 40, 1500),
+    ("ng4-2bit-fp16-tq2", 4, {}, torch.float16, 4, 2, 45, 2500),
+    ("ng4-4bit-meta32-fp32-gqa4", 4, dict(bits=4, meta_dtype="float32"), torch.float32, 4, 1, 41, 1777),
+    ("ng1-8bit-bf16-page5", 1, dict(bits=8, page_size=5), torch.bfloat16, 1, 1, 44, 1300),
+    ("ng4-D64-2bit-fp16", 4, dict(D=64), torch.float16, 1, 1, 40, 1000),      # G = 16 on the CPU too
+    ("ng2-2bit-fp16-gqa8-tq9", 2, {}, torch.float16, 8, 9, 30, 900),          # 72 rows: two row blocks
+]
+
+
+@pytest.mark.parametrize("c", CASES, ids=[c[0] for c in CASES])
+def test_decode_attention(device, c, launches):
+    """Pages + sink + window, several splits per (batch, kv head): out and lse within the tolerance rule."""
+    F, _ = _mods()
+    name, ng, over, dtype, ratio, T_q, T_cpu, T_gpu = c
+    T = T_cpu if device == "cpu" else T_gpu
+    cfg, calib, rs, fs = _state(device, ng, T, seed=T, **over)
+    assert RO.counts(cfg, T)["n_pages"] >= 2
+    q = _q(device, ratio, T_q, dtype, seed=T + 1, D=over.get("D"))
+    out, lse = F.decode_attention(cfg, calib, fs, q)
+    _check(cfg, calib, rs, out, lse, q)
+    assert len(launches) == 1 and launches[0][1] >= 2, launches              # (B * H_kv, splits, row blocks)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_history_shorter_than_a_page(device, dtype):
+    """A few history tokens in one partly filled page (the rest of the page masked), rotate_back=False
+    and scale=0.3."""
+    F, _ = _mods()
+    cfg = RO.OSCARConfig(**BASE[device])
+    T = cfg.sink + cfg.window + 3
+    cfg, calib, rs, fs = _state(device, 2, T, seed=5)
+    assert RO.counts(cfg, T)["n_hist"] == 3
+    q = _q(device, 4, 2, dtype, seed=6)
+    out, lse = F.decode_attention(cfg, calib, fs, q, scale=0.3, rotate_back=False)
+    _check(cfg, calib, rs, out, lse, q, scale=0.3, rotate_back=False)
+
+
+@pytest.mark.parametrize("T", ["sink", "sink+window"])
+def test_no_pages(device, T, launches):
+    """Only FP16 tokens (no history, so no page kernel launch): the sink alone, then sink + window."""
+    F, _ = _mods()
+    cfg = RO.OSCARConfig(**BASE[device])
+    n = cfg.sink - 1 if T == "sink" else cfg.sink + cfg.window
+    cfg, calib, rs, fs = _state(device, 1, n, seed=7)
+    assert RO.counts(cfg, n)["n_hist"] == 0
+    q = _q(device, 4, 1, torch.float16, seed=8)
+    out, lse = F.decode_attention(cfg, calib, fs, q)
+    _check(cfg, calib, rs, out, lse, q)
+    assert launches == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_decode_large_magnitudes(device, dtype):
+    """Keys and values up to ~3e4, |q| up to ~1e3: q_d * scale and p * scale far beyond float16 (65504);
+    the tensor-core path scales its operands per row, nothing overflows."""
+    F, _ = _mods()
+    T = 45 if device == "cpu" else 1500
+    cfg, calib, rs, fs = _state(device, 2, T, seed=9, big=True)
+    assert float(np.abs(rs.win_k.astype(np.float32)).max()) > 5e3
+    q = _q(device, 4, 1, dtype, seed=10, mag=300.0)
+    out, lse = F.decode_attention(cfg, calib, fs, q, scale=1e-5)
+    _check(cfg, calib, rs, out, lse, q, scale=1e-5)
+
+
+@pytest.mark.parametrize("knobs", [dict(v_terms=2), dict(block_t=16, waves=1)], ids=["v2", "bt16-waves1"])
+def test_tune_knobs(device, knobs, monkeypatch):
+    """Other launch knobs of the page kernel meet the tolerance rule too: P * scale in two fp16 parts,
+    and blocks of 16 tokens in few long splits."""
+    F, OD = _mods()
+    for key, val in knobs.items():
+        monkeypatch.setitem(OD.TUNE, key, val)
+    T = 50 if device == "cpu" else 2000
+    cfg, calib, rs, fs = _state(device, 2, T, seed=11)
+    q = _q(device, 4, 2, torch.float16, seed=12)
+    out, lse = F.decode_attention(cfg, calib, fs, q)
+    _check(cfg, calib, rs, out, lse, q)
+
+
+def test_fused_path_taken(device, monkeypatch, launches):
+    """Decode reads the packed pages: with the unfused history dequantization made to raise, a cache
+    appended through the fast tier still decodes within the tolerance rule, one page-kernel launch per
+    decode (fp16 q: tensor cores; fp32 q: exact dequantization); ops without a fused decode (as the
+    CuPy backend's) take the unfused path."""
+    F, OD = _mods()
+    B, H, D = SHAPE[device]
+    cfg = RO.OSCARConfig(**dict(BASE[device], group_size=D // 2))
+    T = 37 if device == "cpu" else 1200
+    calib = _calib(H, D, 13)
+    rng = np.random.default_rng(14)
+    k, v = (rng.standard_normal((B, H, T, D)).astype(np.float16) for _ in range(2))
+    rs = RO.init(cfg, B, H, D)
+    RO.append(cfg, calib, rs, k, v)
+    fs = F.init(cfg, B, H, D)
+    F.append(cfg, calib, fs, torch.from_numpy(k).to(device), torch.from_numpy(v).to(device))
+
+    def no_history(*a, **kw):
+        raise AssertionError("the unfused path dequantized the history")
+
+    monkeypatch.setattr(_oscar, "segments", no_history)
+    monkeypatch.setattr(F.OPS.packing, "unpack_dequantize", no_history)
+    for dtype in (torch.float16, torch.float32):
+        q = _q(device, 2, 1, dtype, seed=15)
+        out, lse = F.decode_attention(cfg, calib, fs, q)
+        _check(cfg, calib, rs, out, lse, q, f"{dtype}: ")
+    assert len(launches) == 2, launches
+    assert F.OPS.fused_decode is OD.decode
+    with pytest.raises(AssertionError, match="unfused path"):
+        _oscar.decode_attention(dataclasses.replace(F.OPS, fused_decode=None), cfg, calib, fs, q)
+
+
+# The page kernel compiled for sm_90 (no GPU: Triton's NVIDIA backend, as tests/fast/test_triton_compile_*
+# do), its TTGIR's tensor-core dot operands as (rows, cols, opIdx, kWidth).
+_DOTS_SCRIPT = textwrap.dedent('''
+    import json, re, sys
+    import triton
+    from triton.compiler import ASTSource
+    from triton.backends.compiler import GPUTarget
+    from kvq.fast.triton import oscar_decode as OD
+    cx = json.loads(sys.argv[1])
+    types = {"q_ptr": "*fp32", "kc_ptr": "*u8", "vc_ptr": "*u8", "tab_ptr": "*i32", "o_ptr": "*fp32",
+             "m_ptr": "*fp32", "l_ptr": "*fp32", "ks_ptr": "*fp16", "km_ptr": "*fp16", "vs_ptr": "*fp16",
+             "vm_ptr": "*fp16", "qk_scale": "fp32"}
+    fn = OD._pages_kernel
+    sig = {a: "constexpr" if a in cx else types.get(a, "i32") for a in fn.arg_names}
+    k = triton.compile(ASTSource(fn, sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "num_stages": 2})
+    pat = r"tensor<(\\d+)x(\\d+)xf16, #ttg\\.dot_op<\\{opIdx = (\\d), parent = #\\w+, kWidth = (\\d+)\\}>>"
+    print(json.dumps([[int(x) for x in m] for m in re.findall(pat, k.asm["ttgir"])]))
+''')
+
+_DOT_CASES = {   # the tensor-core path at its smallest K extents: blocks of 16 tokens (P @ V), groups of 16
+    "G128-bt16": dict(D=128, G=128, BT=16),   # channels (q k); the three failed on an H200 before KMIN
+    "G64-bt16-gqa8": dict(D=128, G=64, BT=16, G_Q=8),
+    "D64-G16-bt16": dict(D=64, G=16, BT=16, G_Q=1),
+    "G16-bt64-4bit": dict(D=128, G=16, BT=64, BITS=4),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(_DOT_CASES))
+def test_tensor_core_dots_cover_k(name):
+    """Every tensor-core dot of the page kernel has a K extent of at least 4 x its operands' kWidth:
+    the fp16 codes come from 8-bit loads, so Triton gives the mma operands kWidth = 8, a layout 32 wide
+    along K; a K of 16 (blocks of 16 tokens, groups of 16 channels) wraps it, and the mma then sums half
+    the products twice (wrong on the GPU only: the interpreter's dot is exact)."""
+    pytest.importorskip("triton")
+    cx = dict(G_Q=4, PG=128, BITS=2, BLOCK_M=16, PRECISE=False, TIGHT=True, NBLK=0, K_TERMS=3, V_TERMS=1,
+              SHIFT=2048.0)
+    cx.update(_DOT_CASES[name])
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", _DOTS_SCRIPT, json.dumps(cx)], capture_output=True, text=True,
+                         env=env, timeout=600, cwd=root)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ops = json.loads(res.stdout.strip().splitlines()[-1])
+    assert ops, f"{name}: no tensor-core dot operand in the TTGIR"
+    short = [(r, c, i, w) for r, c, i, w in ops if (c if i == 0 else r) < 4 * w]
+    assert not short, f"{name}: dot operands (rows, cols, opIdx, kWidth) with K < 4 kWidth: {short}"
