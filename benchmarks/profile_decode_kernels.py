@@ -1,9 +1,12 @@
-"""Per-kernel GPU time of one KIVI / Kitty decode step (torch.profiler / CUPTI sees the CuPy launches too).
+"""Per-kernel GPU time of one KIVI / Kitty / OSCAR decode step (torch.profiler / CUPTI sees the CuPy
+launches too).
 
     python benchmarks/profile_decode_kernels.py --backend cupy --B 8 --T 32768 --methods KIVI-K2V2
+    python benchmarks/profile_decode_kernels.py --backend cupy --B 1 --T 32768 --methods OSCAR
 
 Prints, per method, each kernel's name and mean time over ``--reps`` decodes and their sum; the cache is
-the random-code cache of ``bench_kivi_kitty.build_cache`` (as ``profile_fused.py``).
+the random-code cache of ``bench_kivi_kitty.build_cache`` (as ``profile_fused.py``); OSCAR's is
+``bench_oscar.build_cache`` with its random orthogonal calibration.
 """
 
 from __future__ import annotations
@@ -30,13 +33,24 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     a = ap.parse_args()
     for m in a.methods.split(","):
-        mod, cfg, st, qs = PF.setup(m, a.B, a.T, a.backend)
+        if m == "OSCAR":
+            import bench_oscar as BO
+            mod = BO._mod(a.backend)
+            cfg = BO.config(mod, a.T, dry=False)
+            calib = BO.calibration(mod, 8, 128)
+            st = BO.build_cache(mod, cfg, a.B, 8, 128, a.T, "cuda")
+            g = torch.Generator(device="cuda").manual_seed(1)
+            qs = [torch.randn((a.B, 32, 1, 128), generator=g, device="cuda", dtype=torch.float16) for _ in range(4)]
+            step = lambda q: mod.decode_attention(cfg, calib, st, q)           # noqa: E731
+        else:
+            mod, cfg, st, qs = PF.setup(m, a.B, a.T, a.backend)
+            step = lambda q: mod.decode_attention(cfg, st, q)                  # noqa: E731
         for _ in range(3):
-            mod.decode_attention(cfg, st, qs[0])
+            step(qs[0])
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for i in range(a.reps):
-                mod.decode_attention(cfg, st, qs[i % len(qs)])
+                step(qs[i % len(qs)])
             torch.cuda.synchronize()
         tot = collections.defaultdict(float)
         for ev in prof.events():
@@ -45,7 +59,7 @@ def main() -> None:
         rows = sorted(tot.items(), key=lambda kv: -kv[1])
         print(json.dumps({"method": m, "B": a.B, "T": a.T, "us_per_decode": round(sum(tot.values()), 2),
                           "kernels_us": {k: round(v, 2) for k, v in rows}}))
-        del st
+        st = step = None                        # free the cache before the next method's
         torch.cuda.empty_cache()
 
 

@@ -112,14 +112,14 @@ _ROT_CACHE: "collections.OrderedDict" = collections.OrderedDict()
 _ROT_CACHE_SIZE = 64
 
 
-def _rot(R, dev: torch.device, transpose: bool = False) -> torch.Tensor:
-    """A calibration rotation (NumPy fp32 (D, D) / (H, D, D)) on the device, optionally R^T.
+def _rot(R, dev: torch.device, transpose: bool = False, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A calibration rotation (NumPy fp32 (D, D) / (H, D, D)) on the device, optionally R^T, in ``dtype``.
 
     Copied to the device once per array object, device and transpose (the last 64 kept): decode and
     append then make no host-to-device copy, so they can be captured in a CUDA graph. A calibration's
     arrays are treated as immutable (as the calibration is): modifying one in place after its first
     use is not seen."""
-    key = (id(R), str(dev), bool(transpose))
+    key = (id(R), str(dev), bool(transpose), dtype)
     hit = _ROT_CACHE.get(key)
     if hit is not None and hit[0] is R:
         _ROT_CACHE.move_to_end(key)
@@ -127,7 +127,7 @@ def _rot(R, dev: torch.device, transpose: bool = False) -> torch.Tensor:
     A = np.asarray(R)
     if transpose:
         A = np.swapaxes(A, -1, -2)
-    t = torch.from_numpy(np.ascontiguousarray(A, dtype=np.float32)).to(dev)
+    t = torch.from_numpy(np.ascontiguousarray(A, dtype=np.float32)).to(dev).to(dtype)
     _ROT_CACHE[key] = (R, t)                  # holds R: its id cannot be reused while cached
     while len(_ROT_CACHE) > _ROT_CACHE_SIZE:
         _ROT_CACHE.popitem(last=False)
@@ -269,21 +269,35 @@ def dequantize(ops: "OscarOps", cfg, calib, state: OSCARTensorState, *, rotated:
 
 def decode_attention(ops: "OscarOps", cfg, calib, state: OSCARTensorState, q, *, scale=None,
                      rotate_back: bool = True):
-    """q rotated by R_K; the backend's fused decode over the packed pages and the FP16 segment, or
-    (without one) the three segments, history dequantized to fp32, attended by its FP16-baseline kernel
-    in fp32; the output rotated back by R_V^T unless ``rotate_back=False``."""
+    """q rotated by R_K (``_rotate_heads``); the backend's fused decode over the packed pages and the FP16
+    segment, or (without one) the three segments, history dequantized to fp32, attended by its
+    FP16-baseline kernel in fp32; the output rotated back by R_V^T unless ``rotate_back=False``."""
     B, H, D = state.shape
     C.check_decode_q(q, state.shape, state.device, state.length, allow_cpu=ops.allow_cpu())
     calib.check(H, D)
     dev = state.device
-    qr = ops.rotate(q, _rot(calib.R_K, dev))                                   # (B, H_q, T_q, D) fp32
+    qr = _rotate_heads(q, _rot(calib.R_K, dev, dtype=torch.float64))          # (B, H_q, T_q, D) fp32
     if ops.fused_decode is not None:
         out, lse = ops.fused_decode(cfg, state, qr, scale=scale, precise=q.dtype == torch.float32)
     else:
         out, lse = ops.attention.decode_attention(qr, segments(ops, cfg, state), scale=scale)
     if rotate_back:
-        out = ops.rotate(out, _rot(calib.R_V, dev, True))
+        out = _rotate_heads(out, _rot(calib.R_V, dev, True, torch.float64))
     return out.to(q.dtype), lse
+
+
+def _rotate_heads(x: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
+    """fp32(x R) for a query-side tensor x (B, H_q, T, D): head h times the R of KV head h // (H_q / H_kv)
+    (R: (D, D) or (H_kv, D, D)), as one batched float64 matmul. The query and the output are a few rows,
+    so unlike the cache (whose rotation must give the reference's bits: the fixed-order kernel) they
+    take the library matmul: decode is an order-dependent reduction anyway (tolerance rule), and float64
+    sums are more accurate than the reference's float32 rotation, whatever the TF32 settings."""
+    x64, R64 = x.double(), R.double()          # (R arrives float64 from the cache: no copy)
+    if R64.dim() == 2:
+        return (x64 @ R64).float()
+    B, Hq, T, D = x64.shape
+    H = R64.shape[0]
+    return (x64.reshape(B, H, (Hq // H) * T, D) @ R64.unsqueeze(0)).reshape(B, Hq, T, D).float()
 
 
 def identity_calibration(head_dim: int, clip_k: float = 1.0, clip_v: float = 1.0) -> RO.OSCARCalibration:

@@ -92,7 +92,7 @@ def decode_attention(cfg: OSCARConfig, calib: OSCARCalibration, state: OSCARTens
                      rotate_back: bool = True):
     """Mirrors `kvq.reference.oscar.decode_attention`: ``(out, lse)`` of q (B, H_q, T_q, D) over the cache.
 
-    q is rotated by R_K (the fixed-order kernel; query head h uses the R_K of KV head h // (H_q / H_kv)).
+    q is rotated by R_K (one float64 batched matmul; query head h uses the R_K of KV head h // (H_q / H_kv)).
     fp16 / bf16 q over a 2-bit cache with one group per token (G = D = 128), pages of 128 tokens, fp16
     metadata and at most 8 query rows per KV head: the tensor-core kernel ``oscar_decode_mma`` reads the
     packed pages (codes exact in fp16, the rotated query as fp16 hi + lo, scale and min per token in

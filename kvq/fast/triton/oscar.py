@@ -85,7 +85,7 @@ def decode_attention(cfg: OSCARConfig, calib: OSCARCalibration, state: OSCARTens
                      rotate_back: bool = True):
     """Mirrors `kvq.reference.oscar.decode_attention`: ``(out, lse)`` of q (B, H_q, T_q, D) over the cache.
 
-    q is rotated by R_K (the fixed-order kernel; query head h uses the R_K of KV head h // (H_q / H_kv));
+    q is rotated by R_K (one float64 batched matmul; query head h uses the R_K of KV head h // (H_q / H_kv));
     the INT-b history is read packed by the fused kernel of ``kvq.fast.triton.oscar_decode`` (pages
     through the page table, unpacked and dequantized in registers, online softmax, split along the
     sequence, all query heads of a KV head together), the FP16 sink and recent window by the
