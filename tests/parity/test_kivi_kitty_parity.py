@@ -317,6 +317,28 @@ def test_group_size_not_a_power_of_two(target):
     check_close(lse, l64, l32, torch.float32, "lse")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_decode_small_groups(target, dtype):
+    """G = 16 at GPU sizes (D = 128, thousands of tokens): the fused kernels with pages of 16 tokens. On
+    the GPU the Triton kernel takes its exact fp32 path there (a 16-element tensor-core reduction of
+    byte-fed operands is mis-compiled by Triton 3.6 on sm_90); out and lse by the tolerance rule."""
+    _, device = target
+    cfg = RK.KIVIConfig(2, 2, group_size=16, residual=16, sink=4, max_tokens=4096)
+    FK, _ = _mods(target[0])
+    B, H, D = (2, 2, 32) if device == "cpu" else (2, 4, 128)
+    T = 70 if device == "cpu" else 2000
+    k, v = _kv(B, H, T, D, 16, seed=31, start=cfg.sink)
+    rs, fs = RK.init(cfg, B, H, D), FK.init(cfg, B, H, D)
+    RK.append(cfg, rs, k, v)
+    FK.append(cfg, fs, torch.from_numpy(k).to(device), torch.from_numpy(v).to(device))
+    q = torch.from_numpy(np.random.default_rng(5).standard_normal((B, 4 * H, 1, D)).astype(np.float32))
+    q = q.to(dtype).to(device)
+    out, lse = FK.decode_attention(cfg, fs, q)
+    (o64, l64), (o32, l32) = _truth_ref32(RK, cfg, rs, q)
+    check_close(out, o64, o32, dtype, "out")
+    check_close(lse, l64, l32, torch.float32, "lse")
+
+
 def test_kitty_near_ties(target):
     """Random keys (no built-in ranking): a boosted channel may differ only at a near-tie of the
     reference's scores; pages whose selection agrees are bit-exact; scores agree to rounding."""

@@ -485,7 +485,11 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     NF = min(c["n_kpages"] * G, c["n_vq"])
     NP = -(-NF // G)
     interp = C.interpreting()
-    precise = q.dtype == torch.float32 or (interp and q.dtype == torch.bfloat16)
+    # the exact fp32 path also where a tensor-core dot would reduce over 16 elements on the GPU (G or D
+    # = 16): Triton 3.6 lays out such byte-fed operands for K >= 32 on sm_90 and adds half the products
+    # twice (found in kvq.fast.triton.oscar_decode); the interpreter's dots are exact
+    precise = (q.dtype == torch.float32 or (interp and q.dtype == torch.bfloat16)
+               or (not interp and min(G, D) < 32))
     qk = q.float() if (precise and q.dtype != torch.float32) else q
     G_q = H_q // H
     M = G_q * T_q
