@@ -1,7 +1,7 @@
 """kvq.fast.cupy: the raw-CUDA backend (CUDA C++ sources beside the modules, compiled by CuPy / NVRTC).
 
-Same module and function names as ``kvq.reference`` (``quant``, ``packing``, ``attention``), on torch
-CUDA tensors, launched on torch's current stream; quantization and packing agree with the reference
+Same module and function names as ``kvq.reference`` (``quant``, ``packing``, ``attention``, the caches
+``kivi`` / ``kitty`` / ``oscar`` / ``aqua_cache``, ...), on torch CUDA tensors, launched on torch's current stream; quantization and packing agree with the reference
 bit for bit. Importing this package (or its modules) does not import CuPy: kernels are compiled on
 first use (``_loader``) and cached on disk by CuPy.
 
@@ -10,4 +10,5 @@ first use (``_loader``) and cached on disk by CuPy.
     out, lse = kvq.fast.decode_attention(q, [(k, v)], backend="cupy")
 """
 
-__all__ = ["quant", "packing", "attention", "paged", "kivi", "kitty"]
+__all__ = ["quant", "packing", "attention", "paged", "kivi", "kitty", "rotate", "oscar_quant", "oscar",
+           "oscar_decode", "hadamard", "higgs", "aqua", "aqua_cache"]
