@@ -246,6 +246,50 @@ def check_ratio(rho) -> None:
         raise ValueError(f"quantile ratio rho={rho!r} must lie in (0, 1]")
 
 
+def quantile_rows(a, rho, axis: int, launch, *, clip: bool, allow_cpu: bool = False):
+    """The front end of either backend's ``quant.quantile`` (``clip=False``: returns tau) and
+    ``quant.percentile_clip`` (``clip=True``: returns ``(x_clipped, tau)``): the reference's checks in
+    its order, the axis moved last, then ``launch(rows, n, rho, clip=...) -> (tau, out)``, the
+    backend's row kernel (sort, interpolate, and clip)."""
+    name = "x" if clip else "a"
+    check_float(a, name, allow_cpu=allow_cpu)
+    axis = nx.normalize_axis(axis, a.dim())
+    if clip:
+        check_finite(a)
+    check_ratio(rho)
+    n = a.shape[axis]
+    if n == 0:
+        raise ValueError("cannot take a quantile over an empty axis")
+    x = a.movedim(axis, -1).contiguous()
+    tau, out = launch(x, n, rho, clip=clip)
+    tau = tau.reshape(tuple(x.shape[:-1]))
+    return (out.movedim(-1, axis).contiguous(), tau) if clip else tau
+
+
+def token_quant_args(x_rot, clip, group_size, bits, meta_dtype, packed: bool, *, allow_cpu: bool = False):
+    """The checks of either backend's ``oscar_quant.quantize_tokens``, in the reference's order, and its
+    operands: ``(x, D, G, bits, meta, per)`` with x the contiguous rows, D the row length, G the
+    group size, meta the torch metadata dtype and per the codes per byte (1 unpacked)."""
+    from kvq.reference.packing import check_pack_bits
+
+    check_float(x_rot, "x", allow_cpu=allow_cpu)
+    if x_rot.dim() == 0:
+        nx.normalize_axis(-1, 0)                                       # the reference's error
+    check_ratio(clip)
+    D = x_rot.shape[-1]
+    if D == 0:
+        raise ValueError("cannot take a quantile over an empty axis")
+    bits = check_pack_bits(bits) if packed else nx.check_bits(bits)
+    G = check_groups(tuple(x_rot.shape), x_rot.dim() - 1, group_size)
+    if nx.dtype_name(meta_dtype) not in nx.META_DTYPES:
+        raise ValueError(f"meta_dtype={meta_dtype!r} is not supported; choose one of {nx.META_DTYPES}")
+    per = 8 // bits if packed else 1
+    if D % per:
+        raise ValueError(f"codes.shape[{x_rot.dim() - 1}]={D} is not a multiple of {per} "
+                         f"({bits}-bit codes per byte)")
+    return x_rot.contiguous(), D, G, bits, torch_dtype(meta_dtype), per
+
+
 def rotation_operands(x, R, *, allow_cpu: bool = False):
     """Checks and operands of the fixed-order rotation kernels (``rotate`` of either backend): x
     (..., D) float, R float32 (D, D) or (H_R, D, D) on x's device. Returns ``(x4, R, out, ratio,

@@ -215,15 +215,7 @@ def quantile(a, rho: float, axis: int = -1):
     torch.float32 tensor (0-d for 1-D input). One kernel, one block per row; rows longer than
     ``MAX_SORT`` are sorted by ``torch.sort`` and interpolated by torch's fp32 elementwise ops.
     """
-    C.check_float(a, "a")
-    axis = nx.normalize_axis(axis, a.dim())
-    check_ratio(rho)
-    n = a.shape[axis]
-    if n == 0:
-        raise ValueError("cannot take a quantile over an empty axis")
-    x = a.movedim(axis, -1).contiguous()
-    tau, _ = launch_quantile_rows(x, n, rho, clip=False)
-    return tau.reshape(tuple(x.shape[:-1]))
+    return C.quantile_rows(a, rho, axis, launch_quantile_rows, clip=False)
 
 
 def percentile_clip(x, ratio: float, axis: int = -1):
@@ -236,16 +228,7 @@ def percentile_clip(x, ratio: float, axis: int = -1):
     NaN / inf raise ValueError while ``kvq.fast.validation`` is on (a full read of ``x``); with it off
     NaN propagates into the clipped values and tau.
     """
-    C.check_float(x)
-    axis = nx.normalize_axis(axis, x.dim())
-    C.check_finite(x)
-    check_ratio(ratio)
-    n = x.shape[axis]
-    if n == 0:
-        raise ValueError("cannot take a quantile over an empty axis")
-    xm = x.movedim(axis, -1).contiguous()
-    tau, out = launch_quantile_rows(xm, n, ratio, clip=True)
-    return out.movedim(-1, axis).contiguous(), tau.reshape(tuple(xm.shape[:-1]))
+    return C.quantile_rows(x, ratio, axis, launch_quantile_rows, clip=True)
 
 
 quantile_index = C.quantile_index     # host-side, shared with the other backend (kvq.fast._common)

@@ -18,9 +18,6 @@ import triton
 import triton.language as tl
 
 from kvq.fast import _common as C
-from kvq.reference import numerics as nx
-from kvq.reference.packing import check_pack_bits
-from kvq.reference.quant import check_groups
 
 from . import quant as Q
 from .packing import _pack_launch
@@ -130,23 +127,7 @@ def quantize_tokens(x_rot, clip: float, group_size: int, bits: int = 2, meta_dty
     ``quant.quantize``) while ``kvq.fast.validation`` is on; with it off the group's scale is NaN.
     Rows longer than ``quant.MAX_SORT`` run as percentile_clip, then (quantize_)pack: two kernels.
     """
-    C.check_float(x_rot, "x", allow_cpu=C.interpreting())
-    if x_rot.dim() == 0:
-        nx.normalize_axis(-1, 0)                                       # the reference's error
-    Q.check_ratio(clip)
-    D = x_rot.shape[-1]
-    if D == 0:
-        raise ValueError("cannot take a quantile over an empty axis")
-    bits = check_pack_bits(bits) if packed else nx.check_bits(bits)
-    G = check_groups(tuple(x_rot.shape), x_rot.dim() - 1, group_size)
-    if nx.dtype_name(meta_dtype) not in nx.META_DTYPES:
-        raise ValueError(f"meta_dtype={meta_dtype!r} is not supported; choose one of {nx.META_DTYPES}")
-    meta = C.torch_dtype(meta_dtype)
-    per = 8 // bits if packed else 1
-    if D % per:
-        raise ValueError(f"codes.shape[{x_rot.dim() - 1}]={D} is not a multiple of {per} "
-                         f"({bits}-bit codes per byte)")
-    x = x_rot.contiguous()
+    x, D, G, bits, meta, per = C.token_quant_args(x_rot, clip, group_size, bits, meta_dtype, packed, allow_cpu=C.interpreting())
     if D > Q.MAX_SORT:                                                  # rows too long for one program
         C.check_finite(x)
         xc, _ = Q.percentile_clip(x, clip, -1)

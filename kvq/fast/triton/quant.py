@@ -759,15 +759,7 @@ def quantile(a, rho: float, axis: int = -1):
     input). One kernel: a program sorts whole rows (``tl.sort``); rows longer than ``MAX_SORT`` are
     sorted by ``torch.sort`` and interpolated by torch's fp32 elementwise ops (the same bits).
     """
-    C.check_float(a, "a", allow_cpu=C.interpreting())
-    axis = nx.normalize_axis(axis, a.dim())
-    check_ratio(rho)
-    n = a.shape[axis]
-    if n == 0:
-        raise ValueError("cannot take a quantile over an empty axis")
-    x = a.movedim(axis, -1).contiguous()
-    tau, _ = launch_quantile_rows(x, n, rho, clip=False)
-    return tau.reshape(tuple(x.shape[:-1]))
+    return C.quantile_rows(a, rho, axis, launch_quantile_rows, clip=False, allow_cpu=C.interpreting())
 
 
 def percentile_clip(x, ratio: float, axis: int = -1):
@@ -779,16 +771,7 @@ def percentile_clip(x, ratio: float, axis: int = -1):
     :func:`quantile`); NaN / inf raise ValueError while ``kvq.fast.validation`` is on (a full read of
     ``x``); with it off NaN propagates into the clipped values and tau.
     """
-    C.check_float(x, allow_cpu=C.interpreting())
-    axis = nx.normalize_axis(axis, x.dim())
-    C.check_finite(x)
-    check_ratio(ratio)
-    n = x.shape[axis]
-    if n == 0:
-        raise ValueError("cannot take a quantile over an empty axis")
-    xm = x.movedim(axis, -1).contiguous()
-    tau, out = launch_quantile_rows(xm, n, ratio, clip=True)
-    return out.movedim(-1, axis).contiguous(), tau.reshape(tuple(xm.shape[:-1]))
+    return C.quantile_rows(x, ratio, axis, launch_quantile_rows, clip=True, allow_cpu=C.interpreting())
 
 
 quantile_index = C.quantile_index     # host-side, shared with the other backend (kvq.fast._common)
