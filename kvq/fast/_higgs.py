@@ -64,6 +64,35 @@ def _idx_max(idx: torch.Tensor) -> int:
     return int(w.max())
 
 
+def dequant_args(cfg: HiggsConfig, idx, scale, F: int, out_dtype, *, allow_cpu: bool = False):
+    """The checks of either backend's ``higgs.dequantize`` (the reference's errors, in its order):
+    idx (..., n_groups, g / d) in ``index_dtype(n)``, scale (..., n_groups) float16 / float32, a
+    supported ``out_dtype``. Returns ``(index dtype, torch output dtype)``."""
+    from kvq.reference import numerics as nx
+
+    C.check_tensor(idx, "idx", allow_cpu=allow_cpu)
+    C.check_tensor(scale, "scale", allow_cpu=allow_cpu)
+    g, d = cfg.group_size, cfg.d
+    n_g = cfg.n_groups(F)
+    if tuple(idx.shape[-2:]) != (n_g, g // d) or tuple(scale.shape) != tuple(idx.shape[:-1]):
+        raise ValueError(f"idx {tuple(idx.shape)} / scale {tuple(scale.shape)} do not fit F={F} with "
+                         f"{cfg.label}: expected (..., {n_g}, {g // d}) and (..., {n_g})")
+    itype = index_dtype(cfg.n)
+    if idx.dtype != itype:
+        raise TypeError(f"idx has dtype {idx.dtype}; {cfg.label} stores indices as {itype}")
+    if scale.dtype not in (torch.float16, torch.float32):
+        raise TypeError(f"scale has dtype {scale.dtype}; expected float16 or float32 metadata")
+    if nx.dtype_name(out_dtype) not in nx.OUT_DTYPES:
+        raise ValueError(f"out_dtype={out_dtype!r} is not supported; choose one of {nx.OUT_DTYPES}")
+    return itype, C.torch_dtype(out_dtype)
+
+
+def check_idx_range(cfg: HiggsConfig, idx) -> None:
+    """Indices outside the grid raise ValueError (a reduction: only while validation is on)."""
+    if C.validation_enabled() and idx.numel() and _idx_max(idx) >= cfg.n:
+        raise ValueError(f"idx holds {_idx_max(idx)}, outside the grid's 0..{cfg.n - 1}")
+
+
 def _default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -169,25 +169,11 @@ def dequantize(cfg: HiggsConfig, idx, scale, F: int, out_dtype=np.float32) -> to
     bf16); the range check of idx (ValueError, as the reference) costs a reduction and runs only while
     ``kvq.fast.validation`` is on; with it off the kernel clamps indices into the grid.
     """
-    C.check_tensor(idx, "idx")
-    C.check_tensor(scale, "scale")
-    g, d = cfg.group_size, cfg.d
-    n_g = cfg.n_groups(F)
-    if tuple(idx.shape[-2:]) != (n_g, g // d) or tuple(scale.shape) != tuple(idx.shape[:-1]):
-        raise ValueError(f"idx {tuple(idx.shape)} / scale {tuple(scale.shape)} do not fit F={F} with "
-                         f"{cfg.label}: expected (..., {n_g}, {g // d}) and (..., {n_g})")
-    itype = index_dtype(cfg.n)
-    if idx.dtype != itype:
-        raise TypeError(f"idx has dtype {idx.dtype}; {cfg.label} stores indices as {itype}")
-    if scale.dtype not in (torch.float16, torch.float32):
-        raise TypeError(f"scale has dtype {scale.dtype}; expected float16 or float32 metadata")
-    if nx.dtype_name(out_dtype) not in nx.OUT_DTYPES:
-        raise ValueError(f"out_dtype={out_dtype!r} is not supported; choose one of {nx.OUT_DTYPES}")
-    _check_group(g)
-    _check_d(d)
-    if C.validation_enabled() and idx.numel() and TG._idx_max(idx) >= cfg.n:
-        raise ValueError(f"idx holds {TG._idx_max(idx)}, outside the grid's 0..{cfg.n - 1}")
-    out = C.torch_dtype(out_dtype)
+    itype, out = TG.dequant_args(cfg, idx, scale, F, out_dtype)
+    _check_group(cfg.group_size)
+    _check_d(cfg.d)
+    TG.check_idx_range(cfg, idx)
+    g, d, n_g = cfg.group_size, cfg.d, cfg.n_groups(F)
     lead = tuple(idx.shape[:-2])
     o = torch.empty(lead + (F,), dtype=out, device=idx.device)
     NGR = scale.numel()

@@ -32,7 +32,7 @@ from kvq.reference import higgs as RG
 from kvq.reference import numerics as nx
 from kvq.reference.higgs import SHIPPED_GRIDS, HiggsConfig  # noqa: F401  (data: the reference's objects)
 
-from kvq.fast._higgs import (_CONTAINER, _check_scale, _grid_tensor, _idx_max,  # noqa: F401
+from kvq.fast._higgs import (_CONTAINER, _check_scale, _grid_tensor, check_idx_range, dequant_args,  # noqa: F401
                              index_dtype, load_grid)
 
 from .hadamard import _butterflies, fwht_scale
@@ -334,23 +334,9 @@ def dequantize(cfg: HiggsConfig, idx, scale, F: int, out_dtype=np.float32) -> to
     that are exactly bf16); the range check of idx (ValueError, as the reference) costs a reduction and
     runs only while ``kvq.fast.validation`` is on; with it off the kernel clamps indices into the grid.
     """
-    C.check_tensor(idx, "idx", allow_cpu=C.interpreting())
-    C.check_tensor(scale, "scale", allow_cpu=C.interpreting())
-    g, d = cfg.group_size, cfg.d
-    n_g = cfg.n_groups(F)
-    if tuple(idx.shape[-2:]) != (n_g, g // d) or tuple(scale.shape) != tuple(idx.shape[:-1]):
-        raise ValueError(f"idx {tuple(idx.shape)} / scale {tuple(scale.shape)} do not fit F={F} with "
-                         f"{cfg.label}: expected (..., {n_g}, {g // d}) and (..., {n_g})")
-    itype = index_dtype(cfg.n)
-    if idx.dtype != itype:
-        raise TypeError(f"idx has dtype {idx.dtype}; {cfg.label} stores indices as {itype}")
-    if scale.dtype not in (torch.float16, torch.float32):
-        raise TypeError(f"scale has dtype {scale.dtype}; expected float16 or float32 metadata")
-    if nx.dtype_name(out_dtype) not in nx.OUT_DTYPES:
-        raise ValueError(f"out_dtype={out_dtype!r} is not supported; choose one of {nx.OUT_DTYPES}")
-    if C.validation_enabled() and idx.numel() and _idx_max(idx) >= cfg.n:
-        raise ValueError(f"idx holds {_idx_max(idx)}, outside the grid's 0..{cfg.n - 1}")
-    out = C.torch_dtype(out_dtype)
+    itype, out = dequant_args(cfg, idx, scale, F, out_dtype, allow_cpu=C.interpreting())
+    check_idx_range(cfg, idx)
+    g, d, n_g = cfg.group_size, cfg.d, cfg.n_groups(F)
     lead = tuple(idx.shape[:-2])
     o = torch.empty(lead + (F,), dtype=out, device=idx.device)
     NGR = scale.numel()
