@@ -246,6 +246,27 @@ def check_ratio(rho) -> None:
         raise ValueError(f"quantile ratio rho={rho!r} must lie in (0, 1]")
 
 
+def check_kv_append(k, v, shape, device, length: int, max_tokens: int, *, allow_cpu: bool = False,
+                    dtype_rule: str = "float16 or float32") -> None:
+    """The checks of a cache's ``append`` (paged KIVI / Kitty, OSCAR): k and v float16 / float32 tensors
+    (B, H_kv, T_new, D) of the cache's ``shape`` (B, H_kv, D) on its device, finite, of one shape, and
+    ``length + T_new <= max_tokens``. ``dtype_rule`` ends the dtype error ("append takes ...")."""
+    B, H, D = shape
+    for name, x in (("k", k), ("v", v)):
+        check_tensor(x, name, allow_cpu=allow_cpu)
+        if x.dtype not in (torch.float16, torch.float32):
+            raise TypeError(f"{name} has dtype {str(x.dtype).replace('torch.', '')}; append takes {dtype_rule}")
+        if x.dim() != 4 or x.shape[0] != B or x.shape[1] != H or x.shape[3] != D:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}; this cache takes (B={B}, H_kv={H}, T_new, D={D})")
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device}; the cache is on {device}")
+        check_finite(x, name)
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if length + k.shape[2] > max_tokens:
+        raise ValueError(f"appending {k.shape[2]} tokens to {length} exceeds the capacity max_tokens={max_tokens}")
+
+
 def quantile_rows(a, rho, axis: int, launch, *, clip: bool, allow_cpu: bool = False):
     """The front end of either backend's ``quant.quantile`` (``clip=False``: returns tau) and
     ``quant.percentile_clip`` (``clip=True``: returns ``(x_clipped, tau)``): the reference's checks in

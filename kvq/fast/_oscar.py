@@ -148,21 +148,7 @@ def _dtype_name(dt: torch.dtype) -> str:
 
 def _check_append(ops, cfg, calib, st: OSCARTensorState, k, v):
     B, H, D = st.shape
-    allow = ops.allow_cpu()
-    for name, x in (("k", k), ("v", v)):
-        C.check_tensor(x, name, allow_cpu=allow)
-        if x.dtype not in (torch.float16, torch.float32):
-            raise TypeError(f"{name} has dtype {_dtype_name(x.dtype)}; append takes float16 or float32")
-        if x.dim() != 4 or x.shape[0] != B or x.shape[1] != H or x.shape[3] != D:
-            raise ValueError(f"{name} has shape {tuple(x.shape)}; this cache takes (B={B}, H_kv={H}, T_new, D={D})")
-        if x.device != st.device:
-            raise ValueError(f"{name} is on {x.device}; the cache is on {st.device}")
-        C.check_finite(x, name)
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if st.length + k.shape[2] > cfg.max_tokens:
-        raise ValueError(f"appending {k.shape[2]} tokens to {st.length} exceeds the capacity "
-                         f"max_tokens={cfg.max_tokens}")
+    C.check_kv_append(k, v, st.shape, st.device, st.length, cfg.max_tokens, allow_cpu=ops.allow_cpu())
     if not isinstance(calib, RO.OSCARCalibration):
         raise TypeError(f"calib must be an OSCARCalibration, got {type(calib).__name__}")
     calib.check(H, D)

@@ -117,24 +117,9 @@ def init(cfg, codec, batch: int, kv_heads: int, head_dim: int) -> PagedState:
 
 
 def _check_append(cfg, codec, st: PagedState, k, v):
-    B, H, D = st.shape
-    allow = codec.ops.allow_cpu()
-    for name, x in (("k", k), ("v", v)):
-        C.check_tensor(x, name, allow_cpu=allow)
-        if x.dtype not in (torch.float16, torch.float32):
-            raise TypeError(f"{name} has dtype {str(x.dtype).replace('torch.', '')}; append takes float16 (or "
-                            f"float32, rounded to the FP16 buffers)")
-        if x.dim() != 4 or x.shape[0] != B or x.shape[1] != H or x.shape[3] != D:
-            raise ValueError(f"{name} has shape {tuple(x.shape)}; this cache takes (B={B}, H_kv={H}, T_new, D={D})")
-        if x.device != st.device:
-            raise ValueError(f"{name} is on {x.device}; the cache is on {st.device}")
-        C.check_finite(x, name)
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    C.check_kv_append(k, v, st.shape, st.device, st.length, cfg.max_tokens, allow_cpu=codec.ops.allow_cpu(),
+                      dtype_rule="float16 (or float32, rounded to the FP16 buffers)")
     n = k.shape[2]
-    if st.length + n > cfg.max_tokens:
-        raise ValueError(f"appending {n} tokens to {st.length} exceeds the capacity max_tokens="
-                         f"{cfg.max_tokens}")
     k16, v16 = k.to(F16), v.to(F16)
     if C.validation_enabled() and n and not (bool(torch.isfinite(k16).all()) and bool(torch.isfinite(v16).all())):
         raise ValueError("k or v overflows float16 (|x| > 65504); the FP16 buffers cannot hold it")
