@@ -81,8 +81,7 @@ def decode(cfg, st, q_rot, *, scale=None):
         nw = PD.MMA_MAX_WARPS
         smem = smem_bytes(nw)
         fn = _kernel(nr, smem, dev_index)
-        slots = PD.blocks_per_sm(fn, 32 * nw, smem, dev_index) * sms
-        n_split, pps = PD._n_splits(NP, B * H, nw, slots)
+        n_split, pps = PD._n_splits(NP, B * H, nw, PD.resident_slots(fn, 32 * nw, smem, dev_index))
     # the FP16 segments: attn_split<fp16 K / V, fp32 q, PRECISE: double sums, natural units (the fp32
     # lse bound left no room for base-2 rounding here)>, one launch per segment
     tqt = 4 if M <= 4 else 8

@@ -144,6 +144,13 @@ def blocks_per_sm(fn, threads: int, smem: int, device_index: int) -> int:
     return max(1, min(by_regs, by_smem, thr // threads, 32))
 
 
+@functools.lru_cache(maxsize=None)
+def resident_slots(fn, threads: int, smem: int, device_index: int) -> int:
+    """Blocks of ``fn`` resident on the whole device at once (``blocks_per_sm`` x SMs), once per launch
+    configuration: the kernel attributes are driver queries, kept off the per-step path."""
+    return blocks_per_sm(fn, threads, smem, device_index) * L.sm_count(device_index)
+
+
 @functools.lru_cache(maxsize=4096)
 def _n_splits(NP: int, n_base: int, nw: int, slots: int) -> tuple:
     """(splits, pages per split) of NP pages for n_base blocks per split on ``slots`` resident blocks:
@@ -260,8 +267,7 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
         fn = (_mma_kernel(kitty, nr, smem, dev_index) if mma
               else _decode_kernel(D, k_bits, cfg.v_bits, kitty, QT, smem, dev_index))
         if TUNE["waves"] is None:
-            slots = blocks_per_sm(fn, 32 * nw, smem, dev_index) * sms
-            n_split, pps = _n_splits(NP, B * H * qtiles, nw, slots)
+            n_split, pps = _n_splits(NP, B * H * qtiles, nw, resident_slots(fn, 32 * nw, smem, dev_index))
         else:
             want = max(1, -(-int(TUNE["waves"] * sms) // (B * H * qtiles)))
             pps = -(-NP // min(want, NP))
