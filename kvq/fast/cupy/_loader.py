@@ -120,8 +120,10 @@ def _aqua_names():
     return tuple(f"aqua_higgs<{ib}>" for ib in (8, 16, 32)) + tuple(f"aqua_uniform<{b}>" for b in (2, 4, 8))
 
 
-#: the tensor-core OSCAR decode (oscar_decode.cu): query rows per block (4 or 8)
-OSCAR_DECODE_NAMES = tuple(f"oscar_decode_mma<{nr}>" for nr in (4, 8))
+#: the tensor-core OSCAR decode (oscar_decode.cu): query rows per block (4 or 8); its FP16 sink + window
+#: kernel (attn_split's body, fp16 K / V, fp32 q, double sums) per query tile
+OSCAR_DECODE_NAMES = (tuple(f"oscar_decode_mma<{nr}>" for nr in (4, 8))
+                      + tuple(f"oscar_tail_attn<{qt}, {attn_warps(0, 128)}>" for qt in ATTN_QT))
 
 #: source file -> every kernel name expression the Python side may request (tests compile them all)
 KERNELS = {

@@ -46,11 +46,13 @@ def _check_d(D: int, dtype: torch.dtype) -> None:
                          f"kvq.reference.attention for others")
 
 
-def _splits(T: int, blocks_per_split: int, tile: int, sms: int):
+def _splits(T: int, blocks_per_split: int, tile: int, sms: int, tiles_per_warp: int = 2):
     """(keys per split, number of splits): >= 4 blocks per SM in all, <= _MAX_CHUNK keys per split, and
-    at least two tiles of keys per warp; keys per split a multiple of 32."""
+    at least ``tiles_per_warp`` tiles of keys per warp (2 for a kernel on its own; the decode tails that
+    run beside a fused kernel take 1: their latency, not their efficiency, counts); keys per split a
+    multiple of 32."""
     want = max(-(-4 * sms // max(blocks_per_split, 1)), -(-T // _MAX_CHUNK))
-    want = max(1, min(want, -(-T // (2 * tile))))
+    want = max(1, min(want, -(-T // (tiles_per_warp * tile))))
     chunk = -(-(-(-T // want)) // 32) * 32
     return chunk, -(-T // chunk)
 

@@ -11,6 +11,7 @@
 //   fp16 with one group per token here (G = D = 128); table (B, N) int32: page j of sequence b holds the
 //   history tokens [j Pg, j Pg + Pg).
 #include "mma.cuh"
+#include "attn_split.cuh"
 
 // The 2-bit field I of bytes 0 and 2 of x as a half2 of exact codes, I known only at run time (as
 // codes_h2<I>): mask and magic, then the fma by 4^-I with addend -1024 4^-I (m, sc, bi per thread).
@@ -184,4 +185,21 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
     p_wait<0>();                                   // no copy may be in flight at exit / reuse
     mma_finish<NR, D>(dsmem + QT * D * 8, &s_m[0][0], &s_l[0][0], m0, m1, l0, l1, bs0, bs1, O, nq, hk, Gq, Tq, B, Hq,
                       b, split, o_part, lse_part);
+}
+
+// ---- the FP16 sink and window in one launch -------------------------------------------------------
+// Computes: attn_split<fp16 K / V, fp32 q, PRECISE> (attention.cu: double sums, natural units; same
+//   grid and partial layout) over the sink (keys [0, n1)) and the window (keys [n1, T)) of the cache,
+//   both read in place from their fp16 buffers (TwoSegmentTiles), as one sequence.
+// Grid: (num_splits * n_qtiles, H_kv, B); block NW * 32 threads.
+template <int QT, int NW>
+__global__ void __launch_bounds__(NW * 32)
+    oscar_tail_attn(const float* __restrict__ q, const u16* __restrict__ k1, const u16* __restrict__ v1,
+                    const u16* __restrict__ k2, const u16* __restrict__ v2, i64 s1_b, i64 s1_h, i64 s2_b, i64 s2_h,
+                    i64 s_t, i64 n1, float* __restrict__ o_part, float* __restrict__ lse_part, i64 sq_b, i64 sq_h,
+                    i64 sq_t, int B, int Hq, int Hkv, int Tq, i64 T, i64 chunk, int num_splits, int split0,
+                    float qk_scale) {
+    const TwoSegmentTiles<0, 128> tiles{k1, v1, k2, v2, s1_b, s1_h, s2_b, s2_h, s_t, n1};
+    attn_split_body<0, 128, QT, NW, 1, 2>(q, tiles, o_part, lse_part, sq_b, sq_h, sq_t, B, Hq, Hkv, Tq, T, chunk,
+                                          num_splits, split0, qk_scale);
 }

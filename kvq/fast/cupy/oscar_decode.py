@@ -1,7 +1,8 @@
 """CuPy fused INT2 decode over the OSCAR cache (``kvq.reference.oscar`` section 4): the tensor-core
 kernel ``oscar_decode_mma`` of ``oscar_decode.cu`` over the packed history pages, the FP16 sink and
-window attended by ``attention.cu``'s split kernel straight from their fp16 buffers (beside the fused
-kernel, on a second stream), all partials merged by log-sum-exp.
+window attended in one launch by ``oscar_tail_attn`` (``attention.cu``'s split-kernel body) straight
+from their fp16 buffers (beside the fused kernel, on a second stream), all partials merged by
+log-sum-exp.
 
     out, lse = decode(cfg, state, q_rot, scale=None)      # q_rot: (B, H_q, T_q, D) fp32, the rotated query
 
@@ -51,15 +52,14 @@ def _kernel(nr: int, smem: int, device_index: int):
     return PD._allow_smem(L.kernel(_SRC, f"oscar_decode_mma<{nr}>"), smem, device_index)
 
 
-def _fp16_segments(cfg, st):
-    """The sink and the window (ring slots in any order: attention does not depend on it) as fp16 views."""
-    c = RO.counts(cfg, st.length)
-    segs = []
-    if c["n_sink"]:
-        segs.append((st.sink_k[:, :, :c["n_sink"]], st.sink_v[:, :, :c["n_sink"]]))
-    if c["n_win"]:
-        segs.append((st.win_k[:, :, :c["n_win"]], st.win_v[:, :, :c["n_win"]]))
-    return segs
+@functools.lru_cache(maxsize=None)
+def _tail_kernel(qt: int, nw: int):
+    fn = L.kernel(_SRC, f"oscar_tail_attn<{qt}, {nw}>")
+    try:
+        fn.preferred_shared_memory_carveout = 100
+    except (AttributeError, RuntimeError):              # older CuPy: the driver's choice stays
+        pass
+    return fn
 
 
 def decode(cfg, st, q_rot, *, scale=None):
@@ -82,33 +82,31 @@ def decode(cfg, st, q_rot, *, scale=None):
         smem = smem_bytes(nw)
         fn = _kernel(nr, smem, dev_index)
         n_split, pps = PD._n_splits(NP, B * H, nw, PD.resident_slots(fn, 32 * nw, smem, dev_index))
-    # the FP16 segments: attn_split<fp16 K / V, fp32 q, PRECISE: double sums, natural units (the fp32
-    # lse bound left no room for base-2 rounding here)>, one launch per segment
+    # the FP16 tokens: oscar_tail_attn (attn_split's body: fp16 K / V, fp32 q, PRECISE: double sums,
+    # natural units; the fp32 lse bound left no room for base-2 rounding here) over the sink and the
+    # window (ring slots in any order: attention does not depend on it) read in place as one sequence,
+    # one tile of keys per warp (it runs beside the fused kernel: its latency counts)
     tqt = 4 if M <= 4 else 8
     tqtiles = -(-M // tqt)
     tnw = L.attn_warps(L.DT[torch.float16], D)
-    tails = []
-    s0 = n_split
-    for k, v in _fp16_segments(cfg, st):
-        chunk, nt = A._splits(k.shape[2], B * H * tqtiles, 32 * tnw, sms)
-        tails.append((k, v, chunk, nt, s0))
-        s0 += nt
-    S_TOTAL = s0
+    n1, NT = c["n_sink"], c["n_sink"] + c["n_win"]
+    chunk, nt = A._splits(NT, B * H * tqtiles, 32 * tnw, sms, tiles_per_warp=1) if NT else (0, 0)
+    S_TOTAL = n_split + nt
     rows = B * H_q * T_q
     o_part = torch.empty((S_TOTAL, rows, D), dtype=torch.float32, device=dev)
     lse_part = torch.empty((S_TOTAL, rows), dtype=torch.float32, device=dev)
     main = torch.cuda.current_stream(dev)
-    side = PD._side_stream(dev_index) if tails and n_split and PD.TUNE["side_stream"] else main
-    if tails:
+    side = PD._side_stream(dev_index) if nt and n_split and PD.TUNE["side_stream"] else main
+    if nt:
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            fn_t = A._split_kernel(L.DT[torch.float16], D, tqt, tnw, L.DT[torch.float32], precise=True)
-            for k, v, chunk, nt, first in tails:
-                L.run(fn_t, (nt * tqtiles, H, B), (32 * tnw,),
-                      (qq, k, v, o_part, lse_part, *(np.int64(s) for s in qq.stride()[:3]),
-                       *(np.int64(s) for s in k.stride()[:3]), *(np.int64(s) for s in v.stride()[:3]),
-                       np.int32(B), np.int32(H_q), np.int32(H), np.int32(T_q), np.int64(k.shape[2]),
-                       np.int64(chunk), np.int32(nt), np.int32(first), np.float32(sc)), dev)   # natural units
+            sk, sv, wk, wv = st.sink_k, st.sink_v, st.win_k, st.win_v
+            L.run(_tail_kernel(tqt, tnw), (nt * tqtiles, H, B), (32 * tnw,),
+                  (qq, sk, sv, wk, wv, np.int64(sk.stride(0)), np.int64(sk.stride(1)), np.int64(wk.stride(0)),
+                   np.int64(wk.stride(1)), np.int64(D), np.int64(n1), o_part, lse_part,
+                   *(np.int64(s) for s in qq.stride()[:3]), np.int32(B), np.int32(H_q), np.int32(H),
+                   np.int32(T_q), np.int64(NT), np.int64(chunk), np.int32(nt), np.int32(n_split),
+                   np.float32(sc)), dev)                                   # natural units
     if n_split:
         L.run(fn, (n_split, H, B), (32 * nw,),
               (qq, *(np.int64(s) for s in qq.stride()[:3]), st.k_codes, st.k_scale, st.k_mn, st.v_codes,

@@ -1,0 +1,305 @@
+// kvq CUDA device code of the split (flash-decoding) attention kernel, shared by attention.cu (attn_split:
+// K / V tiles copied from one tensor's rows) and oscar_decode.cu (oscar_tail_attn: the OSCAR cache's
+// fp16 sink and window read as one sequence). The body is written once, over a tile source `Tiles`:
+//   tiles.stage(ks, vs, b, hk, kb, nk, lane): the warp's K tile [32][KROW] and V tile [32][D] (element
+//   type Ty<DT>::S) of keys [kb, kb + nk) of (b, kv head hk) into shared memory; asynchronous copies as
+//   two cp.async groups (K, then V) or plain stores (then the body's cp_async_wait calls are no-ops).
+// The loader (_loader.py) pastes this file (and common.cuh) in place of `#include "attn_split.cuh"`.
+#ifndef KVQ_ATTN_SPLIT_CUH
+#define KVQ_ATTN_SPLIT_CUH
+#include "common.cuh"
+
+// ---- cp.async (sm_80+): global -> shared copies that bypass registers ------------------------------
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u64 a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    return (u32)a;
+}
+
+// Copy 16 bytes (src_bytes = 16) or zero-fill them (src_bytes = 0); both addresses 16-byte aligned.
+__device__ __forceinline__ void cp_async16(void* dst_smem, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst_smem)), "l"(src),
+                 "r"(src_bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// ---- configuration -------------------------------------------------------------------------------
+
+template <int DT, int D>
+struct AttnCfg {
+    typedef typename Ty<DT>::S S;
+    static constexpr int SZ = (int)sizeof(S);
+    static constexpr int VE = 16 / SZ;                 // elements per 16-byte vector
+    static constexpr int NVEC = D / VE;                // 16-byte vectors per K / V row
+    static constexpr int KROW = D + VE;                // padded K row in shared memory (conflict-free reads)
+    static constexpr int WARP_ELEMS = 32 * KROW + 32 * D;   // one warp's K tile + V tile (32 keys each)
+    static constexpr int WARP_BYTES = WARP_ELEMS * SZ;
+    static constexpr int DPL = D >= 32 ? D / 32 : 1;   // output dims per lane (lanes >= D idle if D < 32)
+    static_assert(D % VE == 0 && D >= 16 && D <= 256, "head dim D must be a power of two in [16, 256]");
+};
+
+// The tile source of attn_split: K / V rows of (B, H_kv, T, D) tensors with strides (elements), the
+// last dim contiguous and rows 16-byte aligned; rows past nk zero-filled.
+template <int DT, int D>
+struct CopyTiles {
+    typedef typename Ty<DT>::S S;
+    const S* __restrict__ k;
+    const S* __restrict__ v;
+    i64 sk_b, sk_h, sk_t, sv_b, sv_h, sv_t;
+
+    __device__ __forceinline__ void stage(S* ks, S* vs, int b, int hk, i64 kb, int nk, int lane) const {
+        typedef AttnCfg<DT, D> Cfg;
+        constexpr int VE = Cfg::VE, NVEC = Cfg::NVEC, KROW = Cfg::KROW;
+        const S* kbase = k + (i64)b * sk_b + (i64)hk * sk_h;
+        const S* vbase = v + (i64)b * sv_b + (i64)hk * sv_h;
+#pragma unroll
+        for (int i = 0; i < NVEC; ++i) {
+            const int idx = lane + 32 * i;             // 32 rows x NVEC vectors, row-major: coalesced
+            const int row = idx / NVEC;
+            const int col = idx - row * NVEC;
+            const int src = row < nk ? row : 0;
+            cp_async16(ks + row * KROW + col * VE, kbase + (kb + src) * sk_t + col * VE, row < nk ? 16 : 0);
+        }
+        cp_async_commit();
+#pragma unroll
+        for (int i = 0; i < NVEC; ++i) {
+            const int idx = lane + 32 * i;
+            const int row = idx / NVEC;
+            const int col = idx - row * NVEC;
+            const int src = row < nk ? row : 0;
+            cp_async16(vs + row * D + col * VE, vbase + (kb + src) * sv_t + col * VE, row < nk ? 16 : 0);
+        }
+        cp_async_commit();
+    }
+};
+
+// The tile source over two segments (B, H_kv, T_i, D) read as one sequence: keys [0, n1) are rows of
+// (k1, v1), keys [n1, T) rows u - n1 of (k2, v2); batch / head strides per segment, one row stride
+// (elements), last dim contiguous, rows 16-byte aligned; rows past nk zero-filled.
+template <int DT, int D>
+struct TwoSegmentTiles {
+    typedef typename Ty<DT>::S S;
+    const S *__restrict__ k1, *__restrict__ v1, *__restrict__ k2, *__restrict__ v2;
+    i64 s1_b, s1_h, s2_b, s2_h, s_t, n1;
+
+    __device__ __forceinline__ const S* row(const S* a1, const S* a2, int b, int hk, i64 u) const {
+        return u < n1 ? a1 + (i64)b * s1_b + (i64)hk * s1_h + u * s_t
+                      : a2 + (i64)b * s2_b + (i64)hk * s2_h + (u - n1) * s_t;
+    }
+    __device__ __forceinline__ void stage(S* ks, S* vs, int b, int hk, i64 kb, int nk, int lane) const {
+        typedef AttnCfg<DT, D> Cfg;
+        constexpr int VE = Cfg::VE, NVEC = Cfg::NVEC, KROW = Cfg::KROW;
+#pragma unroll
+        for (int i = 0; i < NVEC; ++i) {
+            const int idx = lane + 32 * i;
+            const int r = idx / NVEC;
+            const int col = idx - r * NVEC;
+            cp_async16(ks + r * KROW + col * VE, row(k1, k2, b, hk, kb + (r < nk ? r : 0)) + col * VE, r < nk ? 16 : 0);
+        }
+        cp_async_commit();
+#pragma unroll
+        for (int i = 0; i < NVEC; ++i) {
+            const int idx = lane + 32 * i;
+            const int r = idx / NVEC;
+            const int col = idx - r * NVEC;
+            cp_async16(vs + r * D + col * VE, row(v1, v2, b, hk, kb + (r < nk ? r : 0)) + col * VE, r < nk ? 16 : 0);
+        }
+        cp_async_commit();
+    }
+};
+
+// ---- split kernel body (attention.cu attn_split, oscar_decode.cu oscar_tail_attn) --------------------
+// Computes: for the rows r in [qt*QT, qt*QT + QT) of the G_q * T_q query rows of kv head (b, hk)
+//   (row r -> head hk*G_q + r / T_q, token r % T_q) and the keys [split*chunk, min(split*chunk + chunk,
+//   T)): s = (q . k) * scale * log2(e) in fp32; online softmax in base 2 (PRECISE, the float32 default:
+//   natural units, s = (q . k) * scale, exp / log); o = sum 2^(s - m) v / l; lse = (m + log2 l) * ln 2
+//   (natural log; -inf and o = 0 for no keys). Written as fp32 partial
+//   number split0 + split: o_part[(((p * B + b) * H_q + h) * T_q + t) * D + d], lse_part[...].
+// Grid: (num_splits * n_qtiles, H_kv, B); block (NW * 32) threads, exactly. The warps of a block take the split's
+//   tiles of 32 keys in turn (tile w, w + NW, ...), each with its own softmax state: a tile's K and V
+//   rows are copied once into the warp's shared memory by cp.async (16-byte, coalesced; rows past
+//   the end zero-filled); lane j computes the score of key j for all QT rows (K row read from padded
+//   shared memory, q broadcast); then each lane accumulates D/32 output dims over the 32 keys. At the
+//   end the NW warp states are merged through shared memory.
+// Bytes: reads each K and V element of the split once per query tile (once when G_q*T_q <= QT);
+//   writes (D + 1) fp32 per query row and split.
+// Accumulator of the dot products and of P.V: float, or double when PRECISE (the default for float32
+// inputs: the fp32 path is the precise one, its sums then carry no more rounding than the float32
+// reference's pairwise sums; PRECISE also means natural-log units, else base 2 with log2(e) in the
+// scale). attn_split<2, D, QT, NW, 0, QDT>: fp32 keys / values with float accumulators and QDT (fp16 /
+// bf16) queries: the paged decode's tail for half-precision queries, whose fused part carries about 22 bits.
+template <int DT>
+struct AccT {
+    typedef float T;
+};
+template <>
+struct AccT<2> {
+    typedef double T;
+};
+
+template <int DT, int D, int QT, int NW, int PRECISE, int QDT, class Tiles>
+__device__ __forceinline__ void attn_split_body(const typename Ty<QDT>::S* __restrict__ q, const Tiles& tiles,
+                                                float* __restrict__ o_part, float* __restrict__ lse_part,
+                                                i64 sq_b, i64 sq_h, i64 sq_t, int B, int Hq, int Hkv, int Tq,
+                                                i64 T, i64 chunk, int num_splits, int split0, float qk_scale) {
+    typedef AttnCfg<DT, D> Cfg;
+    typedef typename Ty<DT>::S S;
+    typedef typename AccT<PRECISE ? 2 : 0>::T Acc;
+    constexpr int VE = Cfg::VE;
+    constexpr int NVEC = Cfg::NVEC;
+    constexpr int KROW = Cfg::KROW;
+    constexpr int DPL = Cfg::DPL;
+    static_assert(QT % 4 == 0, "QT must be a multiple of 4 (16-byte rows of p)");
+    static_assert(QT * D * 4 <= Cfg::WARP_BYTES, "the combine area [NW][QT][D] fp32 reuses the tiles");
+    static_assert(NW * Cfg::WARP_BYTES + QT * D * 4 + NW * 32 * QT * 4 + 2 * NW * QT * 4 <= 48 * 1024,
+                  "static shared memory is limited to 48 KiB (fp32 supports D <= 128)");
+
+    __shared__ u32x4 s_tiles[NW * Cfg::WARP_BYTES / 16];   // per warp: K tile [32][KROW], V tile [32][D]
+    __shared__ u32x4 s_q4[QT * D / 4];                      // [QT][D] fp32, pre-scaled queries
+    __shared__ u32x4 s_p4[NW * 32 * QT / 4];                // per warp: [32 keys][QT] probabilities
+    __shared__ float s_m[NW][QT], s_l[NW][QT];
+    float* s_q = reinterpret_cast<float*>(s_q4);
+
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5;
+    const int lane = tid & 31;
+    const int split = (int)(blockIdx.x % (unsigned)num_splits);
+    const int qt = (int)(blockIdx.x / (unsigned)num_splits);
+    const int hk = blockIdx.y;
+    const int b = blockIdx.z;
+    const int Gq = Hq / Hkv;
+    const int NQ = Gq * Tq;
+    const int r0 = qt * QT;
+    const int nq = kvq_min(QT, NQ - r0);
+    const i64 k0 = (i64)split * chunk;
+    const i64 k1 = kvq_min(k0 + chunk, T);
+
+    for (int idx = tid; idx < QT * D; idx += NW * 32) {
+        const int qi = idx / D;
+        const int d = idx - qi * D;
+        float val = 0.0f;
+        if (qi < nq) {
+            const int r = r0 + qi;
+            const int h = hk * Gq + r / Tq;
+            const int t = r - (r / Tq) * Tq;
+            val = __fmul_rn(Ty<QDT>::ld(q[(i64)b * sq_b + (i64)h * sq_h + (i64)t * sq_t + d]), qk_scale);
+        }
+        s_q[idx] = val;
+    }
+    __syncthreads();
+
+    S* ks = reinterpret_cast<S*>(s_tiles) + warp * Cfg::WARP_ELEMS;   // [32][KROW]
+    S* vs = ks + 32 * KROW;                                            // [32][D]
+    float* pw = reinterpret_cast<float*>(s_p4) + warp * 32 * QT;       // [32][QT]
+
+    float m[QT], l[QT];
+    Acc acc[QT][DPL];
+#pragma unroll
+    for (int qi = 0; qi < QT; ++qi) {
+        m[qi] = -KVQ_INF;
+        l[qi] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < DPL; ++e) acc[qi][e] = 0.0f;
+    }
+    const bool lane_has_dims = D >= 32 || lane * DPL < D;
+    const i64 ntile = k1 > k0 ? (k1 - k0 + 31) / 32 : 0;
+
+    for (i64 ti = warp; ti < ntile; ti += NW) {        // uniform across the warp
+        const i64 kb = k0 + ti * 32;
+        const int nk = (int)kvq_min((i64)32, k1 - kb);
+        tiles.stage(ks, vs, b, hk, kb, nk, lane);         // K: one cp.async group, V: the next
+        cp_async_wait<1>();                            // this lane's K copies have landed
+        __syncwarp();                                  // ... and every lane's
+
+        // scores: lane j <-> key kb + j, all QT query rows
+        Acc s[QT];
+#pragma unroll
+        for (int qi = 0; qi < QT; ++qi) s[qi] = 0.0f;
+        const S* krow = ks + lane * KROW;
+#pragma unroll 4
+        for (int cv = 0; cv < NVEC; ++cv) {
+            float kf[VE];
+            load_f32<DT, VE>(krow + cv * VE, kf);
+#pragma unroll
+            for (int qi = 0; qi < QT; ++qi) {
+                float qf[VE];
+                load_f32<2, VE>(s_q + qi * D + cv * VE, qf);
+#pragma unroll
+                for (int e = 0; e < VE; ++e) s[qi] = fma((Acc)qf[e], (Acc)kf[e], s[qi]);
+            }
+        }
+
+        // online softmax, base 2 (PRECISE: natural); p goes to shared memory for the P.V step
+#pragma unroll
+        for (int qi = 0; qi < QT; ++qi) {
+            const float sc = lane < nk ? (float)s[qi] : -KVQ_INF;
+            float tmax = sc;
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) tmax = fmaxf(tmax, __shfl_xor_sync(KVQ_FULL_MASK, tmax, off));
+            const float mnew = fmaxf(m[qi], tmax);
+            const float alpha = m[qi] == mnew ? 1.0f : PRECISE ? expf(m[qi] - mnew) : exp2f(m[qi] - mnew);
+            const float p = sc == -KVQ_INF ? 0.0f : PRECISE ? expf(sc - mnew) : exp2f(sc - mnew);
+            l[qi] = fmaf(l[qi], alpha, p);             // this lane's share of the row sum
+#pragma unroll
+            for (int e = 0; e < DPL; ++e) acc[qi][e] *= alpha;
+            m[qi] = mnew;
+            pw[lane * QT + qi] = p;
+        }
+        cp_async_wait<0>();                            // V copies have landed
+        __syncwarp();
+
+        // o += p . V: lane owns dims [lane*DPL, lane*DPL + DPL)
+#pragma unroll 4
+        for (int j = 0; j < nk; ++j) {
+            float pj[QT];
+            load_f32<2, QT>(pw + j * QT, pj);
+            float vf[DPL];
+            if (lane_has_dims) {
+                load_f32<DT, DPL>(vs + j * D + lane * DPL, vf);
+            } else {
+#pragma unroll
+                for (int e = 0; e < DPL; ++e) vf[e] = 0.0f;
+            }
+#pragma unroll
+            for (int qi = 0; qi < QT; ++qi)
+#pragma unroll
+                for (int e = 0; e < DPL; ++e)
+                    acc[qi][e] = fma((Acc)pj[qi], (Acc)vf[e], acc[qi][e]);
+        }
+        __syncwarp();                                  // the next tile overwrites ks, vs, pw
+    }
+
+    // merge the NW warp states of this block
+#pragma unroll
+    for (int qi = 0; qi < QT; ++qi)
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) l[qi] += __shfl_xor_sync(KVQ_FULL_MASK, l[qi], off);
+    __syncthreads();                                   // every warp is done with its tiles
+    float* cacc = reinterpret_cast<float*>(s_tiles);  // [NW][QT][D]
+    if (lane_has_dims) {
+#pragma unroll
+        for (int qi = 0; qi < QT; ++qi)
+#pragma unroll
+            for (int e = 0; e < DPL; ++e) cacc[(warp * QT + qi) * D + lane * DPL + e] = (float)acc[qi][e];
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int qi = 0; qi < QT; ++qi) {
+            s_m[warp][qi] = m[qi];
+            s_l[warp][qi] = l[qi];
+        }
+    }
+    __syncthreads();
+    combine_warps<QT, D>(&s_m[0][0], &s_l[0][0], cacc, NW, nq, tid, NW * 32, r0, hk, Gq, Tq, B, Hq, b,
+                         (i64)(split0 + split), o_part, lse_part, PRECISE != 0);
+}
+
+#endif  // KVQ_ATTN_SPLIT_CUH
