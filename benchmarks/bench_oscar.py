@@ -40,7 +40,10 @@ page of tokens (page_size tokens, B = 8, H_kv = 8) into a cache whose window is 
 tokens leave the window, are clipped, quantized and packed into one new page), and its two parts timed
 alone: rotate (``fp16(k R_K)``, ``fp16(v R_V)``, the backend's ``rotate.rotate``) and quantize (the
 backend's ``oscar_quant.quantize_tokens`` on the rotated K and V); reported per token step (all B
-sequences) and per (token, sequence).
+sequences) and per (token, sequence). ``append`` takes the default path: the fused append (one kernel for K
+and one for V: ``oscar_append``; ``fused_append`` says whether it applies), ``append_unfused`` the unfused
+one (rotate + quantize + torch writes); ``decode_step`` / ``decode_step_unfused`` append one token per
+sequence to the full window (launches dominate there).
 
     python3 benchmarks/bench_oscar.py --out /tmp/res [--quick] [--dry-run]
 """
@@ -224,10 +227,15 @@ def run_shape(B, T, Hq, Hkv, Dh, device, copy_gbps, quick, dry, deadline) -> dic
 def time_quantize(backend, device, quick, dry, deadline) -> dict:
     """Append of one page of tokens (page_size, B = 8, H_kv = 8; dry: 2, 2) into a cache whose window is
     full, and its parts alone: rotate (K and V to fp16 in the rotated frame), quantize (fused clip + INT2 +
-    pack of the rotated K and V), with the backend's ``oscar``, ``rotate`` and ``oscar_quant``. ms per call,
-    per token step (/ page_size) and per (token, sequence)."""
+    pack of the rotated K and V), with the backend's ``oscar``, ``rotate`` and ``oscar_quant``. ``append`` is
+    the default path (the fused append kernel, ``oscar_append``, where it supports the configuration),
+    ``append_unfused`` the unfused one (``kvq.fast._oscar.unfused_append``); ``decode_step`` /
+    ``decode_step_unfused``: one token per sequence appended to the full window (the token leaving it is
+    quantized into a new page). ms per call, per token step (/ tokens) and per (token, sequence)."""
     import kvq.fast as fast
+    from kvq.fast import _oscar as O
     oscar, OQ, rotate = _mod(backend), _mod(backend, "oscar_quant"), _mod(backend, "rotate").rotate
+    OA = _mod(backend, "oscar_append")
     fast.set_validation(False)
     B, H, Dh = (2, DRY_H_KV, DRY_D) if dry else (QUANT_B, H_KV, D)
     cfg0 = config(oscar, 0, dry)
@@ -247,6 +255,10 @@ def time_quantize(backend, device, quick, dry, deadline) -> dict:
         st.length, st.next_page = T0, 0
         oscar.append(cfg, calib, st, k_, v_)
 
+    def do_append_unfused(k_, v_):
+        with O.unfused_append():
+            do_append(k_, v_)
+
     def do_rotate(k_, v_):
         return rotate(k_, RK).to(torch.float16), rotate(v_, RV).to(torch.float16)
 
@@ -255,18 +267,25 @@ def time_quantize(backend, device, quick, dry, deadline) -> dict:
                 OQ.quantize_tokens(v_, calib.clip_v, cfg.group_size, cfg.bits, meta))
 
     rotated = do_rotate(k, v)
+    k1, v1 = k[:, :, :1].contiguous(), v[:, :, :1].contiguous()
     res = {"backend": backend, "B": B, "H_kv": H, "D": Dh, "tokens": n, "G": cfg.group_size, "bits": cfg.bits,
-           "note": "append = rotate (calibration copied host->device per call) + fused quantize + page / "
-                   "window writes; rotate and quantize timed alone on the same tokens"}
-    for name, fn, args in (("append", do_append, (k, v)), ("rotate", do_rotate, (k, v)),
-                           ("quantize", do_quant, rotated)):
+           "fused_append": bool(OA.supported(cfg, Dh)),
+           "note": "append = the default path: ONE fused kernel for K and one for V (rotate, fp16, sink / "
+                   "window / clip + quantize + pack into the pages; oscar_append) where fused_append, else "
+                   "the unfused path; append_unfused = rotate + fused quantize + torch page / window writes; "
+                   "rotate and quantize timed alone on the same tokens; decode_step[_unfused] = 1 token per "
+                   "sequence into the full window (tokens = 1)"}
+    rows = (("append", do_append, (k, v), n), ("append_unfused", do_append_unfused, (k, v), n),
+            ("rotate", do_rotate, (k, v), n), ("quantize", do_quant, rotated, n),
+            ("decode_step", do_append, (k1, v1), 1), ("decode_step_unfused", do_append_unfused, (k1, v1), 1))
+    for name, fn, args, tokens in rows:
         if deadline is not None and deadline.expired():
             res[name] = {"skipped": "time budget exhausted"}
             continue
         try:
             t = C.bench(fn, [args], device=device, quick=quick)
-            res[name] = {"ms": t["ms"], "timing": t, "us_per_token_step": 1e3 * t["ms"] / n,
-                         "us_per_token_seq": 1e3 * t["ms"] / (n * B)}
+            res[name] = {"ms": t["ms"], "timing": t, "tokens": tokens, "us_per_token_step": 1e3 * t["ms"] / tokens,
+                         "us_per_token_seq": 1e3 * t["ms"] / (tokens * B)}
         except Exception as e:
             res[name] = {"error": C.err_str(e)}
     return res
@@ -333,7 +352,8 @@ def summary_lines(res: dict) -> list[str]:
                      f"{qt.get('tokens')} tokens; us per token step / per (token, sequence)): " + ", ".join(
                          f"{n} {qt[n]['us_per_token_step']:.2f} / {qt[n]['us_per_token_seq']:.3f}"
                          if qt.get(n, {}).get("ms") else f"{n} {'err' if qt.get(n, {}).get('error') else 'skip'}"
-                         for n in ("append", "rotate", "quantize")))
+                         for n in ("append", "append_unfused", "rotate", "quantize", "decode_step",
+                                   "decode_step_unfused")))
     lines.append("  (ms per call of the fused decode; x = speedup; %copy on bytes.min, what the fused kernels "
                  "read; '!' = failed the check; '~' = history dequantized, not fused)")
     return lines

@@ -6,7 +6,10 @@ the cache are written once here; a backend passes its kernels as :class:`OscarOp
 rotation (the reference's operations in its order, so the same bits), the fused clip + INT2 + pack
 (``oscar_quant``), ``packing.unpack_dequantize``, ``attention.decode_attention`` and, where it has
 one, a fused decode over the packed pages (``fused_decode``; without it decode dequantizes the history
-first). The public, documented functions are ``kvq.fast.triton.oscar`` and ``kvq.fast.cupy.oscar``.
+first) and a fused append (``fused_append``: one kernel per append for K and one for V; without it, or
+outside its configurations, or with ``FUSED_APPEND = False``, the unfused path of rotate + quantize
+kernels and torch writes, which gives the same bits). The public, documented functions are
+``kvq.fast.triton.oscar`` and ``kvq.fast.cupy.oscar``.
 
     from kvq.fast.triton.oscar import init, append, decode_attention      # (these call into here)
 """
@@ -14,6 +17,7 @@ first). The public, documented functions are ``kvq.fast.triton.oscar`` and ``kvq
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -44,6 +48,15 @@ class OscarOps:
     #: (``kvq.fast.triton.oscar_decode.decode``, ``kvq.fast.cupy.oscar.fused_decode``); ``precise``: q is
     #: float32 (an fp32 output); None: the history is dequantized, then attended
     fused_decode: Callable | None = None
+    #: the fused append (``kvq.fast.triton.oscar_append``, ``kvq.fast.cupy.oscar_append``): a module with
+    #: ``supported(cfg, D) -> bool`` and ``append(cfg, st, kv, x, R, clip, plan)``, ONE launch per append
+    #: for K (kv = 0) and one for V: rotate, fp16, sink / window ring / clip + quantize + pack into the
+    #: page slots, old window tokens leaving included; None: always the unfused path
+    fused_append: ModuleType | None = None
+    #: ``rotate_heads(x, R64, out_dtype) -> x R`` for the query-side tensors (q, and the output rotated
+    #: back): float64 sums rounded to fp32, then to out_dtype, in one launch
+    #: (``kvq.fast.cupy.oscar_decode.rotate_heads``); None: :func:`_rotate_heads` (torch float64 matmul)
+    rotate_heads: Callable | None = None
 
 
 def _device(ops) -> torch.device:
@@ -146,26 +159,138 @@ def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).replace("torch.", "")
 
 
-def _check_append(ops, cfg, calib, st: OSCARTensorState, k, v):
+def _check_append(ops, cfg, calib, st: OSCARTensorState, k, v) -> None:
+    """The reference's ``_check_append`` up to (not including) the rotation: the same errors in its order."""
     B, H, D = st.shape
     C.check_kv_append(k, v, st.shape, st.device, st.length, cfg.max_tokens, allow_cpu=ops.allow_cpu())
     if not isinstance(calib, RO.OSCARCalibration):
         raise TypeError(f"calib must be an OSCARCalibration, got {type(calib).__name__}")
     calib.check(H, D)
-    dev = st.device
-    return _rotate16(ops, k, _rot(calib.R_K, dev), "k"), _rotate16(ops, v, _rot(calib.R_V, dev), "v")
+
+
+#: the fused append (``OscarOps.fused_append``) where the backend has one and supports the configuration;
+#: False forces the unfused path everywhere (rotate, oscar_quant.quantize_tokens, torch writes): the two
+#: give the same bits (tests compare them). :func:`unfused_append` is the context-manager form.
+FUSED_APPEND = True
+
+
+@contextlib.contextmanager
+def unfused_append():
+    """Within the block, ``append`` takes the unfused path (for tests and benchmarks)."""
+    global FUSED_APPEND
+    old, FUSED_APPEND = FUSED_APPEND, False
+    try:
+        yield
+    finally:
+        FUSED_APPEND = old
+
+
+_NORM_CACHE: "collections.OrderedDict" = collections.OrderedDict()
+
+#: relative slack of the rotation bound (:func:`_rotation_fits`): covers the fp32 rounding of the
+#: fixed-order rotation (at most D * 2**-24 relative to sum |x_i R_ij| <= |x| |R_j|) and of the fp32 norm
+FIT_SLACK = 1e-3
+
+
+def _max_col_norm(R) -> float:
+    """max_j |R[..., :, j]|_2 of a calibration rotation (float64, host), cached per array object."""
+    hit = _NORM_CACHE.get(id(R))
+    if hit is not None and hit[0] is R:
+        return hit[1]
+    v = float(np.linalg.norm(np.asarray(R, dtype=np.float64), axis=-2).max())
+    _NORM_CACHE[id(R)] = (R, v)                 # holds R: its id cannot be reused while cached
+    while len(_NORM_CACHE) > _ROT_CACHE_SIZE:
+        _NORM_CACHE.popitem(last=False)
+    return v
+
+
+def _rotation_fits(k, v, calib) -> bool:
+    """True when fp16(k R_K) and fp16(v R_V) are provably finite: ``|(x R)_j| <= |x|_2 |R_j|_2``
+    (Cauchy-Schwarz) with FIT_SLACK for the fp32 rounding, below 65504 (the largest fp16). One host sync
+    (both maxima together). False (a large token) sends the append down the unfused path, which rotates
+    first and raises where fp16 really overflows, as the reference."""
+    nk, nv = torch.stack([torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).amax()
+                          for x in (k, v)]).tolist()
+    lim = 65504.0 / (1.0 + FIT_SLACK)
+    return nk * _max_col_norm(calib.R_K) < lim and nv * _max_col_norm(calib.R_V) < lim
+
+
+def _open_pages(st: OSCARTensorState, cfg, first: int, e: int) -> None:
+    """Allocate the pages that post-sink positions [first, first + e) open (page-major, then batch, as
+    the reference): host arithmetic and one write into the page table."""
+    if not e:
+        return
+    B, Pg = st.shape[0], cfg.page_size
+    pg0, pg1 = -(-first // Pg), (first + e - 1) // Pg + 1                # pages opened: [pg0, pg1)
+    if pg1 > pg0:
+        ids = st.next_page + torch.arange((pg1 - pg0) * B, dtype=torch.int32, device=st.device).view(pg1 - pg0, B).t()
+        st.table[:, pg0:pg1] = ids
+        st.next_page += (pg1 - pg0) * B
+
+
+@dataclass(frozen=True)
+class AppendPlan:
+    """Where an append's tokens go (host arithmetic on the counters before it; ``kvq.reference.oscar.append``'s
+    routing): ``T0`` tokens cached, ``n`` new; the first ``n_s`` new ones fill the sink; the others follow
+    the ``n_old`` tokens of the window as sequence index ``i = n_old + (idx - n_s)``; the oldest ``e`` of
+    that sequence leave the window into page position ``first + i`` (post-sink index; ``first``: the
+    window's oldest before the append), the rest end in ring slot ``(first + i) % W``."""
+
+    T0: int
+    n: int
+    n_s: int
+    n_old: int
+    first: int
+    e: int
+
+
+def plan_append(cfg, T0: int, n: int) -> AppendPlan:
+    """The :class:`AppendPlan` of appending n tokens to a cache holding T0 (``RO.counts`` arithmetic)."""
+    c0 = RO.counts(cfg, T0)
+    n_s = max(0, min(cfg.sink - T0, n))
+    m = c0["n_win"] + n - n_s
+    return AppendPlan(T0, n, n_s, c0["n_win"], c0["n_hist"], m - min(m, cfg.window))
+
+
+def _use_fused(ops, cfg, calib, st: OSCARTensorState, k, v) -> bool:
+    fa = ops.fused_append
+    if not FUSED_APPEND or fa is None or not fa.supported(cfg, st.shape[2]):
+        return False
+    return not C.validation_enabled() or _rotation_fits(k, v, calib)
 
 
 def append(ops: "OscarOps", cfg, calib, state: OSCARTensorState, k, v) -> OSCARTensorState:
     """Route (B, H_kv, T_new, D) tokens as the reference: rotate, sink, window ring, clip + quantize + pack
-    the tokens leaving the window into their page slots (pages page-major, then batch). Validation and
-    quantization come before any write, so bad input leaves the state unchanged."""
-    k16, v16 = _check_append(ops, cfg, calib, state, k, v)
-    st, S, W, Pg = state, cfg.sink, cfg.window, cfg.page_size
-    B = st.shape[0]
-    T0, n = st.length, k16.shape[2]
+    the tokens leaving the window into their page slots (pages page-major, then batch). Validation comes
+    before any write, so bad input leaves the state unchanged.
+
+    The fused path (``ops.fused_append``, where supported and FUSED_APPEND): one kernel for K and one
+    for V after the page-table write; while validation is on it runs only when the rotation provably
+    stays in fp16 range (:func:`_rotation_fits`), else the unfused path runs (and raises on a real
+    overflow). The unfused path: the fixed-order rotation, the window ring gathered in order, the fused
+    quantizer on the tokens leaving, then torch writes; the same bits."""
+    _check_append(ops, cfg, calib, state, k, v)
+    st = state
+    n = k.shape[2]
     if n == 0:
         return st
+    dev = st.device
+    RK, RV = _rot(calib.R_K, dev), _rot(calib.R_V, dev)
+    if _use_fused(ops, cfg, calib, st, k, v):
+        plan = plan_append(cfg, st.length, n)
+        _open_pages(st, cfg, plan.first, plan.e)
+        ops.fused_append.append(cfg, st, 0, k, RK, calib.clip_k, plan)
+        ops.fused_append.append(cfg, st, 1, v, RV, calib.clip_v, plan)
+        st.length = plan.T0 + n
+        return st
+    return _append_unfused(ops, cfg, calib, st, _rotate16(ops, k, RK, "k"), _rotate16(ops, v, RV, "v"))
+
+
+def _append_unfused(ops, cfg, calib, st: OSCARTensorState, k16, v16) -> OSCARTensorState:
+    """The unfused append of the rotated fp16 tokens k16, v16 (B, H, n, D): quantization before any write."""
+    S, W, Pg = cfg.sink, cfg.window, cfg.page_size
+    B = st.shape[0]
+    T0, n = st.length, k16.shape[2]
     dev = st.device
     c0 = RO.counts(cfg, T0)
     n_s = max(0, min(S - T0, n))
@@ -190,11 +315,7 @@ def append(ops: "OscarOps", cfg, calib, state: OSCARTensorState, k, v) -> OSCART
         st.win_k[:, :, slots] = ks[:, :, e:]
         st.win_v[:, :, slots] = vs[:, :, e:]
     if e:                                                     # 3. pages
-        pg0, pg1 = -(-first // Pg), (first + e - 1) // Pg + 1            # pages opened: [pg0, pg1)
-        if pg1 > pg0:
-            ids = st.next_page + torch.arange((pg1 - pg0) * B, dtype=torch.int32, device=dev).view(pg1 - pg0, B).t()
-            st.table[:, pg0:pg1] = ids
-            st.next_page += (pg1 - pg0) * B
+        _open_pages(st, cfg, first, e)
         pos = torch.arange(first, first + e, device=dev)
         pid = st.table[:, pos // Pg].long()                                # (B, e)
         sl = (pos % Pg).view(1, e).expand(B, e)
@@ -255,20 +376,22 @@ def dequantize(ops: "OscarOps", cfg, calib, state: OSCARTensorState, *, rotated:
 
 def decode_attention(ops: "OscarOps", cfg, calib, state: OSCARTensorState, q, *, scale=None,
                      rotate_back: bool = True):
-    """q rotated by R_K (``_rotate_heads``); the backend's fused decode over the packed pages and the FP16
-    segment, or (without one) the three segments, history dequantized to fp32, attended by its
-    FP16-baseline kernel in fp32; the output rotated back by R_V^T unless ``rotate_back=False``."""
+    """q rotated by R_K (``ops.rotate_heads``, or ``_rotate_heads``); the backend's fused decode over the
+    packed pages and the FP16 segment, or (without one) the three segments, history dequantized to fp32,
+    attended by its FP16-baseline kernel in fp32; the output rotated back by R_V^T unless
+    ``rotate_back=False``."""
     B, H, D = state.shape
     C.check_decode_q(q, state.shape, state.device, state.length, allow_cpu=ops.allow_cpu())
     calib.check(H, D)
     dev = state.device
-    qr = _rotate_heads(q, _rot(calib.R_K, dev, dtype=torch.float64))          # (B, H_q, T_q, D) fp32
+    rot = ops.rotate_heads or (lambda x, R, dt: _rotate_heads(x, R).to(dt))
+    qr = rot(q, _rot(calib.R_K, dev, dtype=torch.float64), torch.float32)     # (B, H_q, T_q, D) fp32
     if ops.fused_decode is not None:
         out, lse = ops.fused_decode(cfg, state, qr, scale=scale, precise=q.dtype == torch.float32)
     else:
         out, lse = ops.attention.decode_attention(qr, segments(ops, cfg, state), scale=scale)
     if rotate_back:
-        out = _rotate_heads(out, _rot(calib.R_V, dev, True, torch.float64))
+        return rot(out, _rot(calib.R_V, dev, True, torch.float64), q.dtype), lse
     return out.to(q.dtype), lse
 
 

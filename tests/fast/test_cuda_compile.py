@@ -2,7 +2,8 @@
 
 Runs in CI (no GPU needed, only nvcc). Plain `nvcc -c` of a template source only parses the templates,
 so a second compile includes each source and takes the address of every name expression listed in
-``kvq.fast.cupy._loader.KERNELS``, which instantiates (and type-checks, and runs ptxas on) each one.
+``kvq.fast.cupy._loader.KERNELS`` (or, for a source its module builds itself, that module's list:
+``OWN``), which instantiates (and type-checks, and runs ptxas on) each one.
 
     pytest tests/fast/test_cuda_compile.py -m nvcc
 """
@@ -17,11 +18,16 @@ from pathlib import Path
 import pytest
 
 from kvq.fast.cupy import _loader
+from kvq.fast.cupy import oscar_append as _oscar_append
 
 pytestmark = pytest.mark.nvcc
 
 SRC = Path(_loader.__file__).resolve().parent
 SOURCES = sorted(_loader.KERNELS)
+#: sources compiled by their own module (with _loader.source / OPTIONS) -> its kernel name expressions
+OWN = {"oscar_append.cu": _oscar_append.NAMES}
+NAMES = {**{s: _loader.KERNELS[s] for s in SOURCES}, **OWN}
+ALL = sorted(NAMES)
 FLAGS = ["-arch=sm_90", "--fmad=false", "-std=c++17"]
 
 
@@ -47,16 +53,16 @@ def test_loader_imports_without_cupy():
     assert all(_loader.KERNELS[s] for s in SOURCES)
 
 
-@pytest.mark.parametrize("name", SOURCES)
+@pytest.mark.parametrize("name", ALL)
 def test_source_compiles(name, tmp_path):
     log = _compile(SRC / name, tmp_path / (name + ".o"))
     assert "warning" not in log.lower(), log
 
 
-@pytest.mark.parametrize("name", SOURCES)
+@pytest.mark.parametrize("name", ALL)
 def test_every_requested_kernel_instantiates(name, tmp_path):
     """Each name expression of the loader names a kernel template of the source and compiles."""
-    exprs = _loader.KERNELS[name]
+    exprs = NAMES[name]
     wrapper = tmp_path / ("inst_" + name)
     lines = [f'#include "{SRC / name}"', "void* kvq_instances[] = {"]
     lines += [f"    (void*)&{e}," for e in exprs]
@@ -66,12 +72,12 @@ def test_every_requested_kernel_instantiates(name, tmp_path):
     assert "error" not in log.lower(), log
 
 
-@pytest.mark.parametrize("name", SOURCES)
+@pytest.mark.parametrize("name", ALL)
 def test_requested_names_are_defined(name):
     """Parse: every kernel base name the loader requests is a __global__ function of the source."""
     text = _loader.source(name)
     defined = set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^;{]*?\)\s*)?(\w+)\s*\(", text))
-    wanted = {e.split("<")[0].strip() for e in _loader.KERNELS[name]}
+    wanted = {e.split("<")[0].strip() for e in NAMES[name]}
     assert wanted <= defined, f"{name}: requested but not defined: {sorted(wanted - defined)}"
 
 
@@ -89,7 +95,7 @@ def test_launch_constants_match_the_kernels():
 
 def test_sources_are_self_contained():
     """After the loader pastes local headers, no #include remains (NVRTC needs no include path)."""
-    for name in SOURCES:
+    for name in ALL:
         text = _loader.source(name)
         assert not re.search(r"^\s*#\s*include", text, re.MULTILINE), f"{name} still includes something"
         assert "__global__" in text

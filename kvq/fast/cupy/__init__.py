@@ -10,5 +10,5 @@ first use (``_loader``) and cached on disk by CuPy.
     out, lse = kvq.fast.decode_attention(q, [(k, v)], backend="cupy")
 """
 
-__all__ = ["quant", "packing", "attention", "paged", "kivi", "kitty", "rotate", "oscar_quant", "oscar",
-           "oscar_decode", "hadamard", "higgs", "aqua", "aqua_cache"]
+__all__ = ["quant", "packing", "attention", "paged", "kivi", "kitty", "rotate", "oscar_quant", "oscar_append",
+           "oscar", "oscar_decode", "hadamard", "higgs", "aqua", "aqua_cache"]

@@ -203,3 +203,30 @@ __global__ void __launch_bounds__(NW * 32)
     attn_split_body<0, 128, QT, NW, 1, 2>(q, tiles, o_part, lse_part, sq_b, sq_h, sq_t, B, Hq, Hkv, Tq, T, chunk,
                                           num_splits, split0, qk_scale);
 }
+
+// ---- the query-side rotations ----------------------------------------------------------------------
+// Computes: y = x R for a query-side tensor x (B, H_q, T, D) (any strides; input dtype DTI): row (b, h, t)
+//   times R[h / (H_q / H_R)] (R: (H_R, D, D) float64, contiguous), the D products summed in float64 in
+//   the order i = 0 .. D-1, rounded to fp32 and then to DTO; out (B, H_q, T, D) contiguous. (The decode's
+//   q and output rotations: a few rows, so one launch replaces cast, batched matmul, cast; float64 sums
+//   are at least as accurate as the reference's float32 rotation: rule 7, tolerance.)
+// Grid: (B * H_q * T); block D threads (thread j -> output channel j); D <= 256.
+// Bytes: reads the row and R[h] (L2-resident across rows), writes one row.
+template <int DTI, int DTO>
+__global__ void __launch_bounds__(256)
+    rotate_heads_f64(const typename Ty<DTI>::S* __restrict__ x, const double* __restrict__ R,
+                     typename Ty<DTO>::S* __restrict__ out, int Hq, int T, int HR, int D, i64 sx_b, i64 sx_h,
+                     i64 sx_t, i64 sx_d) {
+    __shared__ double xs[256];
+    const i64 row = blockIdx.x;
+    const int t = (int)(row % T);
+    const int h = (int)((row / T) % Hq);
+    const i64 b = row / ((i64)T * Hq);
+    const int j = threadIdx.x;
+    xs[j] = (double)Ty<DTI>::ld(x[b * sx_b + (i64)h * sx_h + (i64)t * sx_t + (i64)j * sx_d]);
+    __syncthreads();
+    const double* Rh = R + (i64)(h / (Hq / HR)) * D * D;
+    double acc = 0.0;
+    for (int i = 0; i < D; ++i) acc = fma(xs[i], Rh[(i64)i * D + j], acc);
+    out[row * D + j] = Ty<DTO>::st((float)acc);
+}

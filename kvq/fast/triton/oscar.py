@@ -26,6 +26,7 @@ from kvq.reference.oscar import (CLIP_GRID, CONFIGS, DEFAULT_CLIP_K, DEFAULT_CLI
                                  OSCARCalibration, OSCARConfig)              # (the reference's objects)
 
 from . import attention as A
+from . import oscar_append as OA
 from . import oscar_decode as OD
 from . import oscar_quant as OQ
 from . import packing as P
@@ -36,7 +37,7 @@ __all__ = ["DEFAULT_CLIP_K", "DEFAULT_CLIP_V", "CLIP_GRID", "OSCARCalibration", 
            "dequantize", "decode_attention"]
 
 #: this backend's kernels for the shared OSCAR cache code (``kvq.fast._oscar``)
-OPS = _O.OscarOps("triton", rotate, OQ, P, A, C.interpreting, fused_decode=OD.decode)
+OPS = _O.OscarOps("triton", rotate, OQ, P, A, C.interpreting, fused_decode=OD.decode, fused_append=OA)
 
 
 def quantize_tokens(x_rot, clip: float, group_size: int, bits: int = 2, meta_dtype="float16"):
@@ -60,13 +61,19 @@ def init(cfg: OSCARConfig, batch: int, kv_heads: int, head_dim: int) -> OSCARTen
 def append(cfg: OSCARConfig, calib: OSCARCalibration, state: OSCARTensorState, k, v) -> OSCARTensorState:
     """Mirrors `kvq.reference.oscar.append`: append (B, H_kv, T_new, D) tokens; the state is bit-identical.
 
-    Every token is rotated (``fp16(k R_K)``, ``fp16(v R_V)``, the fixed-order kernel of
-    ``kvq.fast.triton.rotate``); the first S0 go to the sink, the others to the window ring; tokens
-    leaving the window are clipped and quantized (``oscar_quant``'s fused kernel, one launch for K and
-    one for V per call) into their page slots, pages allocated page-major then batch as the reference.
+    Every token is rotated (``fp16(k R_K)``, ``fp16(v R_V)``, the reference's fixed order); the first S0
+    go to the sink, the others to the window ring; tokens leaving the window (old window tokens and new
+    ones) are clipped and quantized into their page slots, pages allocated page-major then batch as the
+    reference. ONE fused kernel per call for K and one for V does all of it
+    (``kvq.fast.triton.oscar_append``, where it supports the configuration: see its ``supported``); else
+    (or with ``kvq.fast._oscar.FUSED_APPEND = False``) the unfused path: the rotation kernel
+    ``kvq.fast.triton.rotate``, ``oscar_quant``'s fused quantizer on the tokens leaving, torch writes.
+    Both give the reference's bits.
     Differences: k, v are float16 / float32 torch tensors on the cache's device; the NaN / inf and
-    float16-overflow checks run while ``kvq.fast.validation`` is on. Validation and quantization come
-    before any write, so bad input leaves the state unchanged.
+    float16-overflow checks run while ``kvq.fast.validation`` is on (the fused kernel then runs only
+    where a norm bound proves the rotated tokens finite; a larger token takes the unfused path, which
+    raises on a real overflow). Validation comes before any write, so bad input leaves the state
+    unchanged.
     """
     return _O.append(OPS, cfg, calib, state, k, v)
 

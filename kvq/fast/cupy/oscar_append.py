@@ -1,0 +1,87 @@
+"""CuPy fused OSCAR append (OSCAR section 4, Algorithm 1 Prefill / DecodeStep): ONE raw CUDA kernel per
+append for K and one for V (``oscar_append`` of ``oscar_append.cu``) that rotates the new tokens, rounds
+them to fp16 and writes each where it belongs: the sink, the window ring, or (clipped, quantized, packed)
+its page slot, together with the OLD window tokens that the new ones push out of the window.
+
+A fast-only helper of ``kvq.fast._oscar.append`` (``OscarOps.fused_append``), the CuPy twin of
+``kvq.fast.triton.oscar_append``, not a mirrored module. It fuses what the unfused path does in ~10
+launches (``rotate_rows``, the fp16 rounding, the concatenation of the window ring with the new tokens,
+``oscar_quant_rows``, the torch scatters into sink / ring / pages) because a decode step appends one
+token per sequence: launches, not bytes, set its cost. The bits are the unfused path's, which are the
+reference's (``kvq.reference.oscar.append``). A block rotates TT tokens of one (batch, head) (R read
+once per tile, as ``rotate_rows``), then one warp per token routes it and, for a token entering a page,
+selects the quantile by bisection in registers, clips, quantizes and packs (``oscar_quant_rows``'
+arithmetic).
+
+    from kvq.fast.cupy import oscar_append as OA
+    if OA.supported(cfg, D): OA.append(cfg, st, 0, k, R_K, calib.clip_k, plan)      # plan: _oscar.AppendPlan
+
+The kernels are compiled here (``NAMES``) from ``oscar_append.cu`` with the loader's source pasting and
+options (``_loader.source``, ``_loader.OPTIONS``), on first use.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from kvq.fast import _common as C
+
+from . import _loader as L
+
+__all__ = ["supported", "append", "NAMES"]
+
+DIMS = (32, 64, 128, 256)           # head dims the kernel is built for (a multiple of 32, <= 256)
+TILES = (8, 32)                     # tokens per block: 8 for decode-sized appends, 32 otherwise
+_THREADS = 128                      # APP_THREADS in oscar_append.cu
+
+#: every kernel name expression of oscar_append.cu (input dtype fp16 / fp32, head dim, tokens per block)
+NAMES = tuple(f"oscar_append<{dt}, {D}, {tt}>" for dt in (0, 2) for D in DIMS for tt in TILES)
+
+
+@functools.lru_cache(maxsize=None)
+def _module():
+    import cupy
+
+    return cupy.RawModule(code=L.source("oscar_append.cu"), options=L.OPTIONS, name_expressions=NAMES)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(expr: str):
+    if expr not in NAMES:
+        raise ValueError(f"kernel {expr!r} is not built from oscar_append.cu")
+    return _module().get_function(expr)
+
+
+def supported(cfg, D: int) -> bool:
+    """Whether the fused kernel takes this configuration: D in DIMS, G a power of two dividing D with at
+    least D / 32 channels (a group spans whole lanes of the per-token warp). Otherwise the unfused path."""
+    G = cfg.group_size
+    return D in DIMS and G > 0 and G & (G - 1) == 0 and D % G == 0 and G >= D // 32
+
+
+def append(cfg, st, kv: int, x: torch.Tensor, R: torch.Tensor, clip: float, plan) -> None:
+    """Append the new tokens ``x`` (B, H, n, D) float16 / float32 (any strides) of K (``kv = 0``) or V
+    (``kv = 1``) to the OSCAR state ``st`` in one launch, routed by ``plan`` (``kvq.fast._oscar.AppendPlan``;
+    the page table already holds the pages this append opens). R: fp32 (D, D) or (H, D, D) on x's device.
+    The caller has validated everything (shapes, finiteness, that fp16(x R) is finite)."""
+    B, H, D = st.shape
+    n = x.shape[2]
+    if n == 0:
+        return
+    sink, win, codes, scale, mn = ((st.sink_k, st.win_k, st.k_codes, st.k_scale, st.k_mn) if kv == 0 else
+                                   (st.sink_v, st.win_v, st.v_codes, st.v_scale, st.v_mn))
+    lo, hi, frac = C.quantile_index(D, clip)
+    TT = TILES[0] if n <= TILES[0] else TILES[-1]
+    ntiles = -(-n // TT)
+    fn = _kernel(f"oscar_append<{L.DT[x.dtype]}, {D}, {TT}>")
+    r_sh = D * D if R.dim() == 3 else 0
+    L.run(fn, (B * H * ntiles,), (_THREADS,),
+          (x, R, sink, win, codes, scale, mn, st.table, np.int32(n), np.int32(H), np.int64(r_sh),
+           *(np.int64(s) for s in x.stride()), np.int64(plan.T0), np.int32(plan.n_s), np.int32(plan.n_old),
+           np.int64(plan.first), np.int64(plan.e), np.int32(cfg.window), np.int32(cfg.sink),
+           np.int32(cfg.page_size), np.int32(st.table.shape[1]), np.int32(lo), np.int32(hi), np.float32(frac),
+           np.int32(cfg.group_size), np.int32(cfg.bits), np.int32(scale.dtype == torch.float16),
+           np.int64(ntiles)), x.device)
