@@ -655,8 +655,7 @@ __global__ void __launch_bounds__(256)
     const int u0 = blockIdx.x * GATHER_TOK;
     const int nu = kvq_min(GATHER_TOK, NT - u0);
     // keys, channel-major (a warp reads one channel row's bytes of consecutive tokens), into s_k
-#pragma unroll 4
-    for (int i = threadIdx.x; i < GATHER_TOK * D; i += blockDim.x) {   // unrolled: the loads of 4 elements in flight
+    for (int i = threadIdx.x; i < GATHER_TOK * D; i += blockDim.x) {
         const int d = i / GATHER_TOK;
         const int uu = i - d * GATHER_TOK;
         if (uu >= nu) continue;
@@ -690,7 +689,6 @@ __global__ void __launch_bounds__(256)
     }
     __syncthreads();
     // token-major: the keys from s_k, the values from their token rows (coalesced over d)
-#pragma unroll 4
     for (int i = threadIdx.x; i < GATHER_TOK * D; i += blockDim.x) {
         const int uu = i / D;
         const int d = i - uu * D;
