@@ -193,12 +193,22 @@ def _append_kernel(x_ptr, r_ptr, sink_ptr, win_ptr, q_ptr, s_ptr, m_ptr, tab_ptr
     tl.store(win_ptr + wrow[:, None, None, None] + c4, y16, mask=to_win[:, None, None, None] & (c4 >= 0))
 
 
+#: Whether CUDA tensors take this kernel. Off: on an H200 (commit 52aa5e4) its key / value code bytes
+#: differ from the reference's at 0.1-3% of positions (tests/parity/test_oscar_parity.py state tests),
+#: while under the interpreter it is bit-exact; until the cause is found CUDA caches take the unfused
+#: path (bit-exact). tests/parity/test_oscar_append_fused.py switches it on for its triton-cuda cases
+#: (expected failures) so the defect stays measured.
+ON_CUDA = False
+
+
 def supported(cfg, D: int) -> bool:
     """Whether the fused kernel takes this configuration: D a power of two <= MAX_D, G a power of two
-    (dividing D) holding whole bytes of codes (8 // bits divides G). Otherwise the unfused path runs."""
+    (dividing D) holding whole bytes of codes (8 // bits divides G), and the interpreter (or CUDA with
+    ON_CUDA). Otherwise the unfused path runs."""
     G, per = cfg.group_size, 8 // cfg.bits
     p2 = lambda v: v > 0 and v & (v - 1) == 0                                        # noqa: E731
-    return p2(D) and D <= MAX_D and p2(G) and D % G == 0 and G % per == 0
+    return ((C.interpreting() or ON_CUDA) and p2(D) and D <= MAX_D and p2(G) and D % G == 0
+            and G % per == 0)
 
 
 def _tiling(n: int, BH: int, D: int, shortcuts: bool):
