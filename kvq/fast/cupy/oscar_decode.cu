@@ -206,10 +206,10 @@ __global__ void __launch_bounds__(NW * 32)
 
 // ---- the query-side rotations ----------------------------------------------------------------------
 // Computes: y = x R for a query-side tensor x (B, H_q, T, D) (any strides; input dtype DTI): row (b, h, t)
-//   times R[h / (H_q / H_R)] (R: (H_R, D, D) float64, contiguous), the D products summed in float64 in
-//   the order i = 0 .. D-1, rounded to fp32 and then to DTO; out (B, H_q, T, D) contiguous. (The decode's
-//   q and output rotations: a few rows, so one launch replaces cast, batched matmul, cast; float64 sums
-//   are at least as accurate as the reference's float32 rotation: rule 7, tolerance.)
+//   times R[h / (H_q / H_R)] (R: (H_R, D, D) float64, contiguous), the D products summed in float64
+//   (four chains over i % 4, then pairwise), rounded to fp32 and then to DTO; out (B, H_q, T, D)
+//   contiguous. (The decode's q and output rotations: a few rows, so one launch replaces cast, batched
+//   matmul, cast; float64 sums are at least as accurate as the reference's float32 rotation: rule 7.)
 // Grid: (B * H_q * T); block D threads (thread j -> output channel j); D <= 256.
 // Bytes: reads the row and R[h] (L2-resident across rows), writes one row.
 template <int DTI, int DTO>
@@ -226,7 +226,8 @@ __global__ void __launch_bounds__(256)
     xs[j] = (double)Ty<DTI>::ld(x[b * sx_b + (i64)h * sx_h + (i64)t * sx_t + (i64)j * sx_d]);
     __syncthreads();
     const double* Rh = R + (i64)(h / (Hq / HR)) * D * D;
-    double acc = 0.0;
-    for (int i = 0; i < D; ++i) acc = fma(xs[i], Rh[(i64)i * D + j], acc);
-    out[row * D + j] = Ty<DTO>::st((float)acc);
+    double acc[4] = {0.0, 0.0, 0.0, 0.0};          // four chains (i % 4), summed at the end: the loads
+#pragma unroll 16                                  // of R's rows pipeline instead of one per DFMA latency
+    for (int i = 0; i < D; ++i) acc[i & 3] = fma(xs[i], Rh[(i64)i * D + j], acc[i & 3]);
+    out[row * D + j] = Ty<DTO>::st((float)((acc[0] + acc[1]) + (acc[2] + acc[3])));
 }
