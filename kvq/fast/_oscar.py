@@ -244,6 +244,13 @@ class AppendPlan:
     e: int
 
 
+def kv_fields(st: OSCARTensorState, kv: int) -> tuple:
+    """(sink, window, codes, scale, mn) of the state's K (kv = 0) or V (kv = 1): what a fused append
+    writes."""
+    return ((st.sink_k, st.win_k, st.k_codes, st.k_scale, st.k_mn) if kv == 0 else
+            (st.sink_v, st.win_v, st.v_codes, st.v_scale, st.v_mn))
+
+
 def plan_append(cfg, T0: int, n: int) -> AppendPlan:
     """The :class:`AppendPlan` of appending n tokens to a cache holding T0 (``RO.counts`` arithmetic)."""
     c0 = RO.counts(cfg, T0)

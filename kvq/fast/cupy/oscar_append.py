@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from kvq.fast import _common as C
+from kvq.fast import _oscar as _O
 
 from . import _loader as L
 
@@ -71,8 +72,7 @@ def append(cfg, st, kv: int, x: torch.Tensor, R: torch.Tensor, clip: float, plan
     n = x.shape[2]
     if n == 0:
         return
-    sink, win, codes, scale, mn = ((st.sink_k, st.win_k, st.k_codes, st.k_scale, st.k_mn) if kv == 0 else
-                                   (st.sink_v, st.win_v, st.v_codes, st.v_scale, st.v_mn))
+    sink, win, codes, scale, mn = _O.kv_fields(st, kv)
     lo, hi, frac = C.quantile_index(D, clip)
     TT = TILES[0] if n <= TILES[0] else TILES[-1]
     ntiles = -(-n // TT)
