@@ -76,10 +76,14 @@ def _split_kernel(dt: int, D: int, QT: int, nw: int, qdt: int | None = None, pre
     static shared memory fit on an SM (one wave for B=32, H_kv=8, 4K keys)."""
     name = (f"attn_split<{dt}, {D}, {QT}, {nw}>" if qdt is None
             else f"attn_split<{dt}, {D}, {QT}, {nw}, {int(precise)}, {qdt}>")
-    fn = L.kernel(_SRC, name)
+    return max_carveout(L.kernel(_SRC, name))
+
+
+def max_carveout(fn):
+    """``fn`` asking for the largest shared-memory carveout (older CuPy: the driver's choice stays)."""
     try:
         fn.preferred_shared_memory_carveout = 100
-    except (AttributeError, RuntimeError):              # older CuPy: the driver's choice stays
+    except (AttributeError, RuntimeError):
         pass
     return fn
 

@@ -46,6 +46,31 @@ struct AttnCfg {
     static_assert(D % VE == 0 && D >= 16 && D <= 256, "head dim D must be a power of two in [16, 256]");
 };
 
+// The two cp.async groups of a warp's tiles (K, then V): key row r < nk from krow(r), value row from
+// vrow(r) (16-byte aligned, last dim contiguous); rows past nk zero-filled.
+template <int DT, int D, class KRow, class VRow>
+__device__ __forceinline__ void cp_async_tiles(typename Ty<DT>::S* ks, typename Ty<DT>::S* vs, int nk, int lane,
+                                               KRow krow, VRow vrow) {
+    typedef AttnCfg<DT, D> Cfg;
+    constexpr int VE = Cfg::VE, NVEC = Cfg::NVEC, KROW = Cfg::KROW;
+#pragma unroll
+    for (int i = 0; i < NVEC; ++i) {
+        const int idx = lane + 32 * i;                 // 32 rows x NVEC vectors, row-major: coalesced
+        const int r = idx / NVEC;
+        const int col = idx - r * NVEC;
+        cp_async16(ks + r * KROW + col * VE, krow(r < nk ? r : 0) + col * VE, r < nk ? 16 : 0);
+    }
+    cp_async_commit();
+#pragma unroll
+    for (int i = 0; i < NVEC; ++i) {
+        const int idx = lane + 32 * i;
+        const int r = idx / NVEC;
+        const int col = idx - r * NVEC;
+        cp_async16(vs + r * D + col * VE, vrow(r < nk ? r : 0) + col * VE, r < nk ? 16 : 0);
+    }
+    cp_async_commit();
+}
+
 // The tile source of attn_split: K / V rows of (B, H_kv, T, D) tensors with strides (elements), the
 // last dim contiguous and rows 16-byte aligned; rows past nk zero-filled.
 template <int DT, int D>
@@ -56,28 +81,10 @@ struct CopyTiles {
     i64 sk_b, sk_h, sk_t, sv_b, sv_h, sv_t;
 
     __device__ __forceinline__ void stage(S* ks, S* vs, int b, int hk, i64 kb, int nk, int lane) const {
-        typedef AttnCfg<DT, D> Cfg;
-        constexpr int VE = Cfg::VE, NVEC = Cfg::NVEC, KROW = Cfg::KROW;
-        const S* kbase = k + (i64)b * sk_b + (i64)hk * sk_h;
-        const S* vbase = v + (i64)b * sv_b + (i64)hk * sv_h;
-#pragma unroll
-        for (int i = 0; i < NVEC; ++i) {
-            const int idx = lane + 32 * i;             // 32 rows x NVEC vectors, row-major: coalesced
-            const int row = idx / NVEC;
-            const int col = idx - row * NVEC;
-            const int src = row < nk ? row : 0;
-            cp_async16(ks + row * KROW + col * VE, kbase + (kb + src) * sk_t + col * VE, row < nk ? 16 : 0);
-        }
-        cp_async_commit();
-#pragma unroll
-        for (int i = 0; i < NVEC; ++i) {
-            const int idx = lane + 32 * i;
-            const int row = idx / NVEC;
-            const int col = idx - row * NVEC;
-            const int src = row < nk ? row : 0;
-            cp_async16(vs + row * D + col * VE, vbase + (kb + src) * sv_t + col * VE, row < nk ? 16 : 0);
-        }
-        cp_async_commit();
+        const S* kbase = k + (i64)b * sk_b + (i64)hk * sk_h + kb * sk_t;
+        const S* vbase = v + (i64)b * sv_b + (i64)hk * sv_h + kb * sv_t;
+        cp_async_tiles<DT, D>(ks, vs, nk, lane, [&](int r) { return kbase + r * sk_t; },
+                              [&](int r) { return vbase + r * sv_t; });
     }
 };
 
@@ -95,24 +102,8 @@ struct TwoSegmentTiles {
                       : a2 + (i64)b * s2_b + (i64)hk * s2_h + (u - n1) * s_t;
     }
     __device__ __forceinline__ void stage(S* ks, S* vs, int b, int hk, i64 kb, int nk, int lane) const {
-        typedef AttnCfg<DT, D> Cfg;
-        constexpr int VE = Cfg::VE, NVEC = Cfg::NVEC, KROW = Cfg::KROW;
-#pragma unroll
-        for (int i = 0; i < NVEC; ++i) {
-            const int idx = lane + 32 * i;
-            const int r = idx / NVEC;
-            const int col = idx - r * NVEC;
-            cp_async16(ks + r * KROW + col * VE, row(k1, k2, b, hk, kb + (r < nk ? r : 0)) + col * VE, r < nk ? 16 : 0);
-        }
-        cp_async_commit();
-#pragma unroll
-        for (int i = 0; i < NVEC; ++i) {
-            const int idx = lane + 32 * i;
-            const int r = idx / NVEC;
-            const int col = idx - r * NVEC;
-            cp_async16(vs + r * D + col * VE, row(v1, v2, b, hk, kb + (r < nk ? r : 0)) + col * VE, r < nk ? 16 : 0);
-        }
-        cp_async_commit();
+        cp_async_tiles<DT, D>(ks, vs, nk, lane, [&](int r) { return row(k1, k2, b, hk, kb + r); },
+                              [&](int r) { return row(v1, v2, b, hk, kb + r); });
     }
 };
 

@@ -54,12 +54,7 @@ def _kernel(nr: int, smem: int, device_index: int):
 
 @functools.lru_cache(maxsize=None)
 def _tail_kernel(qt: int, nw: int):
-    fn = L.kernel(_SRC, f"oscar_tail_attn<{qt}, {nw}>")
-    try:
-        fn.preferred_shared_memory_carveout = 100
-    except (AttributeError, RuntimeError):              # older CuPy: the driver's choice stays
-        pass
-    return fn
+    return A.max_carveout(L.kernel(_SRC, f"oscar_tail_attn<{qt}, {nw}>"))
 
 
 def decode(cfg, st, q_rot, *, scale=None):
