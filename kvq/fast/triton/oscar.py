@@ -65,8 +65,7 @@ def append(cfg: OSCARConfig, calib: OSCARCalibration, state: OSCARTensorState, k
     go to the sink, the others to the window ring; tokens leaving the window (old window tokens and new
     ones) are clipped and quantized into their page slots, pages allocated page-major then batch as the
     reference. ONE fused kernel per call for K and one for V does all of it
-    (``kvq.fast.triton.oscar_append``, where it supports the configuration: see its ``supported``; on
-    CUDA it is off for now, ``oscar_append.ON_CUDA``: its codes differ there); else
+    (``kvq.fast.triton.oscar_append``, where it supports the configuration: see its ``supported``); else
     (or with ``kvq.fast._oscar.FUSED_APPEND = False``) the unfused path: the rotation kernel
     ``kvq.fast.triton.rotate``, ``oscar_quant``'s fused quantizer on the tokens leaving, torch writes.
     Both give the reference's bits.

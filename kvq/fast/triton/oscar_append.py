@@ -46,8 +46,14 @@ INTERP_SHORTCUTS = True
 
 
 @triton.jit
+def _rows3(v):
+    """Per-row sum over the last three axes of a (BLOCK_T, NG, NJ, PER) tile: (BLOCK_T,)."""
+    return tl.sum(tl.sum(tl.sum(v, axis=3), axis=2), axis=1)
+
+
+@triton.jit
 def _select_quantile(key, nnan, N, LO, HI, FRAC, BLOCK_T: tl.constexpr, D: tl.constexpr, RANK: tl.constexpr):
-    """``quant.quantile`` of each row of ``key`` (BLOCK_T, D): tau (BLOCK_T,) fp32.
+    """``quant.quantile`` of each row of ``key`` (BLOCK_T, NG, NJ, PER), a row's D channels: tau (BLOCK_T,) fp32.
 
     ``key`` holds the row's |x| as int32 bit patterns (non-negative floats order like their bits), NaN
     as +inf (``nnan`` counts them; NumPy sorts them last). The order statistic ``s[LO]`` is the least
@@ -57,22 +63,28 @@ def _select_quantile(key, nnan, N, LO, HI, FRAC, BLOCK_T: tl.constexpr, D: tl.co
     ``tau = s[LO] + FRAC * (s[HI] - s[LO])``, three rounded fp32 ops (launch without FMA contraction),
     NaN where an order statistic falls on a NaN slot (as ``quant._sorted_quantile``).
 
+    The row counts reduce the 4-D tile over its last three axes. Reshaped to (BLOCK_T, D) first, the same
+    bisection miscompiles on the GPU (H100 and H200, Triton 3.6, BLOCK_T = 2 and 4): wrong order
+    statistics, NaN clip thresholds, whole rows of wrong codes, while the interpreter was exact.
+
     RANK (the interpreter's default, ``INTERP_SHORTCUTS``): ``quant._sorted_quantile``'s rank selection
     instead (two (BLOCK_T, D, D) compares: a few NumPy calls, where the interpreter pays per call for
     each of the bisection's 31 row counts). Both select the same order statistics.
     """
     if RANK:
-        tau = Q._sorted_quantile(key.to(tl.float32, bitcast=True), nnan, N, LO, HI, FRAC, D, True)
+        k2 = tl.reshape(key, (BLOCK_T, D))
+        tau = Q._sorted_quantile(k2.to(tl.float32, bitcast=True), nnan, N, LO, HI, FRAC, D, True)
     else:
         lo = tl.zeros_like(nnan)
         hi = tl.zeros_like(nnan) + 0x7F800000
         for _ in range(31):                                       # hi - lo < 2**31 halves every step
             mid = lo + ((hi - lo) >> 1)
-            ge = tl.sum((key <= mid[:, None]).to(tl.int32), axis=1) >= LO + 1
+            ge = _rows3((key <= mid[:, None, None, None]).to(tl.int32)) >= LO + 1
             hi = tl.where(ge, mid, hi)
             lo = tl.where(ge, lo, mid + 1)
-        n_le = tl.sum((key <= lo[:, None]).to(tl.int32), axis=1)
-        above = tl.min(tl.where(key > lo[:, None], key, 0x7F800000), axis=1)
+        l4 = lo[:, None, None, None]
+        n_le = _rows3((key <= l4).to(tl.int32))
+        above = tl.min(tl.min(tl.min(tl.where(key > l4, key, 0x7F800000), axis=3), axis=2), axis=1)
         s_lo = lo.to(tl.float32, bitcast=True)
         s_hi = tl.where(n_le >= HI + 1, lo, above).to(tl.float32, bitcast=True)
         n_fin = N - nnan
@@ -165,9 +177,9 @@ def _append_kernel(x_ptr, r_ptr, sink_ptr, win_ptr, q_ptr, s_ptr, m_ptr, tab_ptr
     x = tl.where(ev4, old, y16.to(tl.float32))                             # the row that enters a page
     # 3. clip + quantize + pack (oscar_quant._quantize_tokens_kernel's arithmetic)
     nz = tl.sum(tl.sum(x * 0.0, axis=3), axis=2)                          # (BLOCK_R, NG): NaN if non-finite
-    a = tl.reshape(tl.abs(x), (BLOCK_R, D))
-    nnan = tl.sum((a != a).to(tl.int32), axis=1)
-    key = tl.where(a == a, a, float("inf")).to(tl.int32, bitcast=True)
+    a = tl.abs(x)
+    nnan = _rows3((a != a).to(tl.int32))
+    key = tl.where(a == a, a, float("inf")).to(tl.int32, bitcast=True)        # (BLOCK_R, NG, NJ, PER)
     tau = _select_quantile(key, nnan, D, LO, HI, FRAC, BLOCK_R, D, RANK)    # (BLOCK_R,)
     xc = Q._clip(x, tau[:, None, None, None])
     lo = tl.min(tl.min(xc, axis=3), axis=2)
@@ -194,22 +206,12 @@ def _append_kernel(x_ptr, r_ptr, sink_ptr, win_ptr, q_ptr, s_ptr, m_ptr, tab_ptr
     tl.store(win_ptr + wrow[:, None, None, None] + c4, y16, mask=to_win[:, None, None, None] & (c4 >= 0))
 
 
-#: Whether CUDA tensors take this kernel. Off: on an H200 (commit 52aa5e4) its key / value code bytes
-#: differ from the reference's at 0.1-3% of positions (tests/parity/test_oscar_parity.py state tests),
-#: while under the interpreter it is bit-exact; until the cause is found CUDA caches take the unfused
-#: path (bit-exact). tests/parity/test_oscar_append_fused.py switches it on for its triton-cuda cases
-#: (expected failures) so the defect stays measured.
-ON_CUDA = False
-
-
 def supported(cfg, D: int) -> bool:
     """Whether the fused kernel takes this configuration: D a power of two <= MAX_D, G a power of two
-    (dividing D) holding whole bytes of codes (8 // bits divides G), and the interpreter (or CUDA with
-    ON_CUDA). Otherwise the unfused path runs."""
+    (dividing D) holding whole bytes of codes (8 // bits divides G). Otherwise the unfused path runs."""
     G, per = cfg.group_size, 8 // cfg.bits
     p2 = lambda v: v > 0 and v & (v - 1) == 0                                        # noqa: E731
-    return ((C.interpreting() or ON_CUDA) and p2(D) and D <= MAX_D and p2(G) and D % G == 0
-            and G % per == 0)
+    return p2(D) and D <= MAX_D and p2(G) and D % G == 0 and G % per == 0
 
 
 def _tiling(n: int, BH: int, D: int, shortcuts: bool):
