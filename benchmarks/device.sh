@@ -37,9 +37,9 @@ nvcc --version 2>/dev/null | tail -n 1
 echo "commit: ${KVQ_COMMIT:-unknown}"
 
 echo "== gpu tests"
-# pytest-xdist (on the device image) spreads the tests over 4 processes: Triton and NVRTC compile on the CPU.
+# pytest-xdist (on the device image) spreads the tests over XDIST_N (8) processes: Triton and NVRTC compile on the CPU.
 XDIST=()
-if python3 -c "import xdist" 2>/dev/null; then XDIST=(-n 4); fi
+if python3 -c "import xdist" 2>/dev/null; then XDIST=(-n "${XDIST_N:-8}"); fi
 timeout -k 10 "${TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider ${XDIST[@]+"${XDIST[@]}"} tests/ \
     --junitxml="$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log"
 TEST_RC=${PIPESTATUS[0]}
