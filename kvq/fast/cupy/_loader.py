@@ -91,11 +91,15 @@ def paged_decode_name(D: int, k_bits: int, v_bits: int, kitty: bool, QT: int) ->
     return f"paged_decode<{D}, {k_bits}, {v_bits}, {int(kitty)}, {QT}>"
 
 
+def gather_tail_name(k_bits: int, v_bits: int, kitty: bool) -> str:
+    return f"paged_gather_tail<{int(kitty)}, {k_bits}, {v_bits}>"
+
+
 def _paged_names():
     names = [paged_decode_name(D, kb, vb, kitty, qt) for D in PAGED_DIMS for kb, kitty in PAGED_KEYS
              for vb in PAGED_VBITS for qt in PAGED_QT]
     names += [f"paged_decode_mma2<{k}, {nr}>" for k in (0, 1) for nr in (4, 8)]
-    names += [f"paged_gather_tail<{k}>" for k in (0, 1)]
+    names += [gather_tail_name(kb, vb, kitty) for kb, kitty in PAGED_KEYS for vb in PAGED_VBITS]
     return tuple(names)
 
 

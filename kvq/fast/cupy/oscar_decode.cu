@@ -207,27 +207,44 @@ __global__ void __launch_bounds__(NW * 32)
 // ---- the query-side rotations ----------------------------------------------------------------------
 // Computes: y = x R for a query-side tensor x (B, H_q, T, D) (any strides; input dtype DTI): row (b, h, t)
 //   times R[h / (H_q / H_R)] (R: (H_R, D, D) float64, contiguous), the D products summed in float64
-//   (four chains over i % 4, then pairwise), rounded to fp32 and then to DTO; out (B, H_q, T, D)
-//   contiguous. (The decode's q and output rotations: a few rows, so one launch replaces cast, batched
-//   matmul, cast; float64 sums are at least as accurate as the reference's float32 rotation: rule 7.)
-// Grid: (B * H_q * T); block D threads (thread j -> output channel j); D <= 256.
+//   (RS_SLICES partial sums over i % RS_SLICES, then added in slice order), rounded to fp32 and then to
+//   DTO; out (B, H_q, T, D) contiguous. (The decode's q and output rotations: a few rows, so one launch
+//   replaces cast, batched matmul, cast; float64 sums are at least as accurate as the reference's
+//   float32 rotation: rule 7.)
+// Grid: (B * H_q * T, ceil(D / 32)); block (32, RS_SLICES): thread (jj, s) -> output channel
+//   32 blockIdx.y + jj, products i = s, s + RS_SLICES, ... (D / RS_SLICES independent loads of R, one
+//   128-byte row segment per warp and i: at batch 1 the launch is latency-bound, and one thread per
+//   channel waited on D dependent load rounds); the partials meet in shared memory. D <= 256.
 // Bytes: reads the row and R[h] (L2-resident across rows), writes one row.
+#define RS_SLICES 8
 template <int DTI, int DTO>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(32 * RS_SLICES)
     rotate_heads_f64(const typename Ty<DTI>::S* __restrict__ x, const double* __restrict__ R,
                      typename Ty<DTO>::S* __restrict__ out, int Hq, int T, int HR, int D, i64 sx_b, i64 sx_h,
                      i64 sx_t, i64 sx_d) {
     __shared__ double xs[256];
+    __shared__ double part[RS_SLICES][32];
     const i64 row = blockIdx.x;
     const int t = (int)(row % T);
     const int h = (int)((row / T) % Hq);
     const i64 b = row / ((i64)T * Hq);
-    const int j = threadIdx.x;
-    xs[j] = (double)Ty<DTI>::ld(x[b * sx_b + (i64)h * sx_h + (i64)t * sx_t + (i64)j * sx_d]);
+    const int jj = threadIdx.x, sl = threadIdx.y;
+    const int j = 32 * blockIdx.y + jj;
+    for (int i = sl * 32 + jj; i < D; i += 32 * RS_SLICES)
+        xs[i] = (double)Ty<DTI>::ld(x[b * sx_b + (i64)h * sx_h + (i64)t * sx_t + (i64)i * sx_d]);
     __syncthreads();
     const double* Rh = R + (i64)(h / (Hq / HR)) * D * D;
-    double acc[4] = {0.0, 0.0, 0.0, 0.0};          // four chains (i % 4), summed at the end: the loads
-#pragma unroll 16                                  // of R's rows pipeline instead of one per DFMA latency
-    for (int i = 0; i < D; ++i) acc[i & 3] = fma(xs[i], Rh[(i64)i * D + j], acc[i & 3]);
-    out[row * D + j] = Ty<DTO>::st((float)((acc[0] + acc[1]) + (acc[2] + acc[3])));
+    double acc = 0.0;
+    if (j < D) {
+#pragma unroll 8
+        for (int i = sl; i < D; i += RS_SLICES) acc = fma(xs[i], Rh[(i64)i * D + j], acc);
+    }
+    part[sl][jj] = acc;
+    __syncthreads();
+    if (sl == 0 && j < D) {
+        double y = part[0][jj];
+#pragma unroll
+        for (int k = 1; k < RS_SLICES; ++k) y += part[k][jj];
+        out[row * D + j] = Ty<DTO>::st((float)y);
+    }
 }

@@ -131,6 +131,6 @@ def rotate_heads(x: torch.Tensor, R: torch.Tensor, out_dtype: torch.dtype = torc
         return out
     R3 = R3.contiguous()
     fn = L.kernel(_SRC, f"rotate_heads_f64<{L.DT[x.dtype]}, {L.DT[out_dtype]}>")
-    L.run(fn, (B * Hq * T,), (D,), (x, R3, out, np.int32(Hq), np.int32(T), np.int32(R3.shape[0]), np.int32(D),
+    L.run(fn, (B * Hq * T, (D + 31) // 32), (32, 8), (x, R3, out, np.int32(Hq), np.int32(T), np.int32(R3.shape[0]), np.int32(D),
                                     *(np.int64(s) for s in x.stride())), x.device)
     return out

@@ -18,7 +18,7 @@
 #include "mma.cuh"
 
 #define KVQ_G 128
-#define GATHER_TOK 8                               // tokens per paged_gather_tail block
+#define GATHER_TOK 16                              // tokens per paged_gather_tail block
 #define GATHER_MAXD 256                            // head dims it takes
 
 // ---- helpers -------------------------------------------------------------------------------------
@@ -632,12 +632,15 @@ __device__ __forceinline__ float dequant_meta(u32 code, const void* __restrict__
 //   bit-exact with the reference's dequantize; Kitty: low | high[idx] << 2) when p < KQ, else the key
 //   Q-buffer row p - KQ; its value is value page v_table[b, p / G] slot p % G when p < VQ, the value
 //   Q-buffer row p - VQ when p < VQ + NVB, else the window ring-buffer slot p % R. Out: (B, H, NT, D).
-//   meta32: scale / mn are fp32 (else fp16). Mirrors kvq.fast.triton.paged._gather_tail_kernel.
-// Grid: (ceil(NT / GATHER_TOK), H, B), 256 threads: a block takes GATHER_TOK tokens of (b, hk); the keys
-//   are read channel-major (consecutive threads, consecutive tokens of one channel row: the packed
-//   bytes are contiguous) into shared memory, then keys and values are written token-major.
+//   G = 128 (the fused path's pages); KB / VB: key (Kitty: dense plane) / value code bits, compile-time
+//   so that every code position is a shift and a mask. meta32: scale / mn are fp32 (else fp16).
+//   Mirrors kvq.fast.triton.paged._gather_tail_kernel.
+// Grid: (ceil(NT / GATHER_TOK), H, B), 256 threads (D divides 256): a block takes GATHER_TOK tokens of
+//   (b, hk); the keys are read channel-major (consecutive threads, consecutive tokens of one channel
+//   row: the packed bytes are contiguous) into shared memory, then keys and values are written
+//   token-major, thread -> channel tid % D (its value group computed once).
 // Bytes: reads NT rows of K and V (packed bytes + metadata, or fp16) per (b, kv head); writes 2 NT D fp32.
-template <int KITTY>
+template <int KITTY, int KB, int VB>
 __global__ void __launch_bounds__(256)
     paged_gather_tail(const u16* __restrict__ sink_k, const u16* __restrict__ sink_v,
                       const u16* __restrict__ k_buf, const u16* __restrict__ v_buf,
@@ -646,8 +649,11 @@ __global__ void __launch_bounds__(256)
                       const u8* __restrict__ vc, const void* __restrict__ vs, const void* __restrict__ vm,
                       const int* __restrict__ k_table, const int* __restrict__ v_table,
                       float* __restrict__ ok, float* __restrict__ ov, int B, int H, int D, int S, int NS,
-                      int NF, int NT, int KQ, int VQ, int NVB, int R1, int n_tab, int G, int k_bits,
-                      int v_bits, int ngv, int db, int meta32) {
+                      int NF, int NT, int KQ, int VQ, int NVB, int R1, int n_tab, int ngv, int db, int meta32) {
+    constexpr int G = KVQ_G;
+    constexpr int KPER = 8 / KB, KGB = G * KB / 8, VPER = 8 / VB;
+    constexpr u32 KMASK = (1u << KB) - 1u, VMASK = (1u << VB) - 1u;
+    static_assert(!KITTY || KB == 2, "Kitty's dense plane is 2-bit");
     __shared__ float s_k[GATHER_TOK][GATHER_MAXD + 1];
     const int hk = blockIdx.y;
     const int b = blockIdx.z;
@@ -657,7 +663,7 @@ __global__ void __launch_bounds__(256)
     // keys, channel-major (a warp reads one channel row's bytes of consecutive tokens), into s_k
     for (int i = threadIdx.x; i < GATHER_TOK * D; i += blockDim.x) {
         const int d = i / GATHER_TOK;
-        const int uu = i - d * GATHER_TOK;
+        const int uu = i % GATHER_TOK;
         if (uu >= nu) continue;
         const int u = u0 + uu;
         float kx;
@@ -666,17 +672,14 @@ __global__ void __launch_bounds__(256)
         } else {
             const int pp = NF + u - NS;
             if (pp < KQ) {
-                const int page = pp / G;
-                const int slot = pp - page * G;
-                const i64 kph = (i64)k_table[(i64)b * n_tab + page] * H + hk;
-                const int per = 8 / k_bits;
-                const int gb = G * k_bits / 8;
-                const u32 byte = kc[(kph * D + d) * gb + slot / per];
-                u32 code = (byte >> ((slot % per) * k_bits)) & ((1u << k_bits) - 1u);
+                const int slot = pp % G;
+                const i64 kph = (i64)k_table[(i64)b * n_tab + pp / G] * H + hk;
+                const u32 byte = kc[(kph * D + d) * KGB + slot / KPER];
+                u32 code = (byte >> ((slot % KPER) * KB)) & KMASK;
                 if (KITTY) {
                     const int ix = ki[kph * D + d];
                     if (ix < db) {
-                        const u32 hb = kh[(kph * db + ix) * gb + slot / 4];
+                        const u32 hb = kh[(kph * db + ix) * (G / 4) + slot / 4];
                         code |= ((hb >> ((slot % 4) * 2)) & 3u) << 2;
                     }
                 }
@@ -689,10 +692,10 @@ __global__ void __launch_bounds__(256)
     }
     __syncthreads();
     // token-major: the keys from s_k, the values from their token rows (coalesced over d)
-    for (int i = threadIdx.x; i < GATHER_TOK * D; i += blockDim.x) {
-        const int uu = i / D;
-        const int d = i - uu * D;
-        if (uu >= nu) continue;
+    const int d = threadIdx.x % D;
+    const int vg = d / (D / ngv);
+    const int vby = D * VB / 8;
+    for (int uu = threadIdx.x / D; uu < nu; uu += blockDim.x / D) {
         const int u = u0 + uu;
         float vx;
         if (u < NS) {
@@ -700,14 +703,10 @@ __global__ void __launch_bounds__(256)
         } else {
             const int pp = NF + u - NS;
             if (pp < VQ) {
-                const int page = pp / G;
-                const int slot = pp - page * G;
-                const i64 vrow = ((i64)v_table[(i64)b * n_tab + page] * H + hk) * G + slot;
-                const int per = 8 / v_bits;
-                const int vby = D * v_bits / 8;
-                const u32 byte = vc[vrow * vby + d / per];
-                const u32 code = (byte >> ((d % per) * v_bits)) & ((1u << v_bits) - 1u);
-                vx = dequant_meta(code, vs, vm, vrow * ngv + d / (D / ngv), meta32);
+                const i64 vrow = ((i64)v_table[(i64)b * n_tab + pp / G] * H + hk) * G + pp % G;
+                const u32 byte = vc[vrow * vby + d / VPER];
+                const u32 code = (byte >> ((d % VPER) * VB)) & VMASK;
+                vx = dequant_meta(code, vs, vm, vrow * ngv + vg, meta32);
             } else if (pp < VQ + NVB) {
                 vx = f16_to_f32(v_buf[(bh * G + (pp - VQ)) * D + d]);
             } else {

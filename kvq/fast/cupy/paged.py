@@ -49,7 +49,7 @@ LOG2E = 1.4426950408889634
 G_FUSED = 128
 _SMEM_LIMIT = 200 * 1024            # dynamic shared memory a block may ask for (H100: 227 KiB)
 _GATHER_THREADS = 256
-GATHER_TOK, GATHER_MAXD = 8, 256   # paged.cu: tail tokens per gather block, head dims it takes
+GATHER_TOK, GATHER_MAXD = 16, 256  # paged.cu: tail tokens per gather block, head dims it takes
 MMA_MAX_WARPS = 4                   # paged.cu KVQ_MMA_MAXW
 
 #: launch knobs of the fused kernel for tuning runs (None = built-in): warps per block (<= 4);
@@ -189,16 +189,17 @@ def gather_tail(cfg, codec, st: PagedState, NF: int):
         return ok, ov
     kp = codec.kernel_arrays(cfg, st)
     meta32 = int(kp["scale"].dtype == torch.float32)
-    fn = L.kernel(_SRC, f"paged_gather_tail<{int(kp['kitty'])}>")
-    if D > GATHER_MAXD:
-        raise ValueError(f"head_dim={D}: the tail gather takes D <= {GATHER_MAXD}")
+    if G != G_FUSED or D > GATHER_MAXD or _GATHER_THREADS % D:
+        raise ValueError(f"group_size={G}, head_dim={D}: the tail gather takes G = {G_FUSED} and a head dim "
+                         f"that divides {_GATHER_THREADS}")
+    fn = L.kernel(_SRC, L.gather_tail_name(kp["bits"], cfg.v_bits, bool(kp["kitty"])))
     L.run(fn, (-(-NT // GATHER_TOK), H, B), (_GATHER_THREADS,),
           (st.sink_k, st.sink_v, st.k_buf, st.v_buf, st.v_win, kp["codes"], kp["high"], kp["idx"], kp["scale"],
            kp["mn"], st.v_codes, st.v_scale, st.v_mn, st.k_table, st.v_table, ok, ov,
            np.int32(B), np.int32(H), np.int32(D), np.int32(S), np.int32(NS), np.int32(NF), np.int32(NT),
            np.int32(c["n_kpages"] * G), np.int32(c["n_vq"]), np.int32(c["n_vbuf"]), np.int32(max(R, 1)),
-           np.int32(st.k_table.shape[1]), np.int32(G), np.int32(kp["bits"]), np.int32(cfg.v_bits),
-           np.int32(D // cfg.v_group(D)), np.int32(kp["d_boost"]), np.int32(meta32)), st.device)
+           np.int32(st.k_table.shape[1]), np.int32(D // cfg.v_group(D)), np.int32(kp["d_boost"]),
+           np.int32(meta32)), st.device)
     return ok, ov
 
 
