@@ -33,6 +33,7 @@ _SRC = "attention.cu"
 LOG2E = 1.4426950408889634
 _MAX_CHUNK = 4096        # keys per split at most (load balance over the SMs)
 _MERGE_THREADS = 256
+_MERGE_THREADS_FEW = 1024           # the merge's block when rows <= 2 x SMs
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -90,14 +91,17 @@ def max_carveout(fn):
 
 def _merge_launch(o_part, lse_part, out, lse, rows: int, S: int, D: int) -> None:
     """o_part (S, rows, D) fp32, lse_part (S, rows) fp32 -> out (rows, D) in out's dtype, lse (rows,):
-    one block of 256 threads per row (attention.cu attn_merge)."""
+    one block per row (attention.cu attn_merge): 1024 threads when the rows fill at most a few blocks per
+    SM (batch 1: shorter load chains per thread), else 256."""
     if rows > 2 ** 31 - 1:
         raise ValueError(f"{rows} query rows exceed the merge kernel's grid (2^31 - 1 blocks)")
-    smem = (S + _MERGE_THREADS + 64) * 4
+    dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
+    nt = _MERGE_THREADS_FEW if rows <= 2 * L.sm_count(dev) else _MERGE_THREADS
+    smem = (S + nt + 64) * 4
     if smem > 48 * 1024:
         raise ValueError(f"{S} partials exceed the merge kernel's shared memory (48 KiB)")
     fn = L.kernel(_SRC, f"attn_merge<{L.DT[out.dtype]}>")
-    L.run(fn, (rows,), (_MERGE_THREADS,), (o_part, lse_part, out, lse, np.int64(rows), np.int32(D), np.int32(S)),
+    L.run(fn, (rows,), (nt,), (o_part, lse_part, out, lse, np.int64(rows), np.int32(D), np.int32(S)),
           out.device, shared_mem=smem)
 
 
