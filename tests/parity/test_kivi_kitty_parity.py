@@ -274,6 +274,46 @@ def test_decode_one_stream(cupy_target, a, monkeypatch):
     test_decode_attention(cupy_target, a)
 
 
+# 4-bit keys and / or values on the CuPy tensor-core kernel (paged_decode_mma2<0, NR, KB, VB>): config,
+# GQA ratio, T_q (M = ratio * T_q <= 4: NR = 4; else NR = 8), q scale (large: |q| ~ 300, keys / values
+# up to 3e4)
+MMA4 = [
+    ("K4V4-gqa4", lambda: RK.KIVIConfig(4, 4, **CUDA), 4, 1, 1.0),
+    ("K4V4-gqa8", lambda: RK.KIVIConfig(4, 4, **CUDA), 8, 1, 1.0),
+    ("K2V4-gqa4-tq2", lambda: RK.KIVIConfig(2, 4, **CUDA), 4, 2, 1.0),
+    ("K4V2*-gqa4", lambda: RK.KIVIConfig(4, 2, sink=32, **CUDA), 4, 1, 1.0),
+    ("K4V4-large", lambda: RK.KIVIConfig(4, 4, **CUDA), 2, 1, 300.0),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, make, ratio, T_q, qs", MMA4, ids=[m[0] for m in MMA4])
+def test_decode_tensor_cores_4bit(name, make, ratio, T_q, qs):
+    """CuPy, fp16 q: 4-bit key and / or value codes take the tensor-core kernel (nibbles unpacked by lop3
+    + fma.f16x2, their own fragment orders, mma.cuh mtile_pos) and meet the tolerance rule, at both query
+    tile widths, with a partial last page, and with operands far beyond fp16 after scaling."""
+    import kvq.fast.cupy.kivi as FK
+    FP = _paged("cupy")
+    cfg = make()
+    B, H, D, T = 2, 4, 128, 2 * 1024 + 300
+    k, v = _kv(B, H, T, D, cfg.group_size, seed=len(name), start=cfg.sink, distinct=False)
+    if qs != 1.0:
+        k = (k.astype(np.float32) * np.float32(3e4 / np.abs(k).max())).astype(np.float16)
+        v = (v.astype(np.float32) * np.float32(3e4 / np.abs(v).max())).astype(np.float16)
+    rs, fs = RK.init(cfg, B, H, D), FK.init(cfg, B, H, D)
+    RK.append(cfg, rs, k, v)
+    FK.append(cfg, fs, torch.from_numpy(k).cuda(), torch.from_numpy(v).cuda())
+    rng = np.random.default_rng(len(name) + 1)
+    q = torch.from_numpy(rng.standard_normal((B, H * ratio, T_q, D)).astype(np.float32) * qs).half().cuda()
+    assert FP.mma_ok(cfg, FK.KeyCodec.kernel_arrays(cfg, fs), q, D, ratio * T_q)
+    scale = 1e-5 if qs != 1.0 else None
+    out, lse = FK.decode_attention(cfg, fs, q, scale=scale)
+    (o64, l64), (o32, l32) = (RK.decode_attention(cfg, rs, q.cpu().double().numpy(), scale=scale),
+                              RK.decode_attention(cfg, rs, q.cpu().float().numpy(), scale=scale))
+    check_close(out, o64, o32, torch.float16, f"{name}: out")
+    check_close(lse, l64, l32, torch.float32, f"{name}: lse")
+
+
 @pytest.mark.parametrize("ci", [0, 3], ids=[IDS[0], IDS[3]])
 def test_decode_large_magnitudes(target, ci):
     """Keys and values up to ~3e4, |q| up to ~1e3: q_d * scale_d far beyond float16 (65504); the

@@ -91,6 +91,10 @@ def paged_decode_name(D: int, k_bits: int, v_bits: int, kitty: bool, QT: int) ->
     return f"paged_decode<{D}, {k_bits}, {v_bits}, {int(kitty)}, {QT}>"
 
 
+def mma2_name(kitty: bool, nr: int, k_bits: int, v_bits: int) -> str:
+    return f"paged_decode_mma2<{int(kitty)}, {nr}, {k_bits}, {v_bits}>"
+
+
 def gather_tail_name(k_bits: int, v_bits: int, kitty: bool) -> str:
     return f"paged_gather_tail<{int(kitty)}, {k_bits}, {v_bits}>"
 
@@ -98,7 +102,8 @@ def gather_tail_name(k_bits: int, v_bits: int, kitty: bool) -> str:
 def _paged_names():
     names = [paged_decode_name(D, kb, vb, kitty, qt) for D in PAGED_DIMS for kb, kitty in PAGED_KEYS
              for vb in PAGED_VBITS for qt in PAGED_QT]
-    names += [f"paged_decode_mma2<{k}, {nr}>" for k in (0, 1) for nr in (4, 8)]
+    names += [mma2_name(k, nr, kb, vb) for k in (0, 1) for nr in (4, 8) for kb in (2, 4) for vb in (2, 4)
+              if not (k and kb == 4)]
     names += [gather_tail_name(kb, vb, kitty) for kb, kitty in PAGED_KEYS for vb in PAGED_VBITS]
     return tuple(names)
 

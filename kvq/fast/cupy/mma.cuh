@@ -126,6 +126,64 @@ __device__ __forceinline__ void mma_mtiles(float (*c0)[4], float (*c1)[4], const
 #undef KVQ_MT
 }
 
+// the 4-bit fields I (0, 1) of bytes 0 and 2 of x as a half2 of exact codes (codes_h2 for nibbles: the
+// field stays at bit 4I of each half inside the fp16 significand, lop3 ORs 0x6400 in, one fma.f16x2
+// by 16^-I with addend -1024 * 16^-I leaves the code).
+template <int I>
+__device__ __forceinline__ u32 codes4_h2(u32 x) {
+    constexpr u32 M = 0x000F000Fu << (4 * I);
+    constexpr u32 SCALE = I == 0 ? 0x3C003C00u : 0x2C002C00u;      // 1, 1/16
+    constexpr u32 BIAS = I == 0 ? 0xE400E400u : 0xD400D400u;       // -1024, -64
+    u32 h, r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(h) : "r"(x), "n"(M), "n"(0x64006400u));
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(h), "r"(SCALE), "r"(BIAS));
+    return r;
+}
+
+// mma_mtiles for 4-bit codes: 4 m-tiles c[BB] += A . B_k, m-tile BB built from byte BB of the word pairs
+// (field 0: rows g, field 1: rows g + 8).
+template <int NB>
+__device__ __forceinline__ void mma_mtiles4(float (*c0)[4], float (*c1)[4], const u32* b, u32 w0, u32 w1, u32 w2,
+                                            u32 w3) {
+#define KVQ_MT4(BB)                                                                                  \
+    {                                                                                                \
+        const u32 xa = byte_pair<BB>(w0, w1), xb = byte_pair<BB>(w2, w3);                           \
+        const u32 a0[4] = {codes4_h2<0>(xa), codes4_h2<1>(xa), codes4_h2<0>(xb), codes4_h2<1>(xb)}; \
+        mma16816(c0[BB], a0, b[0], b[1]);                                                            \
+        if constexpr (NB == 2) mma16816(c1[BB], a0, b[2], b[3]);                                     \
+    }
+    KVQ_MT4(0)
+    KVQ_MT4(1)
+    KVQ_MT4(2)
+    KVQ_MT4(3)
+#undef KVQ_MT4
+}
+
+// The cache side of the tensor-core fragments. B-bit codes packed 8 / B to a byte along a row of 128
+// (a key channel row: tokens; a value token row: channels); thread g reads 32-bit word g of a row, and
+// for B = 4 also word g + 8. M-tile mt, fragment row g holds element mtile_pos<B>(g, mt), row g + 8 the
+// next one: B = 2: 16 g + 2 mt (byte mt / 2 of word g, fields 2 (mt % 2) + {0, 1}); B = 4:
+// 8 g + 2 (mt % 4) + 64 (mt / 4) (byte mt % 4 of word g + 8 (mt / 4), fields {0, 1}).
+template <int B>
+__device__ __forceinline__ int mtile_pos(int g, int mt) {
+    static_assert(B == 2 || B == 4, "2- or 4-bit codes");
+    return B == 2 ? 16 * g + 2 * mt : 8 * g + 2 * (mt & 3) + 64 * (mt >> 2);
+}
+
+// S (8 m-tiles) += codes . B over one k-step whose 4 rows (k = 2t, 2t+1, 2t+8, 2t+9) start at r0, r1, r2,
+// r3 (row bytes: 128 B / 8; thread g's word g at 4 g, and for B = 4 word g + 8 at 4 g + 32)
+template <int B, int NB>
+__device__ __forceinline__ void mma_rows(float (*c0)[4], float (*c1)[4], const u32* b, const u8* r0, const u8* r1,
+                                         const u8* r2, const u8* r3, int g) {
+    const auto w = [&](const u8* r, int o) { return *reinterpret_cast<const u32*>(r + 4 * g + o); };
+    if constexpr (B == 2) {
+        mma_mtiles<NB>(c0, c1, b, w(r0, 0), w(r1, 0), w(r2, 0), w(r3, 0));
+    } else {
+        mma_mtiles4<NB>(c0, c1, b, w(r0, 0), w(r1, 0), w(r2, 0), w(r3, 0));
+        mma_mtiles4<NB>(c0 + 4, c1 + 4, b, w(r0, 32), w(r1, 32), w(r2, 32), w(r3, 32));
+    }
+}
+
 // max |x| of the 128 fp16 values at p (16-byte aligned) over the warp, as a float
 __device__ __forceinline__ float warp_absmax128(const u16* p, int lane) {
     const uint2 v = reinterpret_cast<const uint2*>(p)[lane];
@@ -218,24 +276,26 @@ __device__ __forceinline__ void mma_load_queries(float* s_q, u16* s_qh, u16* s_q
 }
 
 // One page's softmax and P . V for a warp of a tensor-core decode kernel (thread (g, t) = (lane / 4,
-// lane % 4)), given the page's score accumulators S^T (m-tile mt: rows g <-> token 16 g + 2 mt, rows
-// g + 8 <-> token 16 g + 2 mt + 1; columns: NR = 8 the 8 query rows (hi in S, lo in SL), NR = 4 hi of
-// rows 0-3 in columns 0-3, lo in 4-7) and a value slot in shared memory: codes (128 tokens x 32 bytes,
-// 2-bit packed along the 128 channels), scale and mn (one fp16 each per token).
+// lane % 4)), given the page's score accumulators S^T (m-tile mt: rows g <-> token tk = mtile_pos<KB>(g,
+// mt) (KB: the key codes' bits, whose layout put the tokens there), rows g + 8 <-> token tk + 1; columns:
+// NR = 8 the 8 query rows (hi in S, lo in SL), NR = 4 hi of rows 0-3 in columns 0-3, lo in 4-7) and a
+// value slot in shared memory: codes (128 tokens x 16 VB bytes, VB-bit packed along the 128 channels),
+// scale and mn (one fp16 each per token).
 //   score(e, hi, lo, mt, odd) -> the log2-unit score of query row r0 + e (r0 = 2t, NR = 4: 2 (t % 2))
-//   and token 16 g + 2 mt + odd.
-// NR = 4: threads t and t + 2 swap halves so that each ends with one token per m-tile (16 g + 2 mt + 1
-// for t >= 2). Online softmax in base 2 whose reference M runs over max_page(s) + E, 2^(E-1) <=
+//   and token tk + odd.
+// NR = 4: threads t and t + 2 swap halves so that each ends with one token per m-tile (tk + 1 for
+// t >= 2). Online softmax in base 2 whose reference M runs over max_page(s) + E, 2^(E-1) <=
 // max|scale_v| < 2^E (exact): B (tokens x rows) = 2^(s - M) scale_v <= 1 in fp16, transposed from the
-// score fragments by movmatrix; O^T (m-tile mc: rows g <-> channel 16 g + 2 mc, g + 8 <-> 16 g + 2 mc + 1; columns 2t,
-// 2t + 1) += codes_V . B; l += 2^(s - M); bs += 2^(s - M) mn_v (per thread, reduced in mma_finish).
+// score fragments by movmatrix; O^T (m-tile mc: rows g <-> channel mtile_pos<VB>(g, mc), g + 8 <-> the
+// next channel; columns 2t, 2t + 1) += codes_V . B; l += 2^(s - M); bs += 2^(s - M) mn_v (per thread,
+// reduced in mma_finish).
 // The value slot's cp.async group is waited for after the scores (p_wait<1>: one later group, the next
 // page's keys, may still be in flight).
-template <int NR, class F>
+template <int NR, int KB = 2, int VB = 2, class F>
 __device__ __forceinline__ void page_softmax_pv(float (*S)[4], float (*SL)[4], F score, int nvalid, const u8* vslot,
                                                 int lane, float& m0, float& m1, float& l0, float& l1, float& bs0,
                                                 float& bs1, float (*O)[4]) {
-    constexpr int G = 128, VBY = 32, VS_OFF = G * VBY, VM_OFF = VS_OFF + 2 * G;
+    constexpr int G = 128, VBY = 16 * VB, VS_OFF = G * VBY, VM_OFF = VS_OFF + 2 * G;
     constexpr int NE = NR == 4 ? 2 : 4;
     const int g = lane >> 2, t = lane & 3;
     const bool tl = t < 2;
@@ -246,13 +306,13 @@ __device__ __forceinline__ void page_softmax_pv(float (*S)[4], float (*SL)[4], F
         int tok[NE];
         if constexpr (NR == 8) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) hi[e] = S[mt][e], lo[e] = SL[mt][e], tok[e] = 16 * g + 2 * mt + (e >> 1);
+            for (int e = 0; e < 4; ++e) hi[e] = S[mt][e], lo[e] = SL[mt][e], tok[e] = mtile_pos<KB>(g, mt) + (e >> 1);
         } else {
             const float x0 = __shfl_xor_sync(KVQ_FULL_MASK, tl ? S[mt][2] : S[mt][0], 2);
             const float x1 = __shfl_xor_sync(KVQ_FULL_MASK, tl ? S[mt][3] : S[mt][1], 2);
             hi[0] = tl ? S[mt][0] : x0, hi[1] = tl ? S[mt][1] : x1;
             lo[0] = tl ? x0 : S[mt][2], lo[1] = tl ? x1 : S[mt][3];
-            tok[0] = tok[1] = 16 * g + 2 * mt + (tl ? 0 : 1);
+            tok[0] = tok[1] = mtile_pos<KB>(g, mt) + (tl ? 0 : 1);
         }
 #pragma unroll
         for (int e = 0; e < NE; ++e) {
@@ -295,7 +355,7 @@ __device__ __forceinline__ void page_softmax_pv(float (*S)[4], float (*SL)[4], F
     u32 bp[8][2];
 #pragma unroll
     for (int mt = 0; mt < 8; ++mt) {
-        const int tk = 16 * g + 2 * mt;
+        const int tk = mtile_pos<KB>(g, mt);
         const u32 sv = *reinterpret_cast<const u32*>(vss + tk), mv = *reinterpret_cast<const u32*>(vms + tk);
         if constexpr (NR == 8) {
             const float pa0 = ex2(S[mt][0] - ms0), pa1 = ex2(S[mt][1] - ms1);   // token tk
@@ -320,21 +380,20 @@ __device__ __forceinline__ void page_softmax_pv(float (*S)[4], float (*SL)[4], F
             bp[mt][1] = movmatrix_t(tl ? other : 0u);
         }
     }
-    // O += codes_V . B: k-step mt <-> the tokens of score m-tile mt (columns 2t, 2t+1, 2t+8, 2t+9 <->
-    // tokens 32t + 2mt, 32t + 16 + 2mt, 32t + 2mt + 1, 32t + 17 + 2mt); word g of their value rows
-    const u8* vw = vslot + 4 * g + 32 * t * VBY;
+    // O += codes_V . B: k-step mt <-> the tokens of score m-tile mt (movmatrix: columns 2t, 2t+1, 2t+8,
+    // 2t+9 <-> tokens mtile_pos<KB>(2t, mt), mtile_pos<KB>(2t+1, mt), and each + 1); their value rows
 #pragma unroll
     for (int mt = 0; mt < 8; ++mt) {
-        const u8* w = vw + 2 * mt * VBY;
-        mma_mtiles<1>(O, O, bp[mt], *reinterpret_cast<const u32*>(w), *reinterpret_cast<const u32*>(w + 16 * VBY),
-                      *reinterpret_cast<const u32*>(w + VBY), *reinterpret_cast<const u32*>(w + 17 * VBY));
+        const u8* ra = vslot + mtile_pos<KB>(2 * t, mt) * VBY;
+        const u8* rb = vslot + mtile_pos<KB>(2 * t + 1, mt) * VBY;
+        mma_rows<VB, 1>(O, O, bp[mt], ra, rb, ra + VBY, rb + VBY, g);
     }
 }
 
 // End of a tensor-core decode kernel: reduce each thread's l and sum p mn_v over its tokens, write the
 // warp's un-normalized rows (O + sum p mn_v) and (m, l) over its page area (cacc, [NW][8][D] fp32; all
 // warps must be done with their slots) and combine the block's warps into partial `split`.
-template <int NR, int D>
+template <int NR, int D, int VB = 2>
 __device__ __forceinline__ void mma_finish(u8* area, float* s_m, float* s_l, float m0, float m1, float l0, float l1,
                                            float bs0, float bs1, float (*O)[4], int nq, int hk, int Gq, int Tq,
                                            int B, int Hq, int b, int split, float* __restrict__ o_part,
@@ -352,12 +411,13 @@ __device__ __forceinline__ void mma_finish(u8* area, float* s_m, float* s_l, flo
     __syncthreads();                               // every warp is done with its slots
     float* cacc = reinterpret_cast<float*>(area);
     const int c0s = 2 * t, c1s = 2 * t + 1;
-    float* r0p = cacc + (warp * QT + c0s) * D + 16 * g;
-    float* r1p = cacc + (warp * QT + c1s) * D + 16 * g;
+    float* r0p = cacc + (warp * QT + c0s) * D;
+    float* r1p = cacc + (warp * QT + c1s) * D;
 #pragma unroll
-    for (int mc = 0; mc < 8; ++mc) {               // channels 16 g + 2 mc (+1)
-        *reinterpret_cast<float2*>(r0p + 2 * mc) = make_float2(O[mc][0] + bs0, O[mc][2] + bs0);
-        *reinterpret_cast<float2*>(r1p + 2 * mc) = make_float2(O[mc][1] + bs1, O[mc][3] + bs1);
+    for (int mc = 0; mc < 8; ++mc) {               // channels mtile_pos<VB>(g, mc) (+1)
+        const int ch = mtile_pos<VB>(g, mc);
+        *reinterpret_cast<float2*>(r0p + ch) = make_float2(O[mc][0] + bs0, O[mc][2] + bs0);
+        *reinterpret_cast<float2*>(r1p + ch) = make_float2(O[mc][1] + bs1, O[mc][3] + bs1);
     }
     if (g == 0) {
         s_m[warp * QT + c0s] = m0;

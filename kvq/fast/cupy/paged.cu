@@ -380,13 +380,13 @@ __global__ void __launch_bounds__(128, 2)
 
 // Copy the key half (K slot: codes, scale, mn, Kitty idx and high plane) or the value half (V slot:
 // codes, scale, mn) of page j of sequence b, kv head hk, into the warp's slot (cp.async, 16 bytes).
-template <int KITTY>
+template <int KITTY, int KB = 2>
 __device__ __forceinline__ void stage_k2(u8* buf, int j, int b, int hk, int Hkv, int n_tab,
                                          const int* __restrict__ k_table, const u8* __restrict__ kc,
                                          const u8* __restrict__ kh, const u8* __restrict__ ki,
                                          const u16* __restrict__ ks, const u16* __restrict__ km, int db,
                                          int lane) {
-    constexpr int D = 128, GB = 32;
+    constexpr int D = 128, GB = 16 * KB;
     const i64 kph = (i64)kvq_max_i(k_table[(i64)b * n_tab + j], 0) * Hkv + hk;
     warp_copy(buf, kc + kph * (D * GB), D * GB, lane);
     warp_copy(buf + D * GB, reinterpret_cast<const u8*>(ks + kph * D), D * 2, lane);
@@ -397,10 +397,11 @@ __device__ __forceinline__ void stage_k2(u8* buf, int j, int b, int hk, int Hkv,
     }
 }
 
+template <int VB = 2>
 __device__ __forceinline__ void stage_v2(u8* buf, int j, int b, int hk, int Hkv, int n_tab,
                                          const int* __restrict__ v_table, const u8* __restrict__ vc,
                                          const u16* __restrict__ vs, const u16* __restrict__ vm, int lane) {
-    constexpr int G = KVQ_G, VBY = 32;
+    constexpr int G = KVQ_G, VBY = 16 * VB;
     const i64 vph = (i64)kvq_max_i(v_table[(i64)b * n_tab + j], 0) * Hkv + hk;
     warp_copy(buf, vc + vph * (G * VBY), G * VBY, lane);
     warp_copy(buf + G * VBY, reinterpret_cast<const u8*>(vs + vph * G), G * 2, lane);
@@ -423,24 +424,26 @@ __device__ __forceinline__ void qk_bfrag(u32* b, float f0, float f1, float f2, f
 }
 
 // Computes: the partials of paged_decode (same arguments, same output layout) for up to NR <= 8 query
-//   rows per kv head, fp16 q, D = 128, 2-bit keys (KIVI, or Kitty's planes) and values, one value group
-//   per token, G = 128, fp16 metadata.
+//   rows per kv head, fp16 q, D = 128, KB-bit keys (KIVI 2 or 4, or Kitty's 2-bit planes) and VB-bit
+//   values (2 or 4), one value group per token, G = 128, fp16 metadata.
 //   Scores: S^T = codes_K . B, B (channels x rows) = q~ * scale_k 2^-ek (q~ = q / max|q_row|, 2^(ek-1) <=
 //   max|scale_k| < 2^ek) as hi + 2^-11 lo, both fp16: q~ is split once per block, the product by the
 //   exact fp16 two-product (two_prod_h2); NR = 4: hi in columns 0-3, lo in columns 4-7 of one mma;
 //   NR = 8: two mma. The bias q . mn_k is one more mma per k-step (A = mn_k 2^-em, every row alike,
 //   B = q~ hi / lo). s = (S_hi + 2^-11 S_lo) max|q_row| 2^ek + bias (log2 units).
 //   Softmax and P . V: page_softmax_pv (mma.cuh).
-// Fragment orders: m-tile mt of S^T, row g <-> token 16 g + 2 mt, row g + 8 <-> token 16 g + 2 mt + 1
-//   (word g of a key row holds tokens 16 g .. 16 g + 15: byte mt / 2, fields 2 (mt % 2) + {0, 1});
+// Fragment orders (mma.cuh mtile_pos): m-tile mt of S^T, row g <-> token mtile_pos<KB>(g, mt), row g + 8
+//   <-> the next token (KB = 2: 16 g + 2 mt, word g of a key row holds tokens 16 g .. 16 g + 15: byte
+//   mt / 2, fields 2 (mt % 2) + {0, 1}; KB = 4: 8 g + 2 (mt % 4) + 64 (mt / 4), words g and g + 8);
 //   k-step kk <-> channels 16 kk + {2t, 2t+1, 2t+8, 2t+9}. The PV k-step mt takes the tokens of score
-//   m-tile mt (columns 2t, 2t+1, 2t+8, 2t+9 <-> tokens 32t + 2mt, 32t + 16 + 2mt, 32t + 2mt + 1,
-//   32t + 17 + 2mt); m-tile mc of O^T, row g <-> channel 16 g + 2 mc, row g + 8 <-> 16 g + 2 mc + 1.
+//   m-tile mt (columns 2t, 2t+1, 2t+8, 2t+9 <-> tokens mtile_pos<KB>(2t, mt), mtile_pos<KB>(2t+1, mt),
+//   each + 1; KB = 2: 32t + 2mt, 32t + 16 + 2mt, 32t + 2mt + 1, 32t + 17 + 2mt); m-tile mc of O^T, row
+//   g <-> channel mtile_pos<VB>(g, mc), row g + 8 <-> the next channel.
 //   Kitty: db / 16 extra k-steps with the compact high plane and B = 4 q * scale_k of the boosted channels.
 // Pages: per warp a K slot and a V slot (cp.async): the next page's keys load during this page's softmax
 //   and PV, its values during the next QK. Grid and combine as paged_decode.
 // Dynamic shared memory: QT*D*8 (queries [row][channel]: fp32, fp16 hi, fp16 lo) + NW * (kslot + vslot).
-template <int KITTY, int NR>
+template <int KITTY, int NR, int KB, int VB>
 __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
     paged_decode_mma2(const void* __restrict__ q, int q_dt, i64 sq_b, i64 sq_h, i64 sq_t,
                       const u8* __restrict__ kc, const u8* __restrict__ kh, const u8* __restrict__ ki,
@@ -449,7 +452,9 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
                       const int* __restrict__ v_table, int n_tab, float* __restrict__ o_part,
                       float* __restrict__ lse_part, int B, int Hq, int Hkv, int Tq, int NF, int NP, int pps,
                       int num_splits, int db, int ngv, float qk_scale) {
-    constexpr int D = 128, G = KVQ_G, GB = 32, VBY = 32, QT = 8;
+    constexpr int D = 128, G = KVQ_G, GB = 16 * KB, VBY = 16 * VB, QT = 8;
+    static_assert((KB == 2 || KB == 4) && (VB == 2 || VB == 4), "2- or 4-bit codes");
+    static_assert(!KITTY || KB == 2, "Kitty's dense plane is 2-bit");
     constexpr int KS_OFF = D * GB, KM_OFF = KS_OFF + 2 * D, KH_OFF = KM_OFF + 2 * D + (KITTY ? D : 0);
     constexpr int VS_OFF = G * VBY, VM_OFF = VS_OFF + 2 * G, VSLOT = VM_OFF + 2 * G;
     extern __shared__ u32x4 dsmem4[];
@@ -498,9 +503,9 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
         for (int e = 0; e < 4; ++e) O[i][e] = 0.0f;
 
     int j = p0 + warp;
-    if (j < p1) stage_k2<KITTY>(kslot, j, b, hk, Hkv, n_tab, k_table, kc, kh, ki, ks, km, db, lane);
+    if (j < p1) stage_k2<KITTY, KB>(kslot, j, b, hk, Hkv, n_tab, k_table, kc, kh, ki, ks, km, db, lane);
     p_commit();
-    if (j < p1) stage_v2(vslot, j, b, hk, Hkv, n_tab, v_table, vc, vs, vm, lane);
+    if (j < p1) stage_v2<VB>(vslot, j, b, hk, Hkv, n_tab, v_table, vc, vs, vm, lane);
     p_commit();
     for (; j < p1; j += NW) {                      // uniform across the warp
         p_wait<1>();                               // the keys of page j
@@ -562,10 +567,8 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
             }
 #pragma unroll
         for (int kk = 0; kk < 8; ++kk) {
-            const u8* kw = kslot + 4 * g + (16 * kk + 2 * t) * GB;
-            mma_mtiles<NR == 8 ? 2 : 1>(S, SL, bq[kk], *reinterpret_cast<const u32*>(kw),
-                                        *reinterpret_cast<const u32*>(kw + GB), *reinterpret_cast<const u32*>(kw + 8 * GB),
-                                        *reinterpret_cast<const u32*>(kw + 9 * GB));
+            const u8* kr = kslot + (16 * kk + 2 * t) * GB;          // key channel rows c, c + 1, c + 8, c + 9
+            mma_rows<KB, NR == 8 ? 2 : 1>(S, SL, bq[kk], kr, kr + GB, kr + 8 * GB, kr + 9 * GB, g);
         }
         if constexpr (KITTY != 0) {
             // Algorithm 1 as extra k-steps: code = low + 4 high, B = 4 q * scale_k of the boosted channel
@@ -598,21 +601,21 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
             __syncwarp();                          // s_inv is rewritten for the next page
         }
         __syncwarp();
-        if (j + NW < p1) stage_k2<KITTY>(kslot, j + NW, b, hk, Hkv, n_tab, k_table, kc, kh, ki, ks, km, db, lane);
+        if (j + NW < p1) stage_k2<KITTY, KB>(kslot, j + NW, b, hk, Hkv, n_tab, k_table, kc, kh, ki, ks, km, db, lane);
         p_commit();
 
         // ---- scores of row r0 + e: (hi + 2^-11 lo) max|q_row| 2^ek + q . mn_k
         const float rs0 = ldexpf(qmax0, ek), rs1 = ldexpf(qmax1, ek);
-        page_softmax_pv<NR>(S, SL, [&](int e, float hi, float lo, int, int) {
+        page_softmax_pv<NR, KB, VB>(S, SL, [&](int e, float hi, float lo, int, int) {
             const float rs = (e & 1) ? rs1 : rs0;
             return fmaf(lo, rs * (1.0f / 2048.0f), fmaf(hi, rs, (e & 1) ? bias1 : bias0));
         }, nvalid, vslot, lane, m0, m1, l0, l1, bs0, bs1, O);
         __syncwarp();
-        if (j + NW < p1) stage_v2(vslot, j + NW, b, hk, Hkv, n_tab, v_table, vc, vs, vm, lane);
+        if (j + NW < p1) stage_v2<VB>(vslot, j + NW, b, hk, Hkv, n_tab, v_table, vc, vs, vm, lane);
         p_commit();
     }
     p_wait<0>();                                   // no copy may be in flight at exit / reuse
-    mma_finish<NR, D>(dsmem + QT * D * 8, &s_m[0][0], &s_l[0][0], m0, m1, l0, l1, bs0, bs1, O, nq, hk, Gq, Tq, B, Hq,
+    mma_finish<NR, D, VB>(dsmem + QT * D * 8, &s_m[0][0], &s_l[0][0], m0, m1, l0, l1, bs0, bs1, O, nq, hk, Gq, Tq, B, Hq,
                       b, split, o_part, lse_part);
 }
 

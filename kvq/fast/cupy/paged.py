@@ -18,8 +18,8 @@ gathered by ``paged_gather_tail`` (bit-exact dequantization) into one fp32 segme
 ``attention.cu``'s fp32 split kernel; all partials are merged by its log-sum-exp merge kernel.
 The fused kernel takes G = 128, D in {64, 128}, fp16 metadata and value groups of a multiple of 4
 channels; other configurations dequantize the cache and run the FP16-baseline kernels in fp32.
-fp16 q with 2-bit keys and values (one value group per token, D = 128, <= 8 query rows per KV head)
-takes the tensor-core kernel ``paged_decode_mma2``; float32 q is the precise path: every token is
+fp16 q with 2- or 4-bit keys and values (one value group per token, D = 128, <= 8 query rows per KV
+head) takes the tensor-core kernel ``paged_decode_mma2``; float32 q is the precise path: every token is
 gathered into the fp32 segment (double accumulators in ``attn_split``), none goes through a fused kernel.
 """
 
@@ -51,6 +51,7 @@ _SMEM_LIMIT = 200 * 1024            # dynamic shared memory a block may ask for 
 _GATHER_THREADS = 256
 GATHER_TOK, GATHER_MAXD = 16, 256  # paged.cu: tail tokens per gather block, head dims it takes
 MMA_MAX_WARPS = 4                   # paged.cu KVQ_MMA_MAXW
+MMA_BITS = (2, 4)                   # key / value code bits of paged_decode_mma2
 
 #: launch knobs of the fused kernel for tuning runs (None = built-in): warps per block (<= 4);
 #: waves = target blocks per SM over the fused grid (None: the split count that minimizes the
@@ -101,18 +102,18 @@ def _allow_smem(fn, smem: int, device_index: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _mma_kernel(kitty: bool, nr: int, smem: int, device_index: int):
-    """paged_decode_mma2<kitty, nr> (nr = 4 or 8 query rows), allowed ``smem`` bytes of dynamic shared
-    memory on that device."""
-    return _allow_smem(L.kernel(_SRC, f"paged_decode_mma2<{int(kitty)}, {nr}>"), smem, device_index)
+def _mma_kernel(kitty: bool, nr: int, k_bits: int, v_bits: int, smem: int, device_index: int):
+    """paged_decode_mma2<kitty, nr, k_bits, v_bits> (nr = 4 or 8 query rows), allowed ``smem`` bytes of
+    dynamic shared memory on that device."""
+    return _allow_smem(L.kernel(_SRC, L.mma2_name(kitty, nr, k_bits, v_bits)), smem, device_index)
 
 
-def _mma2_smem(kitty: bool, db: int, nw: int) -> int:
+def _mma2_smem(kitty: bool, db: int, nw: int, k_bits: int = 2, v_bits: int = 2) -> int:
     """Dynamic shared memory of paged_decode_mma2: the queries (8 x 128: fp32, and fp16 hi and lo) and per
     warp a key slot (codes, scale, mn; Kitty: idx and high plane) and a value slot (codes, scale, mn)."""
     D, G = 128, G_FUSED
-    kslot = D * 32 + 4 * D + ((D + db * 32) if kitty else 0)
-    vslot = G * 32 + 4 * G
+    kslot = D * 16 * k_bits + 4 * D + ((D + db * 32) if kitty else 0)
+    vslot = G * 16 * v_bits + 4 * G
     return 8 * D * 8 + nw * (kslot + vslot)
 
 
@@ -206,7 +207,7 @@ def gather_tail(cfg, codec, st: PagedState, NF: int):
 def _plan(D: int, k_bits: int, v_bits: int, kitty: bool, ngv: int, db: int, QT: int, mma: bool = False):
     """(warps per block, dynamic shared memory bytes) of the fused kernel (``mma``: paged_decode_mma2)."""
     buf = _buf_bytes(D, k_bits, v_bits, kitty, ngv, db)
-    smem = (lambda nw: _mma2_smem(kitty, db, nw)) if mma else (lambda nw: _smem_bytes(D, QT, nw, buf))
+    smem = (lambda nw: _mma2_smem(kitty, db, nw, k_bits, v_bits)) if mma else (lambda nw: _smem_bytes(D, QT, nw, buf))
     nw = TUNE["num_warps"] or 4
     nw = max(1, min(MMA_MAX_WARPS if mma else 4, nw))
     while nw > 1 and smem(nw) > _SMEM_LIMIT:
@@ -215,10 +216,11 @@ def _plan(D: int, k_bits: int, v_bits: int, kitty: bool, ngv: int, db: int, QT: 
 
 
 def mma_ok(cfg, kp: dict, q, D: int, M: int) -> bool:
-    """Whether decode takes the tensor-core kernel (paged_decode_mma2): fp16 q, D = 128, 2-bit key codes
-    (KIVI-K2 or Kitty's planes) and values, one value group per token, at most 8 query rows per KV head."""
-    return (TUNE["mma"] and q.dtype == torch.float16 and D == 128 and kp["bits"] == 2 and cfg.v_bits == 2
-            and cfg.v_group(D) == D and M <= 8)
+    """Whether decode takes the tensor-core kernel (paged_decode_mma2): fp16 q, D = 128, 2- or 4-bit key
+    codes (KIVI-K2 / K4, or Kitty's planes) and values, one value group per token, at most 8 query rows
+    per KV head."""
+    return (TUNE["mma"] and q.dtype == torch.float16 and D == 128 and kp["bits"] in MMA_BITS
+            and cfg.v_bits in MMA_BITS and cfg.v_group(D) == D and M <= 8)
 
 
 def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
@@ -265,7 +267,7 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     fn = None
     if NP:
         nw, smem = _plan(D, k_bits, cfg.v_bits, kitty, ngv, db, QT, mma)
-        fn = (_mma_kernel(kitty, nr, smem, dev_index) if mma
+        fn = (_mma_kernel(kitty, nr, k_bits, cfg.v_bits, smem, dev_index) if mma
               else _decode_kernel(D, k_bits, cfg.v_bits, kitty, QT, smem, dev_index))
         if TUNE["waves"] is None:
             n_split, pps = _n_splits(NP, B * H * qtiles, nw, resident_slots(fn, 32 * nw, smem, dev_index))
