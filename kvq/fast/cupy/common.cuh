@@ -226,9 +226,7 @@ __device__ __forceinline__ void load_bytes(const u8* p, u32* b) {
 // s_m / s_l ([NW][QT], base-2 max and sum per warp and row), cacc ([NW][QT][D], un-normalized outputs);
 // row qi < nq is query row r0 + qi of kv head hk (-> query head hk * Gq + r / Tq, token r % Tq), written
 // to o_part / lse_part at partial `split` (natural-log lse; o = 0, lse = -inf for a row without keys).
-// nat: the states are in natural-log units (exp / log), else base 2 (exp2 / log2, lse times ln 2, in
-// double: at |lse| ~ 1e3 the fp32 sum and product by a rounded ln 2 cost up to ~2 ulps, which with the
-// score roundings took large-operand cases past the tolerance rule's bound).
+// nat: the states are in natural-log units (exp / log), else base 2 (exp2 / log2, lse times ln 2).
 template <int QT, int D>
 __device__ __forceinline__ void combine_warps(const float* s_m, const float* s_l, const float* cacc, int NW,
                                               int nq, int tid, int nthreads, int r0, int hk, int Gq, int Tq,
@@ -256,9 +254,8 @@ __device__ __forceinline__ void combine_warps(const float* s_m, const float* s_l
         const int t = r - (r / Tq) * Tq;
         const i64 prow = ((split * B + b) * Hq + h) * Tq + t;
         o_part[prow * D + d] = L > 0.0f ? A / L : 0.0f;
-        if (d == 0)                                // base 2: sum and product by ln 2 in double, one rounding
-            lse_part[prow] = !(L > 0.0f) ? -KVQ_INF
-                             : nat ? M + logf(L) : (float)(((double)M + (double)log2f(L)) * 0.6931471805599453);
+        if (d == 0)
+            lse_part[prow] = !(L > 0.0f) ? -KVQ_INF : nat ? M + logf(L) : (M + log2f(L)) * 0.693147180559945309f;
     }
 }
 
