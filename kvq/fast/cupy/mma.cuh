@@ -236,10 +236,7 @@ __device__ __forceinline__ void two_prod_h2(u32 qh, u32 ql, u32 s, u32& hi, u32&
 // The block's 8 query rows (row qi < nq -> query head hk * Gq + qi / Tq, token qi % Tq; rows >= nq are
 // zero) times qk_scale: s_q [8][D] fp32, s_qmax[8] = max |row|, and q~ = row / max |row| as fp16 hi
 // (s_qh) + 2^-11 lo (s_ql), [8][D] each. q_dt: 0 fp16, 2 fp32. Ends with __syncthreads.
-// POW2: the rows WITHOUT qk_scale (the caller applies it to the scores) and s_qmax[r] = 2^e with
-// 2^(e-1) <= max |row| < 2^e: an fp16 row then scales exactly (q~ = hi, lo = 0), so q~ * (an fp16
-// scale) has at most 22 significant bits and the two-product holds it exactly as hi + 2^-11 lo.
-template <int D, bool POW2 = false>
+template <int D>
 __device__ __forceinline__ void mma_load_queries(float* s_q, u16* s_qh, u16* s_ql, float* s_qmax,
                                                  const void* __restrict__ q, int q_dt, i64 sq_b, i64 sq_h, i64 sq_t,
                                                  int b, int hk, int Gq, int Tq, int nq, float qk_scale) {
@@ -253,7 +250,7 @@ __device__ __forceinline__ void mma_load_queries(float* s_q, u16* s_qh, u16* s_q
             const i64 off = (i64)b * sq_b + (i64)h * sq_h + (i64)tq * sq_t + d;
             const float x = q_dt == 0 ? f16_to_f32(reinterpret_cast<const u16*>(q)[off])
                                       : reinterpret_cast<const float*>(q)[off];
-            val = POW2 ? x : __fmul_rn(x, qk_scale);
+            val = __fmul_rn(x, qk_scale);
         }
         s_q[idx] = val;
     }
@@ -264,8 +261,7 @@ __device__ __forceinline__ void mma_load_queries(float* s_q, u16* s_qh, u16* s_q
             mx = fmaxf(mx, fabsf(s_q[(lane & 7) * D + c]));
         mx = fmaxf(mx, __shfl_xor_sync(KVQ_FULL_MASK, mx, 8));
         mx = fmaxf(mx, __shfl_xor_sync(KVQ_FULL_MASK, mx, 16));
-        if (lane < QT)                             // POW2: 2^e, 2^(e-1) <= max |row| < 2^e (fp32 exact)
-            s_qmax[lane] = POW2 && mx > 0.0f ? ldexpf(1.0f, (int)((__float_as_uint(mx) >> 23) & 0xffu) - 126) : mx;
+        if (lane < QT) s_qmax[lane] = mx;
     }
     __syncthreads();
     for (int idx = 2 * tid; idx < QT * D; idx += 2 * blockDim.x) {   // q~ as hi + 2^-11 lo, pairs

@@ -426,14 +426,11 @@ __device__ __forceinline__ void qk_bfrag(u32* b, float f0, float f1, float f2, f
 // Computes: the partials of paged_decode (same arguments, same output layout) for up to NR <= 8 query
 //   rows per kv head, fp16 q, D = 128, KB-bit keys (KIVI 2 or 4, or Kitty's 2-bit planes) and VB-bit
 //   values (2 or 4), one value group per token, G = 128, fp16 metadata.
-//   Scores: S^T = codes_K . B, B (channels x rows) = q~ * scale_k 2^-ek (q~ = q 2^-e, 2^(e-1) <= max|q_row|
-//   < 2^e, exact in fp16 for fp16 q; 2^(ek-1) <= max|scale_k| < 2^ek) as hi + 2^-11 lo, both fp16, by the
-//   exact fp16 two-product (two_prod_h2): B has at most 22 significant bits, so hi + 2^-11 lo IS B and
-//   every product code * B on the tensor cores is exact (only the accumulation rounds); NR = 4: hi in
-//   columns 0-3, lo in columns 4-7 of one mma; NR = 8: two mma. The bias q . mn_k is one more mma per
-//   k-step (A = mn_k 2^-em, every row alike, B = q~ hi / lo). s = ((S_hi + 2^-11 S_lo) 2^(e + ek) + bias)
-//   * qk_scale (log2 units). (With q / max|q_row| times qk_scale as q~, B carried ~22 of its 24 bits and
-//   the scores of large operands missed the tolerance rule by up to 1.7x.)
+//   Scores: S^T = codes_K . B, B (channels x rows) = q~ * scale_k 2^-ek (q~ = q / max|q_row|, 2^(ek-1) <=
+//   max|scale_k| < 2^ek) as hi + 2^-11 lo, both fp16: q~ is split once per block, the product by the
+//   exact fp16 two-product (two_prod_h2); NR = 4: hi in columns 0-3, lo in columns 4-7 of one mma;
+//   NR = 8: two mma. The bias q . mn_k is one more mma per k-step (A = mn_k 2^-em, every row alike,
+//   B = q~ hi / lo). s = (S_hi + 2^-11 S_lo) max|q_row| 2^ek + bias (log2 units).
 //   Softmax and P . V: page_softmax_pv (mma.cuh).
 // Fragment orders (mma.cuh mtile_pos): m-tile mt of S^T, row g <-> token mtile_pos<KB>(g, mt), row g + 8
 //   <-> the next token (KB = 2: 16 g + 2 mt, word g of a key row holds tokens 16 g .. 16 g + 15: byte
@@ -480,7 +477,7 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
     const int b = blockIdx.z;
     const int Gq = Hq / Hkv;
     const int nq = kvq_min(QT, Gq * Tq);
-    mma_load_queries<D, true>(s_q, s_qh, s_ql, s_qmax, q, q_dt, sq_b, sq_h, sq_t, b, hk, Gq, Tq, nq, qk_scale);
+    mma_load_queries<D>(s_q, s_qh, s_ql, s_qmax, q, q_dt, sq_b, sq_h, sq_t, b, hk, Gq, Tq, nq, qk_scale);
     u8* kslot = dsmem + QT * D * 8 + warp * (kslot_b + VSLOT);
     u8* vslot = kslot + kslot_b;
     const int p0 = split * pps;
@@ -555,8 +552,8 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
                 Sb[e] = tl ? Sb[e] : x;
             }
         }
-        const float bias0 = fmaf(SbL[0], 1.0f / 2048.0f, Sb[0]) * ldexpf(qmax0, em) * qk_scale;
-        const float bias1 = fmaf(SbL[1], 1.0f / 2048.0f, Sb[1]) * ldexpf(qmax1, em) * qk_scale;
+        const float bias0 = fmaf(SbL[0], 1.0f / 2048.0f, Sb[0]) * ldexpf(qmax0, em);
+        const float bias1 = fmaf(SbL[1], 1.0f / 2048.0f, Sb[1]) * ldexpf(qmax1, em);
         const float inv = qmax_b > 0.0f ? ldexpf(1.0f / qmax_b, -ek) : 0.0f;   // Kitty's high plane (fp32 q)
 
         // ---- S^T = codes_K . B
@@ -608,7 +605,7 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
         p_commit();
 
         // ---- scores of row r0 + e: (hi + 2^-11 lo) max|q_row| 2^ek + q . mn_k
-        const float rs0 = ldexpf(qmax0, ek) * qk_scale, rs1 = ldexpf(qmax1, ek) * qk_scale;
+        const float rs0 = ldexpf(qmax0, ek), rs1 = ldexpf(qmax1, ek);
         page_softmax_pv<NR, KB, VB>(S, SL, [&](int e, float hi, float lo, int, int) {
             const float rs = (e & 1) ? rs1 : rs0;
             return fmaf(lo, rs * (1.0f / 2048.0f), fmaf(hi, rs, (e & 1) ? bias1 : bias0));
