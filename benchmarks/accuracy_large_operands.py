@@ -1,0 +1,49 @@
+"""How close the CuPy tensor-core KIVI decode (``paged_decode_mma2``) comes to the tolerance rule's bound
+with large operands (keys and values scaled to |x| <= 3e4, |q| ~ 300, softmax scale 1e-5: |lse| ~ 1e3).
+
+    python benchmarks/accuracy_large_operands.py          # on the device (CUDA, CuPy)
+
+For each of K2V2, K4V4, K4V2, K2V4 (group 128, window 128, B = 2, H_kv = 4, GQA 2, D = 128) and 8 random
+caches (4 seeds x T in {1500, 2348}) it prints max and mean of (lse error) / (bound), where error =
+max |lse - lse_float64| and bound = 2 x the float32 reference's error + one float32 step at the
+magnitude (contract rule 7, ``tests/parity/tolerance.py``); a ratio above 1 misses the rule.
+"""
+
+import numpy as np
+import torch
+
+import kvq.fast.cupy.kivi as FK
+from kvq.reference import kivi as RK
+
+CUDA = dict(group_size=128, residual=128, max_tokens=4096)
+
+
+def ratio(kb: int, vb: int, seed: int, T: int, qs: float = 300.0) -> float:
+    cfg = RK.KIVIConfig(kb, vb, **CUDA)
+    B, H, D = 2, 4, 128
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((B, H, T, D)).astype(np.float32)
+    v = rng.standard_normal((B, H, T, D)).astype(np.float32)
+    k = (k * np.float32(3e4 / np.abs(k).max())).astype(np.float16)
+    v = (v * np.float32(3e4 / np.abs(v).max())).astype(np.float16)
+    rs, fs = RK.init(cfg, B, H, D), FK.init(cfg, B, H, D)
+    RK.append(cfg, rs, k, v)
+    FK.append(cfg, fs, torch.from_numpy(k).cuda(), torch.from_numpy(v).cuda())
+    q = torch.from_numpy(rng.standard_normal((B, 2 * H, 1, D)).astype(np.float32) * qs).half().cuda()
+    _, lse = FK.decode_attention(cfg, fs, q, scale=1e-5)
+    _, l64 = RK.decode_attention(cfg, rs, q.cpu().double().numpy(), scale=1e-5)
+    _, l32 = RK.decode_attention(cfg, rs, q.cpu().float().numpy(), scale=1e-5)
+    err = np.abs(lse.cpu().double().numpy() - l64).max()
+    ref = np.abs(l32 - l64).max()
+    return float(err / (2 * ref + np.spacing(np.float32(np.abs(l64).max()))))
+
+
+def main() -> None:
+    for kb, vb in ((2, 2), (4, 4), (4, 2), (2, 4)):
+        rs = [ratio(kb, vb, s, T) for s in range(4) for T in (1500, 2348)]
+        print(f"K{kb}V{vb}: lse error / bound over {len(rs)} caches: max {max(rs):.2f} mean {np.mean(rs):.2f}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
