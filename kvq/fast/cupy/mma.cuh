@@ -73,20 +73,28 @@ __device__ __forceinline__ u32 byte_pair(u32 w0, u32 w1) {
     return __byte_perm(w0, w1, BB | (BB << 4) | ((4 + BB) << 8) | ((4 + BB) << 12));
 }
 
-// the 2-bit fields I of bytes 0 and 2 of x as a half2 of exact codes, two per 32-bit operation and
-// without shifts: the field stays at bit 2I of each half, one lop3 masks it and ORs 0x6400 in (the
-// half is then 1024 + code * 4^I, exact), one fma.f16x2 by 4^-I with addend -1024 * 4^-I leaves the
-// code (exact: powers of two).
-template <int I>
-__device__ __forceinline__ u32 codes_h2(u32 x) {
-    constexpr u32 M = 0x00030003u << (2 * I);
-    constexpr u32 SCALE = I == 0 ? 0x3C003C00u : I == 1 ? 0x34003400u : I == 2 ? 0x2C002C00u : 0x24002400u;
-    constexpr u32 BIAS = I == 0 ? 0xE400E400u : I == 1 ? 0xDC00DC00u : I == 2 ? 0xD400D400u : 0xCC00CC00u;
+// the B-bit fields I of bytes 0 and 2 of x as a half2 of exact codes, two per 32-bit operation and
+// without shifts: the field stays at bit K = B I of each half (inside the fp16 significand: K + B <= 10),
+// one lop3 masks it and ORs 0x6400 in (the half is then 1024 + code * 2^K, exact), one fma.f16x2 by
+// 2^-K with addend -1024 * 2^-K leaves the code (exact: powers of two).
+template <int B, int I>
+__device__ __forceinline__ u32 codes_field_h2(u32 x) {
+    constexpr int K = B * I;
+    static_assert(K + B <= 10, "the field must lie in the fp16 significand");
+    constexpr u32 M = (((1u << B) - 1u) * 0x00010001u) << K;
+    constexpr u32 SC = (u32)(15 - K) << 10, BI = 0x8000u | ((u32)(25 - K) << 10);   // 2^-K, -2^(10-K)
+    constexpr u32 SCALE = SC | (SC << 16), BIAS = BI | (BI << 16);
     u32 h, r;
     asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(h) : "r"(x), "n"(M), "n"(0x64006400u));      // (x & M) | magic
     asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(h), "r"(SCALE), "r"(BIAS));
     return r;
 }
+
+// 2-bit fields (crumbs) I = 0..3 and 4-bit fields (nibbles) I = 0, 1
+template <int I>
+__device__ __forceinline__ u32 codes_h2(u32 x) { return codes_field_h2<2, I>(x); }
+template <int I>
+__device__ __forceinline__ u32 codes4_h2(u32 x) { return codes_field_h2<4, I>(x); }
 
 // 2^x (approximate, flush-to-zero: probabilities of the online softmax, rule 7)
 __device__ __forceinline__ float ex2(float x) {
@@ -124,20 +132,6 @@ __device__ __forceinline__ void mma_mtiles(float (*c0)[4], float (*c1)[4], const
     KVQ_MT(2)
     KVQ_MT(3)
 #undef KVQ_MT
-}
-
-// the 4-bit fields I (0, 1) of bytes 0 and 2 of x as a half2 of exact codes (codes_h2 for nibbles: the
-// field stays at bit 4I of each half inside the fp16 significand, lop3 ORs 0x6400 in, one fma.f16x2
-// by 16^-I with addend -1024 * 16^-I leaves the code).
-template <int I>
-__device__ __forceinline__ u32 codes4_h2(u32 x) {
-    constexpr u32 M = 0x000F000Fu << (4 * I);
-    constexpr u32 SCALE = I == 0 ? 0x3C003C00u : 0x2C002C00u;      // 1, 1/16
-    constexpr u32 BIAS = I == 0 ? 0xE400E400u : 0xD400D400u;       // -1024, -64
-    u32 h, r;
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(h) : "r"(x), "n"(M), "n"(0x64006400u));
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(h), "r"(SCALE), "r"(BIAS));
-    return r;
 }
 
 // mma_mtiles for 4-bit codes: 4 m-tiles c[BB] += A . B_k, m-tile BB built from byte BB of the word pairs
