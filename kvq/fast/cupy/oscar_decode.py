@@ -116,6 +116,9 @@ def decode(cfg, st, q_rot, *, scale=None):
     return out, lse
 
 
+_ROT_SLICES = 8          # oscar_decode.cu RS_SLICES: partial sums per output channel of rotate_heads_f64
+
+
 def rotate_heads(x: torch.Tensor, R: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``x R`` for a query-side tensor x (B, H_q, T, D): head h times ``R[h // (H_q / H_R)]`` (R float64
     (D, D) or (H_R, D, D) on x's device), float64 sums rounded to fp32 and then to ``out_dtype``: one
@@ -131,6 +134,7 @@ def rotate_heads(x: torch.Tensor, R: torch.Tensor, out_dtype: torch.dtype = torc
         return out
     R3 = R3.contiguous()
     fn = L.kernel(_SRC, f"rotate_heads_f64<{L.DT[x.dtype]}, {L.DT[out_dtype]}>")
-    L.run(fn, (B * Hq * T, (D + 31) // 32), (32, 8), (x, R3, out, np.int32(Hq), np.int32(T), np.int32(R3.shape[0]), np.int32(D),
-                                    *(np.int64(s) for s in x.stride())), x.device)
+    L.run(fn, (B * Hq * T, (D + 31) // 32), (32, _ROT_SLICES),
+          (x, R3, out, np.int32(Hq), np.int32(T), np.int32(R3.shape[0]), np.int32(D),
+           *(np.int64(s) for s in x.stride())), x.device)
     return out
