@@ -1,6 +1,10 @@
 """Markdown tables from a results folder (what README.md and the book quote).
 
     python benchmarks/summarize.py benchmarks/results/h100-93b0336
+    python benchmarks/summarize.py benchmarks/results/h100-c6508dc     # KIVI / Kitty and OSCAR decode too
+
+The book's chapters import ``kivi_kitty_table`` / ``oscar_table`` and ``load`` from here, so the
+numbers they show are the committed JSON's.
 """
 
 from __future__ import annotations
@@ -10,9 +14,55 @@ import sys
 from pathlib import Path
 
 
-def _load(d: Path, name: str):
-    p = d / name
+def load(d, name: str):
+    """The JSON ``name`` of results folder ``d``, or None where the run did not write it."""
+    p = Path(d) / name
     return json.loads(p.read_text()) if p.exists() else None
+
+
+def run_line(res) -> str:
+    """Device, commit and date of a benchmark JSON, and the copy ceiling it measured."""
+    m = res["meta"]
+    return (f"{m['device']['name']}, commit `{m['commit'][:7]}`, {m['date_utc'][:10]}; copy ceiling "
+            f"{res['copy_gbps']:.0f} GB/s")
+
+
+def _sdpa_ms(s) -> float:
+    return s["fp16"]["sdpa_best"]["ms"]
+
+
+def kivi_kitty_table(kk, methods=("KIVI-K2V2", "KIVI-K4V4", "Kitty", "Kitty-Pro"), backend="cupy",
+                     ratio_to="KIVI-K2V2") -> str:
+    """``kivi_kitty.json`` as a Markdown table: per shape, SDPA FP16 and per method the time, the
+    speedup over SDPA and the percent of copy bandwidth (backend "cupy" or "triton"); with
+    ``ratio_to``, each other method's time over that method's."""
+    key = (lambda m: f"{m} [cupy]") if backend == "cupy" else (lambda m: m)
+    head = ["batch x context", "SDPA FP16 (ms)"]
+    for m in methods:
+        head += [f"{m} (ms)", "vs SDPA", "% copy"] + ([f"/ {ratio_to}"] if ratio_to and m != ratio_to else [])
+    rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for s in kk["shapes"]:
+        sd = _sdpa_ms(s)
+        cells = [f"{s['B']} x {s['T'] // 1024}K", f"{sd:.3f}"]
+        for m in methods:
+            r = s["methods"][key(m)]
+            cells += [f"{r['ms']:.3f}", f"{sd / r['ms']:.1f}x", f"{r['pct_copy']:.0f}%"]
+            if ratio_to and m != ratio_to:
+                cells.append(f"{r['ms'] / s['methods'][key(ratio_to)]['ms']:.2f}")
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def oscar_table(o) -> str:
+    """``oscar.json`` as a Markdown table: per shape, SDPA FP16, the Triton and CuPy OSCAR decode times,
+    their speedups over SDPA and the CuPy kernel's percent of copy bandwidth."""
+    rows = ["| batch x context | SDPA FP16 (ms) | OSCAR Triton (ms) | OSCAR CuPy (ms) | vs SDPA (Triton / CuPy) "
+            "| % copy (CuPy) |", "| --- | --- | --- | --- | --- | --- |"]
+    for s in o["shapes"]:
+        sd, tr, cu = _sdpa_ms(s), s["oscar"], s["oscar [cupy]"]
+        rows.append(f"| {s['B']} x {s['T'] // 1024}K | {sd:.3f} | {tr['ms']:.3f} | {cu['ms']:.3f} | "
+                    f"{sd / tr['ms']:.2f}x / {sd / cu['ms']:.2f}x | {cu['pct_copy']:.1f}% |")
+    return "\n".join(rows)
 
 
 def decode_table(dec) -> str:
@@ -55,8 +105,9 @@ def quant_table(q) -> str:
 
 def main(argv=None) -> int:
     d = Path((argv or sys.argv[1:])[0])
-    ce, q, dec, t = (_load(d, n) for n in ("ceilings.json", "quant.json", "decode.json", "gpu-tests.json"))
-    meta = (dec or q or ce)["meta"]
+    ce, q, dec, t, kk, o = (load(d, n) for n in ("ceilings.json", "quant.json", "decode.json", "gpu-tests.json",
+                                                "kivi_kitty.json", "oscar.json"))
+    meta = (dec or q or kk or o or ce)["meta"]
     print(f"Device {meta['device']['name']}, torch {meta['device']['torch']}, triton {meta['device']['triton']}, "
           f"cupy {meta['device']['cupy']}; commit {meta['commit'][:7]}; {meta['date_utc'][:10]}.\n")
     if ce:
@@ -68,7 +119,11 @@ def main(argv=None) -> int:
     if q:
         print(quant_table(q) + "\n")
     if dec:
-        print(decode_table(dec))
+        print(decode_table(dec) + "\n")
+    if kk:
+        print(kivi_kitty_table(kk) + "\n")
+    if o and "oscar [cupy]" in o["shapes"][0] and "oscar" in o["shapes"][0]:
+        print(oscar_table(o))
     return 0
 
 

@@ -1,0 +1,56 @@
+"""benchmarks/summarize.py turns a committed results folder into the tables that README.md and the book
+show: every shape becomes a row, and each cell is the JSON's number (time, speedup, ratio) as printed."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "h100-c6508dc"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import summarize as S  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return S.load(RESULTS, "kivi_kitty.json"), S.load(RESULTS, "oscar.json")
+
+
+def _rows(table: str):
+    lines = table.splitlines()
+    assert lines[1].startswith("| --- |")
+    return [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]
+
+
+def test_kivi_kitty_table_cells_are_the_json_numbers(runs):
+    kk, _ = runs
+    rows = _rows(S.kivi_kitty_table(kk, ("KIVI-K2V2", "Kitty"), ratio_to="KIVI-K2V2"))
+    assert len(rows) == len(kk["shapes"])
+    for row, s in zip(rows, kk["shapes"]):
+        a, k = s["methods"]["KIVI-K2V2 [cupy]"], s["methods"]["Kitty [cupy]"]
+        sd = s["fp16"]["sdpa_best"]["ms"]
+        assert row[0] == f"{s['B']} x {s['T'] // 1024}K"
+        assert row[2:5] == [f"{a['ms']:.3f}", f"{sd / a['ms']:.1f}x", f"{a['pct_copy']:.0f}%"]
+        assert row[8] == f"{k['ms'] / a['ms']:.2f}"
+    triton = _rows(S.kivi_kitty_table(kk, ("KIVI-K2V2",), backend="triton", ratio_to=None))
+    assert triton[0][2] == f"{kk['shapes'][0]['methods']['KIVI-K2V2']['ms']:.3f}"
+
+
+def test_oscar_table_and_run_line(runs):
+    _, o = runs
+    rows = _rows(S.oscar_table(o))
+    assert len(rows) == len(o["shapes"])
+    last = o["shapes"][-1]
+    assert rows[-1][3] == f"{last['oscar [cupy]']['ms']:.3f}"
+    assert rows[-1][5] == f"{last['oscar [cupy]']['pct_copy']:.1f}%"
+    assert "c6508dc" in S.run_line(o) and o["meta"]["device"]["name"] in S.run_line(o)
+
+
+def test_main_prints_every_table(capsys):
+    assert S.main([str(RESULTS)]) == 0
+    out = capsys.readouterr().out
+    assert "KIVI-K4V4 (ms)" in out and "OSCAR CuPy (ms)" in out and "1282 passed" in out
