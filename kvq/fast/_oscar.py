@@ -51,7 +51,10 @@ class OscarOps:
     #: the fused append (``kvq.fast.triton.oscar_append``, ``kvq.fast.cupy.oscar_append``): a module with
     #: ``supported(cfg, D) -> bool`` and ``append(cfg, st, kv, x, R, clip, plan)``, ONE launch per append
     #: for K (kv = 0) and one for V: rotate, fp16, sink / window ring / clip + quantize + pack into the
-    #: page slots, old window tokens leaving included; None: always the unfused path
+    #: page slots, old window tokens leaving included; None: always the unfused path. ``append`` takes x
+    #: (B, H, n, D) float16 / float32 (any strides), R fp32 (D, D) or (H, D, D) on x's device, the
+    #: :class:`AppendPlan` (the page table already holds the pages it opens); the caller has validated
+    #: everything (shapes, finiteness, that fp16(x R) is finite)
     fused_append: ModuleType | None = None
     #: ``rotate_heads(x, R64, out_dtype) -> x R`` for the query-side tensors (q, and the output rotated
     #: back): float64 sums rounded to fp32, then to out_dtype, in one launch
@@ -132,19 +135,25 @@ def _rot(R, dev: torch.device, transpose: bool = False, dtype: torch.dtype = tor
     append then make no host-to-device copy, so they can be captured in a CUDA graph. A calibration's
     arrays are treated as immutable (as the calibration is): modifying one in place after its first
     use is not seen."""
-    key = (id(R), str(dev), bool(transpose), dtype)
-    hit = _ROT_CACHE.get(key)
+    def make():
+        A = np.swapaxes(np.asarray(R), -1, -2) if transpose else np.asarray(R)
+        return torch.from_numpy(np.ascontiguousarray(A, dtype=np.float32)).to(dev).to(dtype)
+
+    return _per_array(_ROT_CACHE, (id(R), str(dev), bool(transpose), dtype), R, make)
+
+
+def _per_array(cache: "collections.OrderedDict", key, R, make):
+    """``make()`` cached under ``key`` (whose first item is ``id(R)``) for the array object R, the last
+    _ROT_CACHE_SIZE kept. The entry holds R, so its id cannot be reused while cached."""
+    hit = cache.get(key)
     if hit is not None and hit[0] is R:
-        _ROT_CACHE.move_to_end(key)
+        cache.move_to_end(key)
         return hit[1]
-    A = np.asarray(R)
-    if transpose:
-        A = np.swapaxes(A, -1, -2)
-    t = torch.from_numpy(np.ascontiguousarray(A, dtype=np.float32)).to(dev).to(dtype)
-    _ROT_CACHE[key] = (R, t)                  # holds R: its id cannot be reused while cached
-    while len(_ROT_CACHE) > _ROT_CACHE_SIZE:
-        _ROT_CACHE.popitem(last=False)
-    return t
+    value = make()
+    cache[key] = (R, value)
+    while len(cache) > _ROT_CACHE_SIZE:
+        cache.popitem(last=False)
+    return value
 
 
 def _rotate16(ops, x, R: torch.Tensor, name: str) -> torch.Tensor:
@@ -194,14 +203,8 @@ FIT_SLACK = 1e-3
 
 def _max_col_norm(R) -> float:
     """max_j |R[..., :, j]|_2 of a calibration rotation (float64, host), cached per array object."""
-    hit = _NORM_CACHE.get(id(R))
-    if hit is not None and hit[0] is R:
-        return hit[1]
-    v = float(np.linalg.norm(np.asarray(R, dtype=np.float64), axis=-2).max())
-    _NORM_CACHE[id(R)] = (R, v)                 # holds R: its id cannot be reused while cached
-    while len(_NORM_CACHE) > _ROT_CACHE_SIZE:
-        _NORM_CACHE.popitem(last=False)
-    return v
+    return _per_array(_NORM_CACHE, (id(R),), R,
+                      lambda: float(np.linalg.norm(np.asarray(R, dtype=np.float64), axis=-2).max()))
 
 
 def _rotation_fits(k, v, calib) -> bool:
@@ -251,6 +254,21 @@ def kv_fields(st: OSCARTensorState, kv: int) -> tuple:
             (st.sink_v, st.win_v, st.v_codes, st.v_scale, st.v_mn))
 
 
+@dataclass(frozen=True)
+class FusedOperands:
+    """What a backend's fused append kernel takes besides x, R and the plan (:func:`fused_operands`)."""
+
+    fields: tuple               # (sink, window, codes, scale, mn) of K or V: :func:`kv_fields`
+    quantile: tuple             # (lo, hi, frac): the clip quantile's order statistics (C.quantile_index)
+    r_stride: int               # elements between the heads' rotations: D * D for (H, D, D), else 0
+
+
+def fused_operands(st: OSCARTensorState, kv: int, R: torch.Tensor, clip: float) -> FusedOperands:
+    """The state fields, clip quantile and rotation stride of a fused append of K (kv = 0) or V (kv = 1)."""
+    D = st.shape[2]
+    return FusedOperands(kv_fields(st, kv), C.quantile_index(D, clip), D * D if R.dim() == 3 else 0)
+
+
 def plan_append(cfg, T0: int, n: int) -> AppendPlan:
     """The :class:`AppendPlan` of appending n tokens to a cache holding T0 (``RO.counts`` arithmetic)."""
     c0 = RO.counts(cfg, T0)
@@ -295,21 +313,19 @@ def append(ops: "OscarOps", cfg, calib, state: OSCARTensorState, k, v) -> OSCART
 
 def _append_unfused(ops, cfg, calib, st: OSCARTensorState, k16, v16) -> OSCARTensorState:
     """The unfused append of the rotated fp16 tokens k16, v16 (B, H, n, D): quantization before any write."""
-    S, W, Pg = cfg.sink, cfg.window, cfg.page_size
+    W, Pg = cfg.window, cfg.page_size
     B = st.shape[0]
     T0, n = st.length, k16.shape[2]
     dev = st.device
-    c0 = RO.counts(cfg, T0)
-    n_s = max(0, min(S - T0, n))
-    first = c0["n_hist"]                                      # post-sink index of the window's oldest
-    if c0["n_win"]:
-        order = torch.arange(first, c0["post"], device=dev) % W
+    p = plan_append(cfg, T0, n)
+    n_s, first, e = p.n_s, p.first, p.e                       # first: post-sink index of the window's oldest
+    if p.n_old:
+        order = torch.arange(first, first + p.n_old, device=dev) % W
         ks = torch.cat([st.win_k.index_select(2, order), k16[:, :, n_s:]], dim=2)   # (B, H, m, D) in order
         vs = torch.cat([st.win_v.index_select(2, order), v16[:, :, n_s:]], dim=2)
     else:
         ks, vs = k16[:, :, n_s:], v16[:, :, n_s:]
-    m = ks.shape[2]
-    e = m - min(m, W)                                         # the oldest e leave the window
+    m = ks.shape[2]                                           # the oldest e of the m leave the window
     if e:                                                     # QuantizeAndWrite (before any write)
         meta = nx.dtype_name(cfg.meta_dtype)
         kq = ops.oscar_quant.quantize_tokens(ks[:, :, :e], calib.clip_k, cfg.group_size, cfg.bits, meta)

@@ -27,7 +27,6 @@ import functools
 import numpy as np
 import torch
 
-from kvq.fast import _common as C
 from kvq.fast import _oscar as _O
 
 from . import _loader as L
@@ -64,22 +63,20 @@ def supported(cfg, D: int) -> bool:
 
 
 def append(cfg, st, kv: int, x: torch.Tensor, R: torch.Tensor, clip: float, plan) -> None:
-    """Append the new tokens ``x`` (B, H, n, D) float16 / float32 (any strides) of K (``kv = 0``) or V
-    (``kv = 1``) to the OSCAR state ``st`` in one launch, routed by ``plan`` (``kvq.fast._oscar.AppendPlan``;
-    the page table already holds the pages this append opens). R: fp32 (D, D) or (H, D, D) on x's device.
-    The caller has validated everything (shapes, finiteness, that fp16(x R) is finite)."""
+    """Append the new tokens ``x`` of K (``kv = 0``) or V (``kv = 1``) to the OSCAR state ``st`` in one
+    launch of ``oscar_append``: ``kvq.fast._oscar.OscarOps.fused_append``'s contract."""
     B, H, D = st.shape
     n = x.shape[2]
     if n == 0:
         return
-    sink, win, codes, scale, mn = _O.kv_fields(st, kv)
-    lo, hi, frac = C.quantile_index(D, clip)
+    fo = _O.fused_operands(st, kv, R, clip)
+    sink, win, codes, scale, mn = fo.fields
+    lo, hi, frac = fo.quantile
     TT = TILES[0] if n <= TILES[0] else TILES[-1]
     ntiles = -(-n // TT)
     fn = _kernel(f"oscar_append<{L.DT[x.dtype]}, {D}, {TT}>")
-    r_sh = D * D if R.dim() == 3 else 0
     L.run(fn, (B * H * ntiles,), (_THREADS,),
-          (x, R, sink, win, codes, scale, mn, st.table, np.int32(n), np.int32(H), np.int64(r_sh),
+          (x, R, sink, win, codes, scale, mn, st.table, np.int32(n), np.int32(H), np.int64(fo.r_stride),
            *(np.int64(s) for s in x.stride()), np.int64(plan.T0), np.int32(plan.n_s), np.int32(plan.n_old),
            np.int64(plan.first), np.int64(plan.e), np.int32(cfg.window), np.int32(cfg.sink),
            np.int32(cfg.page_size), np.int32(st.table.shape[1]), np.int32(lo), np.int32(hi), np.float32(frac),

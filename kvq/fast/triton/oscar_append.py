@@ -227,23 +227,21 @@ def _tiling(n: int, BH: int, D: int, shortcuts: bool):
 
 
 def append(cfg, st, kv: int, x: torch.Tensor, R: torch.Tensor, clip: float, plan) -> None:
-    """Append the new tokens ``x`` (B, H, n, D) float16 / float32 (any strides) of K (``kv = 0``) or V
-    (``kv = 1``) to the OSCAR state ``st`` in one launch, routed by ``plan`` (``kvq.fast._oscar.AppendPlan``;
-    the page table already holds the pages this append opens). R: fp32 (D, D) or (H, D, D) on x's device.
-    The caller has validated everything (shapes, finiteness, that fp16(x R) is finite)."""
+    """Append the new tokens ``x`` of K (``kv = 0``) or V (``kv = 1``) to the OSCAR state ``st`` in one
+    launch of ``_append_kernel``: ``kvq.fast._oscar.OscarOps.fused_append``'s contract."""
     B, H, D = st.shape
     n = x.shape[2]
     if n == 0:
         return
-    sink, win, codes, scale, mn = _O.kv_fields(st, kv)
-    lo, hi, frac = C.quantile_index(D, clip)
+    fo = _O.fused_operands(st, kv, R, clip)
+    sink, win, codes, scale, mn = fo.fields
+    lo, hi, frac = fo.quantile
     W, S0, PG = cfg.window, cfg.sink, cfg.page_size
     interp = C.interpreting()
     short = bool(INTERP_SHORTCUTS) and interp
     N_PAD, BR = _tiling(n, B * H, D, short)
-    r_sh = D * D if R.dim() == 3 else 0
     _append_kernel[(triton.cdiv(B * H * N_PAD, BR),)](
-        x, R, sink, win, codes, scale, mn, st.table, n, N_PAD, B * H, H, r_sh, *x.stride(),
+        x, R, sink, win, codes, scale, mn, st.table, n, N_PAD, B * H, H, fo.r_stride, *x.stride(),
         plan.T0, plan.n_s, plan.n_old, plan.first, plan.e, W, max(W, 1), S0, PG, st.table.shape[1],
         lo, hi, frac, D=D, G=cfg.group_size, QMAX=float(2 ** cfg.bits - 1), BITS=cfg.bits, PER=8 // cfg.bits,
         FASTDIV=not interp, BLOCK_R=BR, PER_ROW_R=short, RANK=short, CUMSUM=short, num_warps=4,
