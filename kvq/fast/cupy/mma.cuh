@@ -90,12 +90,6 @@ __device__ __forceinline__ u32 codes_field_h2(u32 x) {
     return r;
 }
 
-// 2-bit fields (crumbs) I = 0..3 and 4-bit fields (nibbles) I = 0, 1
-template <int I>
-__device__ __forceinline__ u32 codes_h2(u32 x) { return codes_field_h2<2, I>(x); }
-template <int I>
-__device__ __forceinline__ u32 codes4_h2(u32 x) { return codes_field_h2<4, I>(x); }
-
 // 2^x (approximate, flush-to-zero: probabilities of the online softmax, rule 7)
 __device__ __forceinline__ float ex2(float x) {
     float r;
@@ -111,46 +105,36 @@ __device__ __forceinline__ u32 movmatrix_t(u32 x) {
     return r;
 }
 
-// NB accumulator sets c[k] (8 m-tiles each) += A . B_k over one k-step, the A fragments of the 8 m-tiles
-// built from the word pairs (w0, w1), (w2, w3): m-tile 2 BB + i takes fields 2i (rows g) and 2i + 1
-// (rows g + 8) of byte BB (columns 2t, 2t + 1 from (w0, w1), 2t + 8, 2t + 9 from (w2, w3)).
-template <int NB>
-__device__ __forceinline__ void mma_mtiles(float (*c0)[4], float (*c1)[4], const u32* b, u32 w0, u32 w1, u32 w2,
-                                           u32 w3) {
-#define KVQ_MT(BB)                                                                                   \
-    {                                                                                                \
-        const u32 xa = byte_pair<BB>(w0, w1), xb = byte_pair<BB>(w2, w3);                           \
-        const u32 a0[4] = {codes_h2<0>(xa), codes_h2<1>(xa), codes_h2<0>(xb), codes_h2<1>(xb)};     \
-        mma16816(c0[2 * BB], a0, b[0], b[1]);                                                        \
-        if constexpr (NB == 2) mma16816(c1[2 * BB], a0, b[2], b[3]);                                 \
-        const u32 a1[4] = {codes_h2<2>(xa), codes_h2<3>(xa), codes_h2<2>(xb), codes_h2<3>(xb)};     \
-        mma16816(c0[2 * BB + 1], a1, b[0], b[1]);                                                    \
-        if constexpr (NB == 2) mma16816(c1[2 * BB + 1], a1, b[2], b[3]);                             \
+// m-tile BB * (4 / B) + I of one k-step (B-bit codes: 8 / B fields a byte, two per m-tile): the A
+// fragment takes fields 2I (rows g) and 2I + 1 (rows g + 8) of byte BB of the word pairs (w0, w1)
+// (columns 2t, 2t + 1) and (w2, w3) (columns 2t + 8, 2t + 9); c0[mt] += A . (b[0], b[1]) and, NB = 2,
+// c1[mt] += A . (b[2], b[3]). Nothing for I >= 4 / B.
+template <int B, int NB, int BB, int I>
+__device__ __forceinline__ void mma_mtile(float (*c0)[4], float (*c1)[4], const u32* b, u32 w0, u32 w1, u32 w2,
+                                          u32 w3) {
+    if constexpr (2 * I < 8 / B) {
+        constexpr int mt = BB * (4 / B) + I;
+        const u32 xa = byte_pair<BB>(w0, w1), xb = byte_pair<BB>(w2, w3);
+        const u32 a[4] = {codes_field_h2<B, 2 * I>(xa), codes_field_h2<B, 2 * I + 1>(xa),
+                          codes_field_h2<B, 2 * I>(xb), codes_field_h2<B, 2 * I + 1>(xb)};
+        mma16816(c0[mt], a, b[0], b[1]);
+        if constexpr (NB == 2) mma16816(c1[mt], a, b[2], b[3]);
     }
-    KVQ_MT(0)
-    KVQ_MT(1)
-    KVQ_MT(2)
-    KVQ_MT(3)
-#undef KVQ_MT
 }
 
-// mma_mtiles for 4-bit codes: 4 m-tiles c[BB] += A . B_k, m-tile BB built from byte BB of the word pairs
-// (field 0: rows g, field 1: rows g + 8).
-template <int NB>
-__device__ __forceinline__ void mma_mtiles4(float (*c0)[4], float (*c1)[4], const u32* b, u32 w0, u32 w1, u32 w2,
-                                            u32 w3) {
-#define KVQ_MT4(BB)                                                                                  \
-    {                                                                                                \
-        const u32 xa = byte_pair<BB>(w0, w1), xb = byte_pair<BB>(w2, w3);                           \
-        const u32 a0[4] = {codes4_h2<0>(xa), codes4_h2<1>(xa), codes4_h2<0>(xb), codes4_h2<1>(xb)}; \
-        mma16816(c0[BB], a0, b[0], b[1]);                                                            \
-        if constexpr (NB == 2) mma16816(c1[BB], a0, b[2], b[3]);                                     \
-    }
-    KVQ_MT4(0)
-    KVQ_MT4(1)
-    KVQ_MT4(2)
-    KVQ_MT4(3)
-#undef KVQ_MT4
+// NB accumulator sets += A . B_k over one k-step for the 32 / B m-tiles whose codes the four bytes of the
+// word pairs hold (B = 2: 8 m-tiles, m-tile 2 BB + i from byte BB; B = 4: 4 m-tiles, m-tile BB).
+template <int B, int NB>
+__device__ __forceinline__ void mma_mtiles(float (*c0)[4], float (*c1)[4], const u32* b, u32 w0, u32 w1, u32 w2,
+                                           u32 w3) {
+    mma_mtile<B, NB, 0, 0>(c0, c1, b, w0, w1, w2, w3);
+    mma_mtile<B, NB, 0, 1>(c0, c1, b, w0, w1, w2, w3);
+    mma_mtile<B, NB, 1, 0>(c0, c1, b, w0, w1, w2, w3);
+    mma_mtile<B, NB, 1, 1>(c0, c1, b, w0, w1, w2, w3);
+    mma_mtile<B, NB, 2, 0>(c0, c1, b, w0, w1, w2, w3);
+    mma_mtile<B, NB, 2, 1>(c0, c1, b, w0, w1, w2, w3);
+    mma_mtile<B, NB, 3, 0>(c0, c1, b, w0, w1, w2, w3);
+    mma_mtile<B, NB, 3, 1>(c0, c1, b, w0, w1, w2, w3);
 }
 
 // The cache side of the tensor-core fragments. B-bit codes packed 8 / B to a byte along a row of 128
@@ -170,12 +154,8 @@ template <int B, int NB>
 __device__ __forceinline__ void mma_rows(float (*c0)[4], float (*c1)[4], const u32* b, const u8* r0, const u8* r1,
                                          const u8* r2, const u8* r3, int g) {
     const auto w = [&](const u8* r, int o) { return *reinterpret_cast<const u32*>(r + 4 * g + o); };
-    if constexpr (B == 2) {
-        mma_mtiles<NB>(c0, c1, b, w(r0, 0), w(r1, 0), w(r2, 0), w(r3, 0));
-    } else {
-        mma_mtiles4<NB>(c0, c1, b, w(r0, 0), w(r1, 0), w(r2, 0), w(r3, 0));
-        mma_mtiles4<NB>(c0 + 4, c1 + 4, b, w(r0, 32), w(r1, 32), w(r2, 32), w(r3, 32));
-    }
+    mma_mtiles<B, NB>(c0, c1, b, w(r0, 0), w(r1, 0), w(r2, 0), w(r3, 0));
+    if constexpr (B == 4) mma_mtiles<B, NB>(c0 + 4, c1 + 4, b, w(r0, 32), w(r1, 32), w(r2, 32), w(r3, 32));
 }
 
 // max |x| of the 128 fp16 values at p (16-byte aligned) over the warp, as a float

@@ -14,7 +14,7 @@
 #include "attn_split.cuh"
 
 // The 2-bit field I of bytes 0 and 2 of x as a half2 of exact codes, I known only at run time (as
-// codes_h2<I>): mask and magic, then the fma by 4^-I with addend -1024 4^-I (m, sc, bi per thread).
+// codes_field_h2<2, I>): mask and magic, then the fma by 4^-I with addend -1024 4^-I (m, sc, bi per thread).
 __device__ __forceinline__ u32 codes_h2_rt(u32 x, u32 m, u32 sc, u32 bi) {
     u32 h;
     asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(h) : "r"(x), "r"(m), "n"(0x64006400u));      // (x & m) | magic

@@ -596,7 +596,7 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
                 }
                 u32 bk[NR == 8 ? 4 : 2];
                 qk_bfrag<NR>(bk, f[0], f[1], f[2], f[3], blo);
-                mma_mtiles<NR == 8 ? 2 : 1>(S, SL, bk, w[0], w[1], w[2], w[3]);
+                mma_mtiles<2, NR == 8 ? 2 : 1>(S, SL, bk, w[0], w[1], w[2], w[3]);
             }
             __syncwarp();                          // s_inv is rewritten for the next page
         }
