@@ -76,13 +76,16 @@ __device__ __forceinline__ u32 byte_pair(u32 w0, u32 w1) {
 // the B-bit fields I of bytes 0 and 2 of x as a half2 of exact codes, two per 32-bit operation and
 // without shifts: the field stays at bit K = B I of each half (inside the fp16 significand: K + B <= 10),
 // one lop3 masks it and ORs 0x6400 in (the half is then 1024 + code * 2^K, exact), one fma.f16x2 by
-// 2^-K with addend -1024 * 2^-K leaves the code (exact: powers of two).
-template <int B, int I>
+// 2^-K with addend -(2^(10-K) + OFF) leaves code - OFF (exact: the addend is an fp16 number, 2^(10-K) +
+// OFF with OFF < 2^(10-K) has the significand bits OFF 2^K, and code - OFF is a small integer).
+template <int B, int I, int OFF = 0>
 __device__ __forceinline__ u32 codes_field_h2(u32 x) {
     constexpr int K = B * I;
     static_assert(K + B <= 10, "the field must lie in the fp16 significand");
+    static_assert(OFF >= 0 && (OFF << K) < 1024, "the offset must fit the addend's significand");
     constexpr u32 M = (((1u << B) - 1u) * 0x00010001u) << K;
-    constexpr u32 SC = (u32)(15 - K) << 10, BI = 0x8000u | ((u32)(25 - K) << 10);   // 2^-K, -2^(10-K)
+    constexpr u32 SC = (u32)(15 - K) << 10;                                        // 2^-K
+    constexpr u32 BI = 0x8000u | ((u32)(25 - K) << 10) | ((u32)OFF << K);          // -(2^(10-K) + OFF)
     constexpr u32 SCALE = SC | (SC << 16), BIAS = BI | (BI << 16);
     u32 h, r;
     asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(h) : "r"(x), "n"(M), "n"(0x64006400u));      // (x & M) | magic
@@ -108,15 +111,15 @@ __device__ __forceinline__ u32 movmatrix_t(u32 x) {
 // m-tile BB * (4 / B) + I of one k-step (B-bit codes: 8 / B fields a byte, two per m-tile): the A
 // fragment takes fields 2I (rows g) and 2I + 1 (rows g + 8) of byte BB of the word pairs (w0, w1)
 // (columns 2t, 2t + 1) and (w2, w3) (columns 2t + 8, 2t + 9); c0[mt] += A . (b[0], b[1]) and, NB = 2,
-// c1[mt] += A . (b[2], b[3]). Nothing for I >= 4 / B.
-template <int B, int NB, int BB, int I>
+// c1[mt] += A . (b[2], b[3]). Nothing for I >= 4 / B. OFF: the codes enter as code - OFF.
+template <int B, int NB, int BB, int I, int OFF = 0>
 __device__ __forceinline__ void mma_mtile(float (*c0)[4], float (*c1)[4], const u32* b, u32 w0, u32 w1, u32 w2,
                                           u32 w3) {
     if constexpr (2 * I < 8 / B) {
         constexpr int mt = BB * (4 / B) + I;
         const u32 xa = byte_pair<BB>(w0, w1), xb = byte_pair<BB>(w2, w3);
-        const u32 a[4] = {codes_field_h2<B, 2 * I>(xa), codes_field_h2<B, 2 * I + 1>(xa),
-                          codes_field_h2<B, 2 * I>(xb), codes_field_h2<B, 2 * I + 1>(xb)};
+        const u32 a[4] = {codes_field_h2<B, 2 * I, OFF>(xa), codes_field_h2<B, 2 * I + 1, OFF>(xa),
+                          codes_field_h2<B, 2 * I, OFF>(xb), codes_field_h2<B, 2 * I + 1, OFF>(xb)};
         mma16816(c0[mt], a, b[0], b[1]);
         if constexpr (NB == 2) mma16816(c1[mt], a, b[2], b[3]);
     }
@@ -124,17 +127,17 @@ __device__ __forceinline__ void mma_mtile(float (*c0)[4], float (*c1)[4], const 
 
 // NB accumulator sets += A . B_k over one k-step for the 32 / B m-tiles whose codes the four bytes of the
 // word pairs hold (B = 2: 8 m-tiles, m-tile 2 BB + i from byte BB; B = 4: 4 m-tiles, m-tile BB).
-template <int B, int NB>
+template <int B, int NB, int OFF = 0>
 __device__ __forceinline__ void mma_mtiles(float (*c0)[4], float (*c1)[4], const u32* b, u32 w0, u32 w1, u32 w2,
                                            u32 w3) {
-    mma_mtile<B, NB, 0, 0>(c0, c1, b, w0, w1, w2, w3);
-    mma_mtile<B, NB, 0, 1>(c0, c1, b, w0, w1, w2, w3);
-    mma_mtile<B, NB, 1, 0>(c0, c1, b, w0, w1, w2, w3);
-    mma_mtile<B, NB, 1, 1>(c0, c1, b, w0, w1, w2, w3);
-    mma_mtile<B, NB, 2, 0>(c0, c1, b, w0, w1, w2, w3);
-    mma_mtile<B, NB, 2, 1>(c0, c1, b, w0, w1, w2, w3);
-    mma_mtile<B, NB, 3, 0>(c0, c1, b, w0, w1, w2, w3);
-    mma_mtile<B, NB, 3, 1>(c0, c1, b, w0, w1, w2, w3);
+    mma_mtile<B, NB, 0, 0, OFF>(c0, c1, b, w0, w1, w2, w3);
+    mma_mtile<B, NB, 0, 1, OFF>(c0, c1, b, w0, w1, w2, w3);
+    mma_mtile<B, NB, 1, 0, OFF>(c0, c1, b, w0, w1, w2, w3);
+    mma_mtile<B, NB, 1, 1, OFF>(c0, c1, b, w0, w1, w2, w3);
+    mma_mtile<B, NB, 2, 0, OFF>(c0, c1, b, w0, w1, w2, w3);
+    mma_mtile<B, NB, 2, 1, OFF>(c0, c1, b, w0, w1, w2, w3);
+    mma_mtile<B, NB, 3, 0, OFF>(c0, c1, b, w0, w1, w2, w3);
+    mma_mtile<B, NB, 3, 1, OFF>(c0, c1, b, w0, w1, w2, w3);
 }
 
 // The cache side of the tensor-core fragments. B-bit codes packed 8 / B to a byte along a row of 128
@@ -150,12 +153,13 @@ __device__ __forceinline__ int mtile_pos(int g, int mt) {
 
 // S (8 m-tiles) += codes . B over one k-step whose 4 rows (k = 2t, 2t+1, 2t+8, 2t+9) start at r0, r1, r2,
 // r3 (row bytes: 128 B / 8; thread g's word g at 4 g, and for B = 4 word g + 8 at 4 g + 32)
-template <int B, int NB>
+template <int B, int NB, int OFF = 0>
 __device__ __forceinline__ void mma_rows(float (*c0)[4], float (*c1)[4], const u32* b, const u8* r0, const u8* r1,
                                          const u8* r2, const u8* r3, int g) {
     const auto w = [&](const u8* r, int o) { return *reinterpret_cast<const u32*>(r + 4 * g + o); };
-    mma_mtiles<B, NB>(c0, c1, b, w(r0, 0), w(r1, 0), w(r2, 0), w(r3, 0));
-    if constexpr (B == 4) mma_mtiles<B, NB>(c0 + 4, c1 + 4, b, w(r0, 32), w(r1, 32), w(r2, 32), w(r3, 32));
+    mma_mtiles<B, NB, OFF>(c0, c1, b, w(r0, 0), w(r1, 0), w(r2, 0), w(r3, 0));
+    if constexpr (B == 4)
+        mma_mtiles<B, NB, OFF>(c0 + 4, c1 + 4, b, w(r0, 32), w(r1, 32), w(r2, 32), w(r3, 32));
 }
 
 // max |x| of the 128 fp16 values at p (16-byte aligned) over the warp, as a float

@@ -429,8 +429,11 @@ __device__ __forceinline__ void qk_bfrag(u32* b, float f0, float f1, float f2, f
 //   Scores: S^T = codes_K . B, B (channels x rows) = q~ * scale_k 2^-ek (q~ = q / max|q_row|, 2^(ek-1) <=
 //   max|scale_k| < 2^ek) as hi + 2^-11 lo, both fp16: q~ is split once per block, the product by the
 //   exact fp16 two-product (two_prod_h2); NR = 4: hi in columns 0-3, lo in columns 4-7 of one mma;
-//   NR = 8: two mma. The bias q . mn_k is one more mma per k-step (A = mn_k 2^-em, every row alike,
-//   B = q~ hi / lo). s = (S_hi + 2^-11 S_lo) max|q_row| 2^ek + bias (log2 units).
+//   NR = 8: two mma. The key codes enter CENTERED, code - KOFF (KOFF = 2^(KB-1): the unpacking fma
+//   produces it at no cost), and the bias q . (mn_k + KOFF scale_k) is an fp32 dot on the CUDA cores:
+//   with raw codes, codes . B and q . mn_k are two large sums of opposite sign whose roundings the
+//   cancellation amplifies (benchmarks/model_mma_scores.py). s = (S_hi + 2^-11 S_lo) max|q_row| 2^ek
+//   + bias (log2 units).
 //   Softmax and P . V: page_softmax_pv (mma.cuh).
 // Fragment orders (mma.cuh mtile_pos): m-tile mt of S^T, row g <-> token mtile_pos<KB>(g, mt), row g + 8
 //   <-> the next token (KB = 2: 16 g + 2 mt, word g of a key row holds tokens 16 g .. 16 g + 15: byte
@@ -453,6 +456,7 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
                       float* __restrict__ lse_part, int B, int Hq, int Hkv, int Tq, int NF, int NP, int pps,
                       int num_splits, int db, int ngv, float qk_scale) {
     constexpr int D = 128, G = KVQ_G, GB = 16 * KB, VBY = 16 * VB, QT = 8;
+    constexpr int KOFF = 1 << (KB - 1);            // key codes enter the tensor cores as code - KOFF
     static_assert((KB == 2 || KB == 4) && (VB == 2 || VB == 4), "2- or 4-bit codes");
     static_assert(!KITTY || KB == 2, "Kitty's dense plane is 2-bit");
     constexpr int KS_OFF = D * GB, KM_OFF = KS_OFF + 2 * D, KH_OFF = KM_OFF + 2 * D + (KITTY ? D : 0);
@@ -489,7 +493,6 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
     const u16* qhr = s_qh + rb * D;
     const u16* qlr = s_ql + rb * D;
     const float qmax_b = s_qmax[rb];
-    const bool tl = t < 2;
     // the query rows of this thread's scores: NR = 8: 2t, 2t + 1 (its columns); NR = 4: rows 2 (t % 2) +
     // {0, 1}, of the page's tokens 16 g + 2 mt (t < 2) or 16 g + 2 mt + 1 (t >= 2)
     const int r0 = NR == 4 ? 2 * (t & 1) : 2 * t;
@@ -514,13 +517,12 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
         const u16* kss = reinterpret_cast<const u16*>(kslot + KS_OFF);
         const u16* kms = reinterpret_cast<const u16*>(kslot + KM_OFF);
         // the page's scale and min exponents: 2^(e-1) <= max|scale_k| < 2^e, alike for max|mn_k|
-        const int ek = pow2_above(warp_absmax128(kss, lane)), em = pow2_above(warp_absmax128(kms, lane));
-        const u32 fk = h2_pow2(-ek), fm = h2_pow2(-em);
+        const int ek = pow2_above(warp_absmax128(kss, lane));
+        const u32 fk = h2_pow2(-ek);
 
         // ---- B fragments of the 8 k-steps: B = q~ * scale_k 2^-e as hi + 2^-11 lo, by the exact fp16
-        // two-product; and q~ . (mn_k 2^-em) on the tensor cores (one m-tile, every row the same)
+        // two-product
         u32 bq[8][NR == 8 ? 4 : 2];
-        float Sb[4] = {0.0f, 0.0f, 0.0f, 0.0f}, SbL[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int kk = 0; kk < 8; ++kk) {
             const int c = 16 * kk + 2 * t;
@@ -531,29 +533,44 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
             u32 h0, l0, h1, l1;
             two_prod_h2(qh0, ql0, s0, h0, l0);
             two_prod_h2(qh1, ql1, s1, h1, l1);
-            const u32 m0 = hmul2(*reinterpret_cast<const u32*>(kms + c), fm);
-            const u32 m1 = hmul2(*reinterpret_cast<const u32*>(kms + c + 8), fm);
-            const u32 am[4] = {m0, m0, m1, m1};
             if constexpr (NR == 8) {
                 bq[kk][0] = h0, bq[kk][1] = h1, bq[kk][2] = l0, bq[kk][3] = l1;
-                mma16816(Sb, am, qh0, qh1);
-                mma16816(SbL, am, ql0, ql1);
             } else {
                 bq[kk][0] = blo ? l0 : h0;
                 bq[kk][1] = blo ? l1 : h1;
-                mma16816(Sb, am, blo ? ql0 : qh0, blo ? ql1 : qh1);
             }
         }
-        if constexpr (NR == 4) {                   // columns 4-7 (threads t + 2) hold the lo halves
+        // ---- the bias of the centered codes, q . (mn_k + KOFF scale_k), an fp32 dot on the CUDA cores:
+        // lane takes channels lane + 32 i of every row; the 32 partial sums of the 8 rows meet by a
+        // reduce-scatter (xor 16, 8, 4: rows halve; xor 2, 1: sums), which leaves row g's sum in lanes
+        // (g, *); this thread's rows r0, r0 + 1 come from lanes 4 r0, 4 r0 + 4
+        float bias0, bias1;
+        {
+            float mc[4], v[8];
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const float x = __shfl_xor_sync(KVQ_FULL_MASK, Sb[e], 2);
-                SbL[e] = tl ? x : Sb[e];
-                Sb[e] = tl ? Sb[e] : x;
+            for (int i = 0; i < 4; ++i) {
+                const int c = lane + 32 * i;
+                mc[i] = __fadd_rn(f16_to_f32(kms[c]), __fmul_rn((float)KOFF, f16_to_f32(kss[c])));
             }
+#pragma unroll
+            for (int r = 0; r < 8; ++r) {
+                v[r] = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) v[r] = fmaf(s_q[r * D + lane + 32 * i], mc[i], v[r]);
+            }
+            const bool b4 = lane & 16, b3 = lane & 8, b2 = lane & 4;
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+                v[r] = (b4 ? v[r + 4] : v[r]) + __shfl_xor_sync(KVQ_FULL_MASK, b4 ? v[r] : v[r + 4], 16);
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                v[r] = (b3 ? v[r + 2] : v[r]) + __shfl_xor_sync(KVQ_FULL_MASK, b3 ? v[r] : v[r + 2], 8);
+            float y = (b2 ? v[1] : v[0]) + __shfl_xor_sync(KVQ_FULL_MASK, b2 ? v[0] : v[1], 4);
+            y += __shfl_xor_sync(KVQ_FULL_MASK, y, 2);
+            y += __shfl_xor_sync(KVQ_FULL_MASK, y, 1);
+            bias0 = __shfl_sync(KVQ_FULL_MASK, y, 4 * r0);
+            bias1 = __shfl_sync(KVQ_FULL_MASK, y, 4 * r0 + 4);
         }
-        const float bias0 = fmaf(SbL[0], 1.0f / 2048.0f, Sb[0]) * ldexpf(qmax0, em);
-        const float bias1 = fmaf(SbL[1], 1.0f / 2048.0f, Sb[1]) * ldexpf(qmax1, em);
         const float inv = qmax_b > 0.0f ? ldexpf(1.0f / qmax_b, -ek) : 0.0f;   // Kitty's high plane (fp32 q)
 
         // ---- S^T = codes_K . B
@@ -568,7 +585,7 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
 #pragma unroll
         for (int kk = 0; kk < 8; ++kk) {
             const u8* kr = kslot + (16 * kk + 2 * t) * GB;          // key channel rows c, c + 1, c + 8, c + 9
-            mma_rows<KB, NR == 8 ? 2 : 1>(S, SL, bq[kk], kr, kr + GB, kr + 8 * GB, kr + 9 * GB, g);
+            mma_rows<KB, NR == 8 ? 2 : 1, KOFF>(S, SL, bq[kk], kr, kr + GB, kr + 8 * GB, kr + 9 * GB, g);
         }
         if constexpr (KITTY != 0) {
             // Algorithm 1 as extra k-steps: code = low + 4 high, B = 4 q * scale_k of the boosted channel
