@@ -274,6 +274,48 @@ def test_decode_one_stream(cupy_target, a, monkeypatch):
     test_decode_attention(cupy_target, a)
 
 
+# (case index or a config, T, q dtype, GQA ratio, head dim): tails with quantized keys and fp16 values
+# (R = G), fp16 keys and quantized values (R < G), a sink, bf16 q (CUDA-core kernel), D = 64, no page
+TAIL = [(0, 3001, torch.float16, 4, 128), (0, 2048 + 77, torch.float16, 8, 128), (3, 1111, torch.float16, 8, 128),
+        (4, 2500, torch.bfloat16, 4, 128), (1, 1500, torch.float16, 2, 128), (2, 999, torch.float16, 4, 128),
+        (lambda: RK.KIVIConfig(2, 4, group_size=128, residual=40, max_tokens=4096), 1000, torch.float16, 4, 128),
+        (lambda: RK.KIVIConfig(2, 2, **CUDA), 1300, torch.float16, 4, 64), (0, 100, torch.float16, 4, 128)]
+
+
+@pytest.mark.parametrize("a", TAIL, ids=[f"{IDS[a[0]] if isinstance(a[0], int) else 'KIVI-R40'}-T{a[1]}-"
+                                         f"{str(a[2])[6:]}-gqa{a[3]}-D{a[4]}" for a in TAIL])
+def test_decode_tail_in_place(cupy_target, a, monkeypatch):
+    """CuPy: half-precision q reads the tail (sink, Q-buffers, window, mixed tokens) in place
+    (paged_tail_attn, ``TUNE["fused_tail"]``, the default): out and lse equal, bit for bit, those of the
+    gather into an fp32 copy + attention.cu's split kernel (the same tile values, the same arithmetic)
+    and those of the other launch order (``TUNE["tail_first"]``), and meet the tolerance rule."""
+    FP = _paged("cupy")
+    ci, T, dtype, ratio, D = a
+    if isinstance(ci, int):
+        cfg, ref, fast, (B, H, _) = _setup(CASES[ci], cupy_target)
+    else:
+        cfg, ref, fast, B, H = ci(), RK, _mods("cupy")[0], 2, 4
+    k, v = _kv(B, H, T, D, cfg.group_size, seed=T, start=cfg.sink)
+    rs, fs = ref.init(cfg, B, H, D), fast.init(cfg, B, H, D)
+    ref.append(cfg, rs, k, v)
+    fast.append(cfg, fs, torch.from_numpy(k).cuda(), torch.from_numpy(v).cuda())
+    c = FP.counts(cfg, T)
+    q = torch.from_numpy(np.random.default_rng(T).standard_normal((B, H * ratio, 1, D)).astype(np.float32))
+    q = q.to(dtype).cuda()
+    out, lse = fast.decode_attention(cfg, fs, q)
+    monkeypatch.setitem(FP.TUNE, "tail_first", not FP.TUNE["tail_first"])
+    out_o, lse_o = fast.decode_attention(cfg, fs, q)
+    monkeypatch.setitem(FP.TUNE, "fused_tail", False)
+    out_g, lse_g = fast.decode_attention(cfg, fs, q)
+    for o, ls, what in ((out_g, lse_g, "gathered tail"), (out_o, lse_o, "other launch order")):
+        assert_bits_equal(out.float(), o.float().cpu().numpy(),
+                          f"out vs {what} (n_kpages {c['n_kpages']}, n_vq {c['n_vq']})")
+        assert_bits_equal(lse, ls.cpu().numpy(), f"lse vs {what}")
+    (o64, l64), (o32, l32) = _truth_ref32(ref, cfg, rs, q)
+    check_close(out, o64, o32, dtype, "out")
+    check_close(lse, l64, l32, torch.float32, "lse")
+
+
 # 4-bit keys and / or values on the CuPy tensor-core kernel (paged_decode_mma2<0, NR, KB, VB>): config,
 # GQA ratio, T_q (M = ratio * T_q <= 4: NR = 4; else NR = 8), q scale (large: |q| ~ 300, keys / values
 # up to 3e4)

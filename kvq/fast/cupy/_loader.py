@@ -99,12 +99,17 @@ def gather_tail_name(k_bits: int, v_bits: int, kitty: bool) -> str:
     return f"paged_gather_tail<{int(kitty)}, {k_bits}, {v_bits}>"
 
 
+def paged_tail_name(D: int, QT: int, q_dt: int) -> str:
+    return f"paged_tail_attn<{D}, {QT}, {attn_warps(2, D)}, {q_dt}>"
+
+
 def _paged_names():
     names = [paged_decode_name(D, kb, vb, kitty, qt) for D in PAGED_DIMS for kb, kitty in PAGED_KEYS
              for vb in PAGED_VBITS for qt in PAGED_QT]
     names += [mma2_name(k, nr, kb, vb) for k in (0, 1) for nr in (4, 8) for kb in (2, 4) for vb in (2, 4)
               if not (k and kb == 4)]
     names += [gather_tail_name(kb, vb, kitty) for kb, kitty in PAGED_KEYS for vb in PAGED_VBITS]
+    names += [paged_tail_name(D, qt, qdt) for D in PAGED_DIMS for qt in PAGED_QT for qdt in (0, 1)]
     return tuple(names)
 
 

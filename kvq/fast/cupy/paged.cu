@@ -16,6 +16,7 @@
 // bits, QT query rows per block (4 or 8). The fused kernel takes G = 128 and fp16 metadata; the
 // Python side (paged.py) falls back otherwise.
 #include "mma.cuh"
+#include "attn_split.cuh"
 
 #define KVQ_G 128
 #define GATHER_TOK 16                              // tokens per paged_gather_tail block
@@ -645,36 +646,124 @@ __device__ __forceinline__ float dequant_meta(u32 code, const void* __restrict__
     return ieee_add(ieee_mul((float)code, sc), m);
 }
 
-// ---- tail gather kernel --------------------------------------------------------------------------
-// Computes: the fp32 K / V rows the fused kernel does not cover, in token order, for every (b, kv
-//   head hk): row u < NS is sink token u; row u >= NS is post-sink token p = NF + u - NS, whose key is
-//   key page k_table[b, p / G] slot p % G dequantized (code * scale + mn, two rounded fp32 ops:
-//   bit-exact with the reference's dequantize; Kitty: low | high[idx] << 2) when p < KQ, else the key
-//   Q-buffer row p - KQ; its value is value page v_table[b, p / G] slot p % G when p < VQ, the value
-//   Q-buffer row p - VQ when p < VQ + NVB, else the window ring-buffer slot p % R. Out: (B, H, NT, D).
-//   G = 128 (the fused path's pages); KB / VB: key (Kitty: dense plane) / value code bits, compile-time
-//   so that every code position is a shift and a mask. meta32: scale / mn are fp32 (else fp16).
+// ---- the tail: sink, Q-buffers, window and the mixed tokens ------------------------------------------
+// The tail's rows (what the fused kernel does not cover), for every (b, kv head hk): row u < NS is sink
+//   token u; row u >= NS is post-sink token p = NF + u - NS, whose key is key page k_table[b, p / G]
+//   slot p % G dequantized (code * scale + mn, two rounded fp32 ops: bit-exact with the reference's
+//   dequantize; Kitty: low | high[idx] << 2) when p < KQ, else the key Q-buffer row p - KQ; its value
+//   is value page v_table[b, p / G] slot p % G when p < VQ, the value Q-buffer row p - VQ when
+//   p < VQ + NVB, else the window ring-buffer slot p % R. G = 128; meta32: scale / mn are fp32 (else
+//   fp16). The bit widths are arguments: paged_gather_tail passes compile-time constants (inlined,
+//   every code position a shift), paged_tail_attn its runtime values (only the few mixed rows use them).
 //   Mirrors kvq.fast.triton.paged._gather_tail_kernel.
+struct TailRows {
+    const u16 *sink_k, *sink_v, *k_buf, *v_buf, *v_win;
+    const u8 *kc, *kh, *ki;
+    const void *ks, *km;
+    const u8* vc;
+    const void *vs, *vm;
+    const int *k_table, *v_table;
+    int H, D, S, NS, NF, KQ, VQ, NVB, R1, n_tab, ngv, db, meta32;
+
+    // the fp16 key row of tail row u, or nullptr when the key comes from a page (key_page)
+    __device__ __forceinline__ const u16* key_row16(int b, int hk, int u) const {
+        const i64 bh = (i64)b * H + hk;
+        if (u < NS) return sink_k + (bh * S + u) * D;
+        const int pp = NF + u - NS;
+        return pp < KQ ? nullptr : k_buf + (bh * KVQ_G + (pp - KQ)) * D;
+    }
+    // where tail row u's key lives when it comes from a page: (page * H + hk, slot)
+    __device__ __forceinline__ void key_page_row(int b, int hk, int u, i64& kph, int& slot) const {
+        const int pp = NF + u - NS;
+        slot = pp % KVQ_G;
+        kph = (i64)k_table[(i64)b * n_tab + pp / KVQ_G] * H + hk;
+    }
+    // the metadata of channel d of key page-head kph: scale, mn and (Kitty) the high-plane row (db: none)
+    __device__ __forceinline__ void key_meta(i64 kph, int d, int kitty, float& sc, float& m, int& ix) const {
+        const i64 i = kph * D + d;
+        sc = meta32 ? reinterpret_cast<const float*>(ks)[i] : f16_to_f32(reinterpret_cast<const u16*>(ks)[i]);
+        m = meta32 ? reinterpret_cast<const float*>(km)[i] : f16_to_f32(reinterpret_cast<const u16*>(km)[i]);
+        ix = kitty ? (int)ki[i] : db;
+    }
+    // channel d of the key at (kph, slot) with its metadata (key_meta), dequantized: code * sc + m as
+    // two rounded fp32 operations (kbits: 2, 4 or 8; Kitty: low | high[ix] << 2)
+    __device__ __forceinline__ float key_code_meta(i64 kph, int slot, int d, int kbits, float sc, float m,
+                                                   int ix) const {
+        const int lper = 3 - (__ffs(kbits) - 1);            // log2(codes per byte)
+        const u32 byte = kc[(kph * D + d) * (KVQ_G * kbits / 8) + (slot >> lper)];
+        u32 code = (byte >> ((slot & ((1 << lper) - 1)) * kbits)) & ((1u << kbits) - 1u);
+        if (ix < db) {
+            const u32 hb = kh[(kph * db + ix) * (KVQ_G / 4) + slot / 4];
+            code |= ((hb >> ((slot % 4) * 2)) & 3u) << 2;
+        }
+        return ieee_add(ieee_mul((float)code, sc), m);
+    }
+    __device__ __forceinline__ float key_code_f32(i64 kph, int slot, int d, int kbits, int kitty) const {
+        float sc, m;
+        int ix;
+        key_meta(kph, d, kitty, sc, m, ix);
+        return key_code_meta(kph, slot, d, kbits, sc, m, ix);
+    }
+    // channel d of tail row u's key from its page (key_row16(b, hk, u) == nullptr)
+    __device__ __forceinline__ float key_page(int b, int hk, int u, int d, int kbits, int kitty) const {
+        i64 kph;
+        int slot;
+        key_page_row(b, hk, u, kph, slot);
+        return key_code_f32(kph, slot, d, kbits, kitty);
+    }
+    // the fp16 value row of tail row u, or nullptr when the value comes from a page (value_page)
+    __device__ __forceinline__ const u16* value_row16(int b, int hk, int u) const {
+        const i64 bh = (i64)b * H + hk;
+        if (u < NS) return sink_v + (bh * S + u) * D;
+        const int pp = NF + u - NS;
+        if (pp < VQ) return nullptr;
+        return pp < VQ + NVB ? v_buf + (bh * KVQ_G + (pp - VQ)) * D : v_win + (bh * R1 + pp % R1) * D;
+    }
+    // the value row (page * H + hk) * G + slot of tail row u when its value comes from a page
+    __device__ __forceinline__ i64 value_page_row(int b, int hk, int u) const {
+        const int pp = NF + u - NS;
+        return ((i64)v_table[(i64)b * n_tab + pp / KVQ_G] * H + hk) * KVQ_G + pp % KVQ_G;
+    }
+    // channel d of value row vrow, dequantized (vbits: 2, 4 or 8)
+    __device__ __forceinline__ float value_code_f32(i64 vrow, int d, int vbits) const {
+        const int lper = 3 - (__ffs(vbits) - 1);
+        const u32 byte = vc[vrow * (D * vbits / 8) + (d >> lper)];
+        const u32 code = (byte >> ((d & ((1 << lper) - 1)) * vbits)) & ((1u << vbits) - 1u);
+        return dequant_meta(code, vs, vm, vrow * ngv + (ngv == 1 ? 0 : d / (D / ngv)), meta32);
+    }
+    // channel d of tail row u's value from its page (value_row16(b, hk, u) == nullptr)
+    __device__ __forceinline__ float value_page(int b, int hk, int u, int d, int vbits) const {
+        return value_code_f32(value_page_row(b, hk, u), d, vbits);
+    }
+};
+
+#define KVQ_TAIL_PARAMS                                                                                     \
+    const u16 *__restrict__ sink_k, const u16 *__restrict__ sink_v, const u16 *__restrict__ k_buf,          \
+        const u16 *__restrict__ v_buf, const u16 *__restrict__ v_win, const u8 *__restrict__ kc,             \
+        const u8 *__restrict__ kh, const u8 *__restrict__ ki, const void *__restrict__ ks,                   \
+        const void *__restrict__ km, const u8 *__restrict__ vc, const void *__restrict__ vs,                 \
+        const void *__restrict__ vm, const int *__restrict__ k_table, const int *__restrict__ v_table
+// (the head dim D is its own argument: a template value of paged_tail_attn)
+#define KVQ_TAIL_INTS int H, int S, int NS, int NF, int KQ, int VQ, int NVB, int R1, int n_tab, int ngv, int db, int meta32
+#define KVQ_TAIL_ROWS                                                                                       \
+    TailRows{sink_k, sink_v, k_buf, v_buf, v_win, kc, kh, ki, ks, km, vc, vs, vm, k_table, v_table,         \
+             H, D, S, NS, NF, KQ, VQ, NVB, R1, n_tab, ngv, db, meta32}
+
+// ---- tail gather kernel --------------------------------------------------------------------------
+// Computes: the tail's fp32 K / V rows (TailRows) in token order: ok / ov (B, H, NT, D). KB / VB: key
+//   (Kitty: dense plane) / value code bits, compile-time. The float32-q (precise) decode's input.
 // Grid: (ceil(NT / GATHER_TOK), H, B), 256 threads (D divides 256): a block takes GATHER_TOK tokens of
 //   (b, hk); the keys are read channel-major (consecutive threads, consecutive tokens of one channel
 //   row: the packed bytes are contiguous) into shared memory, then keys and values are written
-//   token-major, thread -> channel tid % D (its value group computed once).
+//   token-major, thread -> channel tid % D.
 // Bytes: reads NT rows of K and V (packed bytes + metadata, or fp16) per (b, kv head); writes 2 NT D fp32.
 template <int KITTY, int KB, int VB>
 __global__ void __launch_bounds__(256)
-    paged_gather_tail(const u16* __restrict__ sink_k, const u16* __restrict__ sink_v,
-                      const u16* __restrict__ k_buf, const u16* __restrict__ v_buf,
-                      const u16* __restrict__ v_win, const u8* __restrict__ kc, const u8* __restrict__ kh,
-                      const u8* __restrict__ ki, const void* __restrict__ ks, const void* __restrict__ km,
-                      const u8* __restrict__ vc, const void* __restrict__ vs, const void* __restrict__ vm,
-                      const int* __restrict__ k_table, const int* __restrict__ v_table,
-                      float* __restrict__ ok, float* __restrict__ ov, int B, int H, int D, int S, int NS,
-                      int NF, int NT, int KQ, int VQ, int NVB, int R1, int n_tab, int ngv, int db, int meta32) {
-    constexpr int G = KVQ_G;
-    constexpr int KPER = 8 / KB, KGB = G * KB / 8, VPER = 8 / VB;
-    constexpr u32 KMASK = (1u << KB) - 1u, VMASK = (1u << VB) - 1u;
+    paged_gather_tail(KVQ_TAIL_PARAMS, float* __restrict__ ok, float* __restrict__ ov, int B, int NT, int D,
+                      KVQ_TAIL_INTS) {
     static_assert(!KITTY || KB == 2, "Kitty's dense plane is 2-bit");
     __shared__ float s_k[GATHER_TOK][GATHER_MAXD + 1];
+    const TailRows rows = KVQ_TAIL_ROWS;
     const int hk = blockIdx.y;
     const int b = blockIdx.z;
     const i64 bh = (i64)b * H + hk;
@@ -685,56 +774,118 @@ __global__ void __launch_bounds__(256)
         const int d = i / GATHER_TOK;
         const int uu = i % GATHER_TOK;
         if (uu >= nu) continue;
-        const int u = u0 + uu;
-        float kx;
-        if (u < NS) {
-            kx = f16_to_f32(sink_k[(bh * S + u) * D + d]);
-        } else {
-            const int pp = NF + u - NS;
-            if (pp < KQ) {
-                const int slot = pp % G;
-                const i64 kph = (i64)k_table[(i64)b * n_tab + pp / G] * H + hk;
-                const u32 byte = kc[(kph * D + d) * KGB + slot / KPER];
-                u32 code = (byte >> ((slot % KPER) * KB)) & KMASK;
-                if (KITTY) {
-                    const int ix = ki[kph * D + d];
-                    if (ix < db) {
-                        const u32 hb = kh[(kph * db + ix) * (G / 4) + slot / 4];
-                        code |= ((hb >> ((slot % 4) * 2)) & 3u) << 2;
-                    }
-                }
-                kx = dequant_meta(code, ks, km, kph * D + d, meta32);
-            } else {
-                kx = f16_to_f32(k_buf[(bh * G + (pp - KQ)) * D + d]);
-            }
-        }
-        s_k[uu][d] = kx;
+        const u16* r16 = rows.key_row16(b, hk, u0 + uu);
+        s_k[uu][d] = r16 ? f16_to_f32(r16[d]) : rows.key_page(b, hk, u0 + uu, d, KB, KITTY);
     }
     __syncthreads();
     // token-major: the keys from s_k, the values from their token rows (coalesced over d)
     const int d = threadIdx.x % D;
-    const int vg = d / (D / ngv);
-    const int vby = D * VB / 8;
     for (int uu = threadIdx.x / D; uu < nu; uu += blockDim.x / D) {
-        const int u = u0 + uu;
-        float vx;
-        if (u < NS) {
-            vx = f16_to_f32(sink_v[(bh * S + u) * D + d]);
-        } else {
-            const int pp = NF + u - NS;
-            if (pp < VQ) {
-                const i64 vrow = ((i64)v_table[(i64)b * n_tab + pp / G] * H + hk) * G + pp % G;
-                const u32 byte = vc[vrow * vby + d / VPER];
-                const u32 code = (byte >> ((d % VPER) * VB)) & VMASK;
-                vx = dequant_meta(code, vs, vm, vrow * ngv + vg, meta32);
-            } else if (pp < VQ + NVB) {
-                vx = f16_to_f32(v_buf[(bh * G + (pp - VQ)) * D + d]);
-            } else {
-                vx = f16_to_f32(v_win[(bh * R1 + pp % R1) * D + d]);
-            }
-        }
-        const i64 idx = (bh * NT + u) * D + d;
+        const u16* r16 = rows.value_row16(b, hk, u0 + uu);
+        const float vx = r16 ? f16_to_f32(r16[d]) : rows.value_page(b, hk, u0 + uu, d, VB);
+        const i64 idx = (bh * NT + u0 + uu) * D + d;
         ok[idx] = s_k[uu][d];
         ov[idx] = vx;
     }
+}
+
+// The tile source of paged_tail_attn (attn_split.cuh's Tiles contract; fp32 tiles, plain stores): the
+// tail rows [kb, kb + nk) of (b, hk). Lane r works out where row r lives (once per row); fp16 rows are
+// read as 16-byte vectors (all of a lane's loads issued before any is used; the row's address from
+// lane r by a shuffle) and widened; page rows (the mixed tokens: a key without its value quantized, or
+// the reverse) are dequantized in place, lanes on channels: key rows with each page's metadata loaded
+// once per channel and 4 rows in flight, value rows a row at a time. Rows past nk are left as they are (the body
+// masks them).
+template <int D>
+struct PagedTailTiles {
+    TailRows rows;
+    int kbits, vbits, kitty;
+    static constexpr int KROW = AttnCfg<2, D>::KROW;
+    static constexpr int NVR = D / 8;              // 16-byte fp16 vectors per row
+    static constexpr int NIT = NVR;                // vectors per lane: 32 rows x NVR / 32 lanes
+
+    // the fp16 rows (row r at lane r's `mine`, null: not an fp16 row) widened into dst (row stride ld)
+    __device__ __forceinline__ void fill16(float* dst, int ld, const u16* mine, int lane) const {
+        u32x4 raw[NIT];
+        u32 has = 0u;
+#pragma unroll
+        for (int it = 0; it < NIT; ++it) {
+            const int i = lane + 32 * it;
+            const int r = i / NVR, c = i % NVR;
+            const u16* p = reinterpret_cast<const u16*>(
+                __shfl_sync(KVQ_FULL_MASK, (unsigned long long)mine, r));
+            raw[it] = p ? *reinterpret_cast<const u32x4*>(p + 8 * c) : u32x4{0u, 0u, 0u, 0u};
+            if (p) has |= 1u << it;
+        }
+#pragma unroll
+        for (int it = 0; it < NIT; ++it) {
+            if (!(has >> it & 1u)) continue;
+            const int i = lane + 32 * it;
+            const int r = i / NVR, c = i % NVR;
+            float f[8];
+            load_f32<0, 8>(reinterpret_cast<const u16*>(&raw[it]), f);
+            u32x4* o = reinterpret_cast<u32x4*>(dst + r * ld + 8 * c);
+            o[0] = u32x4{__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3])};
+            o[1] = u32x4{__float_as_uint(f[4]), __float_as_uint(f[5]), __float_as_uint(f[6]), __float_as_uint(f[7])};
+        }
+    }
+    __device__ __forceinline__ void stage(float* ks, float* vs, int b, int hk, i64 kb, int nk, int lane) const {
+        const int u = (int)kb + lane;                 // lane r: row r
+        const bool live = lane < nk;
+        // keys
+        const u16* k16 = live ? rows.key_row16(b, hk, u) : nullptr;
+        i64 kph = 0;
+        int slot = 0;
+        if (live && !k16) rows.key_page_row(b, hk, u, kph, slot);
+        fill16(ks, KROW, k16, lane);
+        // key page rows (contiguous: [r0, r1)), lanes on channels lane + 32 j, each page's metadata
+        // loaded once, 4 rows in flight
+        const u32 pm = __ballot_sync(KVQ_FULL_MASK, live && !k16);
+        if (pm) {
+            const int r1 = 32 - __clz(pm);
+            for (int r0 = __ffs(pm) - 1; r0 < r1;) {                // one page per pass (at most two)
+                const i64 ph = (i64)__shfl_sync(KVQ_FULL_MASK, (long long)kph, r0);
+                const int s0 = __shfl_sync(KVQ_FULL_MASK, slot, r0);
+                const int re = kvq_min(r1, r0 + KVQ_G - s0);
+                float sc[D / 32], mn[D / 32];
+                int ix[D / 32];
+#pragma unroll
+                for (int j = 0; j < D / 32; ++j) rows.key_meta(ph, lane + 32 * j, kitty, sc[j], mn[j], ix[j]);
+#pragma unroll 4
+                for (int r = r0; r < re; ++r)
+#pragma unroll
+                    for (int j = 0; j < D / 32; ++j)
+                        ks[r * KROW + lane + 32 * j] =
+                            rows.key_code_meta(ph, s0 + r - r0, lane + 32 * j, kbits, sc[j], mn[j], ix[j]);
+                r0 = re;
+            }
+        }
+        // values
+        const u16* v16 = live ? rows.value_row16(b, hk, u) : nullptr;
+        const i64 vrow = live && !v16 ? rows.value_page_row(b, hk, u) : 0;
+        fill16(vs, D, v16, lane);
+        for (u32 m = __ballot_sync(KVQ_FULL_MASK, live && !v16); m; m &= m - 1u) {
+            const int r = __ffs(m) - 1;
+            const i64 vr = (i64)__shfl_sync(KVQ_FULL_MASK, (long long)vrow, r);
+#pragma unroll
+            for (int j = 0; j < D / 32; ++j) vs[r * D + lane + 32 * j] = rows.value_code_f32(vr, lane + 32 * j, vbits);
+        }
+    }
+};
+
+// ---- tail attention kernel -----------------------------------------------------------------------
+// Computes: attention.cu's attn_split<2, D, QT, NW, 0, QDT> (fp32 K / V, float sums in base 2, QDT =
+//   fp16 / bf16 queries; its grid and partial layout) over the T tail rows of TailRows, read in place
+//   from the cache (no gathered copy): the same tile values as paged_gather_tail writes, so the same
+//   partials bit for bit, without the fp32 round trip through global memory. The half-precision-q
+//   decode's tail, beside the fused kernel.
+// Grid: (num_splits * n_qtiles, H_kv, B); block NW * 32 threads (NW = attn_warps(fp32, D)).
+template <int D, int QT, int NW, int QDT>
+__global__ void __launch_bounds__(NW * 32)
+    paged_tail_attn(const typename Ty<QDT>::S* __restrict__ q, KVQ_TAIL_PARAMS, int kbits, int vbits, int kitty,
+                    float* __restrict__ o_part, float* __restrict__ lse_part, i64 sq_b, i64 sq_h, i64 sq_t, int B,
+                    int Hq, int Tq, i64 T, i64 chunk, int num_splits, int split0, float qk_scale, KVQ_TAIL_INTS) {
+    const PagedTailTiles<D> tiles{KVQ_TAIL_ROWS, kbits, vbits, kitty};
+    attn_split_body<2, D, QT, NW, 0, QDT>(q, tiles, o_part, lse_part, sq_b, sq_h, sq_t, B, Hq, H, Tq, T, chunk,
+                                          num_splits, split0, qk_scale);
 }

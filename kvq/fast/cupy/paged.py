@@ -13,9 +13,12 @@ pages * G, quantized values); key page j and value page j cover the same tokens)
 fused kernel (``paged_decode``): each warp copies a page (packed codes + metadata) into shared memory
 with cp.async (the next page in flight), unpacks and dequantizes it in registers (bit-exact
 ``code * scale + mn``) and does flash-decoding with an fp32 online softmax on the CUDA cores. The few
-other tokens (sink, key Q-buffer, value window / Q-buffer, mixed tokens: at most S + G + R + G) are
-gathered by ``paged_gather_tail`` (bit-exact dequantization) into one fp32 segment and run through
-``attention.cu``'s fp32 split kernel; all partials are merged by its log-sum-exp merge kernel.
+other tokens (sink, key Q-buffer, value window / Q-buffer, mixed tokens: at most S + G + R + G) form
+the tail: ``paged_tail_attn`` reads them in place (fp16 rows widened, mixed tokens' page rows
+dequantized bit-exactly into fp32 tiles) and runs ``attention.cu``'s split-kernel body over them, on a
+second stream beside the fused kernel; float32 q (and ``TUNE["fused_tail"] = False``) gathers them
+first (``paged_gather_tail``) into one fp32 segment for ``attention.cu``'s split kernel. All partials
+are merged by its log-sum-exp merge kernel.
 The fused kernel takes G = 128, D in {64, 128}, fp16 metadata and value groups of a multiple of 4
 channels; other configurations dequantize the cache and run the FP16-baseline kernels in fp32.
 fp16 q with 2- or 4-bit keys and values (one value group per token, D = 128, <= 8 query rows per KV
@@ -57,8 +60,14 @@ MMA_BITS = (2, 4)                   # key / value code bits of paged_decode_mma2
 #: waves = target blocks per SM over the fused grid (None: the split count that minimizes the
 #: makespan model of ``_n_splits`` at the kernel's occupancy); mma: the tensor-core kernel where it
 #: applies (paged_decode_mma2; False: the CUDA-core kernel paged_decode);
-#: side_stream: the tail (gather + fp32 split kernel) on a second stream beside the fused kernel
-TUNE = {"num_warps": None, "waves": None, "mma": True, "side_stream": True}
+#: side_stream: the tail (gather + fp32 split kernel) on a second stream beside the fused kernel;
+#: fused_tail: half-precision q reads the tail in place (paged_tail_attn; False: paged_gather_tail into
+#: an fp32 copy, then attention.cu's split kernel: the same partials bit for bit); tail_tiles: at least
+#: this many 32-key tiles per warp of the tail's split kernel (attention._splits); tail_first: the tail
+#: launched before the fused kernel (False, the default: after it, so the fused grid's makespan model
+#: sees every SM slot free; measured on the H100 it is faster or equal from batch 8 on)
+TUNE = {"num_warps": None, "waves": None, "mma": True, "side_stream": True, "fused_tail": True, "tail_tiles": 1,
+        "tail_first": False}
 
 
 def _buf_bytes(D: int, k_bits: int, v_bits: int, kitty: bool, ngv: int, db: int) -> int:
@@ -175,32 +184,38 @@ def _aligned(*ts) -> bool:
     return all(t.data_ptr() % 16 == 0 and t.is_contiguous() for t in ts)
 
 
+def _tail_rows(cfg, codec, st: PagedState, NF: int):
+    """(NT, pointer arguments, int arguments) of paged.cu's TailRows (KVQ_TAIL_PARAMS, KVQ_TAIL_INTS): the
+    tail's rows are the sink, then the post-sink tokens [NF, T - S) in token order."""
+    B, H, D = st.shape
+    c = counts(cfg, st.length)
+    G, R = cfg.group_size, cfg.residual
+    NT = c["n_sink"] + (c["post"] - NF)
+    if G != G_FUSED or D > GATHER_MAXD or _GATHER_THREADS % D:
+        raise ValueError(f"group_size={G}, head_dim={D}: the tail takes G = {G_FUSED} and a head dim "
+                         f"that divides {_GATHER_THREADS}")
+    kp = codec.kernel_arrays(cfg, st)
+    ptrs = (st.sink_k, st.sink_v, st.k_buf, st.v_buf, st.v_win, kp["codes"], kp["high"], kp["idx"], kp["scale"],
+            kp["mn"], st.v_codes, st.v_scale, st.v_mn, st.k_table, st.v_table)
+    ints = tuple(np.int32(x) for x in (
+        H, cfg.sink, c["n_sink"], NF, c["n_kpages"] * G, c["n_vq"], c["n_vbuf"], max(R, 1), st.k_table.shape[1],
+        D // cfg.v_group(D), kp["d_boost"], int(kp["scale"].dtype == torch.float32)))
+    return NT, ptrs, ints
+
+
 def gather_tail(cfg, codec, st: PagedState, NF: int):
     """K, V fp32 (B, H, NT, D) of the tokens outside the fused range: the sink, then post-sink tokens
     [NF, T - S) in token order (one kernel; bit-exact with the reference's dequantize)."""
     B, H, D = st.shape
-    T = st.length
-    c = counts(cfg, T)
-    S, G, R = cfg.sink, cfg.group_size, cfg.residual
-    NS = c["n_sink"]
-    NT = NS + (c["post"] - NF)
+    NT, ptrs, ints = _tail_rows(cfg, codec, st, NF)
     ok = torch.empty((B, H, NT, D), dtype=torch.float32, device=st.device)
     ov = torch.empty_like(ok)
     if NT == 0:
         return ok, ov
     kp = codec.kernel_arrays(cfg, st)
-    meta32 = int(kp["scale"].dtype == torch.float32)
-    if G != G_FUSED or D > GATHER_MAXD or _GATHER_THREADS % D:
-        raise ValueError(f"group_size={G}, head_dim={D}: the tail gather takes G = {G_FUSED} and a head dim "
-                         f"that divides {_GATHER_THREADS}")
     fn = L.kernel(_SRC, L.gather_tail_name(kp["bits"], cfg.v_bits, bool(kp["kitty"])))
     L.run(fn, (-(-NT // GATHER_TOK), H, B), (_GATHER_THREADS,),
-          (st.sink_k, st.sink_v, st.k_buf, st.v_buf, st.v_win, kp["codes"], kp["high"], kp["idx"], kp["scale"],
-           kp["mn"], st.v_codes, st.v_scale, st.v_mn, st.k_table, st.v_table, ok, ov,
-           np.int32(B), np.int32(H), np.int32(D), np.int32(S), np.int32(NS), np.int32(NF), np.int32(NT),
-           np.int32(c["n_kpages"] * G), np.int32(c["n_vq"]), np.int32(c["n_vbuf"]), np.int32(max(R, 1)),
-           np.int32(st.k_table.shape[1]), np.int32(D // cfg.v_group(D)), np.int32(kp["d_boost"]),
-           np.int32(meta32)), st.device)
+          (*ptrs, ok, ov, np.int32(B), np.int32(NT), np.int32(D), *ints), st.device)
     return ok, ov
 
 
@@ -283,29 +298,38 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     tnw = L.attn_warps(L.DT[torch.float32], D)
     tqt = 4 if M <= 4 else 8                          # the tail's own query tile (attention.cu's QT)
     tqtiles = -(-M // tqt)
-    chunk, nt = A._splits(NT, B * H * tqtiles, 32 * tnw, sms) if NT > 0 else (0, 0)
+    chunk, nt = A._splits(NT, B * H * tqtiles, 32 * tnw, sms, TUNE["tail_tiles"]) if NT > 0 else (0, 0)
     S_TOTAL = n_split + nt
     rows = B * H_q * T_q
     o_part = torch.empty((S_TOTAL, rows, D), dtype=torch.float32, device=dev)
     lse_part = torch.empty((S_TOTAL, rows), dtype=torch.float32, device=dev)
     main = torch.cuda.current_stream(dev)
     side = _side_stream(dev_index) if nt and n_split and TUNE["side_stream"] else main
-    if nt:
+
+    def launch_tail():
         # the fp32 segment: precise (double accumulators, natural units) for float32 q; float
-        # accumulators in base 2 for half-precision q (whose fused part carries about 22 bits)
-        side.wait_stream(main)
+        # accumulators in base 2 for half-precision q (whose fused part carries about 22 bits); half-
+        # precision q reads it in place (paged_tail_attn) unless TUNE["fused_tail"] is off
         with torch.cuda.stream(side):
-            tk, tv = gather_tail(cfg, codec, st, NF)
             precise = q.dtype == torch.float32
             qf = q if q.stride(-1) == 1 else q.contiguous()
-            fn_t = A._split_kernel(L.DT[torch.float32], D, tqt, tnw, None if precise else L.DT[q.dtype])
-            L.run(fn_t, (nt * tqtiles, H, B), (32 * tnw,),
-                  (qf, tk, tv, o_part, lse_part,
-                   *(np.int64(s) for s in qf.stride()[:3]), *(np.int64(s) for s in tk.stride()[:3]),
-                   *(np.int64(s) for s in tv.stride()[:3]),
-                   np.int32(B), np.int32(H_q), np.int32(H), np.int32(T_q), np.int64(NT), np.int64(chunk),
-                   np.int32(nt), np.int32(n_split), np.float32(sc if precise else sc * LOG2E)), dev)
-    if n_split:
+            qs = tuple(np.int64(s) for s in qf.stride()[:3])
+            tail = (np.int32(nt), np.int32(n_split), np.float32(sc if precise else sc * LOG2E))
+            if precise or not TUNE["fused_tail"]:
+                tk, tv = gather_tail(cfg, codec, st, NF)
+                fn_t = A._split_kernel(L.DT[torch.float32], D, tqt, tnw, None if precise else L.DT[q.dtype])
+                L.run(fn_t, (nt * tqtiles, H, B), (32 * tnw,),
+                      (qf, tk, tv, o_part, lse_part, *qs, *(np.int64(s) for s in tk.stride()[:3]),
+                       *(np.int64(s) for s in tv.stride()[:3]), np.int32(B), np.int32(H_q), np.int32(H),
+                       np.int32(T_q), np.int64(NT), np.int64(chunk), *tail), dev)
+            else:
+                _, ptrs, ints = _tail_rows(cfg, codec, st, NF)
+                fn_t = L.kernel(_SRC, L.paged_tail_name(D, tqt, L.DT[q.dtype]))
+                L.run(fn_t, (nt * tqtiles, H, B), (32 * tnw,),
+                      (qf, *ptrs, np.int32(k_bits), np.int32(cfg.v_bits), np.int32(kitty), o_part, lse_part, *qs,
+                       np.int32(B), np.int32(H_q), np.int32(T_q), np.int64(NT), np.int64(chunk), *tail, *ints), dev)
+
+    def launch_fused():
         qq = q if q.stride(-1) == 1 else q.contiguous()
         L.run(fn, (n_split * qtiles, H, B), (32 * nw,),
               (qq, np.int32(L.DT[q.dtype]), *(np.int64(s) for s in qq.stride()[:3]),
@@ -314,6 +338,15 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
                np.int32(B), np.int32(H_q), np.int32(H), np.int32(T_q), np.int32(NF), np.int32(NP),
                np.int32(pps), np.int32(n_split), np.int32(db), np.int32(ngv), np.float32(sc * LOG2E)),
               dev, shared_mem=smem)
+
+    if side is not main:
+        side.wait_stream(main)                        # fork before either launch: they run side by side
+    # the tail's blocks first (they take SM slots before the fused grid fills them: the latency of a
+    # small step) or the fused grid first (TUNE["tail_first"] = False: its makespan model sees every slot)
+    launches = [(nt, launch_tail), (n_split, launch_fused)]
+    for needed, launch in (launches if TUNE["tail_first"] else launches[::-1]):
+        if needed:
+            launch()
     if side is not main:
         main.wait_stream(side)                        # the tail's partials are written
     A._merge_launch(o_part, lse_part, out, lse, rows, S_TOTAL, D)
