@@ -286,9 +286,11 @@ TAIL = [(0, 3001, torch.float16, 4, 128), (0, 2048 + 77, torch.float16, 8, 128),
                                          f"{str(a[2])[6:]}-gqa{a[3]}-D{a[4]}" for a in TAIL])
 def test_decode_tail_in_place(cupy_target, a, monkeypatch):
     """CuPy: half-precision q reads the tail (sink, Q-buffers, window, mixed tokens) in place
-    (paged_tail_attn, ``TUNE["fused_tail"]``, the default): out and lse equal, bit for bit, those of the
-    gather into an fp32 copy + attention.cu's split kernel (the same tile values, the same arithmetic)
-    and those of the other launch order (``TUNE["tail_first"]``), and meet the tolerance rule."""
+    (``TUNE["fused_tail"]``, the default) and meets the tolerance rule: with ``TUNE["tail16"] = True``
+    (fp16 rows by paged_tail16_attn, mixed rows by paged_tail_attn; the auto rule picks it from one tail
+    query tile per SM on) and False (every row by paged_tail_attn, one launch); the other launch order (``TUNE["tail_first"]``) gives the same bits;
+    every tail row through paged_tail_attn (``TUNE["tail16"] = False``) gives the bits of the gather into
+    an fp32 copy + attention.cu's split kernel (the same tile values, the same arithmetic)."""
     FP = _paged("cupy")
     ci, T, dtype, ratio, D = a
     if isinstance(ci, int):
@@ -302,18 +304,23 @@ def test_decode_tail_in_place(cupy_target, a, monkeypatch):
     c = FP.counts(cfg, T)
     q = torch.from_numpy(np.random.default_rng(T).standard_normal((B, H * ratio, 1, D)).astype(np.float32))
     q = q.to(dtype).cuda()
-    out, lse = fast.decode_attention(cfg, fs, q)
-    monkeypatch.setitem(FP.TUNE, "tail_first", not FP.TUNE["tail_first"])
-    out_o, lse_o = fast.decode_attention(cfg, fs, q)
-    monkeypatch.setitem(FP.TUNE, "fused_tail", False)
-    out_g, lse_g = fast.decode_attention(cfg, fs, q)
-    for o, ls, what in ((out_g, lse_g, "gathered tail"), (out_o, lse_o, "other launch order")):
-        assert_bits_equal(out.float(), o.float().cpu().numpy(),
-                          f"out vs {what} (n_kpages {c['n_kpages']}, n_vq {c['n_vq']})")
-        assert_bits_equal(lse, ls.cpu().numpy(), f"lse vs {what}")
     (o64, l64), (o32, l32) = _truth_ref32(ref, cfg, rs, q)
+    monkeypatch.setitem(FP.TUNE, "tail16", True)                 # fp16 rows + mixed rows (small B: not auto)
+    out, lse = fast.decode_attention(cfg, fs, q)
     check_close(out, o64, o32, dtype, "out")
     check_close(lse, l64, l32, torch.float32, "lse")
+    monkeypatch.setitem(FP.TUNE, "tail_first", not FP.TUNE["tail_first"])
+    out_o, lse_o = fast.decode_attention(cfg, fs, q)
+    monkeypatch.setitem(FP.TUNE, "tail16", False)                # every tail row as fp32 tiles
+    out_32, lse_32 = fast.decode_attention(cfg, fs, q)
+    check_close(out_32, o64, o32, dtype, "out (fp32 tiles)")
+    monkeypatch.setitem(FP.TUNE, "fused_tail", False)            # gathered into an fp32 copy
+    out_g, lse_g = fast.decode_attention(cfg, fs, q)
+    for a_, b_, what in ((out, out_o, "the other launch order"), (out_32, out_g, "the gathered tail")):
+        assert_bits_equal(a_.float(), b_.float().cpu().numpy(),
+                          f"out vs {what} (n_kpages {c['n_kpages']}, n_vq {c['n_vq']})")
+    assert_bits_equal(lse, lse_o.cpu().numpy(), "lse vs the other launch order")
+    assert_bits_equal(lse_32, lse_g.cpu().numpy(), "lse (fp32 tiles) vs the gathered tail")
 
 
 # 4-bit keys and / or values on the CuPy tensor-core kernel (paged_decode_mma2<0, NR, KB, VB>): config,

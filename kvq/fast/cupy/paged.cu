@@ -800,6 +800,7 @@ template <int D>
 struct PagedTailTiles {
     TailRows rows;
     int kbits, vbits, kitty;
+    int u0;                                        // tile row r is tail row u0 + r
     static constexpr int KROW = AttnCfg<2, D>::KROW;
     static constexpr int NVR = D / 8;              // 16-byte fp16 vectors per row
     static constexpr int NIT = NVR;                // vectors per lane: 32 rows x NVR / 32 lanes
@@ -830,7 +831,7 @@ struct PagedTailTiles {
         }
     }
     __device__ __forceinline__ void stage(float* ks, float* vs, int b, int hk, i64 kb, int nk, int lane) const {
-        const int u = (int)kb + lane;                 // lane r: row r
+        const int u = u0 + (int)kb + lane;            // lane r: row r
         const bool live = lane < nk;
         // keys
         const u16* k16 = live ? rows.key_row16(b, hk, u) : nullptr;
@@ -873,19 +874,51 @@ struct PagedTailTiles {
     }
 };
 
-// ---- tail attention kernel -----------------------------------------------------------------------
-// Computes: attention.cu's attn_split<2, D, QT, NW, 0, QDT> (fp32 K / V, float sums in base 2, QDT =
-//   fp16 / bf16 queries; its grid and partial layout) over the T tail rows of TailRows, read in place
-//   from the cache (no gathered copy): the same tile values as paged_gather_tail writes, so the same
-//   partials bit for bit, without the fp32 round trip through global memory. The half-precision-q
-//   decode's tail, beside the fused kernel.
-// Grid: (num_splits * n_qtiles, H_kv, B); block NW * 32 threads (NW = attn_warps(fp32, D)).
+// The tile source of paged_tail16_attn (fp16 tiles by cp.async): tail rows whose key and value are both
+// fp16 (sink, Q-buffers, window), tile row r being tail row r + (r >= gap_at ? gap : 0) (the mixed
+// rows [gap_at, gap_at + gap) skipped).
+template <int D>
+struct PagedTail16Tiles {
+    TailRows rows;
+    int gap_at, gap;
+
+    __device__ __forceinline__ void stage(u16* ks, u16* vs, int b, int hk, i64 kb, int nk, int lane) const {
+        const int u0 = (int)kb;
+        cp_async_tiles<0, D>(ks, vs, nk, lane,
+                             [&](int r) { return rows.key_row16(b, hk, u0 + r + (u0 + r >= gap_at ? gap : 0)); },
+                             [&](int r) { return rows.value_row16(b, hk, u0 + r + (u0 + r >= gap_at ? gap : 0)); });
+    }
+};
+
+// ---- tail attention kernels ----------------------------------------------------------------------
+// Compute: attention.cu's attn_split<DT, D, QT, NW, 0, QDT> (float sums in base 2, QDT = fp16 / bf16
+//   queries; its grid and partial layout, partials from number split0 on) over tail rows read in place
+//   from the cache, no gathered copy:
+//   paged_tail_attn: T rows from tail row u0 on, as fp32 tiles: the same tile values as
+//     paged_gather_tail writes, so with u0 = 0 and T = NT the same partials bit for bit; the decode
+//     gives it the mixed rows (a key or a value from a page);
+//   paged_tail16_attn: the rows whose key and value are both fp16 (PagedTail16Tiles), as fp16 tiles
+//     by cp.async (half the shared memory per warp: twice the warps per block).
+//   The half-precision-q decode's tail, beside the fused kernel.
+// Grid: (num_splits * n_qtiles, H_kv, B); block NW * 32 threads (NW = attn_warps(fp32 or fp16, D)).
 template <int D, int QT, int NW, int QDT>
 __global__ void __launch_bounds__(NW * 32)
     paged_tail_attn(const typename Ty<QDT>::S* __restrict__ q, KVQ_TAIL_PARAMS, int kbits, int vbits, int kitty,
-                    float* __restrict__ o_part, float* __restrict__ lse_part, i64 sq_b, i64 sq_h, i64 sq_t, int B,
-                    int Hq, int Tq, i64 T, i64 chunk, int num_splits, int split0, float qk_scale, KVQ_TAIL_INTS) {
-    const PagedTailTiles<D> tiles{KVQ_TAIL_ROWS, kbits, vbits, kitty};
+                    int u0, float* __restrict__ o_part, float* __restrict__ lse_part, i64 sq_b, i64 sq_h, i64 sq_t,
+                    int B, int Hq, int Tq, i64 T, i64 chunk, int num_splits, int split0, float qk_scale,
+                    KVQ_TAIL_INTS) {
+    const PagedTailTiles<D> tiles{KVQ_TAIL_ROWS, kbits, vbits, kitty, u0};
     attn_split_body<2, D, QT, NW, 0, QDT>(q, tiles, o_part, lse_part, sq_b, sq_h, sq_t, B, Hq, H, Tq, T, chunk,
+                                          num_splits, split0, qk_scale);
+}
+
+template <int D, int QT, int NW, int QDT>
+__global__ void __launch_bounds__(NW * 32)
+    paged_tail16_attn(const typename Ty<QDT>::S* __restrict__ q, KVQ_TAIL_PARAMS, int gap_at, int gap,
+                      float* __restrict__ o_part, float* __restrict__ lse_part, i64 sq_b, i64 sq_h, i64 sq_t,
+                      int B, int Hq, int Tq, i64 T, i64 chunk, int num_splits, int split0, float qk_scale,
+                      KVQ_TAIL_INTS) {
+    const PagedTail16Tiles<D> tiles{KVQ_TAIL_ROWS, gap_at, gap};
+    attn_split_body<0, D, QT, NW, 0, QDT>(q, tiles, o_part, lse_part, sq_b, sq_h, sq_t, B, Hq, H, Tq, T, chunk,
                                           num_splits, split0, qk_scale);
 }

@@ -65,9 +65,13 @@ MMA_BITS = (2, 4)                   # key / value code bits of paged_decode_mma2
 #: an fp32 copy, then attention.cu's split kernel: the same partials bit for bit); tail_tiles: at least
 #: this many 32-key tiles per warp of the tail's split kernel (attention._splits); tail_first: the tail
 #: launched before the fused kernel (False, the default: after it, so the fused grid's makespan model
-#: sees every SM slot free; measured on the H100 it is faster or equal from batch 8 on)
+#: sees every SM slot free; measured on the H100 it is faster or equal from batch 8 on); tail16: the
+#: tail rows whose key and value are both fp16 as fp16 tiles (paged_tail16_attn) beside the mixed rows'
+#: kernel (True), or every tail row through paged_tail_attn's fp32 tiles in one launch (False); None
+#: (auto): the two kernels when the tail has at least one (sequence, kv head, query tile) per SM (on
+#: the H100: 32 x 32K Kitty 391 -> 355 us), one launch below that (1 x 32K Kitty: 39 us, not 52)
 TUNE = {"num_warps": None, "waves": None, "mma": True, "side_stream": True, "fused_tail": True, "tail_tiles": 1,
-        "tail_first": False}
+        "tail_first": False, "tail16": None}
 
 
 def _buf_bytes(D: int, k_bits: int, v_bits: int, kitty: bool, ngv: int, db: int) -> int:
@@ -291,14 +295,29 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
             pps = -(-NP // min(want, NP))
             pps = -(-pps // nw) * nw                  # whole pages for every warp of a block
             n_split = -(-NP // pps)
-    # the rest: sink + tokens [S + NF, T), one fp32 segment gathered by one kernel and attended by
-    # attention.cu's split kernel, on a side stream that runs beside the fused kernel (its blocks are
-    # launched first, so they take SM slots before the fused grid fills them)
+    # the rest (the tail): sink + tokens [S + NF, T), on a side stream beside the fused kernel. Half-
+    # precision q reads it in place: the rows whose key and value are both fp16 as fp16 tiles
+    # (paged_tail16_attn), the mixed rows [NS, NS + n_mixed) (a key or a value from a page) as fp32 tiles
+    # (paged_tail_attn); TUNE["tail16"] = False: every tail row through paged_tail_attn. float32 q (the
+    # precise path: double accumulators, natural units) and TUNE["fused_tail"] = False gather the tail
+    # into one fp32 segment (paged_gather_tail) for attention.cu's split kernel.
     NT = c["n_sink"] + c["post"] - NF
-    tnw = L.attn_warps(L.DT[torch.float32], D)
+    precise = q.dtype == torch.float32
+    in_place = not precise and TUNE["fused_tail"]
     tqt = 4 if M <= 4 else 8                          # the tail's own query tile (attention.cu's QT)
     tqtiles = -(-M // tqt)
-    chunk, nt = A._splits(NT, B * H * tqtiles, 32 * tnw, sms, TUNE["tail_tiles"]) if NT > 0 else (0, 0)
+    n_mixed = max(c["n_kpages"] * G, c["n_vq"]) - NF
+    if not in_place:
+        parts = [("gather", NT, 0)]
+    elif TUNE["tail16"] if TUNE["tail16"] is not None else B * H * tqtiles >= sms:
+        parts = [("fp16", NT - n_mixed, 0), ("mixed", n_mixed, c["n_sink"])]
+    else:
+        parts = [("mixed", NT, 0)]
+    # (kind, rows, first tail row or skipped rows, warps per block, keys per split, splits)
+    parts = [(kind, rows, u, nw_t, *A._splits(rows, B * H * tqtiles, 32 * nw_t, sms, TUNE["tail_tiles"]))
+             for kind, rows, u in parts if rows > 0
+             for nw_t in (L.attn_warps(L.DT[torch.float16 if kind == "fp16" else torch.float32], D),)]
+    nt = sum(p[-1] for p in parts)
     S_TOTAL = n_split + nt
     rows = B * H_q * T_q
     o_part = torch.empty((S_TOTAL, rows, D), dtype=torch.float32, device=dev)
@@ -307,27 +326,28 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     side = _side_stream(dev_index) if nt and n_split and TUNE["side_stream"] else main
 
     def launch_tail():
-        # the fp32 segment: precise (double accumulators, natural units) for float32 q; float
-        # accumulators in base 2 for half-precision q (whose fused part carries about 22 bits); half-
-        # precision q reads it in place (paged_tail_attn) unless TUNE["fused_tail"] is off
         with torch.cuda.stream(side):
-            precise = q.dtype == torch.float32
             qf = q if q.stride(-1) == 1 else q.contiguous()
             qs = tuple(np.int64(s) for s in qf.stride()[:3])
-            tail = (np.int32(nt), np.int32(n_split), np.float32(sc if precise else sc * LOG2E))
-            if precise or not TUNE["fused_tail"]:
-                tk, tv = gather_tail(cfg, codec, st, NF)
-                fn_t = A._split_kernel(L.DT[torch.float32], D, tqt, tnw, None if precise else L.DT[q.dtype])
-                L.run(fn_t, (nt * tqtiles, H, B), (32 * tnw,),
-                      (qf, tk, tv, o_part, lse_part, *qs, *(np.int64(s) for s in tk.stride()[:3]),
-                       *(np.int64(s) for s in tv.stride()[:3]), np.int32(B), np.int32(H_q), np.int32(H),
-                       np.int32(T_q), np.int64(NT), np.int64(chunk), *tail), dev)
-            else:
-                _, ptrs, ints = _tail_rows(cfg, codec, st, NF)
-                fn_t = L.kernel(_SRC, L.paged_tail_name(D, tqt, L.DT[q.dtype]))
-                L.run(fn_t, (nt * tqtiles, H, B), (32 * tnw,),
-                      (qf, *ptrs, np.int32(k_bits), np.int32(cfg.v_bits), np.int32(kitty), o_part, lse_part, *qs,
-                       np.int32(B), np.int32(H_q), np.int32(T_q), np.int64(NT), np.int64(chunk), *tail, *ints), dev)
+            qk = np.float32(sc if precise else sc * LOG2E)
+            split0 = n_split
+            for kind, n_rows, u, nw_t, chunk, n in parts:
+                grid, dims = (n * tqtiles, H, B), (np.int32(B), np.int32(H_q))
+                common = (np.int64(n_rows), np.int64(chunk), np.int32(n), np.int32(split0), qk)
+                if kind == "gather":
+                    tk, tv = gather_tail(cfg, codec, st, NF)
+                    fn_t = A._split_kernel(L.DT[torch.float32], D, tqt, nw_t, None if precise else L.DT[q.dtype])
+                    L.run(fn_t, grid, (32 * nw_t,),
+                          (qf, tk, tv, o_part, lse_part, *qs, *(np.int64(s) for s in tk.stride()[:3]),
+                           *(np.int64(s) for s in tv.stride()[:3]), *dims, np.int32(H), np.int32(T_q), *common), dev)
+                else:
+                    _, ptrs, ints = _tail_rows(cfg, codec, st, NF)
+                    fn_t = L.kernel(_SRC, L.paged_tail_name(D, tqt, L.DT[q.dtype], kind == "fp16"))
+                    where = ((np.int32(c["n_sink"]), np.int32(n_mixed)) if kind == "fp16" else
+                             (np.int32(k_bits), np.int32(cfg.v_bits), np.int32(kitty), np.int32(u)))
+                    L.run(fn_t, grid, (32 * nw_t,),
+                          (qf, *ptrs, *where, o_part, lse_part, *qs, *dims, np.int32(T_q), *common, *ints), dev)
+                split0 += n
 
     def launch_fused():
         qq = q if q.stride(-1) == 1 else q.contiguous()
