@@ -131,9 +131,10 @@ def _mma2_smem(kitty: bool, db: int, nw: int, k_bits: int = 2, v_bits: int = 2) 
 
 
 @functools.lru_cache(maxsize=None)
-def _side_stream(device_index: int) -> torch.cuda.Stream:
-    """The second stream of a device on which decode runs the tail beside the fused kernel (forked
-    from and joined back into the caller's stream in every call, so CUDA-graph capture works)."""
+def _side_stream(device_index: int, k: int = 0) -> torch.cuda.Stream:
+    """Side stream number k of a device, on which decode runs (a part of) the tail beside the fused
+    kernel (forked from and joined back into the caller's stream in every call, so CUDA-graph capture
+    works)."""
     return torch.cuda.Stream(device=device_index)
 
 
@@ -323,15 +324,16 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     o_part = torch.empty((S_TOTAL, rows, D), dtype=torch.float32, device=dev)
     lse_part = torch.empty((S_TOTAL, rows), dtype=torch.float32, device=dev)
     main = torch.cuda.current_stream(dev)
-    side = _side_stream(dev_index) if nt and n_split and TUNE["side_stream"] else main
+    # the tail's parts each on their own side stream (side by side with the fused kernel and each other)
+    sides = [_side_stream(dev_index, k) if n_split and TUNE["side_stream"] else main for k in range(len(parts))]
 
     def launch_tail():
-        with torch.cuda.stream(side):
-            qf = q if q.stride(-1) == 1 else q.contiguous()
-            qs = tuple(np.int64(s) for s in qf.stride()[:3])
-            qk = np.float32(sc if precise else sc * LOG2E)
-            split0 = n_split
-            for kind, n_rows, u, nw_t, chunk, n in parts:
+        qf = q if q.stride(-1) == 1 else q.contiguous()
+        qs = tuple(np.int64(s) for s in qf.stride()[:3])
+        qk = np.float32(sc if precise else sc * LOG2E)
+        split0 = n_split
+        for side, (kind, n_rows, u, nw_t, chunk, n) in zip(sides, parts):
+            with torch.cuda.stream(side):
                 grid, dims = (n * tqtiles, H, B), (np.int32(B), np.int32(H_q))
                 common = (np.int64(n_rows), np.int64(chunk), np.int32(n), np.int32(split0), qk)
                 if kind == "gather":
@@ -347,7 +349,7 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
                              (np.int32(k_bits), np.int32(cfg.v_bits), np.int32(kitty), np.int32(u)))
                     L.run(fn_t, grid, (32 * nw_t,),
                           (qf, *ptrs, *where, o_part, lse_part, *qs, *dims, np.int32(T_q), *common, *ints), dev)
-                split0 += n
+            split0 += n
 
     def launch_fused():
         qq = q if q.stride(-1) == 1 else q.contiguous()
@@ -359,15 +361,15 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
                np.int32(pps), np.int32(n_split), np.int32(db), np.int32(ngv), np.float32(sc * LOG2E)),
               dev, shared_mem=smem)
 
-    if side is not main:
-        side.wait_stream(main)                        # fork before either launch: they run side by side
+    for side in set(sides) - {main}:
+        side.wait_stream(main)                        # fork before any launch: they run side by side
     # the tail's blocks first (they take SM slots before the fused grid fills them: the latency of a
     # small step) or the fused grid first (TUNE["tail_first"] = False: its makespan model sees every slot)
     launches = [(nt, launch_tail), (n_split, launch_fused)]
     for needed, launch in (launches if TUNE["tail_first"] else launches[::-1]):
         if needed:
             launch()
-    if side is not main:
+    for side in set(sides) - {main}:
         main.wait_stream(side)                        # the tail's partials are written
     A._merge_launch(o_part, lse_part, out, lse, rows, S_TOTAL, D)
     return out, lse
