@@ -275,14 +275,17 @@ def test_decode_one_stream(cupy_target, a, monkeypatch):
 
 
 # (case index or a config, T, q dtype, GQA ratio, head dim): tails with quantized keys and fp16 values
-# (R = G), fp16 keys and quantized values (R < G), a sink, bf16 q (CUDA-core kernel), D = 64, no page
+# (R = G), fp16 keys and quantized values (R < G), a sink, bf16 q (CUDA-core kernel), D = 64, no page,
+# 8-bit keys, mixed key rows over two pages (R > G)
 TAIL = [(0, 3001, torch.float16, 4, 128), (0, 2048 + 77, torch.float16, 8, 128), (3, 1111, torch.float16, 8, 128),
         (4, 2500, torch.bfloat16, 4, 128), (1, 1500, torch.float16, 2, 128), (2, 999, torch.float16, 4, 128),
         (lambda: RK.KIVIConfig(2, 4, group_size=128, residual=40, max_tokens=4096), 1000, torch.float16, 4, 128),
-        (lambda: RK.KIVIConfig(2, 2, **CUDA), 1300, torch.float16, 4, 64), (0, 100, torch.float16, 4, 128)]
+        (lambda: RK.KIVIConfig(2, 2, **CUDA), 1300, torch.float16, 4, 64), (0, 100, torch.float16, 4, 128),
+        (lambda: RK.KIVIConfig(8, 2, **CUDA), 1100, torch.float16, 4, 128),
+        (lambda: RK.KIVIConfig(2, 2, group_size=128, residual=200, max_tokens=4096), 1030, torch.float16, 4, 128)]
 
 
-@pytest.mark.parametrize("a", TAIL, ids=[f"{IDS[a[0]] if isinstance(a[0], int) else 'KIVI-R40'}-T{a[1]}-"
+@pytest.mark.parametrize("a", TAIL, ids=[f"{IDS[a[0]] if isinstance(a[0], int) else 'KIVI-cfg'}-T{a[1]}-"
                                          f"{str(a[2])[6:]}-gqa{a[3]}-D{a[4]}" for a in TAIL])
 def test_decode_tail_in_place(cupy_target, a, monkeypatch):
     """CuPy: half-precision q reads the tail (sink, Q-buffers, window, mixed tokens) in place
