@@ -56,8 +56,8 @@ class OscarOps:
     #: :class:`AppendPlan` (the page table already holds the pages it opens); the caller has validated
     #: everything (shapes, finiteness, that fp16(x R) is finite)
     fused_append: ModuleType | None = None
-    #: ``rotate_heads(x, R64, out_dtype) -> x R`` for the query-side tensors (q, and the output rotated
-    #: back): float64 sums rounded to fp32, then to out_dtype, in one launch
+    #: ``rotate_heads(x, R, out_dtype) -> x R`` for the query-side tensors (q, and the output rotated
+    #: back; R: the calibration's fp32 values): float64 sums rounded to fp32, then to out_dtype, in one launch
     #: (``kvq.fast.cupy.oscar_decode.rotate_heads``); None: :func:`_rotate_heads` (torch float64 matmul)
     rotate_heads: Callable | None = None
 
@@ -407,14 +407,17 @@ def decode_attention(ops: "OscarOps", cfg, calib, state: OSCARTensorState, q, *,
     C.check_decode_q(q, state.shape, state.device, state.length, allow_cpu=ops.allow_cpu())
     calib.check(H, D)
     dev = state.device
+    # the backend's rotation takes the fp32 calibration as it is (half the bytes; sums in float64), the
+    # torch fallback a float64 copy
+    rdt = torch.float32 if ops.rotate_heads is not None else torch.float64
     rot = ops.rotate_heads or (lambda x, R, dt: _rotate_heads(x, R).to(dt))
-    qr = rot(q, _rot(calib.R_K, dev, dtype=torch.float64), torch.float32)     # (B, H_q, T_q, D) fp32
+    qr = rot(q, _rot(calib.R_K, dev, dtype=rdt), torch.float32)                # (B, H_q, T_q, D) fp32
     if ops.fused_decode is not None:
         out, lse = ops.fused_decode(cfg, state, qr, scale=scale, precise=q.dtype == torch.float32)
     else:
         out, lse = ops.attention.decode_attention(qr, segments(ops, cfg, state), scale=scale)
     if rotate_back:
-        return rot(out, _rot(calib.R_V, dev, True, torch.float64), q.dtype), lse
+        return rot(out, _rot(calib.R_V, dev, True, rdt), q.dtype), lse
     return out.to(q.dtype), lse
 
 

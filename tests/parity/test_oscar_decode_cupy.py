@@ -159,7 +159,8 @@ def test_cuda_graph_capture(mods):
 def test_rotate_heads(mods, in_dt, out_dt, per_head):
     """oscar_decode.rotate_heads (float64 sums, one launch) equals the float64 product rounded to fp32
     and then to the output dtype, to within one fp32 rounding of the sum (its order differs), for a
-    strided x and per-KV-head rotations (GQA: head h uses R[h // 4])."""
+    strided x and per-KV-head rotations (GQA: head h uses R[h // 4]); a float32 R gives the bits of its
+    float64 copy."""
     _, OD = mods
     g = torch.Generator().manual_seed(3)
     B, Hkv, Gq, T, D = 2, 3, 4, 5, 128
@@ -177,5 +178,8 @@ def test_rotate_heads(mods, in_dt, out_dt, per_head):
     assert (got.double() - f32.to(out_dt).double()).abs().max().item() <= step
     if out_dt == torch.float32:
         assert (got.double() - exact).abs().max().item() <= torch.finfo(torch.float32).eps * exact.abs().max().item()
-    with pytest.raises(ValueError, match="float64 R"):
-        OD.rotate_heads(x, R.float(), out_dt)
+    # float32 R (the decode's: the calibration is fp32) is read as float64: the bits of its float64 copy
+    R32 = R.float()
+    assert torch.equal(OD.rotate_heads(x, R32, out_dt), OD.rotate_heads(x, R32.double(), out_dt))
+    with pytest.raises(ValueError, match="float64 or float32 R"):
+        OD.rotate_heads(x, R.half(), out_dt)

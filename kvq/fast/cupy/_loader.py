@@ -143,7 +143,8 @@ def _aqua_names():
 #: rotation per input / output dtype
 OSCAR_DECODE_NAMES = (tuple(f"oscar_decode_mma<{nr}>" for nr in (4, 8))
                       + tuple(f"oscar_tail_attn<{qt}, {attn_warps(0, 128)}>" for qt in ATTN_QT)
-                      + tuple(f"rotate_heads_f64<{i}, {o}>" for i in (0, 1, 2) for o in (0, 1, 2)))
+                      + tuple(f"rotate_heads_f64<{i}, {o}, {r}>" for i in (0, 1, 2) for o in (0, 1, 2)
+                              for r in ("float", "double")))
 
 #: source file -> every kernel name expression the Python side may request (tests compile them all)
 KERNELS = {

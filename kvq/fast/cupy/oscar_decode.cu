@@ -206,7 +206,8 @@ __global__ void __launch_bounds__(NW * 32)
 
 // ---- the query-side rotations ----------------------------------------------------------------------
 // Computes: y = x R for a query-side tensor x (B, H_q, T, D) (any strides; input dtype DTI): row (b, h, t)
-//   times R[h / (H_q / H_R)] (R: (H_R, D, D) float64, contiguous), the D products summed in float64
+//   times R[h / (H_q / H_R)] (R: (H_R, D, D) float64, or float32 RT: read as float64, the same sums;
+//   half the bytes for an fp32 calibration, whose values are fp32; contiguous), the D products summed in float64
 //   (RS_SLICES partial sums over i % RS_SLICES, then added in slice order), rounded to fp32 and then to
 //   DTO; out (B, H_q, T, D) contiguous. (The decode's q and output rotations: a few rows, so one launch
 //   replaces cast, batched matmul, cast; float64 sums are at least as accurate as the reference's
@@ -217,9 +218,9 @@ __global__ void __launch_bounds__(NW * 32)
 //   channel waited on D dependent load rounds); the partials meet in shared memory. D <= 256.
 // Bytes: reads the row and R[h] (L2-resident across rows), writes one row.
 #define RS_SLICES 8
-template <int DTI, int DTO>
+template <int DTI, int DTO, class RT>
 __global__ void __launch_bounds__(32 * RS_SLICES)
-    rotate_heads_f64(const typename Ty<DTI>::S* __restrict__ x, const double* __restrict__ R,
+    rotate_heads_f64(const typename Ty<DTI>::S* __restrict__ x, const RT* __restrict__ R,
                      typename Ty<DTO>::S* __restrict__ out, int Hq, int T, int HR, int D, i64 sx_b, i64 sx_h,
                      i64 sx_t, i64 sx_d) {
     __shared__ double xs[256];
@@ -233,11 +234,11 @@ __global__ void __launch_bounds__(32 * RS_SLICES)
     for (int i = sl * 32 + jj; i < D; i += 32 * RS_SLICES)
         xs[i] = (double)Ty<DTI>::ld(x[b * sx_b + (i64)h * sx_h + (i64)t * sx_t + (i64)i * sx_d]);
     __syncthreads();
-    const double* Rh = R + (i64)(h / (Hq / HR)) * D * D;
+    const RT* Rh = R + (i64)(h / (Hq / HR)) * D * D;
     double acc = 0.0;
     if (j < D) {
 #pragma unroll 8
-        for (int i = sl; i < D; i += RS_SLICES) acc = fma(xs[i], Rh[(i64)i * D + j], acc);
+        for (int i = sl; i < D; i += RS_SLICES) acc = fma(xs[i], (double)Rh[(i64)i * D + j], acc);
     }
     part[sl][jj] = acc;
     __syncthreads();

@@ -121,19 +121,22 @@ _ROT_SLICES = 8          # oscar_decode.cu RS_SLICES: partial sums per output ch
 
 def rotate_heads(x: torch.Tensor, R: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``x R`` for a query-side tensor x (B, H_q, T, D): head h times ``R[h // (H_q / H_R)]`` (R float64
-    (D, D) or (H_R, D, D) on x's device), float64 sums rounded to fp32 and then to ``out_dtype``: one
-    launch of ``rotate_heads_f64`` (the decode's q and output rotations; the torch form is
-    ``kvq.fast._oscar._rotate_heads``, the same sums in a library order)."""
+    or float32 (D, D) or (H_R, D, D) on x's device; float32 is read as float64: the sums of its values
+    in float64, half the bytes to read: the decode passes the fp32 calibration so), float64 sums rounded
+    to fp32 and then to ``out_dtype``: one launch of ``rotate_heads_f64`` (the decode's q and output
+    rotations; the torch form is ``kvq.fast._oscar._rotate_heads``, the same sums in a library order)."""
     B, Hq, T, D = x.shape
     R3 = R if R.dim() == 3 else R.unsqueeze(0)
-    if R3.dtype != torch.float64 or R3.shape[1:] != (D, D) or Hq % R3.shape[0] or D > 256:
-        raise ValueError(f"rotate_heads takes float64 R (D, D) or (H_R, D, D) with H_q % H_R == 0 and "
-                         f"D <= 256; got R {tuple(R.shape)} {R.dtype} for x {tuple(x.shape)}")
+    if (R3.dtype not in (torch.float64, torch.float32) or R3.shape[1:] != (D, D) or Hq % R3.shape[0]
+            or D > 256):
+        raise ValueError(f"rotate_heads takes float64 or float32 R (D, D) or (H_R, D, D) with H_q % H_R == 0 "
+                         f"and D <= 256; got R {tuple(R.shape)} {R.dtype} for x {tuple(x.shape)}")
     out = torch.empty((B, Hq, T, D), dtype=out_dtype, device=x.device)
     if out.numel() == 0:
         return out
     R3 = R3.contiguous()
-    fn = L.kernel(_SRC, f"rotate_heads_f64<{L.DT[x.dtype]}, {L.DT[out_dtype]}>")
+    rt = "double" if R3.dtype == torch.float64 else "float"
+    fn = L.kernel(_SRC, f"rotate_heads_f64<{L.DT[x.dtype]}, {L.DT[out_dtype]}, {rt}>")
     L.run(fn, (B * Hq * T, (D + 31) // 32), (32, _ROT_SLICES),
           (x, R3, out, np.int32(Hq), np.int32(T), np.int32(R3.shape[0]), np.int32(D),
            *(np.int64(s) for s in x.stride())), x.device)
