@@ -1,0 +1,75 @@
+"""NumPy model (CPU) of the large-operand lse error that the tensor-core KIVI decode's FP16 tail adds:
+the tail kernels (``paged_tail_attn`` / ``paged_tail16_attn`` / ``attn_split``, half-precision q) sum
+each score q . k over the head dim as one chain of fp32 fmas, q pre-scaled by fp32(scale * log2 e);
+with |q_d k_d scale| ~ 40 and |score| ~ 1e3 that chain's roundings reach several fp32 ulps, where the
+fp32 reference (NumPy's blocked sums) stays near one. The model takes the page tokens' scores exact
+and emulates only the tail's chain, on the caches of ``accuracy_large_operands.py``; it prints, per
+cache, the resulting lse error over the tolerance rule's bound (above 1 misses the rule), next to the
+same with the tail's sums in float64 (rounded once to fp32).
+
+    python benchmarks/model_tail_scores.py          # about a minute on the CPU
+
+Measured on the H100 for these caches (``benchmarks/results/h100-31017f8/accuracy.txt``): worst
+K2V2 1.71, K4V4 1.16; this model alone gives 1.63 and 1.11 for the same caches.
+"""
+
+import numpy as np
+
+from kvq.fast import _paged
+from kvq.reference import kivi as RK
+
+LOG2E = 1.4426950408889634
+CUDA = dict(group_size=128, residual=128, max_tokens=4096)
+
+
+def ratios(kb: int, seed: int, T: int) -> tuple:
+    """(lse error / bound with the fp32 chain, with float64 sums) for one cache."""
+    cfg = RK.KIVIConfig(kb, kb, **CUDA)
+    B, H, D = 2, 4, 128
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((B, H, T, D)).astype(np.float32)
+    v = rng.standard_normal((B, H, T, D)).astype(np.float32)
+    k = (k * np.float32(3e4 / np.abs(k).max())).astype(np.float16)
+    v = (v * np.float32(3e4 / np.abs(v).max())).astype(np.float16)
+    rs = RK.init(cfg, B, H, D)
+    RK.append(cfg, rs, k, v)
+    q = (rng.standard_normal((B, 2 * H, 1, D)).astype(np.float32) * 300.0).astype(np.float16)
+    q64 = q.astype(np.float64)
+    _, l64 = RK.decode_attention(cfg, rs, q64, scale=1e-5)
+    _, l32 = RK.decode_attention(cfg, rs, q.astype(np.float32), scale=1e-5)
+    K, _ = RK.dequantize(cfg, rs)
+    c = _paged.counts(cfg, T)
+    NF = min(c["n_kpages"] * cfg.group_size, c["n_vq"])           # tail rows: tokens [NF, T)
+    qk = np.float32(1e-5 * LOG2E)
+    out = []
+    for chain in (True, False):
+        lse = np.zeros((B, 2 * H))
+        for b in range(B):
+            for h in range(2 * H):
+                kk = K[b, h // 2].astype(np.float64)
+                s2 = kk @ q64[b, h, 0] * (1e-5 * LOG2E)               # exact, base 2
+                qs = (q[b, h, 0].astype(np.float32) * qk).astype(np.float64)
+                if chain:                                             # one fp32 fma per channel
+                    acc = np.zeros(T - NF, np.float32)
+                    for d in range(D):
+                        acc = (acc.astype(np.float64) + qs[d] * kk[NF:, d]).astype(np.float32)
+                    s2[NF:] = acc
+                else:                                                 # float64 sums, one rounding
+                    s2[NF:] = (kk[NF:] @ qs).astype(np.float32)
+                m = s2.max()
+                lse[b, h] = (m + np.log2(np.exp2(s2 - m).sum())) / LOG2E
+        bound = 2 * np.abs(l32 - l64).max() + np.spacing(np.float32(np.abs(l64).max()))
+        out.append(float(np.abs(lse - l64.reshape(B, 2 * H)).max() / bound))
+    return tuple(out)
+
+
+def main() -> None:
+    for kb in (2, 4):
+        r = [ratios(kb, s, T) for s in range(4) for T in (1500, 2348)]
+        print(f"K{kb}: tail as one fp32 fma chain: lse error / bound per cache "
+              f"{[round(a, 2) for a, _ in r]} (max {max(a for a, _ in r):.2f}); with float64 sums "
+              f"{[round(b, 2) for _, b in r]} (max {max(b for _, b in r):.2f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
