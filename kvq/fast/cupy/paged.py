@@ -14,11 +14,12 @@ fused kernel (``paged_decode``): each warp copies a page (packed codes + metadat
 with cp.async (the next page in flight), unpacks and dequantizes it in registers (bit-exact
 ``code * scale + mn``) and does flash-decoding with an fp32 online softmax on the CUDA cores. The few
 other tokens (sink, key Q-buffer, value window / Q-buffer, mixed tokens: at most S + G + R + G) form
-the tail: ``paged_tail_attn`` reads them in place (fp16 rows widened, mixed tokens' page rows
-dequantized bit-exactly into fp32 tiles) and runs ``attention.cu``'s split-kernel body over them, on a
-second stream beside the fused kernel; float32 q (and ``TUNE["fused_tail"] = False``) gathers them
-first (``paged_gather_tail``) into one fp32 segment for ``attention.cu``'s split kernel. All partials
-are merged by its log-sum-exp merge kernel.
+the tail, read in place beside the fused kernel (side streams) through ``attention.cu``'s split-kernel
+body: ``paged_tail_attn`` (fp32 tiles: fp16 rows widened, the mixed tokens' page rows dequantized
+bit-exactly) and, from one tail query tile per SM on, ``paged_tail16_attn`` for the rows whose key and
+value are both fp16 (fp16 tiles by cp.async); float32 q (and ``TUNE["fused_tail"] = False``) gathers
+the tail first (``paged_gather_tail``) into one fp32 segment for ``attention.cu``'s split kernel. All
+partials are merged by its log-sum-exp merge kernel.
 The fused kernel takes G = 128, D in {64, 128}, fp16 metadata and value groups of a multiple of 4
 channels; other configurations dequantize the cache and run the FP16-baseline kernels in fp32.
 fp16 q with 2- or 4-bit keys and values (one value group per token, D = 128, <= 8 query rows per KV
@@ -60,7 +61,7 @@ MMA_BITS = (2, 4)                   # key / value code bits of paged_decode_mma2
 #: waves = target blocks per SM over the fused grid (None: the split count that minimizes the
 #: makespan model of ``_n_splits`` at the kernel's occupancy); mma: the tensor-core kernel where it
 #: applies (paged_decode_mma2; False: the CUDA-core kernel paged_decode);
-#: side_stream: the tail (gather + fp32 split kernel) on a second stream beside the fused kernel;
+#: side_stream: the tail's kernels on side streams beside the fused kernel (False: all on one stream);
 #: fused_tail: half-precision q reads the tail in place (paged_tail_attn; False: paged_gather_tail into
 #: an fp32 copy, then attention.cu's split kernel: the same partials bit for bit); tail_tiles: at least
 #: this many 32-key tiles per warp of the tail's split kernel (attention._splits); tail_first: the tail
