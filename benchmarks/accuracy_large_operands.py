@@ -18,7 +18,9 @@ from kvq.reference import kivi as RK
 CUDA = dict(group_size=128, residual=128, max_tokens=4096)
 
 
-def ratio(kb: int, vb: int, seed: int, T: int, qs: float = 300.0) -> float:
+def large_case(kb: int, vb: int, seed: int, T: int, qs: float = 300.0):
+    """(cfg, reference state, k, v, q) of one cache: B = 2, H_kv = 4, GQA 2, D = 128; keys and values
+    fp16 scaled to |x| <= 3e4, q fp16 (B, 8, 1, D) of scale qs (also ``model_tail_scores.py``'s caches)."""
     cfg = RK.KIVIConfig(kb, vb, **CUDA)
     B, H, D = 2, 4, 128
     rng = np.random.default_rng(seed)
@@ -26,10 +28,17 @@ def ratio(kb: int, vb: int, seed: int, T: int, qs: float = 300.0) -> float:
     v = rng.standard_normal((B, H, T, D)).astype(np.float32)
     k = (k * np.float32(3e4 / np.abs(k).max())).astype(np.float16)
     v = (v * np.float32(3e4 / np.abs(v).max())).astype(np.float16)
-    rs, fs = RK.init(cfg, B, H, D), FK.init(cfg, B, H, D)
+    rs = RK.init(cfg, B, H, D)
     RK.append(cfg, rs, k, v)
+    q = (rng.standard_normal((B, 2 * H, 1, D)).astype(np.float32) * qs).astype(np.float16)
+    return cfg, rs, k, v, q
+
+
+def ratio(kb: int, vb: int, seed: int, T: int, qs: float = 300.0) -> float:
+    cfg, rs, k, v, qn = large_case(kb, vb, seed, T, qs)
+    fs = FK.init(cfg, *rs.shape)
     FK.append(cfg, fs, torch.from_numpy(k).cuda(), torch.from_numpy(v).cuda())
-    q = torch.from_numpy(rng.standard_normal((B, 2 * H, 1, D)).astype(np.float32) * qs).half().cuda()
+    q = torch.from_numpy(qn).cuda()
     _, lse = FK.decode_attention(cfg, fs, q, scale=1e-5)
     _, l64 = RK.decode_attention(cfg, rs, q.cpu().double().numpy(), scale=1e-5)
     _, l32 = RK.decode_attention(cfg, rs, q.cpu().float().numpy(), scale=1e-5)

@@ -15,25 +15,17 @@ K2V2 1.71, K4V4 1.16; this model alone gives 1.63 and 1.11 for the same caches.
 
 import numpy as np
 
+from accuracy_large_operands import large_case
 from kvq.fast import _paged
 from kvq.reference import kivi as RK
 
 LOG2E = 1.4426950408889634
-CUDA = dict(group_size=128, residual=128, max_tokens=4096)
 
 
 def ratios(kb: int, seed: int, T: int) -> tuple:
     """(lse error / bound with the fp32 chain, with float64 sums) for one cache."""
-    cfg = RK.KIVIConfig(kb, kb, **CUDA)
-    B, H, D = 2, 4, 128
-    rng = np.random.default_rng(seed)
-    k = rng.standard_normal((B, H, T, D)).astype(np.float32)
-    v = rng.standard_normal((B, H, T, D)).astype(np.float32)
-    k = (k * np.float32(3e4 / np.abs(k).max())).astype(np.float16)
-    v = (v * np.float32(3e4 / np.abs(v).max())).astype(np.float16)
-    rs = RK.init(cfg, B, H, D)
-    RK.append(cfg, rs, k, v)
-    q = (rng.standard_normal((B, 2 * H, 1, D)).astype(np.float32) * 300.0).astype(np.float16)
+    cfg, rs, _, _, q = large_case(kb, kb, seed, T)
+    B, H, D = rs.shape
     q64 = q.astype(np.float64)
     _, l64 = RK.decode_attention(cfg, rs, q64, scale=1e-5)
     _, l32 = RK.decode_attention(cfg, rs, q.astype(np.float32), scale=1e-5)
