@@ -15,7 +15,7 @@ cancellation, whatever the accumulation mode; centered codes shrink both sums.
 """
 import numpy as np
 
-from kvq.reference import kivi as RK
+from accuracy_large_operands import large_case
 from kvq.reference.packing import unpack
 
 def f16(x): return np.asarray(x, np.float64).astype(np.float16).astype(np.float64)
@@ -43,14 +43,9 @@ def chain(A, Bv, trunc, K=16):
     return acc
 
 def model(seed, T=1500, center=False, trunc=True):
-    cfg = RK.KIVIConfig(2, 2, group_size=128, residual=128, max_tokens=4096)
-    B, H, D = 2, 4, 128
-    rng = np.random.default_rng(seed)
-    k = rng.standard_normal((B, H, T, D)).astype(np.float32); v = rng.standard_normal((B, H, T, D)).astype(np.float32)
-    k = (k * np.float32(3e4 / np.abs(k).max())).astype(np.float16)
-    v = (v * np.float32(3e4 / np.abs(v).max())).astype(np.float16)
-    rs = RK.init(cfg, B, H, D); RK.append(cfg, rs, k, v)
-    q = (rng.standard_normal((B, 2 * H, 1, D)).astype(np.float32) * 300).astype(np.float16).astype(np.float64)
+    cfg, rs, _, _, q = large_case(2, 2, seed, T)
+    B, H, D = rs.shape
+    q = q.astype(np.float64)
     qk = float(np.float32(1e-5 * 1.4426950408889634))
     errs, mags = [], []
     for b in range(B):

@@ -328,8 +328,10 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     # the tail's parts each on their own side stream (side by side with the fused kernel and each other)
     sides = [_side_stream(dev_index, k) if n_split and TUNE["side_stream"] else main for k in range(len(parts))]
 
+    rows_args = _tail_rows(cfg, codec, st, NF)[1:] if in_place and nt else None   # paged_tail*_attn's TailRows
+    qf = q if q.stride(-1) == 1 else q.contiguous()   # the kernels read q rows with a unit last stride
+
     def launch_tail():
-        qf = q if q.stride(-1) == 1 else q.contiguous()
         qs = tuple(np.int64(s) for s in qf.stride()[:3])
         qk = np.float32(sc if precise else sc * LOG2E)
         split0 = n_split
@@ -344,7 +346,7 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
                           (qf, tk, tv, o_part, lse_part, *qs, *(np.int64(s) for s in tk.stride()[:3]),
                            *(np.int64(s) for s in tv.stride()[:3]), *dims, np.int32(H), np.int32(T_q), *common), dev)
                 else:
-                    _, ptrs, ints = _tail_rows(cfg, codec, st, NF)
+                    ptrs, ints = rows_args
                     fn_t = L.kernel(_SRC, L.paged_tail_name(D, tqt, L.DT[q.dtype], kind == "fp16"))
                     where = ((np.int32(c["n_sink"]), np.int32(n_mixed)) if kind == "fp16" else
                              (np.int32(k_bits), np.int32(cfg.v_bits), np.int32(kitty), np.int32(u)))
@@ -353,9 +355,8 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
             split0 += n
 
     def launch_fused():
-        qq = q if q.stride(-1) == 1 else q.contiguous()
         L.run(fn, (n_split * qtiles, H, B), (32 * nw,),
-              (qq, np.int32(L.DT[q.dtype]), *(np.int64(s) for s in qq.stride()[:3]),
+              (qf, np.int32(L.DT[q.dtype]), *(np.int64(s) for s in qf.stride()[:3]),
                kp["codes"], kp["high"], kp["idx"], kp["scale"], kp["mn"], st.v_codes, st.v_scale, st.v_mn,
                st.k_table, st.v_table, np.int32(st.k_table.shape[1]), o_part, lse_part,
                np.int32(B), np.int32(H_q), np.int32(H), np.int32(T_q), np.int32(NF), np.int32(NP),
