@@ -367,16 +367,12 @@ def test_decode_tensor_cores_4bit(name, make, ratio, T_q, qs):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=False, reason=(
-    "known gap, measured on an H100 at 31017f8 (benchmarks/results/h100-31017f8/accuracy.txt): with the "
-    "centered key codes the worst lse error / bound over the 8 caches is 1.71 (K2V2, K2V4) and 1.16 (K4V4, "
-    "K4V2), mean 0.69 (raw codes: max 1.71 / 1.50, mean 1.04); a few fp32 ulps at |lse| ~ 1e3"))
 @pytest.mark.parametrize("kb, vb", [(2, 2), (4, 4), (4, 2), (2, 4)], ids=["K2V2", "K4V4", "K4V2", "K2V4"])
 def test_decode_tensor_cores_large_operands_sweep(kb, vb):
     """CuPy tensor-core decode with large operands (keys / values up to 3e4, |q| ~ 300, scale 1e-5: |lse| ~
-    1e3) over 8 random caches (``benchmarks/accuracy_large_operands.py``): the lse should meet the tolerance
-    rule on every one. It does not yet (see the xfail reason): the centered key codes cut the mean ratio by a
-    third and the 4-bit worst case from 1.50 to 1.16, but one 2-bit cache stays at 1.71."""
+    1e3) over 8 random caches (``benchmarks/accuracy_large_operands.py``): the lse meets the tolerance rule
+    on every one (centered key codes in the page kernel; the tail's score sums in float64: with one fp32
+    fma chain per score the worst cache was 1.71x the bound, ``benchmarks/model_tail_scores.py``)."""
     import importlib.util
     from pathlib import Path
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "accuracy_large_operands.py"

@@ -122,6 +122,9 @@ struct TwoSegmentTiles {
 //   end the NW warp states are merged through shared memory.
 // Bytes: reads each K and V element of the split once per query tile (once when G_q*T_q <= QT);
 //   writes (D + 1) fp32 per query row and split.
+// SD (default PRECISE): the scores' dot products summed in double, rounded once to float (the paged
+// decode's FP16 tail for half-precision q: a 128-term fp32 fma chain per score reached several fp32
+// ulps at |score| ~ 1e3, beyond the tolerance rule; benchmarks/model_tail_scores.py).
 // Accumulator of the dot products and of P.V: float, or double when PRECISE (the default for float32
 // inputs: the fp32 path is the precise one, its sums then carry no more rounding than the float32
 // reference's pairwise sums; PRECISE also means natural-log units, else base 2 with log2(e) in the
@@ -136,7 +139,7 @@ struct AccT<2> {
     typedef double T;
 };
 
-template <int DT, int D, int QT, int NW, int PRECISE, int QDT, class Tiles>
+template <int DT, int D, int QT, int NW, int PRECISE, int QDT, int SD = PRECISE, class Tiles>
 __device__ __forceinline__ void attn_split_body(const typename Ty<QDT>::S* __restrict__ q, const Tiles& tiles,
                                                 float* __restrict__ o_part, float* __restrict__ lse_part,
                                                 i64 sq_b, i64 sq_h, i64 sq_t, int B, int Hq, int Hkv, int Tq,
@@ -144,6 +147,7 @@ __device__ __forceinline__ void attn_split_body(const typename Ty<QDT>::S* __res
     typedef AttnCfg<DT, D> Cfg;
     typedef typename Ty<DT>::S S;
     typedef typename AccT<PRECISE ? 2 : 0>::T Acc;
+    typedef typename AccT<(PRECISE || SD) ? 2 : 0>::T SAcc;   // the score sums
     constexpr int VE = Cfg::VE;
     constexpr int NVEC = Cfg::NVEC;
     constexpr int KROW = Cfg::KROW;
@@ -211,7 +215,7 @@ __device__ __forceinline__ void attn_split_body(const typename Ty<QDT>::S* __res
         __syncwarp();                                  // ... and every lane's
 
         // scores: lane j <-> key kb + j, all QT query rows
-        Acc s[QT];
+        SAcc s[QT];
 #pragma unroll
         for (int qi = 0; qi < QT; ++qi) s[qi] = 0.0f;
         const S* krow = ks + lane * KROW;
@@ -224,7 +228,7 @@ __device__ __forceinline__ void attn_split_body(const typename Ty<QDT>::S* __res
                 float qf[VE];
                 load_f32<2, VE>(s_q + qi * D + cv * VE, qf);
 #pragma unroll
-                for (int e = 0; e < VE; ++e) s[qi] = fma((Acc)qf[e], (Acc)kf[e], s[qi]);
+                for (int e = 0; e < VE; ++e) s[qi] = fma((SAcc)qf[e], (SAcc)kf[e], s[qi]);
             }
         }
 

@@ -891,8 +891,8 @@ struct PagedTail16Tiles {
 };
 
 // ---- tail attention kernels ----------------------------------------------------------------------
-// Compute: attention.cu's attn_split<DT, D, QT, NW, 0, QDT> (float sums in base 2, QDT = fp16 / bf16
-//   queries; its grid and partial layout, partials from number split0 on) over tail rows read in place
+// Compute: attention.cu's attn_split<DT, D, QT, NW, 0, QDT> (base 2, QDT = fp16 / bf16 queries, the
+//   score sums in double (SD), P . V in float; its grid and partial layout, partials from number split0 on) over tail rows read in place
 //   from the cache, no gathered copy:
 //   paged_tail_attn: T rows from tail row u0 on, as fp32 tiles: the same tile values as
 //     paged_gather_tail writes, so with u0 = 0 and T = NT the same partials bit for bit; the decode
@@ -908,8 +908,8 @@ __global__ void __launch_bounds__(NW * 32)
                     int B, int Hq, int Tq, i64 T, i64 chunk, int num_splits, int split0, float qk_scale,
                     KVQ_TAIL_INTS) {
     const PagedTailTiles<D> tiles{KVQ_TAIL_ROWS, kbits, vbits, kitty, u0};
-    attn_split_body<2, D, QT, NW, 0, QDT>(q, tiles, o_part, lse_part, sq_b, sq_h, sq_t, B, Hq, H, Tq, T, chunk,
-                                          num_splits, split0, qk_scale);
+    attn_split_body<2, D, QT, NW, 0, QDT, 1>(q, tiles, o_part, lse_part, sq_b, sq_h, sq_t, B, Hq, H, Tq, T, chunk,
+                                             num_splits, split0, qk_scale);
 }
 
 template <int D, int QT, int NW, int QDT>
@@ -919,6 +919,6 @@ __global__ void __launch_bounds__(NW * 32)
                       int B, int Hq, int Tq, i64 T, i64 chunk, int num_splits, int split0, float qk_scale,
                       KVQ_TAIL_INTS) {
     const PagedTail16Tiles<D> tiles{KVQ_TAIL_ROWS, gap_at, gap};
-    attn_split_body<0, D, QT, NW, 0, QDT>(q, tiles, o_part, lse_part, sq_b, sq_h, sq_t, B, Hq, H, Tq, T, chunk,
-                                          num_splits, split0, qk_scale);
+    attn_split_body<0, D, QT, NW, 0, QDT, 1>(q, tiles, o_part, lse_part, sq_b, sq_h, sq_t, B, Hq, H, Tq, T, chunk,
+                                             num_splits, split0, qk_scale);
 }
