@@ -139,7 +139,25 @@ struct AccT<2> {
     typedef double T;
 };
 
-template <int DT, int D, int QT, int NW, int PRECISE, int QDT, int SD = PRECISE, class Tiles>
+// The tiles' shared memory: a static array (the default), or with DYN the launch's dynamic shared memory
+// (NW * AttnCfg::WARP_BYTES bytes), so that a block may hold more warps than 48 KiB of static memory
+// allow (fp32 tiles at D = 128: one warp).
+template <bool DYN, int N>
+struct TileSmem {
+    static __device__ __forceinline__ u32x4* get() {
+        __shared__ u32x4 a[N];
+        return a;
+    }
+};
+template <int N>
+struct TileSmem<true, N> {
+    static __device__ __forceinline__ u32x4* get() {
+        extern __shared__ u32x4 kvq_dyn_tiles[];
+        return kvq_dyn_tiles;
+    }
+};
+
+template <int DT, int D, int QT, int NW, int PRECISE, int QDT, int SD = PRECISE, int DYN = 0, class Tiles>
 __device__ __forceinline__ void attn_split_body(const typename Ty<QDT>::S* __restrict__ q, const Tiles& tiles,
                                                 float* __restrict__ o_part, float* __restrict__ lse_part,
                                                 i64 sq_b, i64 sq_h, i64 sq_t, int B, int Hq, int Hkv, int Tq,
@@ -154,10 +172,10 @@ __device__ __forceinline__ void attn_split_body(const typename Ty<QDT>::S* __res
     constexpr int DPL = Cfg::DPL;
     static_assert(QT % 4 == 0, "QT must be a multiple of 4 (16-byte rows of p)");
     static_assert(QT * D * 4 <= Cfg::WARP_BYTES, "the combine area [NW][QT][D] fp32 reuses the tiles");
-    static_assert(NW * Cfg::WARP_BYTES + QT * D * 4 + NW * 32 * QT * 4 + 2 * NW * QT * 4 <= 48 * 1024,
+    static_assert((DYN ? 0 : NW * Cfg::WARP_BYTES) + QT * D * 4 + NW * 32 * QT * 4 + 2 * NW * QT * 4 <= 48 * 1024,
                   "static shared memory is limited to 48 KiB (fp32 supports D <= 128)");
 
-    __shared__ u32x4 s_tiles[NW * Cfg::WARP_BYTES / 16];   // per warp: K tile [32][KROW], V tile [32][D]
+    u32x4* s_tiles = TileSmem<DYN != 0, NW * Cfg::WARP_BYTES / 16>::get();   // per warp: K [32][KROW], V [32][D]
     __shared__ u32x4 s_q4[QT * D / 4];                      // [QT][D] fp32, pre-scaled queries
     __shared__ u32x4 s_p4[NW * 32 * QT / 4];                // per warp: [32 keys][QT] probabilities
     __shared__ float s_m[NW][QT], s_l[NW][QT];

@@ -70,9 +70,11 @@ MMA_BITS = (2, 4)                   # key / value code bits of paged_decode_mma2
 #: tail rows whose key and value are both fp16 as fp16 tiles (paged_tail16_attn) beside the mixed rows'
 #: kernel (True), or every tail row through paged_tail_attn's fp32 tiles in one launch (False); None
 #: (auto): the two kernels when the tail has at least one (sequence, kv head, query tile) per SM (on
-#: the H100: 32 x 32K Kitty 391 -> 355 us), one launch below that (1 x 32K Kitty: 39 us, not 52)
+#: the H100: 32 x 32K Kitty 391 -> 355 us), one launch below that (1 x 32K Kitty: 39 us, not 52);
+#: tail_warps: warps per block of paged_tail_attn (1, 2 or 4: _loader.PAGED_TAIL_WARPS; its fp32 tiles
+#: in dynamic shared memory, 33 KiB per warp at D = 128)
 TUNE = {"num_warps": None, "waves": None, "mma": True, "side_stream": True, "fused_tail": True, "tail_tiles": 1,
-        "tail_first": False, "tail16": None}
+        "tail_first": False, "tail16": None, "tail_warps": 2}
 
 
 def _buf_bytes(D: int, k_bits: int, v_bits: int, kitty: bool, ngv: int, db: int) -> int:
@@ -188,6 +190,11 @@ def _n_splits(NP: int, n_base: int, nw: int, slots: int) -> tuple:
 
 def _aligned(*ts) -> bool:
     return all(t.data_ptr() % 16 == 0 and t.is_contiguous() for t in ts)
+
+
+def _tail_warp_bytes(D: int) -> int:
+    """attn_split.cuh AttnCfg<fp32, D>::WARP_BYTES: one warp's K tile [32][D + 4] and V tile [32][D], fp32."""
+    return (32 * (D + 4) + 32 * D) * 4
 
 
 def _tail_rows(cfg, codec, st: PagedState, NF: int):
@@ -318,7 +325,8 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     # (kind, rows, first tail row or skipped rows, warps per block, keys per split, splits)
     parts = [(kind, rows, u, nw_t, *A._splits(rows, B * H * tqtiles, 32 * nw_t, sms, TUNE["tail_tiles"]))
              for kind, rows, u in parts if rows > 0
-             for nw_t in (L.attn_warps(L.DT[torch.float16 if kind == "fp16" else torch.float32], D),)]
+             for nw_t in (L.attn_warps(L.DT[torch.float16], D) if kind == "fp16" else
+                          TUNE["tail_warps"] if kind == "mixed" else L.attn_warps(L.DT[torch.float32], D),)]
     nt = sum(p[-1] for p in parts)
     S_TOTAL = n_split + nt
     rows = B * H_q * T_q
@@ -347,11 +355,15 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
                            *(np.int64(s) for s in tv.stride()[:3]), *dims, np.int32(H), np.int32(T_q), *common), dev)
                 else:
                     ptrs, ints = rows_args
-                    fn_t = L.kernel(_SRC, L.paged_tail_name(D, tqt, L.DT[q.dtype], kind == "fp16"))
+                    fn_t = L.kernel(_SRC, L.paged_tail_name(D, tqt, L.DT[q.dtype], kind == "fp16", nw_t))
                     where = ((np.int32(c["n_sink"]), np.int32(n_mixed)) if kind == "fp16" else
                              (np.int32(k_bits), np.int32(cfg.v_bits), np.int32(kitty), np.int32(u)))
+                    tsm = 0 if kind == "fp16" else nw_t * _tail_warp_bytes(D)     # dynamic: the fp32 tiles
+                    if tsm:
+                        _allow_smem(fn_t, tsm, dev_index)
                     L.run(fn_t, grid, (32 * nw_t,),
-                          (qf, *ptrs, *where, o_part, lse_part, *qs, *dims, np.int32(T_q), *common, *ints), dev)
+                          (qf, *ptrs, *where, o_part, lse_part, *qs, *dims, np.int32(T_q), *common, *ints), dev,
+                          shared_mem=tsm)
             split0 += n
 
     def launch_fused():
