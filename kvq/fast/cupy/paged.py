@@ -72,9 +72,12 @@ MMA_BITS = (2, 4)                   # key / value code bits of paged_decode_mma2
 #: (auto): the two kernels when the tail has at least one (sequence, kv head, query tile) per SM (on
 #: the H100: 32 x 32K Kitty 391 -> 355 us), one launch below that (1 x 32K Kitty: 39 us, not 52);
 #: tail_warps: warps per block of paged_tail_attn (1, 2 or 4: _loader.PAGED_TAIL_WARPS; its fp32 tiles
-#: in dynamic shared memory, 33 KiB per warp at D = 128)
+#: in dynamic shared memory, 33 KiB per warp at D = 128); v_subnormal: the tensor-core kernels
+#: (paged_decode_mma2 and OSCAR's oscar_decode_mma) feed the value codes to the tensor cores as fp16
+#: subnormals, one lop3 per two codes instead of lop3 + fma.f16x2 (False: the fma; the same output bits,
+#: test_mma_value_subnormals)
 TUNE = {"num_warps": None, "waves": None, "mma": True, "side_stream": True, "fused_tail": True, "tail_tiles": 1,
-        "tail_first": False, "tail16": None, "tail_warps": 2}
+        "tail_first": False, "tail16": None, "tail_warps": 2, "v_subnormal": True}
 
 
 def _buf_bytes(D: int, k_bits: int, v_bits: int, kitty: bool, ngv: int, db: int) -> int:
@@ -118,10 +121,10 @@ def _allow_smem(fn, smem: int, device_index: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _mma_kernel(kitty: bool, nr: int, k_bits: int, v_bits: int, smem: int, device_index: int):
-    """paged_decode_mma2<kitty, nr, k_bits, v_bits> (nr = 4 or 8 query rows), allowed ``smem`` bytes of
-    dynamic shared memory on that device."""
-    return _allow_smem(L.kernel(_SRC, L.mma2_name(kitty, nr, k_bits, v_bits)), smem, device_index)
+def _mma_kernel(kitty: bool, nr: int, k_bits: int, v_bits: int, v_sub: bool, smem: int, device_index: int):
+    """paged_decode_mma2<kitty, nr, k_bits, v_bits, v_sub> (nr = 4 or 8 query rows), allowed ``smem``
+    bytes of dynamic shared memory on that device."""
+    return _allow_smem(L.kernel(_SRC, L.mma2_name(kitty, nr, k_bits, v_bits, v_sub)), smem, device_index)
 
 
 def _mma2_smem(kitty: bool, db: int, nw: int, k_bits: int = 2, v_bits: int = 2) -> int:
@@ -295,7 +298,7 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     fn = None
     if NP:
         nw, smem = _plan(D, k_bits, cfg.v_bits, kitty, ngv, db, QT, mma)
-        fn = (_mma_kernel(kitty, nr, k_bits, cfg.v_bits, smem, dev_index) if mma
+        fn = (_mma_kernel(kitty, nr, k_bits, cfg.v_bits, bool(TUNE["v_subnormal"]), smem, dev_index) if mma
               else _decode_kernel(D, k_bits, cfg.v_bits, kitty, QT, smem, dev_index))
         if TUNE["waves"] is None:
             n_split, pps = _n_splits(NP, B * H * qtiles, nw, resident_slots(fn, 32 * nw, smem, dev_index))
