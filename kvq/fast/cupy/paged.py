@@ -72,12 +72,14 @@ MMA_BITS = (2, 4)                   # key / value code bits of paged_decode_mma2
 #: (auto): the two kernels when the tail has at least one (sequence, kv head, query tile) per SM (on
 #: the H100: 32 x 32K Kitty 391 -> 355 us), one launch below that (1 x 32K Kitty: 39 us, not 52);
 #: tail_warps: warps per block of paged_tail_attn (1, 2 or 4: _loader.PAGED_TAIL_WARPS; its fp32 tiles
-#: in dynamic shared memory, 33 KiB per warp at D = 128); v_subnormal: the tensor-core kernels
-#: (paged_decode_mma2 and OSCAR's oscar_decode_mma) feed the value codes to the tensor cores as fp16
-#: subnormals, one lop3 per two codes instead of lop3 + fma.f16x2 (False: the fma; the same output bits,
-#: test_mma_value_subnormals)
+#: in dynamic shared memory, 33 KiB per warp at D = 128; fewer where the device cannot hold them; on
+#: the H100 4 is the fastest: 32 x 32K KIVI-K2V2 0.282 -> 0.272 ms from 2); v_subnormal: the
+#: tensor-core kernels (paged_decode_mma2 and OSCAR's oscar_decode_mma) feed the value codes to the
+#: tensor cores as fp16 subnormals, one lop3 per two codes instead of lop3 + fma.f16x2 (False: the fma;
+#: both meet the tolerance rule, test_mma_value_subnormals; on the H100 32 x 32K KIVI-K2V2 0.294 ->
+#: 0.272 ms)
 TUNE = {"num_warps": None, "waves": None, "mma": True, "side_stream": True, "fused_tail": True, "tail_tiles": 1,
-        "tail_first": False, "tail16": None, "tail_warps": 2, "v_subnormal": True}
+        "tail_first": False, "tail16": None, "tail_warps": 4, "v_subnormal": True}
 
 
 def _buf_bytes(D: int, k_bits: int, v_bits: int, kitty: bool, ngv: int, db: int) -> int:
@@ -198,6 +200,23 @@ def _aligned(*ts) -> bool:
 def _tail_warp_bytes(D: int) -> int:
     """attn_split.cuh AttnCfg<fp32, D>::WARP_BYTES: one warp's K tile [32][D + 4] and V tile [32][D], fp32."""
     return (32 * (D + 4) + 32 * D) * 4
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_optin(device_index: int) -> int:
+    """The most dynamic shared memory one block may opt into on that device (bytes; 48 KiB if unknown)."""
+    props = torch.cuda.get_device_properties(device_index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
+
+
+def _tail_warps(D: int, device_index: int) -> int:
+    """Warps per block of paged_tail_attn: ``TUNE["tail_warps"]``, or the most of _loader.PAGED_TAIL_WARPS
+    below it whose fp32 tiles the device's shared memory holds (one warp always fits: 33 KiB at D = 128)."""
+    want = TUNE["tail_warps"]
+    if want not in L.PAGED_TAIL_WARPS:
+        raise ValueError(f"TUNE['tail_warps'] = {want!r}: paged_tail_attn is built for {L.PAGED_TAIL_WARPS} warps")
+    cap = _smem_optin(device_index)
+    return max(n for n in L.PAGED_TAIL_WARPS if n == 1 or (n <= want and n * _tail_warp_bytes(D) <= cap))
 
 
 def _tail_rows(cfg, codec, st: PagedState, NF: int):
@@ -329,7 +348,7 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     parts = [(kind, rows, u, nw_t, *A._splits(rows, B * H * tqtiles, 32 * nw_t, sms, TUNE["tail_tiles"]))
              for kind, rows, u in parts if rows > 0
              for nw_t in (L.attn_warps(L.DT[torch.float16], D) if kind == "fp16" else
-                          TUNE["tail_warps"] if kind == "mixed" else L.attn_warps(L.DT[torch.float32], D),)]
+                          _tail_warps(D, dev_index) if kind == "mixed" else L.attn_warps(L.DT[torch.float32], D),)]
     nt = sum(p[-1] for p in parts)
     S_TOTAL = n_split + nt
     rows = B * H_q * T_q
