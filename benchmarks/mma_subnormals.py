@@ -4,8 +4,9 @@ The CuPy tensor-core decode kernels can feed the value codes as fp16 subnormals,
 (``kvq.fast.cupy.paged.TUNE["v_subnormal"]``), and undo the power of two after the accumulation. This
 probe runs one ``mma.sync.m16n8k16`` (f16 inputs, f32 accumulators) on random 2-bit codes as exact
 integers and as subnormals at bit K (the accumulator C scaled alike), scales the second result by
-2^(24 - K) and counts the accumulators whose bits differ, for B operands (the kernels' probabilities
-times value scales, at most 1) in several binades:
+2^(24 - K) and counts the accumulators whose bits differ, and measures both results' errors against the
+exact float64 sum in fp32 ulps, for B operands (the kernels' probabilities times value scales, at most 1)
+in several binades:
 
     python benchmarks/mma_subnormals.py --out $OUT      # -> $OUT/mma_subnormals.json
 """
@@ -51,24 +52,44 @@ def main() -> None:
         ker((1,), (32,), (cp.asarray(a16.view(np.uint32)), cp.asarray(b16.view(np.uint32)), cp.asarray(c), d))
         return d.get()
 
+    # the PTX ISA's m16n8k16 fragments (lane l = 4 g + t): A a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g,
+    # 2t+8..), a3 (g+8, 2t+8..); B b0 (k 2t..2t+1, n g), b1 (k 2t+8..2t+9, n g); C / D c0, c1 (g, 2t..2t+1),
+    # c2, c3 (g+8, 2t..2t+1)
+    l = np.arange(32)
+    g, t = l // 4, l % 4
+    a_rc = np.stack([np.stack([r, c + h], -1) for r, c in ((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8),
+                                                            (g + 8, 2 * t + 8)) for h in (0, 1)], 1)   # [32, 8, 2]
+    b_kn = np.stack([np.stack([k + h, g], -1) for k in (2 * t, 2 * t + 8) for h in (0, 1)], 1)          # [32, 4, 2]
+    c_rn = np.stack([np.stack([r, 2 * t + h], -1) for r in (g, g + 8) for h in (0, 1)], 1)              # [32, 4, 2]
+
+    def exact(a16, b16, c):
+        A, Bm, Cm = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
+        A[a_rc[..., 0].ravel(), a_rc[..., 1].ravel()] = a16.astype(np.float64)
+        Bm[b_kn[..., 0].ravel(), b_kn[..., 1].ravel()] = b16.astype(np.float64)
+        Cm[c_rn[..., 0].ravel(), c_rn[..., 1].ravel()] = c.astype(np.float64)
+        D = A @ Bm + Cm                                          # exact: few terms, float64
+        return D[c_rn[..., 0].ravel(), c_rn[..., 1].ravel()]
+
     rows = []
-    for K in (0, 2, 4, 6):
-        for lo, hi in ((-1, 0), (-6, 0), (-14, -8), (-24, -15)):
-            n_diff, worst, n = 0, 0.0, 0
+    for K in (0, 2, 4, 6, 8):
+        for lo, hi in ((-1, 0), (-6, 0), (-14, -8)):
+            n_diff, e_int, e_sub = 0, [], []
             for trial in range(a.trials):
-                codes = rng.integers(0, 4, 128).astype(np.uint16)
-                b = (rng.uniform(0.5, 1.0, 64) * 2.0 ** rng.integers(lo, hi + 1, 64)).astype(np.float16)
+                codes = rng.integers(0, 4, 256).astype(np.uint16)        # A: 16 x 16 halves
+                b = (rng.uniform(0.5, 1.0, 128) * 2.0 ** rng.integers(lo, hi + 1, 128)).astype(np.float16)
                 c = np.zeros(128, np.float32) if trial % 2 else rng.standard_normal(128).astype(np.float32)
                 d_int = mma(codes.astype(np.float16), b, c)
                 d_sub = mma((codes << K).view(np.float16), b, (c * np.float32(2.0 ** (K - 24))).astype(np.float32))
                 d_sub = (d_sub.astype(np.float64) * 2.0 ** (24 - K)).astype(np.float32)
-                diff = d_sub != d_int
-                n_diff += int(diff.sum())
-                n += diff.size
-                if diff.any():
-                    rel = np.abs(d_sub - d_int)[diff] / np.maximum(np.abs(d_int[diff]), 1e-38)
-                    worst = max(worst, float(rel.max()))
-            row = {"K": K, "b_binades": [lo, hi], "accumulators": n, "differ": n_diff, "worst_rel": worst}
+                ex = exact(codes.astype(np.float16), b, c)
+                ulp = np.spacing(np.abs(ex).astype(np.float32)).astype(np.float64)
+                n_diff += int((d_sub != d_int).sum())
+                e_int.append(np.abs(d_int - ex) / ulp)
+                e_sub.append(np.abs(d_sub - ex) / ulp)
+            e_int, e_sub = np.concatenate(e_int), np.concatenate(e_sub)
+            row = {"K": K, "b_binades": [lo, hi], "accumulators": int(e_int.size), "differ": n_diff,
+                   "err_ulps_int": {"max": float(e_int.max()), "mean": float(e_int.mean())},
+                   "err_ulps_sub": {"max": float(e_sub.max()), "mean": float(e_sub.mean())}}
             print(json.dumps(row), flush=True)
             rows.append(row)
     res = {"meta": C.meta(torch.device("cuda")), "rows": rows}

@@ -292,8 +292,8 @@ def test_decode_tail_in_place(cupy_target, a, monkeypatch):
     (``TUNE["fused_tail"]``, the default) and meets the tolerance rule: with ``TUNE["tail16"] = True``
     (fp16 rows by paged_tail16_attn, mixed rows by paged_tail_attn; the auto rule picks it from one tail
     query tile per SM on) and False (every row by paged_tail_attn, one launch); the other launch order
-    (``TUNE["tail_first"]``) gives the same bits; every tail row through paged_tail_attn with one warp per
-    block (``TUNE["tail16"] = False``, ``TUNE["tail_warps"] = 1``) gives the bits of the gather into an
+    (``TUNE["tail_first"]``) gives the same bits; every tail row through paged_tail_attn with the warps
+    per block of the gather's split kernel (``TUNE["tail16"] = False``) gives the bits of the gather into an
     fp32 copy + attention.cu's split kernel (the same tile values, the same arithmetic)."""
     FP = _paged("cupy")
     ci, T, dtype, ratio, D = a
@@ -319,9 +319,10 @@ def test_decode_tail_in_place(cupy_target, a, monkeypatch):
     out_32, lse_32 = fast.decode_attention(cfg, fs, q)
     check_close(out_32, o64, o32, dtype, "out (fp32 tiles)")
     check_close(lse_32, l64, l32, torch.float32, "lse (fp32 tiles)")
-    # the gather's split kernel has one warp per block (attn_warps(fp32, D)): with as many, the same
-    # key order per warp and the same bits (more warps split the keys otherwise: same rule, other bits)
-    monkeypatch.setitem(FP.TUNE, "tail_warps", 1)
+    # with as many warps per block as the gather's split kernel (attn_warps(fp32, D): 1 at D = 128, 2 at
+    # D = 64), the same keys per warp and the same bits (other warp counts: same rule, other bits)
+    from kvq.fast.cupy import _loader as L
+    monkeypatch.setitem(FP.TUNE, "tail_warps", L.attn_warps(L.DT[torch.float32], D))
     out_32, lse_32 = fast.decode_attention(cfg, fs, q)
     monkeypatch.setitem(FP.TUNE, "fused_tail", False)            # gathered into an fp32 copy
     out_g, lse_g = fast.decode_attention(cfg, fs, q)
