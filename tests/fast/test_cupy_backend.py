@@ -216,3 +216,23 @@ def test_blocks_per_sm_limits(monkeypatch):
     fn.num_regs = 32
     assert paged.blocks_per_sm(fn, 128, 100000, 0) == 2                # shared memory
     assert paged.blocks_per_sm(fn, 1024, 0, 0) == 2                    # threads
+
+
+@pytest.mark.parametrize("optin, want, got", [(232448, 4, 4), (232448, 2, 2), (101376, 4, 2), (101376, 2, 2),
+                                              (49152, 4, 1), (232448, 1, 1)])
+def test_tail_warps_fit_the_device(monkeypatch, optin, want, got):
+    """paged_tail_attn's warps per block: ``TUNE["tail_warps"]``, fewer where the device's opt-in shared
+    memory (H100 227 KiB, sm_86 99 KiB) cannot hold their fp32 tiles (33 KiB per warp at D = 128)."""
+    from kvq.fast.cupy import paged
+
+    monkeypatch.setattr(paged, "_smem_optin", lambda i: optin)
+    monkeypatch.setitem(paged.TUNE, "tail_warps", want)
+    assert paged._tail_warps(128, 0) == got
+
+
+def test_tail_warps_rejects_unbuilt_counts(monkeypatch):
+    from kvq.fast.cupy import paged
+
+    monkeypatch.setitem(paged.TUNE, "tail_warps", 3)
+    with pytest.raises(ValueError, match="built for"):
+        paged._tail_warps(128, 0)

@@ -373,55 +373,6 @@ def test_decode_tensor_cores_4bit(name, make, ratio, T_q, qs):
     check_close(lse, l64, l32, torch.float32, f"{name}: lse")
 
 
-# (id, config, GQA ratio, T_q, q and cache magnitude): both query tile widths (NR = 4: M <= 4; NR = 8),
-# 2- and 4-bit value codes (fields at bits 0-6 and 0, 4 of the fragment halves), Kitty, large operands
-VSUB = [("K2V2-gqa4", lambda: RK.KIVIConfig(2, 2, **CUDA), 4, 1, 1.0),
-        ("K2V2-gqa8", lambda: RK.KIVIConfig(2, 2, **CUDA), 8, 1, 1.0),
-        ("K4V4-gqa4", lambda: RK.KIVIConfig(4, 4, **CUDA), 4, 1, 1.0),
-        ("K2V4-gqa4-tq2", lambda: RK.KIVIConfig(2, 4, **CUDA), 4, 2, 1.0),
-        ("K4V2*-gqa8", lambda: RK.KIVIConfig(4, 2, sink=32, **CUDA), 8, 1, 1.0),
-        ("Kitty-gqa4", lambda: RT.KittyConfig(0.125, sink=32, **CUDA), 4, 1, 1.0),
-        ("Kitty-Pro-gqa8", lambda: RT.KittyConfig(0.25, sink=32, **CUDA), 8, 1, 1.0),
-        ("K2V2-large", lambda: RK.KIVIConfig(2, 2, **CUDA), 2, 1, 300.0),
-        ("K4V4-large", lambda: RK.KIVIConfig(4, 4, **CUDA), 8, 1, 300.0)]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name, make, ratio, T_q, qs", VSUB, ids=[m[0] for m in VSUB])
-def test_mma_value_subnormals(name, make, ratio, T_q, qs, monkeypatch):
-    """CuPy tensor-core decode: the value codes fed to the tensor cores as fp16 subnormals (code * 2^(K -
-    24), one lop3 per two codes; ``TUNE["v_subnormal"]``, the default) and as exact integer codes (lop3 +
-    fma.f16x2, ``False``) both meet the tolerance rule; the lse, which no value enters, is the same bits.
-    (The outputs are not bit-identical: on the H100 the tensor cores do not scale subnormal products
-    exactly, ``benchmarks/mma_subnormals.py``.)"""
-    import kvq.fast.cupy.kitty as FT
-    import kvq.fast.cupy.kivi as FK
-    FP = _paged("cupy")
-    cfg = make()
-    ref, fast = (RT, FT) if isinstance(cfg, RT.KittyConfig) else (RK, FK)
-    B, H, D, T = 2, 4, 128, 3 * 1024 + 300
-    k, v = _kv(B, H, T, D, cfg.group_size, seed=len(name) + 7, start=cfg.sink, distinct=False)
-    if qs != 1.0:
-        k = (k.astype(np.float32) * np.float32(3e4 / np.abs(k).max())).astype(np.float16)
-        v = (v.astype(np.float32) * np.float32(3e4 / np.abs(v).max())).astype(np.float16)
-    rs, fs = ref.init(cfg, B, H, D), fast.init(cfg, B, H, D)
-    ref.append(cfg, rs, k, v)
-    fast.append(cfg, fs, torch.from_numpy(k).cuda(), torch.from_numpy(v).cuda())
-    rng = np.random.default_rng(len(name) + 8)
-    q = torch.from_numpy(rng.standard_normal((B, H * ratio, T_q, D)).astype(np.float32) * qs).half().cuda()
-    assert FP.mma_ok(cfg, fast.KeyCodec.kernel_arrays(cfg, fs), q, D, ratio * T_q)
-    scale = 1e-5 if qs != 1.0 else None
-    (o64, l64), (o32, l32) = (ref.decode_attention(cfg, rs, q.cpu().double().numpy(), scale=scale),
-                              ref.decode_attention(cfg, rs, q.cpu().float().numpy(), scale=scale))
-    res = {}
-    for vsub in (True, False):
-        monkeypatch.setitem(FP.TUNE, "v_subnormal", vsub)
-        res[vsub] = out, lse = fast.decode_attention(cfg, fs, q, scale=scale)
-        check_close(out, o64, o32, torch.float16, f"{name}, v_subnormal={vsub}: out")
-        check_close(lse, l64, l32, torch.float32, f"{name}, v_subnormal={vsub}: lse")
-    assert_bits_equal(res[True][1], res[False][1].cpu().numpy(), f"{name}: lse")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("kb, vb", [(2, 2), (4, 4), (4, 2), (2, 4)], ids=["K2V2", "K4V4", "K4V2", "K2V4"])
 def test_decode_tensor_cores_large_operands_sweep(kb, vb):

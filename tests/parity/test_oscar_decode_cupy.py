@@ -109,26 +109,6 @@ def test_decode_large_magnitudes(mods, fused_calls):
     assert len(fused_calls) == 1
 
 
-@pytest.mark.parametrize("c", [CASES[0], CASES[1]], ids=[CASES[0][0], CASES[1][0]])
-def test_value_subnormals(mods, fused_calls, monkeypatch, c):
-    """``paged.TUNE["v_subnormal"]``: the value codes as fp16 subnormals in oscar_decode_mma (the default)
-    and as exact integer codes (False) both meet the tolerance rule at 4 and 8 query rows; the lse (no
-    value enters it) is the same bits."""
-    F, _ = mods
-    from kvq.fast.cupy import paged
-    _, dtype, ratio, T_q, T = c
-    cfg, calib, rs, fs = _state(DEV, 1, T, seed=T + 2)
-    q = _q(DEV, ratio, T_q, dtype, seed=T + 3)
-    lses = []
-    for vsub in (True, False):
-        monkeypatch.setitem(paged.TUNE, "v_subnormal", vsub)
-        out, lse = F.decode_attention(cfg, calib, fs, q)
-        _check(cfg, calib, rs, out, lse, q)
-        lses.append(lse.cpu().numpy())
-    assert np.array_equal(lses[0].view(np.uint32), lses[1].view(np.uint32))
-    assert len(fused_calls) == 2
-
-
 def test_one_stream(mods, fused_calls, monkeypatch):
     """``paged.TUNE["side_stream"] = False``: the FP16 segments after the page kernel, on one stream."""
     F, _ = mods

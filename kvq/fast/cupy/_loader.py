@@ -91,14 +91,8 @@ def paged_decode_name(D: int, k_bits: int, v_bits: int, kitty: bool, QT: int) ->
     return f"paged_decode<{D}, {k_bits}, {v_bits}, {int(kitty)}, {QT}>"
 
 
-def mma2_name(kitty: bool, nr: int, k_bits: int, v_bits: int, v_sub: bool = True) -> str:
-    """paged_decode_mma2; v_sub: the value codes enter the tensor cores as fp16 subnormals (same bits)."""
-    return f"paged_decode_mma2<{int(kitty)}, {nr}, {k_bits}, {v_bits}, {int(v_sub)}>"
-
-
-def oscar_mma_name(nr: int, v_sub: bool = True) -> str:
-    """oscar_decode_mma; v_sub as in mma2_name."""
-    return f"oscar_decode_mma<{nr}, {int(v_sub)}>"
+def mma2_name(kitty: bool, nr: int, k_bits: int, v_bits: int) -> str:
+    return f"paged_decode_mma2<{int(kitty)}, {nr}, {k_bits}, {v_bits}>"
 
 
 def gather_tail_name(k_bits: int, v_bits: int, kitty: bool) -> str:
@@ -120,8 +114,8 @@ def paged_tail_name(D: int, QT: int, q_dt: int, fp16_rows: bool = False, nw: int
 def _paged_names():
     names = [paged_decode_name(D, kb, vb, kitty, qt) for D in PAGED_DIMS for kb, kitty in PAGED_KEYS
              for vb in PAGED_VBITS for qt in PAGED_QT]
-    names += [mma2_name(k, nr, kb, vb, vs) for k in (0, 1) for nr in (4, 8) for kb in (2, 4) for vb in (2, 4)
-              for vs in (False, True) if not (k and kb == 4)]
+    names += [mma2_name(k, nr, kb, vb) for k in (0, 1) for nr in (4, 8) for kb in (2, 4) for vb in (2, 4)
+              if not (k and kb == 4)]
     names += [gather_tail_name(kb, vb, kitty) for kb, kitty in PAGED_KEYS for vb in PAGED_VBITS]
     names += [paged_tail_name(D, qt, qdt, True) for D in PAGED_DIMS for qt in PAGED_QT for qdt in (0, 1)]
     names += [paged_tail_name(D, qt, qdt, False, nw) for D in PAGED_DIMS for qt in PAGED_QT for qdt in (0, 1)
@@ -153,7 +147,7 @@ def _aqua_names():
 #: the tensor-core OSCAR decode (oscar_decode.cu): query rows per block (4 or 8); its FP16 sink + window
 #: kernel (attn_split's body, fp16 K / V, fp32 q, double sums) per query tile; the query-side float64
 #: rotation per input / output dtype
-OSCAR_DECODE_NAMES = (tuple(oscar_mma_name(nr, vs) for nr in (4, 8) for vs in (False, True))
+OSCAR_DECODE_NAMES = (tuple(f"oscar_decode_mma<{nr}>" for nr in (4, 8))
                       + tuple(f"oscar_tail_attn<{qt}, {attn_warps(0, 128)}>" for qt in ATTN_QT)
                       + tuple(f"rotate_heads_f64<{i}, {o}, {r}>" for i in (0, 1, 2) for o in (0, 1, 2)
                               for r in ("float", "double")))

@@ -93,19 +93,6 @@ __device__ __forceinline__ u32 codes_field_h2(u32 x) {
     return r;
 }
 
-// the B-bit fields I of bytes 0 and 2 of x as a half2 of fp16 subnormals, code * 2^(K - 24) with
-// K = B I: one lop3 (the mask), no fma. The field's bits are the subnormal's significand, so the value
-// is exact; the tensor cores multiply subnormal halves exactly (checked on the GPU by
-// test_mma_value_subnormals), so every accumulator of a fragment row whose codes sit at bit K is
-// 2^(K - 24) times what exact codes give, bit for bit, and mma_finish undoes the power of two exactly.
-template <int B, int I>
-__device__ __forceinline__ u32 codes_field_sub(u32 x) {
-    constexpr int K = B * I;
-    static_assert(K + B <= 10, "the field must lie in the fp16 significand");
-    constexpr u32 M = (((1u << B) - 1u) * 0x00010001u) << K;
-    return x & M;
-}
-
 // 2^x (approximate, flush-to-zero: probabilities of the online softmax, rule 7)
 __device__ __forceinline__ float ex2(float x) {
     float r;
@@ -124,23 +111,15 @@ __device__ __forceinline__ u32 movmatrix_t(u32 x) {
 // m-tile BB * (4 / B) + I of one k-step (B-bit codes: 8 / B fields a byte, two per m-tile): the A
 // fragment takes fields 2I (rows g) and 2I + 1 (rows g + 8) of byte BB of the word pairs (w0, w1)
 // (columns 2t, 2t + 1) and (w2, w3) (columns 2t + 8, 2t + 9); c0[mt] += A . (b[0], b[1]) and, NB = 2,
-// c1[mt] += A . (b[2], b[3]). Nothing for I >= 4 / B. OFF: the codes enter as code - OFF. SUB: they
-// enter as the subnormals code * 2^(K - 24) of codes_field_sub (rows g: K = 2 I B, rows g + 8: K + B).
-template <int B, int NB, int BB, int I, int OFF = 0, bool SUB = false>
+// c1[mt] += A . (b[2], b[3]). Nothing for I >= 4 / B. OFF: the codes enter as code - OFF.
+template <int B, int NB, int BB, int I, int OFF = 0>
 __device__ __forceinline__ void mma_mtile(float (*c0)[4], float (*c1)[4], const u32* b, u32 w0, u32 w1, u32 w2,
                                           u32 w3) {
-    static_assert(!SUB || OFF == 0, "subnormal codes are not centered");
     if constexpr (2 * I < 8 / B) {
         constexpr int mt = BB * (4 / B) + I;
         const u32 xa = byte_pair<BB>(w0, w1), xb = byte_pair<BB>(w2, w3);
-        u32 a[4];
-        if constexpr (SUB) {
-            a[0] = codes_field_sub<B, 2 * I>(xa), a[1] = codes_field_sub<B, 2 * I + 1>(xa);
-            a[2] = codes_field_sub<B, 2 * I>(xb), a[3] = codes_field_sub<B, 2 * I + 1>(xb);
-        } else {
-            a[0] = codes_field_h2<B, 2 * I, OFF>(xa), a[1] = codes_field_h2<B, 2 * I + 1, OFF>(xa);
-            a[2] = codes_field_h2<B, 2 * I, OFF>(xb), a[3] = codes_field_h2<B, 2 * I + 1, OFF>(xb);
-        }
+        const u32 a[4] = {codes_field_h2<B, 2 * I, OFF>(xa), codes_field_h2<B, 2 * I + 1, OFF>(xa),
+                          codes_field_h2<B, 2 * I, OFF>(xb), codes_field_h2<B, 2 * I + 1, OFF>(xb)};
         mma16816(c0[mt], a, b[0], b[1]);
         if constexpr (NB == 2) mma16816(c1[mt], a, b[2], b[3]);
     }
@@ -148,17 +127,17 @@ __device__ __forceinline__ void mma_mtile(float (*c0)[4], float (*c1)[4], const 
 
 // NB accumulator sets += A . B_k over one k-step for the 32 / B m-tiles whose codes the four bytes of the
 // word pairs hold (B = 2: 8 m-tiles, m-tile 2 BB + i from byte BB; B = 4: 4 m-tiles, m-tile BB).
-template <int B, int NB, int OFF = 0, bool SUB = false>
+template <int B, int NB, int OFF = 0>
 __device__ __forceinline__ void mma_mtiles(float (*c0)[4], float (*c1)[4], const u32* b, u32 w0, u32 w1, u32 w2,
                                            u32 w3) {
-    mma_mtile<B, NB, 0, 0, OFF, SUB>(c0, c1, b, w0, w1, w2, w3);
-    mma_mtile<B, NB, 0, 1, OFF, SUB>(c0, c1, b, w0, w1, w2, w3);
-    mma_mtile<B, NB, 1, 0, OFF, SUB>(c0, c1, b, w0, w1, w2, w3);
-    mma_mtile<B, NB, 1, 1, OFF, SUB>(c0, c1, b, w0, w1, w2, w3);
-    mma_mtile<B, NB, 2, 0, OFF, SUB>(c0, c1, b, w0, w1, w2, w3);
-    mma_mtile<B, NB, 2, 1, OFF, SUB>(c0, c1, b, w0, w1, w2, w3);
-    mma_mtile<B, NB, 3, 0, OFF, SUB>(c0, c1, b, w0, w1, w2, w3);
-    mma_mtile<B, NB, 3, 1, OFF, SUB>(c0, c1, b, w0, w1, w2, w3);
+    mma_mtile<B, NB, 0, 0, OFF>(c0, c1, b, w0, w1, w2, w3);
+    mma_mtile<B, NB, 0, 1, OFF>(c0, c1, b, w0, w1, w2, w3);
+    mma_mtile<B, NB, 1, 0, OFF>(c0, c1, b, w0, w1, w2, w3);
+    mma_mtile<B, NB, 1, 1, OFF>(c0, c1, b, w0, w1, w2, w3);
+    mma_mtile<B, NB, 2, 0, OFF>(c0, c1, b, w0, w1, w2, w3);
+    mma_mtile<B, NB, 2, 1, OFF>(c0, c1, b, w0, w1, w2, w3);
+    mma_mtile<B, NB, 3, 0, OFF>(c0, c1, b, w0, w1, w2, w3);
+    mma_mtile<B, NB, 3, 1, OFF>(c0, c1, b, w0, w1, w2, w3);
 }
 
 // The cache side of the tensor-core fragments. B-bit codes packed 8 / B to a byte along a row of 128
@@ -174,13 +153,13 @@ __device__ __forceinline__ int mtile_pos(int g, int mt) {
 
 // S (8 m-tiles) += codes . B over one k-step whose 4 rows (k = 2t, 2t+1, 2t+8, 2t+9) start at r0, r1, r2,
 // r3 (row bytes: 128 B / 8; thread g's word g at 4 g, and for B = 4 word g + 8 at 4 g + 32)
-template <int B, int NB, int OFF = 0, bool SUB = false>
+template <int B, int NB, int OFF = 0>
 __device__ __forceinline__ void mma_rows(float (*c0)[4], float (*c1)[4], const u32* b, const u8* r0, const u8* r1,
                                          const u8* r2, const u8* r3, int g) {
     const auto w = [&](const u8* r, int o) { return *reinterpret_cast<const u32*>(r + 4 * g + o); };
-    mma_mtiles<B, NB, OFF, SUB>(c0, c1, b, w(r0, 0), w(r1, 0), w(r2, 0), w(r3, 0));
+    mma_mtiles<B, NB, OFF>(c0, c1, b, w(r0, 0), w(r1, 0), w(r2, 0), w(r3, 0));
     if constexpr (B == 4)
-        mma_mtiles<B, NB, OFF, SUB>(c0 + 4, c1 + 4, b, w(r0, 32), w(r1, 32), w(r2, 32), w(r3, 32));
+        mma_mtiles<B, NB, OFF>(c0 + 4, c1 + 4, b, w(r0, 32), w(r1, 32), w(r2, 32), w(r3, 32));
 }
 
 // max |x| of the 128 fp16 values at p (16-byte aligned) over the warp, as a float
@@ -289,9 +268,8 @@ __device__ __forceinline__ void mma_load_queries(float* s_q, u16* s_qh, u16* s_q
 // next channel; columns 2t, 2t + 1) += codes_V . B; l += 2^(s - M); bs += 2^(s - M) mn_v (per thread,
 // reduced in mma_finish).
 // The value slot's cp.async group is waited for after the scores (p_wait<1>: one later group, the next
-// page's keys, may still be in flight). VSUB: the value codes enter as fp16 subnormals
-// (codes_field_sub), so O's rows hold 2^(K - 24) times their values until mma_finish.
-template <int NR, int KB = 2, int VB = 2, bool VSUB = false, class F>
+// page's keys, may still be in flight).
+template <int NR, int KB = 2, int VB = 2, class F>
 __device__ __forceinline__ void page_softmax_pv(float (*S)[4], float (*SL)[4], F score, int nvalid, const u8* vslot,
                                                 int lane, float& m0, float& m1, float& l0, float& l1, float& bs0,
                                                 float& bs1, float (*O)[4]) {
@@ -386,14 +364,14 @@ __device__ __forceinline__ void page_softmax_pv(float (*S)[4], float (*SL)[4], F
     for (int mt = 0; mt < 8; ++mt) {
         const u8* ra = vslot + mtile_pos<KB>(2 * t, mt) * VBY;
         const u8* rb = vslot + mtile_pos<KB>(2 * t + 1, mt) * VBY;
-        mma_rows<VB, 1, 0, VSUB>(O, O, bp[mt], ra, rb, ra + VBY, rb + VBY, g);
+        mma_rows<VB, 1>(O, O, bp[mt], ra, rb, ra + VBY, rb + VBY, g);
     }
 }
 
 // End of a tensor-core decode kernel: reduce each thread's l and sum p mn_v over its tokens, write the
 // warp's un-normalized rows (O + sum p mn_v) and (m, l) over its page area (cacc, [NW][8][D] fp32; all
 // warps must be done with their slots) and combine the block's warps into partial `split`.
-template <int NR, int D, int VB = 2, bool VSUB = false>
+template <int NR, int D, int VB = 2>
 __device__ __forceinline__ void mma_finish(u8* area, float* s_m, float* s_l, float m0, float m1, float l0, float l1,
                                            float bs0, float bs1, float (*O)[4], int nq, int hk, int Gq, int Tq,
                                            int B, int Hq, int b, int split, float* __restrict__ o_part,
@@ -416,14 +394,8 @@ __device__ __forceinline__ void mma_finish(u8* area, float* s_m, float* s_l, flo
 #pragma unroll
     for (int mc = 0; mc < 8; ++mc) {               // channels mtile_pos<VB>(g, mc) (+1)
         const int ch = mtile_pos<VB>(g, mc);
-        // VSUB: rows g held their codes at bit K = 2 I VB of the fragment halves (I = mc % 2 for VB = 2,
-        // 0 for VB = 4), rows g + 8 at K + VB: times 2^(24 - K) and 2^(24 - K - VB), exact
-        const int K = 2 * VB * (VB == 2 ? (mc & 1) : 0);
-        const float u0 = VSUB ? (float)(1u << (24 - K)) : 1.0f, u1 = VSUB ? (float)(1u << (24 - K - VB)) : 1.0f;
-        *reinterpret_cast<float2*>(r0p + ch) =
-            make_float2(__fmul_rn(O[mc][0], u0) + bs0, __fmul_rn(O[mc][2], u1) + bs0);
-        *reinterpret_cast<float2*>(r1p + ch) =
-            make_float2(__fmul_rn(O[mc][1], u0) + bs1, __fmul_rn(O[mc][3], u1) + bs1);
+        *reinterpret_cast<float2*>(r0p + ch) = make_float2(O[mc][0] + bs0, O[mc][2] + bs0);
+        *reinterpret_cast<float2*>(r1p + ch) = make_float2(O[mc][1] + bs1, O[mc][3] + bs1);
     }
     if (g == 0) {
         s_m[warp * QT + c0s] = m0;

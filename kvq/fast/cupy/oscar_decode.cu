@@ -34,8 +34,7 @@ __device__ __forceinline__ u32 codes_h2_rt(u32 x, u32 m, u32 sc, u32 bi) {
 //   token 16 g + 2 mt + 1 (their 32-byte rows are adjacent in shared memory); k-step kk <-> word kk of a
 //   token row, columns 2t, 2t + 1, 2t + 8, 2t + 9 <-> channels 16 kk + t, 16 kk + 8 + t, 16 kk + 4 + t,
 //   16 kk + 12 + t: field t of bytes 0 and 2 (of bytes 1 and 3 after a shift by 8) is one half2.
-// Softmax and P . V: page_softmax_pv (mma.cuh), the value page has the layout of a KIVI value page;
-//   VSUB = 1: the value codes enter as fp16 subnormals (codes_field_sub), the same bits as VSUB = 0.
+// Softmax and P . V: page_softmax_pv (mma.cuh), the value page has the layout of a KIVI value page.
 // Grid: (num_splits, H_kv, B); block NW * 32 threads, each warp its own pages with a key and a value
 //   slot in shared memory (cp.async: the next page's keys load during this page's softmax and P . V,
 //   its values during the next scores; the key codes XOR-swizzled in 16-byte chunks, warp_copy_swz,
@@ -43,7 +42,7 @@ __device__ __forceinline__ u32 codes_h2_rt(u32 x, u32 m, u32 sc, u32 bi) {
 // Dynamic shared memory: 8 * D * 8 (queries: fp32, fp16 hi, fp16 lo) + NW * 2 * (Pg * 32 + 4 * Pg).
 // Bytes: reads each packed K / V page of the split and its metadata once, the page-table entries and
 //   the queries; writes (D + 1) fp32 per query row and split.
-template <int NR, int VSUB>
+template <int NR>
 __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
     oscar_decode_mma(const float* __restrict__ q, i64 sq_b, i64 sq_h, i64 sq_t, const u8* __restrict__ kc,
                      const u16* __restrict__ ks, const u16* __restrict__ km, const u8* __restrict__ vc,
@@ -174,7 +173,7 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
         p_commit();
 
         // ---- scores of row r0 + e and this thread's token: max|q_row| (scale (hi + 2^-11 lo) + mn sum q~)
-        page_softmax_pv<NR, 2, 2, VSUB != 0>(S, SL, [&](int e, float hi, float lo, int mt, int odd) {
+        page_softmax_pv<NR>(S, SL, [&](int e, float hi, float lo, int mt, int odd) {
             const float sc = odd ? h_hi(ksc[mt]) : h_lo(ksc[mt]), mn = odd ? h_hi(kmn[mt]) : h_lo(kmn[mt]);
             const float qm = e ? qmax1 : qmax0;
             return qm * fmaf(sc, fmaf(lo, 1.0f / 2048.0f, hi), mn * (e ? qs1 : qs0));
@@ -184,7 +183,7 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
         p_commit();
     }
     p_wait<0>();                                   // no copy may be in flight at exit / reuse
-    mma_finish<NR, D, 2, VSUB != 0>(dsmem + QT * D * 8, &s_m[0][0], &s_l[0][0], m0, m1, l0, l1, bs0, bs1, O, nq, hk, Gq, Tq, B, Hq,
+    mma_finish<NR, D>(dsmem + QT * D * 8, &s_m[0][0], &s_l[0][0], m0, m1, l0, l1, bs0, bs1, O, nq, hk, Gq, Tq, B, Hq,
                       b, split, o_part, lse_part);
 }
 

@@ -48,8 +48,8 @@ def smem_bytes(nw: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(nr: int, v_sub: bool, smem: int, device_index: int):
-    return PD._allow_smem(L.kernel(_SRC, L.oscar_mma_name(nr, v_sub)), smem, device_index)
+def _kernel(nr: int, smem: int, device_index: int):
+    return PD._allow_smem(L.kernel(_SRC, f"oscar_decode_mma<{nr}>"), smem, device_index)
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,7 +75,7 @@ def decode(cfg, st, q_rot, *, scale=None):
     if NP:
         nw = PD.MMA_MAX_WARPS
         smem = smem_bytes(nw)
-        fn = _kernel(nr, bool(PD.TUNE["v_subnormal"]), smem, dev_index)
+        fn = _kernel(nr, smem, dev_index)
         n_split, pps = PD._n_splits(NP, B * H, nw, PD.resident_slots(fn, 32 * nw, smem, dev_index))
     # the FP16 tokens: oscar_tail_attn (attn_split's body: fp16 K / V, fp32 q, PRECISE: double sums,
     # natural units; the fp32 lse bound left no room for base-2 rounding here) over the sink and the

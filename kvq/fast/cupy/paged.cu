@@ -435,8 +435,7 @@ __device__ __forceinline__ void qk_bfrag(u32* b, float f0, float f1, float f2, f
 //   with raw codes, codes . B and q . mn_k are two large sums of opposite sign whose roundings the
 //   cancellation amplifies (benchmarks/model_mma_scores.py). s = (S_hi + 2^-11 S_lo) max|q_row| 2^ek
 //   + bias (log2 units).
-//   Softmax and P . V: page_softmax_pv (mma.cuh). VSUB = 1: the value codes enter as fp16 subnormals
-//   (mma.cuh codes_field_sub: one lop3 per two codes, no fma), the same output bits as VSUB = 0.
+//   Softmax and P . V: page_softmax_pv (mma.cuh).
 // Fragment orders (mma.cuh mtile_pos): m-tile mt of S^T, row g <-> token mtile_pos<KB>(g, mt), row g + 8
 //   <-> the next token (KB = 2: 16 g + 2 mt, word g of a key row holds tokens 16 g .. 16 g + 15: byte
 //   mt / 2, fields 2 (mt % 2) + {0, 1}; KB = 4: 8 g + 2 (mt % 4) + 64 (mt / 4), words g and g + 8);
@@ -448,7 +447,7 @@ __device__ __forceinline__ void qk_bfrag(u32* b, float f0, float f1, float f2, f
 // Pages: per warp a K slot and a V slot (cp.async): the next page's keys load during this page's softmax
 //   and PV, its values during the next QK. Grid and combine as paged_decode.
 // Dynamic shared memory: QT*D*8 (queries [row][channel]: fp32, fp16 hi, fp16 lo) + NW * (kslot + vslot).
-template <int KITTY, int NR, int KB, int VB, int VSUB>
+template <int KITTY, int NR, int KB, int VB>
 __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
     paged_decode_mma2(const void* __restrict__ q, int q_dt, i64 sq_b, i64 sq_h, i64 sq_t,
                       const u8* __restrict__ kc, const u8* __restrict__ kh, const u8* __restrict__ ki,
@@ -625,7 +624,7 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
 
         // ---- scores of row r0 + e: (hi + 2^-11 lo) max|q_row| 2^ek + q . mn_k
         const float rs0 = ldexpf(qmax0, ek), rs1 = ldexpf(qmax1, ek);
-        page_softmax_pv<NR, KB, VB, VSUB != 0>(S, SL, [&](int e, float hi, float lo, int, int) {
+        page_softmax_pv<NR, KB, VB>(S, SL, [&](int e, float hi, float lo, int, int) {
             const float rs = (e & 1) ? rs1 : rs0;
             return fmaf(lo, rs * (1.0f / 2048.0f), fmaf(hi, rs, (e & 1) ? bias1 : bias0));
         }, nvalid, vslot, lane, m0, m1, l0, l1, bs0, bs1, O);
@@ -634,7 +633,7 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
         p_commit();
     }
     p_wait<0>();                                   // no copy may be in flight at exit / reuse
-    mma_finish<NR, D, VB, VSUB != 0>(dsmem + QT * D * 8, &s_m[0][0], &s_l[0][0], m0, m1, l0, l1, bs0, bs1, O, nq, hk, Gq, Tq, B, Hq,
+    mma_finish<NR, D, VB>(dsmem + QT * D * 8, &s_m[0][0], &s_l[0][0], m0, m1, l0, l1, bs0, bs1, O, nq, hk, Gq, Tq, B, Hq,
                       b, split, o_part, lse_part);
 }
 

@@ -73,13 +73,9 @@ MMA_BITS = (2, 4)                   # key / value code bits of paged_decode_mma2
 #: the H100: 32 x 32K Kitty 391 -> 355 us), one launch below that (1 x 32K Kitty: 39 us, not 52);
 #: tail_warps: warps per block of paged_tail_attn (1, 2 or 4: _loader.PAGED_TAIL_WARPS; its fp32 tiles
 #: in dynamic shared memory, 33 KiB per warp at D = 128; fewer where the device cannot hold them; on
-#: the H100 4 is the fastest: 32 x 32K KIVI-K2V2 0.282 -> 0.272 ms from 2); v_subnormal: the
-#: tensor-core kernels (paged_decode_mma2 and OSCAR's oscar_decode_mma) feed the value codes to the
-#: tensor cores as fp16 subnormals, one lop3 per two codes instead of lop3 + fma.f16x2 (False: the fma;
-#: both meet the tolerance rule, test_mma_value_subnormals; on the H100 32 x 32K KIVI-K2V2 0.294 ->
-#: 0.272 ms)
+#: the H100 4 is the fastest: 32 x 32K KIVI-K2V2 0.313 / 0.310 / 0.294 ms at 2 / 1 / 4 warps)
 TUNE = {"num_warps": None, "waves": None, "mma": True, "side_stream": True, "fused_tail": True, "tail_tiles": 1,
-        "tail_first": False, "tail16": None, "tail_warps": 4, "v_subnormal": True}
+        "tail_first": False, "tail16": None, "tail_warps": 4}
 
 
 def _buf_bytes(D: int, k_bits: int, v_bits: int, kitty: bool, ngv: int, db: int) -> int:
@@ -123,10 +119,10 @@ def _allow_smem(fn, smem: int, device_index: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _mma_kernel(kitty: bool, nr: int, k_bits: int, v_bits: int, v_sub: bool, smem: int, device_index: int):
-    """paged_decode_mma2<kitty, nr, k_bits, v_bits, v_sub> (nr = 4 or 8 query rows), allowed ``smem``
-    bytes of dynamic shared memory on that device."""
-    return _allow_smem(L.kernel(_SRC, L.mma2_name(kitty, nr, k_bits, v_bits, v_sub)), smem, device_index)
+def _mma_kernel(kitty: bool, nr: int, k_bits: int, v_bits: int, smem: int, device_index: int):
+    """paged_decode_mma2<kitty, nr, k_bits, v_bits> (nr = 4 or 8 query rows), allowed ``smem`` bytes of
+    dynamic shared memory on that device."""
+    return _allow_smem(L.kernel(_SRC, L.mma2_name(kitty, nr, k_bits, v_bits)), smem, device_index)
 
 
 def _mma2_smem(kitty: bool, db: int, nw: int, k_bits: int = 2, v_bits: int = 2) -> int:
@@ -204,9 +200,10 @@ def _tail_warp_bytes(D: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _smem_optin(device_index: int) -> int:
-    """The most dynamic shared memory one block may opt into on that device (bytes; 48 KiB if unknown)."""
-    props = torch.cuda.get_device_properties(device_index)
-    return int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
+    """The most shared memory one block may opt into on that device (bytes; 48 KiB if not reported)."""
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceProperties(device_index).get("sharedMemPerBlockOptin", 48 * 1024))
 
 
 def _tail_warps(D: int, device_index: int) -> int:
@@ -317,7 +314,7 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     fn = None
     if NP:
         nw, smem = _plan(D, k_bits, cfg.v_bits, kitty, ngv, db, QT, mma)
-        fn = (_mma_kernel(kitty, nr, k_bits, cfg.v_bits, bool(TUNE["v_subnormal"]), smem, dev_index) if mma
+        fn = (_mma_kernel(kitty, nr, k_bits, cfg.v_bits, smem, dev_index) if mma
               else _decode_kernel(D, k_bits, cfg.v_bits, kitty, QT, smem, dev_index))
         if TUNE["waves"] is None:
             n_split, pps = _n_splits(NP, B * H * qtiles, nw, resident_slots(fn, 32 * nw, smem, dev_index))
