@@ -221,13 +221,28 @@ def test_blocks_per_sm_limits(monkeypatch):
 @pytest.mark.parametrize("optin, want, got", [(232448, 4, 4), (232448, 2, 2), (101376, 4, 2), (101376, 2, 2),
                                               (49152, 4, 1), (232448, 1, 1)])
 def test_tail_warps_fit_the_device(monkeypatch, optin, want, got):
-    """paged_tail_attn's warps per block: ``TUNE["tail_warps"]``, fewer where the device's opt-in shared
-    memory (H100 227 KiB, sm_86 99 KiB) cannot hold their fp32 tiles (33 KiB per warp at D = 128)."""
+    """paged_tail_attn's warps per block as asked (``TUNE["tail_warps"]``), fewer where the device's opt-in
+    shared memory (H100 227 KiB, sm_86 99 KiB) cannot hold their fp32 tiles (33 KiB per warp at D = 128)."""
     from kvq.fast.cupy import paged
 
     monkeypatch.setattr(paged, "_smem_optin", lambda i: optin)
     monkeypatch.setitem(paged.TUNE, "tail_warps", want)
-    assert paged._tail_warps(128, 0) == got
+    assert paged._tail_warps(128, 0, 77824) == got
+
+
+@pytest.mark.parametrize("method, k_bits, v_bits, kitty, db, got", [
+    ("KIVI-K2V2", 2, 2, False, 0, 4), ("Kitty", 2, 2, True, 16, 4), ("Kitty-Pro", 2, 2, True, 32, 4),
+    ("KIVI-K2V4", 2, 4, False, 0, 2), ("KIVI-K4V4", 4, 4, False, 0, 2), ("no pages", 4, 4, False, 0, 4)])
+def test_tail_warps_auto(monkeypatch, method, k_bits, v_bits, kitty, db, got):
+    """``TUNE["tail_warps"] = None``: the most warps whose tail block leaves an H100 SM (228 KiB of shared
+    memory) room for two blocks of the fused tensor-core kernel, which runs beside the tail."""
+    from kvq.fast.cupy import paged
+
+    monkeypatch.setattr(paged, "_smem_optin", lambda i: 232448)
+    monkeypatch.setattr(paged, "_device_limits", lambda i: (65536, 233472, 2048, 1024))
+    monkeypatch.setitem(paged.TUNE, "tail_warps", None)
+    fused = 0 if method == "no pages" else paged._mma2_smem(kitty, db, 4, k_bits, v_bits)
+    assert paged._tail_warps(128, 0, fused) == got
 
 
 def test_tail_warps_rejects_unbuilt_counts(monkeypatch):

@@ -172,14 +172,18 @@ __device__ __forceinline__ void attn_split_body(const typename Ty<QDT>::S* __res
     constexpr int DPL = Cfg::DPL;
     static_assert(QT % 4 == 0, "QT must be a multiple of 4 (16-byte rows of p)");
     static_assert(QT * D * 4 <= Cfg::WARP_BYTES, "the combine area [NW][QT][D] fp32 reuses the tiles");
-    static_assert((DYN ? 0 : NW * Cfg::WARP_BYTES) + QT * D * 4 + NW * 32 * QT * 4 + 2 * NW * QT * 4 <= 48 * 1024,
+    // the queries held in the score sums' type where it fits (converted once, not once per key and row)
+    constexpr int SMEM_REST = (DYN ? 0 : NW * Cfg::WARP_BYTES) + NW * 32 * QT * 4 + 2 * NW * QT * 4;
+    constexpr bool QW = sizeof(SAcc) == 8 && SMEM_REST + QT * D * 8 <= 48 * 1024;
+    typedef typename AccT<QW ? 2 : 0>::T QS;
+    static_assert(SMEM_REST + QT * D * (int)sizeof(QS) <= 48 * 1024,
                   "static shared memory is limited to 48 KiB (fp32 supports D <= 128)");
 
     u32x4* s_tiles = TileSmem<DYN != 0, NW * Cfg::WARP_BYTES / 16>::get();   // per warp: K [32][KROW], V [32][D]
-    __shared__ u32x4 s_q4[QT * D / 4];                      // [QT][D] fp32, pre-scaled queries
+    __shared__ u32x4 s_q4[QT * D * sizeof(QS) / 16];        // [QT][D] pre-scaled queries (fp32 values)
     __shared__ u32x4 s_p4[NW * 32 * QT / 4];                // per warp: [32 keys][QT] probabilities
     __shared__ float s_m[NW][QT], s_l[NW][QT];
-    float* s_q = reinterpret_cast<float*>(s_q4);
+    QS* s_q = reinterpret_cast<QS*>(s_q4);
 
     const int tid = threadIdx.x;
     const int warp = tid >> 5;
@@ -205,7 +209,7 @@ __device__ __forceinline__ void attn_split_body(const typename Ty<QDT>::S* __res
             const int t = r - (r / Tq) * Tq;
             val = __fmul_rn(Ty<QDT>::ld(q[(i64)b * sq_b + (i64)h * sq_h + (i64)t * sq_t + d]), qk_scale);
         }
-        s_q[idx] = val;
+        s_q[idx] = (QS)val;
     }
     __syncthreads();
 
@@ -241,12 +245,14 @@ __device__ __forceinline__ void attn_split_body(const typename Ty<QDT>::S* __res
         for (int cv = 0; cv < NVEC; ++cv) {
             float kf[VE];
             load_f32<DT, VE>(krow + cv * VE, kf);
+            SAcc kd[VE];
+#pragma unroll
+            for (int e = 0; e < VE; ++e) kd[e] = (SAcc)kf[e];
 #pragma unroll
             for (int qi = 0; qi < QT; ++qi) {
-                float qf[VE];
-                load_f32<2, VE>(s_q + qi * D + cv * VE, qf);
+                const QS* qr = s_q + qi * D + cv * VE;
 #pragma unroll
-                for (int e = 0; e < VE; ++e) s[qi] = fma((SAcc)qf[e], (SAcc)kf[e], s[qi]);
+                for (int e = 0; e < VE; ++e) s[qi] = fma((SAcc)qr[e], kd[e], s[qi]);
             }
         }
 

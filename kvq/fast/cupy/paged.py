@@ -72,10 +72,13 @@ MMA_BITS = (2, 4)                   # key / value code bits of paged_decode_mma2
 #: (auto): the two kernels when the tail has at least one (sequence, kv head, query tile) per SM (on
 #: the H100: 32 x 32K Kitty 391 -> 355 us), one launch below that (1 x 32K Kitty: 39 us, not 52);
 #: tail_warps: warps per block of paged_tail_attn (1, 2 or 4: _loader.PAGED_TAIL_WARPS; its fp32 tiles
-#: in dynamic shared memory, 33 KiB per warp at D = 128; fewer where the device cannot hold them; on
-#: the H100 4 is the fastest: 32 x 32K KIVI-K2V2 0.313 / 0.310 / 0.294 ms at 2 / 1 / 4 warps)
+#: in dynamic shared memory, 33 KiB per warp at D = 128; fewer where the device cannot hold them);
+#: None (auto, _tail_warps): the most warps whose block leaves room for two blocks of the fused kernel
+#: on the same SM (the tail runs beside it); on the H100 that is 4 for KIVI-K2V2 and Kitty (32 x 32K
+#: KIVI-K2V2 0.310 / 0.312 / 0.295 ms at 1 / 2 / 4 warps) and 2 for KIVI-K4V4, whose 76 KiB blocks
+#: a 4-warp tail block crowds out (8 x 32K: 0.118 / 0.120 / 0.129 ms)
 TUNE = {"num_warps": None, "waves": None, "mma": True, "side_stream": True, "fused_tail": True, "tail_tiles": 1,
-        "tail_first": False, "tail16": None, "tail_warps": 4}
+        "tail_first": False, "tail16": None, "tail_warps": None}
 
 
 def _buf_bytes(D: int, k_bits: int, v_bits: int, kitty: bool, ngv: int, db: int) -> int:
@@ -206,14 +209,26 @@ def _smem_optin(device_index: int) -> int:
     return int(cupy.cuda.runtime.getDeviceProperties(device_index).get("sharedMemPerBlockOptin", 48 * 1024))
 
 
-def _tail_warps(D: int, device_index: int) -> int:
-    """Warps per block of paged_tail_attn: ``TUNE["tail_warps"]``, or the most of _loader.PAGED_TAIL_WARPS
-    below it whose fp32 tiles the device's shared memory holds (one warp always fits: 33 KiB at D = 128)."""
+def _tail_warps(D: int, device_index: int, fused_smem: int = 0) -> int:
+    """Warps per block of paged_tail_attn (one warp always fits: 33 KiB of fp32 tiles at D = 128).
+
+    ``TUNE["tail_warps"]`` = n: the most of _loader.PAGED_TAIL_WARPS up to n whose tiles one block may
+    hold on the device. None (auto): of those, the most that leave room in an SM's shared memory for two
+    blocks of the fused kernel (``fused_smem`` dynamic bytes each, 0: no fused kernel), which runs beside
+    the tail."""
     want = TUNE["tail_warps"]
-    if want not in L.PAGED_TAIL_WARPS:
+    if want is not None and want not in L.PAGED_TAIL_WARPS:
         raise ValueError(f"TUNE['tail_warps'] = {want!r}: paged_tail_attn is built for {L.PAGED_TAIL_WARPS} warps")
-    cap = _smem_optin(device_index)
-    return max(n for n in L.PAGED_TAIL_WARPS if n == 1 or (n <= want and n * _tail_warp_bytes(D) <= cap))
+    cap, per_sm = _smem_optin(device_index), None
+    for n in sorted(L.PAGED_TAIL_WARPS, reverse=True):
+        tb = n * _tail_warp_bytes(D)
+        if n == 1 or (n <= (want or n) and tb <= cap):
+            if n == 1 or want is not None or not fused_smem:
+                return n
+            per_sm = per_sm or _device_limits(device_index)[1]
+            if (per_sm - tb) // fused_smem >= 2:
+                return n
+    return 1
 
 
 def _tail_rows(cfg, codec, st: PagedState, NF: int):
@@ -345,7 +360,7 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     parts = [(kind, rows, u, nw_t, *A._splits(rows, B * H * tqtiles, 32 * nw_t, sms, TUNE["tail_tiles"]))
              for kind, rows, u in parts if rows > 0
              for nw_t in (L.attn_warps(L.DT[torch.float16], D) if kind == "fp16" else
-                          _tail_warps(D, dev_index) if kind == "mixed" else L.attn_warps(L.DT[torch.float32], D),)]
+                          _tail_warps(D, dev_index, smem) if kind == "mixed" else L.attn_warps(L.DT[torch.float32], D),)]
     nt = sum(p[-1] for p in parts)
     S_TOTAL = n_split + nt
     rows = B * H_q * T_q
