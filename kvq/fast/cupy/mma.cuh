@@ -192,6 +192,9 @@ __device__ __forceinline__ int pow2_above(float x) {
     return x > 0.0f ? kvq_min(kvq_max_i(e, -14), 14) : 0;
 }
 
+// 2^k as a float (|k| <= 126; x * f_pow2(k) is ldexpf(x, k), one multiply)
+__device__ __forceinline__ float f_pow2(int k) { return __int_as_float((127 + k) << 23); }
+
 // 2^k (|k| <= 14) in both halves of a half2
 __device__ __forceinline__ u32 h2_pow2(int k) {
     const u32 h = (u32)(k + 15) << 10;

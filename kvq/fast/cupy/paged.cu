@@ -498,6 +498,7 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
     // {0, 1}, of the page's tokens 16 g + 2 mt (t < 2) or 16 g + 2 mt + 1 (t >= 2)
     const int r0 = NR == 4 ? 2 * (t & 1) : 2 * t;
     const float qmax0 = s_qmax[r0], qmax1 = s_qmax[r0 + 1];
+    const float rqmax_b = qmax_b > 0.0f ? 1.0f / qmax_b : 0.0f;
 
     float m0 = -KVQ_INF, m1 = -KVQ_INF, l0 = 0.0f, l1 = 0.0f, bs0 = 0.0f, bs1 = 0.0f;
     float O[8][4];
@@ -572,7 +573,7 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
             bias0 = __shfl_sync(KVQ_FULL_MASK, y, 4 * r0);
             bias1 = __shfl_sync(KVQ_FULL_MASK, y, 4 * r0 + 4);
         }
-        const float inv = qmax_b > 0.0f ? ldexpf(1.0f / qmax_b, -ek) : 0.0f;   // Kitty's high plane (fp32 q)
+        const float inv = rqmax_b * f_pow2(-ek);  // Kitty's high plane (fp32 q)
 
         // ---- S^T = codes_K . B
         float S[8][4], SL[NR == 8 ? 8 : 1][4];
@@ -623,7 +624,7 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
         p_commit();
 
         // ---- scores of row r0 + e: (hi + 2^-11 lo) max|q_row| 2^ek + q . mn_k
-        const float rs0 = ldexpf(qmax0, ek), rs1 = ldexpf(qmax1, ek);
+        const float rs0 = qmax0 * f_pow2(ek), rs1 = qmax1 * f_pow2(ek);
         page_softmax_pv<NR, KB, VB>(S, SL, [&](int e, float hi, float lo, int, int) {
             const float rs = (e & 1) ? rs1 : rs0;
             return fmaf(lo, rs * (1.0f / 2048.0f), fmaf(hi, rs, (e & 1) ? bias1 : bias0));
