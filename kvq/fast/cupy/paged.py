@@ -231,7 +231,7 @@ def _tail_warps(D: int, device_index: int, fused_smem: int = 0) -> int:
     return 1
 
 
-def _tail_rows(cfg, codec, st: PagedState, NF: int):
+def _tail_rows(cfg, codec, st: PagedState, NF: int, kp: dict | None = None):
     """(NT, pointer arguments, int arguments) of paged.cu's TailRows (KVQ_TAIL_PARAMS, KVQ_TAIL_INTS): the
     tail's rows are the sink, then the post-sink tokens [NF, T - S) in token order."""
     B, H, D = st.shape
@@ -241,7 +241,7 @@ def _tail_rows(cfg, codec, st: PagedState, NF: int):
     if G != G_FUSED or D > GATHER_MAXD or _GATHER_THREADS % D:
         raise ValueError(f"group_size={G}, head_dim={D}: the tail takes G = {G_FUSED} and a head dim "
                          f"that divides {_GATHER_THREADS}")
-    kp = codec.kernel_arrays(cfg, st)
+    kp = kp if kp is not None else codec.kernel_arrays(cfg, st)
     ptrs = (st.sink_k, st.sink_v, st.k_buf, st.v_buf, st.v_win, kp["codes"], kp["high"], kp["idx"], kp["scale"],
             kp["mn"], st.v_codes, st.v_scale, st.v_mn, st.k_table, st.v_table)
     ints = tuple(np.int32(x) for x in (
@@ -254,12 +254,12 @@ def gather_tail(cfg, codec, st: PagedState, NF: int):
     """K, V fp32 (B, H, NT, D) of the tokens outside the fused range: the sink, then post-sink tokens
     [NF, T - S) in token order (one kernel; bit-exact with the reference's dequantize)."""
     B, H, D = st.shape
-    NT, ptrs, ints = _tail_rows(cfg, codec, st, NF)
+    kp = codec.kernel_arrays(cfg, st)
+    NT, ptrs, ints = _tail_rows(cfg, codec, st, NF, kp)
     ok = torch.empty((B, H, NT, D), dtype=torch.float32, device=st.device)
     ov = torch.empty_like(ok)
     if NT == 0:
         return ok, ov
-    kp = codec.kernel_arrays(cfg, st)
     fn = L.kernel(_SRC, L.gather_tail_name(kp["bits"], cfg.v_bits, bool(kp["kitty"])))
     L.run(fn, (-(-NT // GATHER_TOK), H, B), (_GATHER_THREADS,),
           (*ptrs, ok, ov, np.int32(B), np.int32(NT), np.int32(D), *ints), st.device)
@@ -370,7 +370,7 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     # the tail's parts each on their own side stream (side by side with the fused kernel and each other)
     sides = [_side_stream(dev_index, k) if n_split and TUNE["side_stream"] else main for k in range(len(parts))]
 
-    rows_args = _tail_rows(cfg, codec, st, NF)[1:] if in_place and nt else None   # paged_tail*_attn's TailRows
+    rows_args = _tail_rows(cfg, codec, st, NF, kp)[1:] if in_place and nt else None   # paged_tail*_attn's TailRows
     qf = q if q.stride(-1) == 1 else q.contiguous()   # the kernels read q rows with a unit last stride
 
     def launch_tail():
