@@ -638,13 +638,15 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
                       b, split, o_part, lse_part);
 }
 
-// code * scale[i] + mn[i] as two rounded fp32 operations (the reference's dequantize); scale / mn are
-// fp32 when meta32, else fp16
+// element i of a scale or mn array as fp32: stored fp32 when meta32, else fp16
+__device__ __forceinline__ float meta_f32(const void* __restrict__ p, i64 i, int meta32) {
+    return meta32 ? reinterpret_cast<const float*>(p)[i] : f16_to_f32(reinterpret_cast<const u16*>(p)[i]);
+}
+
+// code * scale[i] + mn[i] as two rounded fp32 operations (the reference's dequantize)
 __device__ __forceinline__ float dequant_meta(u32 code, const void* __restrict__ scale, const void* __restrict__ mn,
                                               i64 i, int meta32) {
-    const float sc = meta32 ? reinterpret_cast<const float*>(scale)[i] : f16_to_f32(reinterpret_cast<const u16*>(scale)[i]);
-    const float m = meta32 ? reinterpret_cast<const float*>(mn)[i] : f16_to_f32(reinterpret_cast<const u16*>(mn)[i]);
-    return ieee_add(ieee_mul((float)code, sc), m);
+    return ieee_add(ieee_mul((float)code, meta_f32(scale, i, meta32)), meta_f32(mn, i, meta32));
 }
 
 // ---- the tail: sink, Q-buffers, window and the mixed tokens ------------------------------------------
@@ -682,8 +684,8 @@ struct TailRows {
     // the metadata of channel d of key page-head kph: scale, mn and (Kitty) the high-plane row (db: none)
     __device__ __forceinline__ void key_meta(i64 kph, int d, int kitty, float& sc, float& m, int& ix) const {
         const i64 i = kph * D + d;
-        sc = meta32 ? reinterpret_cast<const float*>(ks)[i] : f16_to_f32(reinterpret_cast<const u16*>(ks)[i]);
-        m = meta32 ? reinterpret_cast<const float*>(km)[i] : f16_to_f32(reinterpret_cast<const u16*>(km)[i]);
+        sc = meta_f32(ks, i, meta32);
+        m = meta_f32(km, i, meta32);
         ix = kitty ? (int)ki[i] : db;
     }
     // channel d of the key at (kph, slot) with its metadata (key_meta), dequantized: code * sc + m as
