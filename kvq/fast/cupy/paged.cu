@@ -603,15 +603,15 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
                 float f[4];
                 u32 w[4];
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
+                for (int e = 0; e < 4; ++e) {          // without branches: the four rows' loads overlap
                     const int r = 16 * kb + 2 * t + (e & 1) + 8 * (e >> 1);
-                    f[e] = 0.0f;
-                    w[e] = 0u;
-                    if (r < db) {
-                        const int c = s_inv[warp][r];
-                        f[e] = 4.0f * qrow[c] * f16_to_f32(kss[c]) * inv;
-                        w[e] = *reinterpret_cast<const u32*>(kslot + KH_OFF + r * GB + 4 * g);
-                    }
+                    const bool ok = r < db;
+                    const int rr = ok ? r : 0;         // rows past db: read row 0, contribute 0
+                    const int c = s_inv[warp][rr];
+                    const float fv = 4.0f * qrow[c] * f16_to_f32(kss[c]) * inv;
+                    const u32 wv = *reinterpret_cast<const u32*>(kslot + KH_OFF + rr * GB + 4 * g);
+                    f[e] = ok ? fv : 0.0f;
+                    w[e] = ok ? wv : 0u;
                 }
                 u32 bk[NR == 8 ? 4 : 2];
                 qk_bfrag<NR>(bk, f[0], f[1], f[2], f[3], blo);
