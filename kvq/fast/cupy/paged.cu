@@ -894,9 +894,10 @@ struct PagedTail16Tiles {
 };
 
 // ---- tail attention kernels ----------------------------------------------------------------------
-// Compute: attention.cu's attn_split<DT, D, QT, NW, 0, QDT> (base 2, QDT = fp16 / bf16 queries, the
-//   score sums in double (SD), P . V in float; its grid and partial layout, partials from number split0 on) over tail rows read in place
-//   from the cache, no gathered copy:
+// Computes: attention.cu's attn_split<DT, D, QT, NW, 0, QDT> (base 2, QDT = fp16 / bf16 queries, the
+//   score sums in double (SD; the queries held as double in shared memory), P . V in float; its grid
+//   and partial layout, partials from number split0 on) over tail rows read in place from the cache,
+//   no gathered copy:
 //   paged_tail_attn: T rows from tail row u0 on, as fp32 tiles: the same tile values as
 //     paged_gather_tail writes, so with u0 = 0 and T = NT the same partials bit for bit; the decode
 //     gives it the mixed rows (a key or a value from a page);
