@@ -245,6 +245,18 @@ def test_tail_warps_auto(monkeypatch, method, k_bits, v_bits, kitty, db, got):
     assert paged._tail_warps(128, 0, fused) == got
 
 
+@pytest.mark.parametrize("optin, want, got", [(232448, None, 4), (232448, 2, 2), (49152, 4, 2), (49152, None, 2)])
+def test_tail16_warps(monkeypatch, optin, want, got):
+    """paged_tail16_attn (fp16 tiles, 16.5 KiB per warp at D = 128): ``TUNE["tail16_warps"]`` or the auto
+    rule, capped by the device (48 KiB holds two warps); KIVI-K4V4's fused blocks leave room for 4 warps."""
+    from kvq.fast.cupy import paged
+
+    monkeypatch.setattr(paged, "_smem_optin", lambda i: optin)
+    monkeypatch.setattr(paged, "_device_limits", lambda i: (65536, 233472, 2048, 1024))
+    monkeypatch.setitem(paged.TUNE, "tail16_warps", want)
+    assert paged._tail_warps(128, 0, paged._mma2_smem(False, 0, 4, 4, 4), fp16=True) == got
+
+
 def test_tail_warps_rejects_unbuilt_counts(monkeypatch):
     from kvq.fast.cupy import paged
 

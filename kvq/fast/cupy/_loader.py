@@ -99,16 +99,14 @@ def gather_tail_name(k_bits: int, v_bits: int, kitty: bool) -> str:
     return f"paged_gather_tail<{int(kitty)}, {k_bits}, {v_bits}>"
 
 
-#: warps per block paged_tail_attn is built for (its fp32 tiles in dynamic shared memory)
+#: warps per block paged_tail_attn and paged_tail16_attn are built for (their tiles in dynamic shared memory)
 PAGED_TAIL_WARPS = (1, 2, 4)
 
 
 def paged_tail_name(D: int, QT: int, q_dt: int, fp16_rows: bool = False, nw: int = 1) -> str:
     """paged_tail_attn with nw warps (fp32 tiles: any tail row) or, with fp16_rows, paged_tail16_attn
-    (fp16 tiles, attn_warps(fp16, D) warps)."""
-    if fp16_rows:
-        return f"paged_tail16_attn<{D}, {QT}, {attn_warps(0, D)}, {q_dt}>"
-    return f"paged_tail_attn<{D}, {QT}, {nw}, {q_dt}>"
+    (fp16 tiles: rows whose key and value are both fp16); nw in PAGED_TAIL_WARPS."""
+    return f"paged_tail{'16' if fp16_rows else ''}_attn<{D}, {QT}, {nw}, {q_dt}>"
 
 
 def _paged_names():
@@ -117,9 +115,8 @@ def _paged_names():
     names += [mma2_name(k, nr, kb, vb) for k in (0, 1) for nr in (4, 8) for kb in (2, 4) for vb in (2, 4)
               if not (k and kb == 4)]
     names += [gather_tail_name(kb, vb, kitty) for kb, kitty in PAGED_KEYS for vb in PAGED_VBITS]
-    names += [paged_tail_name(D, qt, qdt, True) for D in PAGED_DIMS for qt in PAGED_QT for qdt in (0, 1)]
-    names += [paged_tail_name(D, qt, qdt, False, nw) for D in PAGED_DIMS for qt in PAGED_QT for qdt in (0, 1)
-              for nw in PAGED_TAIL_WARPS]
+    names += [paged_tail_name(D, qt, qdt, f16, nw) for D in PAGED_DIMS for qt in PAGED_QT for qdt in (0, 1)
+              for f16 in (True, False) for nw in PAGED_TAIL_WARPS]
     return tuple(names)
 
 

@@ -904,9 +904,9 @@ struct PagedTail16Tiles {
 //   paged_tail16_attn: the rows whose key and value are both fp16 (PagedTail16Tiles), as fp16 tiles
 //     by cp.async (half the shared memory per warp: twice the warps per block).
 //   The half-precision-q decode's tail, beside the fused kernel.
-// Grid: (num_splits * n_qtiles, H_kv, B); block NW * 32 threads (paged_tail_attn: any NW, its tiles in
-//   NW * AttnCfg<2, D>::WARP_BYTES bytes of dynamic shared memory; paged_tail16_attn: NW =
-//   attn_warps(fp16, D), static).
+// Grid: (num_splits * n_qtiles, H_kv, B); block NW * 32 threads, the tiles in NW * AttnCfg<DT,
+//   D>::WARP_BYTES bytes of dynamic shared memory (paged_tail_attn: fp32, DT = 2; paged_tail16_attn:
+//   fp16, DT = 0).
 template <int D, int QT, int NW, int QDT>
 __global__ void __launch_bounds__(NW * 32)
     paged_tail_attn(const typename Ty<QDT>::S* __restrict__ q, KVQ_TAIL_PARAMS, int kbits, int vbits, int kitty,
@@ -925,6 +925,6 @@ __global__ void __launch_bounds__(NW * 32)
                       int B, int Hq, int Tq, i64 T, i64 chunk, int num_splits, int split0, float qk_scale,
                       KVQ_TAIL_INTS) {
     const PagedTail16Tiles<D> tiles{KVQ_TAIL_ROWS, gap_at, gap};
-    attn_split_body<0, D, QT, NW, 0, QDT, 1>(q, tiles, o_part, lse_part, sq_b, sq_h, sq_t, B, Hq, H, Tq, T, chunk,
+    attn_split_body<0, D, QT, NW, 0, QDT, 1, 1>(q, tiles, o_part, lse_part, sq_b, sq_h, sq_t, B, Hq, H, Tq, T, chunk,
                                              num_splits, split0, qk_scale);
 }

@@ -76,9 +76,10 @@ MMA_BITS = (2, 4)                   # key / value code bits of paged_decode_mma2
 #: None (auto, _tail_warps): the most warps whose block leaves room for two blocks of the fused kernel
 #: on the same SM (the tail runs beside it); on the H100 that is 4 for KIVI-K2V2 and Kitty (32 x 32K
 #: KIVI-K2V2 0.310 / 0.312 / 0.295 ms at 1 / 2 / 4 warps) and 2 for KIVI-K4V4, whose 76 KiB blocks
-#: a 4-warp tail block crowds out (8 x 32K: 0.118 / 0.120 / 0.129 ms)
+#: a 4-warp tail block crowds out (8 x 32K: 0.118 / 0.120 / 0.129 ms); tail16_warps: the same for
+#: paged_tail16_attn (fp16 tiles, 16.5 KiB per warp at D = 128; None: the same rule)
 TUNE = {"num_warps": None, "waves": None, "mma": True, "side_stream": True, "fused_tail": True, "tail_tiles": 1,
-        "tail_first": False, "tail16": None, "tail_warps": None}
+        "tail_first": False, "tail16": None, "tail_warps": None, "tail16_warps": None}
 
 
 def _buf_bytes(D: int, k_bits: int, v_bits: int, kitty: bool, ngv: int, db: int) -> int:
@@ -196,9 +197,11 @@ def _aligned(*ts) -> bool:
     return all(t.data_ptr() % 16 == 0 and t.is_contiguous() for t in ts)
 
 
-def _tail_warp_bytes(D: int) -> int:
-    """attn_split.cuh AttnCfg<fp32, D>::WARP_BYTES: one warp's K tile [32][D + 4] and V tile [32][D], fp32."""
-    return (32 * (D + 4) + 32 * D) * 4
+def _tail_warp_bytes(D: int, fp16: bool = False) -> int:
+    """attn_split.cuh AttnCfg<DT, D>::WARP_BYTES: one warp's K tile [32][D + 16 / size] and V tile [32][D],
+    fp32 (paged_tail_attn) or fp16 (paged_tail16_attn)."""
+    size = 2 if fp16 else 4
+    return (32 * (D + 16 // size) + 32 * D) * size
 
 
 @functools.lru_cache(maxsize=None)
@@ -209,19 +212,21 @@ def _smem_optin(device_index: int) -> int:
     return int(cupy.cuda.runtime.getDeviceProperties(device_index).get("sharedMemPerBlockOptin", 48 * 1024))
 
 
-def _tail_warps(D: int, device_index: int, fused_smem: int = 0) -> int:
-    """Warps per block of paged_tail_attn (one warp always fits: 33 KiB of fp32 tiles at D = 128).
+def _tail_warps(D: int, device_index: int, fused_smem: int = 0, fp16: bool = False) -> int:
+    """Warps per block of paged_tail_attn, or with ``fp16`` of paged_tail16_attn (one warp always fits:
+    33 / 16.5 KiB of fp32 / fp16 tiles at D = 128).
 
-    ``TUNE["tail_warps"]`` = n: the most of _loader.PAGED_TAIL_WARPS up to n whose tiles one block may
-    hold on the device. None (auto): of those, the most that leave room in an SM's shared memory for two
-    blocks of the fused kernel (``fused_smem`` dynamic bytes each, 0: no fused kernel), which runs beside
-    the tail."""
-    want = TUNE["tail_warps"]
+    ``TUNE["tail_warps"]`` (``TUNE["tail16_warps"]``) = n: the most of _loader.PAGED_TAIL_WARPS up to n
+    whose tiles one block may hold on the device. None (auto): of those, the most that leave room in an
+    SM's shared memory for two blocks of the fused kernel (``fused_smem`` dynamic bytes each, 0: no fused
+    kernel), which runs beside the tail."""
+    key = "tail16_warps" if fp16 else "tail_warps"
+    want = TUNE[key]
     if want is not None and want not in L.PAGED_TAIL_WARPS:
-        raise ValueError(f"TUNE['tail_warps'] = {want!r}: paged_tail_attn is built for {L.PAGED_TAIL_WARPS} warps")
+        raise ValueError(f"TUNE[{key!r}] = {want!r}: the tail kernels are built for {L.PAGED_TAIL_WARPS} warps")
     cap, per_sm = _smem_optin(device_index), None
     for n in sorted(L.PAGED_TAIL_WARPS, reverse=True):
-        tb = n * _tail_warp_bytes(D)
+        tb = n * _tail_warp_bytes(D, fp16)
         if n == 1 or (n <= (want or n) and tb <= cap):
             if n == 1 or want is not None or not fused_smem:
                 return n
@@ -359,8 +364,8 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     # (kind, rows, first tail row or skipped rows, warps per block, keys per split, splits)
     parts = [(kind, rows, u, nw_t, *A._splits(rows, B * H * tqtiles, 32 * nw_t, sms, TUNE["tail_tiles"]))
              for kind, rows, u in parts if rows > 0
-             for nw_t in (L.attn_warps(L.DT[torch.float16], D) if kind == "fp16" else
-                          _tail_warps(D, dev_index, smem) if kind == "mixed" else L.attn_warps(L.DT[torch.float32], D),)]
+             for nw_t in (_tail_warps(D, dev_index, smem, kind == "fp16") if kind != "gather" else
+                          L.attn_warps(L.DT[torch.float32], D),)]
     nt = sum(p[-1] for p in parts)
     S_TOTAL = n_split + nt
     rows = B * H_q * T_q
@@ -392,9 +397,8 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
                     fn_t = L.kernel(_SRC, L.paged_tail_name(D, tqt, L.DT[q.dtype], kind == "fp16", nw_t))
                     where = ((np.int32(c["n_sink"]), np.int32(n_mixed)) if kind == "fp16" else
                              (np.int32(k_bits), np.int32(cfg.v_bits), np.int32(kitty), np.int32(u)))
-                    tsm = 0 if kind == "fp16" else nw_t * _tail_warp_bytes(D)     # dynamic: the fp32 tiles
-                    if tsm:
-                        _allow_smem(fn_t, tsm, dev_index)
+                    tsm = nw_t * _tail_warp_bytes(D, kind == "fp16")      # dynamic: the tiles
+                    _allow_smem(fn_t, tsm, dev_index)
                     L.run(fn_t, grid, (32 * nw_t,),
                           (qf, *ptrs, *where, o_part, lse_part, *qs, *dims, np.int32(T_q), *common, *ints), dev,
                           shared_mem=tsm)
