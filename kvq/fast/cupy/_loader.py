@@ -59,13 +59,18 @@ def attn_supported(dt: int, D: int) -> bool:
     return D in ATTN_DIMS and not (dt == 2 and D > 128)
 
 
-def attn_warps(dt: int, D: int) -> int:
-    """Warps per attn_split block: each warp stages a 32-key K tile (rows padded by 16 bytes) and a
-    V tile in shared memory; the block stays under 48 KiB of static shared memory (attention.cu
-    checks it with a static_assert at compile time)."""
+def attn_warp_bytes(dt: int, D: int) -> int:
+    """attn_split.cuh AttnCfg<dt, D>::WARP_BYTES: one warp's 32-key K tile (rows padded by 16 bytes)
+    and V tile in shared memory."""
     esz = 4 if dt == 2 else 2
-    per_warp = 32 * (2 * D + 16 // esz) * esz
-    return max(1, min(4, 36864 // per_warp))
+    return 32 * (2 * D + 16 // esz) * esz
+
+
+def attn_warps(dt: int, D: int) -> int:
+    """Warps per attn_split block: each warp stages its tiles (attn_warp_bytes) in shared memory; the
+    block stays under 48 KiB of static shared memory (attention.cu checks it with a static_assert at
+    compile time)."""
+    return max(1, min(4, 36864 // attn_warp_bytes(dt, D)))
 
 
 def _attention_names():

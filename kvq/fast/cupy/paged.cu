@@ -886,10 +886,9 @@ struct PagedTail16Tiles {
     int gap_at, gap;
 
     __device__ __forceinline__ void stage(u16* ks, u16* vs, int b, int hk, i64 kb, int nk, int lane) const {
-        const int u0 = (int)kb;
-        cp_async_tiles<0, D>(ks, vs, nk, lane,
-                             [&](int r) { return rows.key_row16(b, hk, u0 + r + (u0 + r >= gap_at ? gap : 0)); },
-                             [&](int r) { return rows.value_row16(b, hk, u0 + r + (u0 + r >= gap_at ? gap : 0)); });
+        const auto row = [&](int r) { const int u = (int)kb + r; return u + (u >= gap_at ? gap : 0); };
+        cp_async_tiles<0, D>(ks, vs, nk, lane, [&](int r) { return rows.key_row16(b, hk, row(r)); },
+                             [&](int r) { return rows.value_row16(b, hk, row(r)); });
     }
 };
 
@@ -902,7 +901,7 @@ struct PagedTail16Tiles {
 //     paged_gather_tail writes, so with u0 = 0 and T = NT the same partials bit for bit; the decode
 //     gives it the mixed rows (a key or a value from a page);
 //   paged_tail16_attn: the rows whose key and value are both fp16 (PagedTail16Tiles), as fp16 tiles
-//     by cp.async (half the shared memory per warp: twice the warps per block).
+//     by cp.async (half the shared memory per warp of the fp32 tiles).
 //   The half-precision-q decode's tail, beside the fused kernel.
 // Grid: (num_splits * n_qtiles, H_kv, B); block NW * 32 threads, the tiles in NW * AttnCfg<DT,
 //   D>::WARP_BYTES bytes of dynamic shared memory (paged_tail_attn: fp32, DT = 2; paged_tail16_attn:

@@ -199,10 +199,16 @@ def _aligned(*ts) -> bool:
 
 
 def _tail_warp_bytes(D: int, fp16: bool = False) -> int:
-    """attn_split.cuh AttnCfg<DT, D>::WARP_BYTES: one warp's K tile [32][D + 16 / size] and V tile [32][D],
-    fp32 (paged_tail_attn) or fp16 (paged_tail16_attn)."""
-    size = 2 if fp16 else 4
-    return (32 * (D + 16 // size) + 32 * D) * size
+    """One warp's tiles in paged_tail_attn (fp32) or paged_tail16_attn (fp16): _loader.attn_warp_bytes."""
+    return L.attn_warp_bytes(L.DT[torch.float16 if fp16 else torch.float32], D)
+
+
+@functools.lru_cache(maxsize=None)
+def _tail_kernel(D: int, QT: int, q_dt: int, fp16: bool, nw: int, device_index: int):
+    """paged_tail16_attn (fp16) or paged_tail_attn with nw warps, allowed the dynamic shared memory of
+    their tiles on that device (set once, not per decode)."""
+    return _allow_smem(L.kernel(_SRC, L.paged_tail_name(D, QT, q_dt, fp16, nw)), nw * _tail_warp_bytes(D, fp16),
+                       device_index)
 
 
 @functools.lru_cache(maxsize=None)
@@ -225,15 +231,11 @@ def _tail_warps(D: int, device_index: int, fused_smem: int = 0, fp16: bool = Fal
     want = TUNE[key]
     if want is not None and want not in L.PAGED_TAIL_WARPS:
         raise ValueError(f"TUNE[{key!r}] = {want!r}: the tail kernels are built for {L.PAGED_TAIL_WARPS} warps")
-    cap, per_sm = _smem_optin(device_index), None
-    for n in sorted(L.PAGED_TAIL_WARPS, reverse=True):
+    for n in sorted((n for n in L.PAGED_TAIL_WARPS if n > 1 and n <= (want or n)), reverse=True):
         tb = n * _tail_warp_bytes(D, fp16)
-        if n == 1 or (n <= (want or n) and tb <= cap):
-            if n == 1 or want is not None or not fused_smem:
-                return n
-            per_sm = per_sm or _device_limits(device_index)[1]
-            if (per_sm - tb) // fused_smem >= 2:
-                return n
+        if tb <= _smem_optin(device_index) and (
+                want is not None or not fused_smem or (_device_limits(device_index)[1] - tb) // fused_smem >= 2):
+            return n
     return 1
 
 
@@ -395,14 +397,13 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
                            *(np.int64(s) for s in tv.stride()[:3]), *dims, np.int32(H), np.int32(T_q), *common), dev)
                 else:
                     ptrs, ints = rows_args
-                    fn_t = L.kernel(_SRC, L.paged_tail_name(D, tqt, L.DT[q.dtype], kind == "fp16", nw_t))
-                    where = ((np.int32(c["n_sink"]), np.int32(n_mixed)) if kind == "fp16" else
+                    f16 = kind == "fp16"
+                    fn_t = _tail_kernel(D, tqt, L.DT[q.dtype], f16, nw_t, dev_index)
+                    where = ((np.int32(c["n_sink"]), np.int32(n_mixed)) if f16 else
                              (np.int32(k_bits), np.int32(cfg.v_bits), np.int32(kitty), np.int32(u)))
-                    tsm = nw_t * _tail_warp_bytes(D, kind == "fp16")      # dynamic: the tiles
-                    _allow_smem(fn_t, tsm, dev_index)
                     L.run(fn_t, grid, (32 * nw_t,),
                           (qf, *ptrs, *where, o_part, lse_part, *qs, *dims, np.int32(T_q), *common, *ints), dev,
-                          shared_mem=tsm)
+                          shared_mem=nw_t * _tail_warp_bytes(D, f16))         # dynamic: the tiles
             split0 += n
 
     def launch_fused():
