@@ -33,18 +33,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     a = ap.parse_args()
     for m in a.methods.split(","):
-        if m == "OSCAR":
-            import bench_oscar as BO
-            mod = BO._mod(a.backend)
-            cfg = BO.config(mod, a.T, dry=False)
-            calib = BO.calibration(mod, 8, 128)
-            st = BO.build_cache(mod, cfg, a.B, 8, 128, a.T, "cuda")
-            g = torch.Generator(device="cuda").manual_seed(1)
-            qs = [torch.randn((a.B, 32, 1, 128), generator=g, device="cuda", dtype=torch.float16) for _ in range(4)]
-            step = lambda q: mod.decode_attention(cfg, calib, st, q)           # noqa: E731
-        else:
-            mod, cfg, st, qs = PF.setup(m, a.B, a.T, a.backend)
-            step = lambda q: mod.decode_attention(cfg, st, q)                  # noqa: E731
+        mod, cfg, st, qs = PF.setup(m, a.B, a.T, a.backend)
+        step = PF.decode_step(m, mod, cfg, st, a.backend)
         for _ in range(3):
             step(qs[0])
         torch.cuda.synchronize()

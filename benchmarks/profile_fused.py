@@ -27,18 +27,33 @@ import common as C  # noqa: E402
 
 
 def setup(method: str, B: int, T: int, backend: str = "triton"):
-    mod, cfg = BK.config(method, T, dry=False, backend=backend)
-    st = BK.build_cache(mod, cfg, B, 8, 128, T, "cuda")
+    """(module, config, cache state, 4 fp16 queries) of a method ("OSCAR": bench_oscar's random-code cache)."""
     g = torch.Generator(device="cuda").manual_seed(1)
     qs = [torch.randn((B, 32, 1, 128), generator=g, device="cuda", dtype=torch.float16) for _ in range(4)]
+    if method == "OSCAR":
+        import bench_oscar as BO
+        mod = BO._mod(backend)
+        cfg = BO.config(mod, T, dry=False)
+        return mod, cfg, BO.build_cache(mod, cfg, B, 8, 128, T, "cuda"), qs
+    mod, cfg = BK.config(method, T, dry=False, backend=backend)
+    st = BK.build_cache(mod, cfg, B, 8, 128, T, "cuda")
     return mod, cfg, st, qs
+
+
+def decode_step(method: str, mod, cfg, st, backend: str = "triton"):
+    """q -> decode_attention over the cache (OSCAR with bench_oscar's random orthogonal calibration)."""
+    if method == "OSCAR":
+        import bench_oscar as BO
+        calib = BO.calibration(mod, 8, 128)
+        return lambda q: mod.decode_attention(cfg, calib, st, q)
+    return lambda q: mod.decode_attention(cfg, st, q)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     ap.add_argument("--once", action="store_true", help="one decode per method (for ncu)")
-    ap.add_argument("--methods", default="KIVI-K2V2,Kitty")
+    ap.add_argument("--methods", default="KIVI-K2V2,Kitty", help="KIVI-*, Kitty, Kitty-Pro, OSCAR")
     ap.add_argument("--backend", default="triton", choices=("triton", "cupy"))
     ap.add_argument("--B", type=int, default=8)
     ap.add_argument("--T", type=int, default=32768)
@@ -50,22 +65,23 @@ def main() -> None:
     if a.once:
         for m in methods:
             mod, cfg, st, qs = setup(m, a.B, a.T, a.backend)
-            mod.decode_attention(cfg, st, qs[0])
+            decode_step(m, mod, cfg, st, a.backend)(qs[0])
             torch.cuda.synchronize()
         return
     keys, vals = [], []
     for part in a.grid.split(";"):
         k, v = part.split("=")
         keys.append(k)
-        vals.append([int(x) if x.isdigit() else {"True": True, "False": False}.get(x, x) for x in v.split(",")])
+        vals.append([int(x) if x.isdigit() else {"True": True, "False": False, "None": None}.get(x, x) for x in v.split(",")])
     rows = []
     old = dict(paged.TUNE)
     for m in methods:
         mod, cfg, st, qs = setup(m, a.B, a.T, a.backend)
+        step = decode_step(m, mod, cfg, st, a.backend)
         for combo in itertools.product(*vals):
             paged.TUNE.update(dict(zip(keys, combo)))
             try:
-                t = C.bench(lambda q, s=st: mod.decode_attention(cfg, s, q), [(q,) for q in qs], device="cuda")
+                t = C.bench(step, [(q,) for q in qs], device="cuda")
                 row = {"method": m, **dict(zip(keys, combo)), "ms": t["ms"]}
             except Exception as e:                                  # a knob the kernel cannot take
                 row = {"method": m, **dict(zip(keys, combo)), "error": f"{type(e).__name__}: {e}"[:300]}
@@ -73,7 +89,7 @@ def main() -> None:
             rows.append(row)
             paged.TUNE.clear()
             paged.TUNE.update(old)
-        del st
+        st = step = None
         torch.cuda.empty_cache()
     res = {"meta": C.meta(torch.device("cuda")), "backend": a.backend, "B": a.B, "T": a.T, "rows": rows}
     with open(os.path.join(a.out, f"fused_sweep_{a.backend}_B{a.B}_T{a.T}.json"), "w") as f:

@@ -203,6 +203,38 @@ def test_split_plan_fills_one_wave():
     assert paged._n_splits(1024, 64, 4, 528) == (8, 128)
 
 
+@pytest.mark.parametrize("NP,n_base,want", [(255, 8, (32, 8)), (1023, 8, (32, 32)), (63, 64, (4, 16)),
+                                             (63, 256, (1, 64)), (1023, 64, (8, 128)), (1023, 256, (2, 512))])
+def test_fused_splits_small_grids_at_two_blocks_per_sm(monkeypatch, NP, n_base, want):
+    """_fused_splits on 132 SMs x 4 blocks: a plan that leaves each warp at most FEW_PAGES_PER_WARP pages
+    (batch 1; batch 8 and 32 at 8K) is re-planned on 2 blocks per SM (1 x 32K: 64 splits of 1 page per
+    warp -> 32 of 2, measured 34 -> 27 us on the H100); a long grid keeps the kernel's occupancy."""
+    from kvq.fast.cupy import paged
+
+    monkeypatch.setitem(paged.TUNE, "max_blocks_per_sm", None)
+    sp, pps = paged._fused_splits(NP, n_base, 4, 528, 132)
+    assert (sp, pps) == want
+    old_sp, old_pps = paged._n_splits(NP, n_base, 4, 528)
+    small = old_pps // 4 <= paged.FEW_PAGES_PER_WARP
+    assert (sp, pps) == (paged._n_splits(NP, n_base, 4, 264) if small else (old_sp, old_pps))
+    assert n_base * sp <= (264 if small else 528)                  # one wave in either case
+
+
+def test_fused_splits_cap_from_tune(monkeypatch):
+    """TUNE["max_blocks_per_sm"] = n plans on at most n blocks per SM (never more than the kernel holds);
+    anything but a positive int or None is refused."""
+    from kvq.fast.cupy import paged
+
+    monkeypatch.setitem(paged.TUNE, "max_blocks_per_sm", 1)
+    assert paged._fused_splits(1023, 8, 4, 528, 132) == paged._n_splits(1023, 8, 4, 132)
+    monkeypatch.setitem(paged.TUNE, "max_blocks_per_sm", 8)
+    assert paged._fused_splits(255, 8, 4, 528, 132) == paged._n_splits(255, 8, 4, 528)
+    for bad in (0, -1, 2.5, "2"):
+        monkeypatch.setitem(paged.TUNE, "max_blocks_per_sm", bad)
+        with pytest.raises(ValueError, match="max_blocks_per_sm"):
+            paged._fused_splits(255, 8, 4, 528, 132)
+
+
 def test_blocks_per_sm_limits(monkeypatch):
     """blocks_per_sm: the least of the register (per-warp allocation in units of 256), shared-memory
     (plus the driver's reserve per block) and thread limits."""

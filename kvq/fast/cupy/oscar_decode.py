@@ -76,7 +76,7 @@ def decode(cfg, st, q_rot, *, scale=None):
         nw = PD.MMA_MAX_WARPS
         smem = smem_bytes(nw)
         fn = _kernel(nr, smem, dev_index)
-        n_split, pps = PD._n_splits(NP, B * H, nw, PD.resident_slots(fn, 32 * nw, smem, dev_index))
+        n_split, pps = PD._fused_splits(NP, B * H, nw, PD.resident_slots(fn, 32 * nw, smem, dev_index), sms)
     # the FP16 tokens: oscar_tail_attn (attn_split's body: fp16 K / V, fp32 q, PRECISE: double sums,
     # natural units; the fp32 lse bound left no room for base-2 rounding here) over the sink and the
     # window (ring slots in any order: attention does not depend on it) read in place as one sequence,

@@ -78,9 +78,14 @@ MMA_BITS = (2, 4)                   # key / value code bits of paged_decode_mma2
 #: KIVI-K2V2 0.310 / 0.312 / 0.295 ms at 1 / 2 / 4 warps) and 2 for KIVI-K4V4, whose 76 KiB blocks
 #: a 4-warp tail block crowds out (8 x 32K: 0.118 / 0.120 / 0.129 ms); tail16_warps: the same for
 #: paged_tail16_attn (fp16 tiles, 16.5 KiB per warp at D = 128; None: the same rule, 4 warps on the
-#: H100: 32 x 8K Kitty 0.142 / 0.140 / 0.136 ms at 1 / 2 / 4 warps, 32 x 128K 1.259 / 1.246 / 1.225)
+#: H100: 32 x 8K Kitty 0.142 / 0.140 / 0.136 ms at 1 / 2 / 4 warps, 32 x 128K 1.259 / 1.246 / 1.225);
+#: max_blocks_per_sm: the fused grid's split count planned on at most this many blocks per SM (None, auto:
+#: _fused_splits, 2 for small grids). Sweep on the H100 (KIVI-K2V2, ms at 1 / 2 / 3 / 4 blocks per SM):
+#: 1 x 32K 0.0286 / 0.0273 / 0.0271 / 0.0338, 1 x 128K 0.0698 / 0.0542 / 0.0541 / 0.0587, 8 x 8K 0.0465 /
+#: 0.0391 / 0.0469 / 0.0469, 32 x 8K 0.0987 / 0.0980 / 0.1177 / 0.1075; long grids as fast or faster at 4:
+#: 8 x 128K 0.459 / 0.305 / 0.285 / 0.282, 32 x 128K 1.140 / 1.151 / 1.061 / 1.068
 TUNE = {"num_warps": None, "waves": None, "mma": True, "side_stream": True, "fused_tail": True, "tail_tiles": 1,
-        "tail_first": False, "tail16": None, "tail_warps": None, "tail16_warps": None}
+        "tail_first": False, "tail16": None, "tail_warps": None, "tail16_warps": None, "max_blocks_per_sm": None}
 
 
 def _buf_bytes(D: int, k_bits: int, v_bits: int, kitty: bool, ngv: int, db: int) -> int:
@@ -192,6 +197,28 @@ def _n_splits(NP: int, n_base: int, nw: int, slots: int) -> tuple:
         if best is None or key < best[0]:
             best = (key, sp_real, pps)
     return best[1], best[2]
+
+
+#: _fused_splits: a plan that gives each warp at most this many pages at full occupancy is re-planned at
+#: most 2 blocks per SM (measured on the H100, see TUNE["max_blocks_per_sm"])
+FEW_PAGES_PER_WARP = 8
+
+
+def _fused_splits(NP: int, n_base: int, nw: int, slots: int, sms: int) -> tuple:
+    """(splits, pages per split) of the fused kernel: ``_n_splits`` on the kernel's ``slots`` resident
+    blocks, or on at most ``TUNE["max_blocks_per_sm"]`` blocks per SM. None (auto): where the plan at full
+    occupancy leaves each warp at most FEW_PAGES_PER_WARP pages (a small grid: batch 1, or 8K context),
+    at most 2 blocks per SM, each warp then twice the pages: fewer partials to merge and block prologues,
+    and the SM's issue rate is already reached at 2 blocks of 4 warps."""
+    cap = TUNE["max_blocks_per_sm"]
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        raise ValueError(f"TUNE['max_blocks_per_sm'] = {cap!r}: a positive int or None")
+    if cap is None:
+        sp, pps = _n_splits(NP, n_base, nw, slots)
+        if pps // nw > FEW_PAGES_PER_WARP or slots <= 2 * sms:
+            return sp, pps
+        cap = 2
+    return _n_splits(NP, n_base, nw, min(slots, cap * sms))
 
 
 def _aligned(*ts) -> bool:
@@ -340,7 +367,7 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
         fn = (_mma_kernel(kitty, nr, k_bits, cfg.v_bits, smem, dev_index) if mma
               else _decode_kernel(D, k_bits, cfg.v_bits, kitty, QT, smem, dev_index))
         if TUNE["waves"] is None:
-            n_split, pps = _n_splits(NP, B * H * qtiles, nw, resident_slots(fn, 32 * nw, smem, dev_index))
+            n_split, pps = _fused_splits(NP, B * H * qtiles, nw, resident_slots(fn, 32 * nw, smem, dev_index), sms)
         else:
             want = max(1, -(-int(TUNE["waves"] * sms) // (B * H * qtiles)))
             pps = -(-NP // min(want, NP))
