@@ -52,6 +52,10 @@ def _kernel(nr: int, smem: int, device_index: int):
     return PD._allow_smem(L.kernel(_SRC, f"oscar_decode_mma<{nr}>"), smem, device_index)
 
 
+#: PD._fused_splits' threshold for OSCAR's decode kernel (measured, see decode)
+OSCAR_FEW_PAGES_PER_WARP = 1
+
+
 @functools.lru_cache(maxsize=None)
 def _tail_kernel(qt: int, nw: int):
     return A.max_carveout(L.kernel(_SRC, f"oscar_tail_attn<{qt}, {nw}>"))
@@ -76,7 +80,11 @@ def decode(cfg, st, q_rot, *, scale=None):
         nw = PD.MMA_MAX_WARPS
         smem = smem_bytes(nw)
         fn = _kernel(nr, smem, dev_index)
-        n_split, pps = PD._fused_splits(NP, B * H, nw, PD.resident_slots(fn, 32 * nw, smem, dev_index), sms)
+        # re-planned at 2 blocks per SM only from one page per warp (H100, auto vs 4 blocks per SM: 1 x 32K
+        # 0.0350 / 0.0488 ms; at 4 and 8 pages per warp 2 blocks were slower: 1 x 128K 0.0829 / 0.0695,
+        # 8 x 32K 0.1727 / 0.1174)
+        n_split, pps = PD._fused_splits(NP, B * H, nw, PD.resident_slots(fn, 32 * nw, smem, dev_index), sms,
+                                        few=OSCAR_FEW_PAGES_PER_WARP)
     # the FP16 tokens: oscar_tail_attn (attn_split's body: fp16 K / V, fp32 q, PRECISE: double sums,
     # natural units; the fp32 lse bound left no room for base-2 rounding here) over the sink and the
     # window (ring slots in any order: attention does not depend on it) read in place as one sequence,

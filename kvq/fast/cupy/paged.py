@@ -200,22 +200,24 @@ def _n_splits(NP: int, n_base: int, nw: int, slots: int) -> tuple:
 
 
 #: _fused_splits: a plan that gives each warp at most this many pages at full occupancy is re-planned at
-#: most 2 blocks per SM (measured on the H100, see TUNE["max_blocks_per_sm"])
-FEW_PAGES_PER_WARP = 8
+#: 2 blocks per SM (H100, auto vs 4 blocks per SM, ms: KIVI-K2V2 1 x 32K 0.0269 / 0.0338, 1 x 128K 0.0545 /
+#: 0.0588, 8 x 8K 0.0393 / 0.0474, Kitty 1 x 128K 0.0592 / 0.0633; at 8 pages per warp it was 2-3% slower
+#: at 8 x 32K and 9% faster at 32 x 8K, so 8 stays out)
+FEW_PAGES_PER_WARP = 4
 
 
-def _fused_splits(NP: int, n_base: int, nw: int, slots: int, sms: int) -> tuple:
-    """(splits, pages per split) of the fused kernel: ``_n_splits`` on the kernel's ``slots`` resident
+def _fused_splits(NP: int, n_base: int, nw: int, slots: int, sms: int, few: int = FEW_PAGES_PER_WARP) -> tuple:
+    """(splits, pages per split) of a fused decode kernel: ``_n_splits`` on the kernel's ``slots`` resident
     blocks, or on at most ``TUNE["max_blocks_per_sm"]`` blocks per SM. None (auto): where the plan at full
-    occupancy leaves each warp at most FEW_PAGES_PER_WARP pages (a small grid: batch 1, or 8K context),
-    at most 2 blocks per SM, each warp then twice the pages: fewer partials to merge and block prologues,
-    and the SM's issue rate is already reached at 2 blocks of 4 warps."""
+    occupancy leaves each warp at most ``few`` pages (a small grid: batch 1, or 8K context), at most 2
+    blocks per SM, each warp then twice the pages: fewer partials to merge and fewer block prologues,
+    while 2 blocks of 4 warps already reach most of the SM's issue rate."""
     cap = TUNE["max_blocks_per_sm"]
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
         raise ValueError(f"TUNE['max_blocks_per_sm'] = {cap!r}: a positive int or None")
     if cap is None:
         sp, pps = _n_splits(NP, n_base, nw, slots)
-        if pps // nw > FEW_PAGES_PER_WARP or slots <= 2 * sms:
+        if pps // nw > few or slots <= 2 * sms:
             return sp, pps
         cap = 2
     return _n_splits(NP, n_base, nw, min(slots, cap * sms))
