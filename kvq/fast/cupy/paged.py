@@ -58,8 +58,9 @@ MMA_MAX_WARPS = 4                   # paged.cu KVQ_MMA_MAXW
 MMA_BITS = (2, 4)                   # key / value code bits of paged_decode_mma2
 
 #: launch knobs of the fused kernel for tuning runs (None = built-in): warps per block (<= 4);
-#: waves = target blocks per SM over the fused grid (None: the split count that minimizes the
-#: makespan model of ``_n_splits`` at the kernel's occupancy); mma: the tensor-core kernel where it
+#: waves = target blocks per SM over the fused grid (None: ``_fused_splits``, the split count that
+#: minimizes the makespan model of ``_n_splits`` at the kernel's occupancy, or at 2 blocks per SM for
+#: small grids, see max_blocks_per_sm); mma: the tensor-core kernel where it
 #: applies (paged_decode_mma2; False: the CUDA-core kernel paged_decode);
 #: side_stream: the tail's kernels on side streams beside the fused kernel (False: all on one stream);
 #: fused_tail: half-precision q reads the tail in place (paged_tail_attn; False: paged_gather_tail into
