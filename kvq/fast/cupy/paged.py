@@ -154,11 +154,17 @@ def _side_stream(device_index: int, k: int = 0) -> torch.cuda.Stream:
 
 
 @functools.lru_cache(maxsize=None)
-def _device_limits(device_index: int) -> tuple:
-    """(registers, shared memory bytes, threads) per SM and the shared memory the driver keeps per block."""
+def _device_props(device_index: int) -> dict:
+    """CUDA's device properties of that device (one driver query per device)."""
     import cupy
 
-    p = cupy.cuda.runtime.getDeviceProperties(device_index)
+    return cupy.cuda.runtime.getDeviceProperties(device_index)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_limits(device_index: int) -> tuple:
+    """(registers, shared memory bytes, threads) per SM and the shared memory the driver keeps per block."""
+    p = _device_props(device_index)
     return (int(p["regsPerMultiprocessor"]), int(p["sharedMemPerMultiprocessor"]),
             int(p["maxThreadsPerMultiProcessor"]), int(p.get("reservedSharedMemPerBlock", 1024)))
 
@@ -241,12 +247,9 @@ def _tail_kernel(D: int, QT: int, q_dt: int, fp16: bool, nw: int, device_index: 
                        device_index)
 
 
-@functools.lru_cache(maxsize=None)
 def _smem_optin(device_index: int) -> int:
     """The most shared memory one block may opt into on that device (bytes; 48 KiB if not reported)."""
-    import cupy
-
-    return int(cupy.cuda.runtime.getDeviceProperties(device_index).get("sharedMemPerBlockOptin", 48 * 1024))
+    return int(_device_props(device_index).get("sharedMemPerBlockOptin", 48 * 1024))
 
 
 def _tail_warps(D: int, device_index: int, fused_smem: int = 0, fp16: bool = False) -> int:
