@@ -274,19 +274,31 @@ def test_tail_warps_fit_the_device(monkeypatch, optin, want, got):
     assert paged._tail_warps(128, 0, 77824) == got
 
 
+def _tail_static(n: int) -> int:
+    """paged_tail_attn<128, 4, n>'s static shared memory as ptxas reports it: fp64 queries [4][128], the
+    probabilities [n][32][4] fp32, m and l [n][4] fp32 each."""
+    return 4 * 128 * 8 + n * 32 * 4 * 4 + 2 * n * 4 * 4
+
+
 @pytest.mark.parametrize("method, k_bits, v_bits, kitty, db, got", [
-    ("KIVI-K2V2", 2, 2, False, 0, 4), ("Kitty", 2, 2, True, 16, 4), ("Kitty-Pro", 2, 2, True, 32, 4),
+    ("KIVI-K2V2", 2, 2, False, 0, 4), ("Kitty", 2, 2, True, 16, 2), ("Kitty-Pro", 2, 2, True, 32, 2),
     ("KIVI-K2V4", 2, 4, False, 0, 2), ("KIVI-K4V4", 4, 4, False, 0, 2), ("no pages", 4, 4, False, 0, 4)])
 def test_tail_warps_auto(monkeypatch, method, k_bits, v_bits, kitty, db, got):
     """``TUNE["tail_warps"] = None``: the most warps whose tail block leaves an H100 SM (228 KiB of shared
-    memory) room for two blocks of the fused tensor-core kernel, which runs beside the tail."""
+    memory) room for two blocks of the fused tensor-core kernel, which runs beside the tail; every block
+    counted with its static shared memory (the fused kernel's 288 / 800 bytes, the tail's queries and
+    probabilities) and the driver's 1 KiB reserve. KIVI-K2V2: 2 x 46.4 + 140.4 KiB fit; Kitty: 2 x 49.4 +
+    140.4 KiB do not, so its tail takes 2 warps."""
     from kvq.fast.cupy import paged
 
     monkeypatch.setattr(paged, "_smem_optin", lambda i: 232448)
     monkeypatch.setattr(paged, "_device_limits", lambda i: (65536, 233472, 2048, 1024))
     monkeypatch.setitem(paged.TUNE, "tail_warps", None)
-    fused = 0 if method == "no pages" else paged._mma2_smem(kitty, db, 4, k_bits, v_bits)
-    assert paged._tail_warps(128, 0, fused) == got
+    fused = 0 if method == "no pages" else paged._mma2_smem(kitty, db, 4, k_bits, v_bits) + (800 if kitty else 288)
+    assert paged._tail_warps(128, 0, fused, tail_static=_tail_static) == got
+    if method == "Kitty":                      # without the static parts and the reserve it looked like 4 fit
+        monkeypatch.setattr(paged, "_device_limits", lambda i: (65536, 233472, 2048, 0))
+        assert paged._tail_warps(128, 0, paged._mma2_smem(kitty, db, 4, k_bits, v_bits)) == 4
 
 
 @pytest.mark.parametrize("optin, want, got", [(232448, None, 4), (232448, 2, 2), (49152, 4, 2), (49152, None, 2)])

@@ -252,22 +252,32 @@ def _smem_optin(device_index: int) -> int:
     return int(_device_props(device_index).get("sharedMemPerBlockOptin", 48 * 1024))
 
 
-def _tail_warps(D: int, device_index: int, fused_smem: int = 0, fp16: bool = False) -> int:
+def _tail_warps(D: int, device_index: int, fused_block: int = 0, fp16: bool = False, tail_static=None) -> int:
     """Warps per block of paged_tail_attn, or with ``fp16`` of paged_tail16_attn (one warp always fits:
     33 / 16.5 KiB of fp32 / fp16 tiles at D = 128).
 
     ``TUNE["tail_warps"]`` (``TUNE["tail16_warps"]``) = n: the most of _loader.PAGED_TAIL_WARPS up to n
-    whose tiles one block may hold on the device. None (auto): of those, the most that leave room in an
-    SM's shared memory for two blocks of the fused kernel (``fused_smem`` dynamic bytes each, 0: no fused
-    kernel), which runs beside the tail."""
+    whose tiles one block may hold on the device. None (auto): of those, the most whose block leaves room in
+    an SM's shared memory for two blocks of the fused kernel, which runs beside the tail. ``fused_block``:
+    the fused kernel's shared memory per block, dynamic plus static (0: no fused kernel);
+    ``tail_static(n)``: the n-warp tail kernel's static shared memory (None: 0); each block also costs the
+    driver's reserve (_device_limits). Counted without the static parts and the reserve, a 4-warp tail
+    looked as if it fit beside two Kitty blocks (49.4 KiB each with both; 140.4 KiB for the tail: 239.3 KiB
+    of the H100's 228), and the tail then waited for the fused blocks to leave (1 x 32K: Kitty 37 us
+    against KIVI-K2V2's 29 us, the same kernels apart from the tail's place)."""
     key = "tail16_warps" if fp16 else "tail_warps"
     want = TUNE[key]
     if want is not None and want not in L.PAGED_TAIL_WARPS:
         raise ValueError(f"TUNE[{key!r}] = {want!r}: the tail kernels are built for {L.PAGED_TAIL_WARPS} warps")
     for n in sorted((n for n in L.PAGED_TAIL_WARPS if n > 1 and n <= (want or n)), reverse=True):
         tb = n * _tail_warp_bytes(D, fp16)
-        if tb <= _smem_optin(device_index) and (
-                want is not None or not fused_smem or (_device_limits(device_index)[1] - tb) // fused_smem >= 2):
+        if tb > _smem_optin(device_index):
+            continue
+        if want is not None or not fused_block:
+            return n
+        _, shm, _, reserved = _device_limits(device_index)
+        tail = tb + (tail_static(n) if tail_static is not None else 0) + reserved
+        if shm - tail >= 2 * (fused_block + reserved):
             return n
     return 1
 
@@ -400,8 +410,10 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     # (kind, rows, first tail row or skipped rows, warps per block, keys per split, splits)
     parts = [(kind, rows, u, nw_t, *A._splits(rows, B * H * tqtiles, 32 * nw_t, sms, TUNE["tail_tiles"]))
              for kind, rows, u in parts if rows > 0
-             for nw_t in (_tail_warps(D, dev_index, smem, kind == "fp16") if kind != "gather" else
-                          L.attn_warps(L.DT[torch.float32], D),)]
+             for nw_t in (_tail_warps(D, dev_index, smem + int(fn.shared_size_bytes) if NP else 0, kind == "fp16",
+                                      lambda n, f16=kind == "fp16": int(_tail_kernel(
+                                          D, tqt, L.DT[q.dtype], f16, n, dev_index).shared_size_bytes))
+                          if kind != "gather" else L.attn_warps(L.DT[torch.float32], D),)]
     nt = sum(p[-1] for p in parts)
     S_TOTAL = n_split + nt
     rows = B * H_q * T_q
