@@ -285,7 +285,8 @@ def _tail_static(n: int) -> int:
     ("KIVI-K2V4", 2, 4, False, 0, 2), ("KIVI-K4V4", 4, 4, False, 0, 2), ("no pages", 4, 4, False, 0, 4)])
 def test_tail_warps_auto(monkeypatch, method, k_bits, v_bits, kitty, db, got):
     """``TUNE["tail_warps"] = None``: the most warps whose tail block leaves an H100 SM (228 KiB of shared
-    memory) room for two blocks of the fused tensor-core kernel, which runs beside the tail; every block
+    memory) room for the two blocks per SM of a small fused tensor-core grid, which runs beside the tail
+    (with more fused blocks per SM: the most warps); every block
     counted with its static shared memory (the fused kernel's 288 / 800 bytes, the tail's queries and
     probabilities) and the driver's 1 KiB reserve. KIVI-K2V2: 2 x 46.4 + 140.4 KiB fit; Kitty: 2 x 49.4 +
     140.4 KiB do not, so its tail takes 2 warps."""
@@ -296,6 +297,8 @@ def test_tail_warps_auto(monkeypatch, method, k_bits, v_bits, kitty, db, got):
     monkeypatch.setitem(paged.TUNE, "tail_warps", None)
     fused = 0 if method == "no pages" else paged._mma2_smem(kitty, db, 4, k_bits, v_bits) + (800 if kitty else 288)
     assert paged._tail_warps(128, 0, fused, tail_static=_tail_static) == got
+    # a fused grid of more than two blocks per SM leaves no room worth keeping: the most warps
+    assert paged._tail_warps(128, 0, fused, tail_static=_tail_static, fused_per_sm=4) == 4
     if method == "Kitty":                      # without the static parts and the reserve it looked like 4 fit
         monkeypatch.setattr(paged, "_device_limits", lambda i: (65536, 233472, 2048, 0))
         assert paged._tail_warps(128, 0, paged._mma2_smem(kitty, db, 4, k_bits, v_bits)) == 4
@@ -319,3 +322,69 @@ def test_tail_warps_rejects_unbuilt_counts(monkeypatch):
     monkeypatch.setitem(paged.TUNE, "tail_warps", 3)
     with pytest.raises(ValueError, match="built for"):
         paged._tail_warps(128, 0)
+
+
+@pytest.mark.parametrize("sms, per_sm_max", [(1, 3), (64, 4)])
+def test_decode_tells_tail_warps_the_fused_blocks_per_sm(monkeypatch, sms, per_sm_max):
+    """decode_attention's glue (CPU, launches recorded, no CuPy): ``_tail_warps`` gets the fused kernel's
+    shared memory per block (dynamic + static) and the fused blocks an SM holds in this launch (the least of
+    its resident blocks per SM and the grid over the SMs), and the tail launches with the warps it chose."""
+    import contextlib
+
+    import kvq.fast.cupy._loader as L
+    import kvq.fast.cupy.attention as A
+    from kvq.fast import _common as C
+    from kvq.fast.cupy import paged as PD
+    from kvq.fast.triton import kivi as TK
+    from kvq.reference import kivi as RK
+
+    class K(str):
+        shared_size_bytes = 288
+
+    rec, asked = [], []
+    monkeypatch.setattr(L, "run", lambda fn, grid, block, args, dev, shared_mem=0: rec.append((fn, grid, block,
+                                                                                                shared_mem)))
+    monkeypatch.setattr(L, "kernel", lambda src, name: K(name))
+    monkeypatch.setattr(L, "sm_count", lambda d: sms)
+    monkeypatch.setattr(PD, "resident_slots", lambda *a, **k: per_sm_max * sms)
+    monkeypatch.setattr(PD, "_smem_optin", lambda i: 232448)
+    monkeypatch.setattr(PD, "_device_limits", lambda i: (65536, 233472, 2048, 1024))
+    monkeypatch.setattr(PD, "_mma_kernel", lambda *a: K("mma2"))
+    monkeypatch.setattr(PD, "_tail_kernel", lambda D, QT, qdt, f16, nw, dev: K(L.paged_tail_name(D, QT, qdt, f16, nw)))
+    monkeypatch.setattr(PD, "_side_stream", lambda d, k=0: torch.cuda.current_stream(d))
+    monkeypatch.setattr(PD, "mma_ok", lambda *a: True)
+    monkeypatch.setattr(PD, "fused_ok", lambda cfg, D: True)
+    monkeypatch.setattr(PD, "_aligned", lambda *t: True)
+    monkeypatch.setattr(A, "_merge_launch", lambda *a: rec.append(("merge",)))
+    stream = type("S", (), {"wait_stream": lambda self, o: None})()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: stream)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    orig = C.check_decode_q
+    monkeypatch.setattr(C, "check_decode_q", lambda q, shape, device, length, allow_cpu=False:
+                        orig(q, shape, device, length, allow_cpu=True))
+    real = PD._tail_warps
+
+    def spy(D, dev, fused_block=0, fp16=False, tail_static=None, fused_per_sm=2):
+        n = real(D, dev, fused_block, fp16, tail_static, fused_per_sm)
+        asked.append((fused_block, fused_per_sm, tail_static(n) if tail_static else None, n))
+        return n
+
+    monkeypatch.setattr(PD, "_tail_warps", spy)
+    cfg = RK.KIVIConfig(2, 2, group_size=128, residual=128, max_tokens=4096)
+    B, H, D, T = 1, 4, 128, 1100
+    rng = np.random.default_rng(0)
+    k = torch.from_numpy(rng.standard_normal((B, H, T, D)).astype(np.float16))
+    v = torch.from_numpy(rng.standard_normal((B, H, T, D)).astype(np.float16))
+    st = TK.init(cfg, B, H, D)
+    TK.append(cfg, st, k, v)
+    PD.decode_attention(cfg, TK.KeyCodec, st, torch.zeros((B, 4 * H, 1, D), dtype=torch.float16))
+    fused = [r for r in rec if r[0] == "mma2"]
+    tails = [r for r in rec if r[0].startswith("paged_tail")]
+    assert len(fused) == 1 and tails and len(asked) == len(tails)
+    _, grid, _, smem = fused[0]
+    blocks = grid[0] * grid[1] * grid[2]
+    for (fused_block, per_sm, static, n), (_, _, block, _) in zip(asked, tails):
+        assert fused_block == smem + 288
+        assert per_sm == min(per_sm_max, -(-blocks // sms)) and per_sm != 2
+        assert static == 288 and block == (32 * n,)
