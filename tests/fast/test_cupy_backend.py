@@ -284,9 +284,9 @@ def _tail_static(n: int) -> int:
     ("KIVI-K2V2", 2, 2, False, 0, 4), ("Kitty", 2, 2, True, 16, 2), ("Kitty-Pro", 2, 2, True, 32, 2),
     ("KIVI-K2V4", 2, 4, False, 0, 2), ("KIVI-K4V4", 4, 4, False, 0, 2), ("no pages", 4, 4, False, 0, 4)])
 def test_tail_warps_auto(monkeypatch, method, k_bits, v_bits, kitty, db, got):
-    """``TUNE["tail_warps"] = None``: the most warps whose tail block leaves an H100 SM (228 KiB of shared
-    memory) room for the two blocks per SM of a small fused tensor-core grid, which runs beside the tail
-    (with more fused blocks per SM: the most warps); every block
+    """``TUNE["tail_warps"] = None``: where the tail would wait for the fused tensor-core kernel's blocks (two
+    per SM all along, or a small grid of at most SHORT_PAGES_PER_WARP pages per warp), the most warps whose
+    tail block leaves an H100 SM (228 KiB of shared memory) room for them; else the most warps; every block
     counted with its static shared memory (the fused kernel's 288 / 800 bytes, the tail's queries and
     probabilities) and the driver's 1 KiB reserve. KIVI-K2V2: 2 x 46.4 + 140.4 KiB fit; Kitty: 2 x 49.4 +
     140.4 KiB do not, so its tail takes 2 warps."""
@@ -298,7 +298,12 @@ def test_tail_warps_auto(monkeypatch, method, k_bits, v_bits, kitty, db, got):
     fused = 0 if method == "no pages" else paged._mma2_smem(kitty, db, 4, k_bits, v_bits) + (800 if kitty else 288)
     assert paged._tail_warps(128, 0, fused, tail_static=_tail_static) == got
     # a fused grid of more than two blocks per SM leaves no room worth keeping: the most warps
-    assert paged._tail_warps(128, 0, fused, tail_static=_tail_static, fused_per_sm=4) == 4
+    assert paged._tail_warps(128, 0, fused, tail_static=_tail_static, fused_per_sm=4, fused_resident=4) == 4
+    # a small grid (two blocks per SM) of a kernel that could hold four: beside it only if it is short
+    short = dict(fused_per_sm=2, fused_resident=4, fused_pages_per_warp=paged.SHORT_PAGES_PER_WARP)
+    assert paged._tail_warps(128, 0, fused, tail_static=_tail_static, **short) == got
+    short["fused_pages_per_warp"] += 1
+    assert paged._tail_warps(128, 0, fused, tail_static=_tail_static, **short) == 4
     if method == "Kitty":                      # without the static parts and the reserve it looked like 4 fit
         monkeypatch.setattr(paged, "_device_limits", lambda i: (65536, 233472, 2048, 0))
         assert paged._tail_warps(128, 0, paged._mma2_smem(kitty, db, 4, k_bits, v_bits)) == 4
@@ -343,7 +348,7 @@ def test_decode_tells_tail_warps_the_fused_blocks_per_sm(monkeypatch, sms, per_s
 
     rec, asked = [], []
     monkeypatch.setattr(L, "run", lambda fn, grid, block, args, dev, shared_mem=0: rec.append((fn, grid, block,
-                                                                                                shared_mem)))
+                                                                                                shared_mem, args)))
     monkeypatch.setattr(L, "kernel", lambda src, name: K(name))
     monkeypatch.setattr(L, "sm_count", lambda d: sms)
     monkeypatch.setattr(PD, "resident_slots", lambda *a, **k: per_sm_max * sms)
@@ -365,9 +370,11 @@ def test_decode_tells_tail_warps_the_fused_blocks_per_sm(monkeypatch, sms, per_s
                         orig(q, shape, device, length, allow_cpu=True))
     real = PD._tail_warps
 
-    def spy(D, dev, fused_block=0, fp16=False, tail_static=None, fused_per_sm=2):
-        n = real(D, dev, fused_block, fp16, tail_static, fused_per_sm)
-        asked.append((fused_block, fused_per_sm, tail_static(n) if tail_static else None, n))
+    def spy(D, dev, fused_block=0, fp16=False, tail_static=None, fused_per_sm=2, fused_resident=2,
+            fused_pages_per_warp=0):
+        n = real(D, dev, fused_block, fp16, tail_static, fused_per_sm, fused_resident, fused_pages_per_warp)
+        asked.append((fused_block, fused_per_sm, fused_resident, fused_pages_per_warp,
+                      tail_static(n) if tail_static else None, n))
         return n
 
     monkeypatch.setattr(PD, "_tail_warps", spy)
@@ -382,9 +389,11 @@ def test_decode_tells_tail_warps_the_fused_blocks_per_sm(monkeypatch, sms, per_s
     fused = [r for r in rec if r[0] == "mma2"]
     tails = [r for r in rec if r[0].startswith("paged_tail")]
     assert len(fused) == 1 and tails and len(asked) == len(tails)
-    _, grid, _, smem = fused[0]
+    _, grid, fblock, smem, args = fused[0]
     blocks = grid[0] * grid[1] * grid[2]
-    for (fused_block, per_sm, static, n), (_, _, block, _) in zip(asked, tails):
+    pps = int(args[24])                        # paged_decode_mma2's pages per split
+    for (fused_block, per_sm, resident, ppw, static, n), (_, _, block, _, _) in zip(asked, tails):
         assert fused_block == smem + 288
-        assert per_sm == min(per_sm_max, -(-blocks // sms)) and per_sm != 2
+        assert per_sm == min(per_sm_max, -(-blocks // sms)) and per_sm != 2 and resident == per_sm_max
+        assert ppw == pps // (fblock[0] // 32)
         assert static == 288 and block == (32 * n,)

@@ -74,11 +74,11 @@ MMA_BITS = (2, 4)                   # key / value code bits of paged_decode_mma2
 #: the H100: 32 x 32K Kitty 391 -> 355 us), one launch below that (1 x 32K Kitty: 39 us, not 52);
 #: tail_warps: warps per block of paged_tail_attn (1, 2 or 4: _loader.PAGED_TAIL_WARPS; its fp32 tiles
 #: in dynamic shared memory, 33 KiB per warp at D = 128; fewer where the device cannot hold them);
-#: None (auto, _tail_warps): where the fused grid puts at most two blocks on an SM, the most warps whose
-#: block fits beside them (the tail runs beside the fused kernel), else the most warps; on the H100 that
-#: is 4 for KIVI-K2V2 (32 x 32K 0.310 / 0.312 / 0.295 ms at 1 / 2 / 4 warps), 2 for KIVI-K4V4, whose
+#: None (auto, _tail_warps): where the tail would wait for the fused blocks (at most two per SM all along,
+#: or a small short grid), the most warps whose block fits beside them, else the most warps; on the H100
+#: that is 4 for KIVI-K2V2 (32 x 32K 0.310 / 0.312 / 0.295 ms at 1 / 2 / 4 warps), 2 for KIVI-K4V4, whose
 #: 76 KiB blocks a 4-warp tail block crowds out (8 x 32K: 0.118 / 0.120 / 0.129 ms), and for Kitty 2 at
-#: batch 1 (1 x 32K 0.0301 / 0.0358 ms at 2 / 4 warps), 4 on larger grids; tail16_warps: the same for
+#: 1 x 32K (0.0298 / 0.0351 ms at 2 / 4 warps), 4 elsewhere; tail16_warps: the same for
 #: paged_tail16_attn (fp16 tiles, 16.5 KiB per warp at D = 128; None: the same rule, 4 warps on the
 #: H100: 32 x 8K Kitty 0.142 / 0.140 / 0.136 ms at 1 / 2 / 4 warps, 32 x 128K 1.259 / 1.246 / 1.225);
 #: max_blocks_per_sm: the fused grid's split count planned on at most this many blocks per SM (None, auto:
@@ -253,31 +253,40 @@ def _smem_optin(device_index: int) -> int:
     return int(_device_props(device_index).get("sharedMemPerBlockOptin", 48 * 1024))
 
 
+#: _tail_warps: a fused grid of at most two blocks per SM (the small-grid plan) whose warps take at most
+#: this many pages is short enough that a tail waiting for SM room would lengthen the step
+SHORT_PAGES_PER_WARP = 2
+
+
 def _tail_warps(D: int, device_index: int, fused_block: int = 0, fp16: bool = False, tail_static=None,
-                fused_per_sm: int = 2) -> int:
+                fused_per_sm: int = 2, fused_resident: int = 2, fused_pages_per_warp: int = 0) -> int:
     """Warps per block of paged_tail_attn, or with ``fp16`` of paged_tail16_attn (one warp always fits:
     33 / 16.5 KiB of fp32 / fp16 tiles at D = 128).
 
     ``TUNE["tail_warps"]`` (``TUNE["tail16_warps"]``) = n: the most of _loader.PAGED_TAIL_WARPS up to n
-    whose tiles one block may hold on the device. None (auto): of those, where the fused grid puts at most
-    two blocks on an SM (``fused_per_sm``: batch 1, or a kernel whose blocks are that large), the most whose
-    block fits in an SM's shared memory beside them, so that the tail runs beside the fused kernel; where it
-    puts more, the most warps (the tail then waits for fused blocks to leave whatever its size, and larger
-    blocks are the faster; H100, Kitty at 2 / 4 warps: 32 x 32K 0.365 / 0.352 ms, 1 x 128K 0.0605 /
-    0.0592). ``fused_block``: the fused kernel's shared memory per block, dynamic plus static (0: no fused
+    whose tiles one block may hold on the device. None (auto): of those, the most whose block fits in an
+    SM's shared memory beside the ``fused_per_sm`` fused blocks the launch puts on an SM, where the tail
+    would otherwise wait for them: the fused kernel holds at most two blocks per SM all along
+    (``fused_resident``, its resource limit: KIVI-K4V4), or its grid is small (at most two per SM) and short
+    (at most SHORT_PAGES_PER_WARP pages per warp: batch 1 at 32K); else the most warps (larger tail blocks
+    are the faster where the tail's blocks find room: on full grids, or in the free slots of a longer small
+    grid). ``fused_block``: the fused kernel's shared memory per block, dynamic plus static (0: no fused
     kernel); ``tail_static(n)``: the n-warp tail kernel's static shared memory (None: 0); every block also
-    costs the driver's reserve (_device_limits). Counted without the static parts and the reserve, a 4-warp
-    tail looked as if it fit beside two Kitty blocks (49.4 KiB each with them, the tail 140.4 KiB: 239.3 of
-    the H100's 228 KiB) and waited for them at batch 1 (1 x 32K Kitty 0.0358 ms at 4 warps, 0.0301 at 2)."""
+    costs the driver's reserve (_device_limits). H100 (profile_fused, Kitty, tail warps 2 / 4, ms): 1 x 32K
+    0.0298 / 0.0351 (a 4-warp tail, 140.4 KiB, does not fit beside two 49.4 KiB Kitty blocks), 1 x 128K
+    0.0611 / 0.0589, 8 x 8K 0.0580 / 0.0519, 8 x 32K 0.118 / 0.110, 32 x 32K 0.365 / 0.352; KIVI-K4V4 8 x
+    32K 0.120 / 0.129 (2 blocks per SM all along)."""
     key = "tail16_warps" if fp16 else "tail_warps"
     want = TUNE[key]
     if want is not None and want not in L.PAGED_TAIL_WARPS:
         raise ValueError(f"TUNE[{key!r}] = {want!r}: the tail kernels are built for {L.PAGED_TAIL_WARPS} warps")
+    beside = bool(fused_block) and want is None and fused_per_sm <= 2 and (
+        fused_resident <= 2 or fused_pages_per_warp <= SHORT_PAGES_PER_WARP)
     for n in sorted((n for n in L.PAGED_TAIL_WARPS if n > 1 and n <= (want or n)), reverse=True):
         tb = n * _tail_warp_bytes(D, fp16)
         if tb > _smem_optin(device_index):
             continue
-        if want is not None or not fused_block or fused_per_sm > 2:
+        if not beside:
             return n
         _, shm, _, reserved = _device_limits(device_index)
         tail = tb + (tail_static(n) if tail_static is not None else 0) + reserved
@@ -380,7 +389,7 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
         QT, qtiles = 8, 1
     # fused splits: by the makespan model at the kernel's occupancy (or about TUNE["waves"] blocks
     # per SM), each warp at least one page
-    n_split = pps = nw = smem = per_sm = 0
+    n_split = pps = nw = smem = per_sm = resident = 0
     fn = None
     if NP:
         nw, smem = _plan(D, k_bits, cfg.v_bits, kitty, ngv, db, QT, mma)
@@ -393,8 +402,9 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
             pps = -(-NP // min(want, NP))
             pps = -(-pps // nw) * nw                  # whole pages for every warp of a block
             n_split = -(-NP // pps)
-        # the fused blocks an SM holds in this launch (_tail_warps: whether the tail fits beside them)
-        per_sm = min(resident_slots(fn, 32 * nw, smem, dev_index) // sms, -(-(n_split * qtiles * H * B) // sms))
+        # the fused blocks an SM may hold and holds in this launch (_tail_warps: whether the tail fits beside)
+        resident = resident_slots(fn, 32 * nw, smem, dev_index) // sms
+        per_sm = min(resident, -(-(n_split * qtiles * H * B) // sms))
     # the rest (the tail): sink + tokens [S + NF, T), on a side stream beside the fused kernel. Half-
     # precision q reads it in place: the rows whose key and value are both fp16 as fp16 tiles
     # (paged_tail16_attn), the mixed rows [NS, NS + n_mixed) (a key or a value from a page) as fp32 tiles
@@ -419,7 +429,8 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
              for nw_t in (_tail_warps(D, dev_index, smem + int(fn.shared_size_bytes) if NP else 0, kind == "fp16",
                                       lambda n, f16=kind == "fp16": int(_tail_kernel(
                                           D, tqt, L.DT[q.dtype], f16, n, dev_index).shared_size_bytes),
-                                      per_sm) if kind != "gather" else L.attn_warps(L.DT[torch.float32], D),)]
+                                      per_sm, resident, pps // max(nw, 1))
+                          if kind != "gather" else L.attn_warps(L.DT[torch.float32], D),)]
     nt = sum(p[-1] for p in parts)
     S_TOTAL = n_split + nt
     rows = B * H_q * T_q
