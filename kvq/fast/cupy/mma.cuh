@@ -236,13 +236,13 @@ __device__ __forceinline__ void mma_load_queries(float* s_q, u16* s_qh, u16* s_q
         s_q[idx] = val;
     }
     __syncthreads();
-    for (int r = tid >> 5; r < QT; r += blockDim.x >> 5) {   // max |q| per row: warp w rows w, w + NW, ...
+    if (tid < 32) {                                // max |q| per row: lane -> row lane % 8, quarter lane / 8
         float mx = 0.0f;
-#pragma unroll
-        for (int c = lane; c < D; c += 32) mx = fmaxf(mx, fabsf(s_q[r * D + c]));
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(KVQ_FULL_MASK, mx, off));
-        if (lane == 0) s_qmax[r] = mx;
+        for (int c = (D / 4) * (lane >> 3); c < (D / 4) * (lane >> 3) + D / 4; ++c)
+            mx = fmaxf(mx, fabsf(s_q[(lane & 7) * D + c]));
+        mx = fmaxf(mx, __shfl_xor_sync(KVQ_FULL_MASK, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(KVQ_FULL_MASK, mx, 16));
+        if (lane < QT) s_qmax[lane] = mx;
     }
     __syncthreads();
     for (int idx = 2 * tid; idx < QT * D; idx += 2 * blockDim.x) {   // q~ as hi + 2^-11 lo, pairs

@@ -69,35 +69,21 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
     const int b = blockIdx.z;
     const int Gq = Hq / Hkv;
     const int nq = kvq_min(QT, Gq * Tq);
+    mma_load_queries<D>(s_q, s_qh, s_ql, s_qmax, q, 2, sq_b, sq_h, sq_t, b, hk, Gq, Tq, nq, qk_scale);
+    if (tid < 32) {                                // sum_c q~_c per row (fp32): the factor of mn_k
+        float sm = 0.0f;
+        const float mx = s_qmax[lane & 7];
+        const float r = mx > 0.0f ? 1.0f / mx : 0.0f;
+        for (int c = 32 * (lane >> 3); c < 32 * (lane >> 3) + 32; ++c) sm += s_q[(lane & 7) * D + c] * r;
+        sm += __shfl_xor_sync(KVQ_FULL_MASK, sm, 8);
+        sm += __shfl_xor_sync(KVQ_FULL_MASK, sm, 16);
+        if (lane < QT) s_qsum[lane] = sm;
+    }
+    __syncthreads();
     u8* kslot = dsmem + QT * D * 8 + warp * 2 * SLOT;
     u8* vslot = kslot + SLOT;
     const int p0 = split * pps;
     const int p1 = kvq_min(p0 + pps, NP);
-    auto stage = [&](u8* slot, const u8* codes, const u16* sc, const u16* mn, int jj, bool swz) {
-        const i64 ph = (i64)kvq_max_i(table[(i64)b * n_tab + jj], 0) * Hkv + hk;
-        if (swz) warp_copy_swz(slot, codes + ph * (PG * ROW), PG * ROW, lane);   // key codes: swizzled
-        else warp_copy(slot, codes + ph * (PG * ROW), PG * ROW, lane);
-        warp_copy(slot + S_OFF, reinterpret_cast<const u8*>(sc + ph * PG), PG * 2, lane);
-        warp_copy(slot + M_OFF, reinterpret_cast<const u8*>(mn + ph * PG), PG * 2, lane);
-    };
-    // the first page's copies go out before the queries load: their latencies overlap
-    int j = p0 + warp;
-    if (j < p1) stage(kslot, kc, ks, km, j, true);
-    p_commit();
-    if (j < p1) stage(vslot, vc, vs, vm, j, false);
-    p_commit();
-    mma_load_queries<D>(s_q, s_qh, s_ql, s_qmax, q, 2, sq_b, sq_h, sq_t, b, hk, Gq, Tq, nq, qk_scale);
-    for (int r = tid >> 5; r < QT; r += NW) {      // sum_c q~_c per row (fp32): the factor of mn_k; warp w
-        const float mx = s_qmax[r];                // rows w, w + NW, ..., lane channels lane + 32 i, then a tree
-        const float rm = mx > 0.0f ? 1.0f / mx : 0.0f;
-        float sm = 0.0f;
-#pragma unroll
-        for (int c = lane; c < D; c += 32) sm += s_q[r * D + c] * rm;
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) sm += __shfl_xor_sync(KVQ_FULL_MASK, sm, off);
-        if (lane == 0) s_qsum[r] = sm;
-    }
-    __syncthreads();
 
     // the B fragments of the 8 k-steps (constant: q~ hi / lo of row rb at this thread's channels)
     constexpr int NB = NR == 8 ? 4 : 2;
@@ -129,6 +115,18 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
 #pragma unroll
         for (int e = 0; e < 4; ++e) O[i][e] = 0.0f;
 
+    auto stage = [&](u8* slot, const u8* codes, const u16* sc, const u16* mn, int jj, bool swz) {
+        const i64 ph = (i64)kvq_max_i(table[(i64)b * n_tab + jj], 0) * Hkv + hk;
+        if (swz) warp_copy_swz(slot, codes + ph * (PG * ROW), PG * ROW, lane);   // key codes: swizzled
+        else warp_copy(slot, codes + ph * (PG * ROW), PG * ROW, lane);
+        warp_copy(slot + S_OFF, reinterpret_cast<const u8*>(sc + ph * PG), PG * 2, lane);
+        warp_copy(slot + M_OFF, reinterpret_cast<const u8*>(mn + ph * PG), PG * 2, lane);
+    };
+    int j = p0 + warp;
+    if (j < p1) stage(kslot, kc, ks, km, j, true);
+    p_commit();
+    if (j < p1) stage(vslot, vc, vs, vm, j, false);
+    p_commit();
     for (; j < p1; j += NW) {                      // uniform across the warp
         p_wait<1>();                               // the keys of page j
         __syncwarp();

@@ -482,17 +482,11 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
     const int b = blockIdx.z;
     const int Gq = Hq / Hkv;
     const int nq = kvq_min(QT, Gq * Tq);
+    mma_load_queries<D>(s_q, s_qh, s_ql, s_qmax, q, q_dt, sq_b, sq_h, sq_t, b, hk, Gq, Tq, nq, qk_scale);
     u8* kslot = dsmem + QT * D * 8 + warp * (kslot_b + VSLOT);
     u8* vslot = kslot + kslot_b;
     const int p0 = split * pps;
     const int p1 = kvq_min(p0 + pps, NP);
-    // the first page's copies go out before the queries load: their latencies overlap
-    int j = p0 + warp;
-    if (j < p1) stage_k2<KITTY, KB>(kslot, j, b, hk, Hkv, n_tab, k_table, kc, kh, ki, ks, km, db, lane);
-    p_commit();
-    if (j < p1) stage_v2<VB>(vslot, j, b, hk, Hkv, n_tab, v_table, vc, vs, vm, lane);
-    p_commit();
-    mma_load_queries<D>(s_q, s_qh, s_ql, s_qmax, q, q_dt, sq_b, sq_h, sq_t, b, hk, Gq, Tq, nq, qk_scale);
 
     const int rb = NR == 4 ? (g & 3) : g;          // the query row of this thread's B columns
     const bool blo = NR == 4 && g >= 4;            // NR = 4: columns 4-7 hold the lo halves
@@ -513,6 +507,11 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
 #pragma unroll
         for (int e = 0; e < 4; ++e) O[i][e] = 0.0f;
 
+    int j = p0 + warp;
+    if (j < p1) stage_k2<KITTY, KB>(kslot, j, b, hk, Hkv, n_tab, k_table, kc, kh, ki, ks, km, db, lane);
+    p_commit();
+    if (j < p1) stage_v2<VB>(vslot, j, b, hk, Hkv, n_tab, v_table, vc, vs, vm, lane);
+    p_commit();
     for (; j < p1; j += NW) {                      // uniform across the warp
         p_wait<1>();                               // the keys of page j
         __syncwarp();
