@@ -282,13 +282,15 @@ def _tail_warps(D: int, device_index: int, fused_block: int = 0, fp16: bool = Fa
         raise ValueError(f"TUNE[{key!r}] = {want!r}: the tail kernels are built for {L.PAGED_TAIL_WARPS} warps")
     beside = bool(fused_block) and want is None and fused_per_sm <= 2 and (
         fused_resident <= 2 or fused_pages_per_warp <= SHORT_PAGES_PER_WARP)
+    optin = _smem_optin(device_index)
+    if beside:
+        _, shm, _, reserved = _device_limits(device_index)
     for n in sorted((n for n in L.PAGED_TAIL_WARPS if n > 1 and n <= (want or n)), reverse=True):
         tb = n * _tail_warp_bytes(D, fp16)
-        if tb > _smem_optin(device_index):
+        if tb > optin:
             continue
         if not beside:
             return n
-        _, shm, _, reserved = _device_limits(device_index)
         tail = tb + (tail_static(n) if tail_static is not None else 0) + reserved
         if shm - tail >= fused_per_sm * (fused_block + reserved):
             return n
@@ -389,22 +391,25 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
         QT, qtiles = 8, 1
     # fused splits: by the makespan model at the kernel's occupancy (or about TUNE["waves"] blocks
     # per SM), each warp at least one page
-    n_split = pps = nw = smem = per_sm = resident = 0
+    n_split = pps = nw = smem = per_sm = resident = fused_block = 0
     fn = None
     if NP:
         nw, smem = _plan(D, k_bits, cfg.v_bits, kitty, ngv, db, QT, mma)
         fn = (_mma_kernel(kitty, nr, k_bits, cfg.v_bits, smem, dev_index) if mma
               else _decode_kernel(D, k_bits, cfg.v_bits, kitty, QT, smem, dev_index))
+        slots = resident_slots(fn, 32 * nw, smem, dev_index)
         if TUNE["waves"] is None:
-            n_split, pps = _fused_splits(NP, B * H * qtiles, nw, resident_slots(fn, 32 * nw, smem, dev_index), sms)
+            n_split, pps = _fused_splits(NP, B * H * qtiles, nw, slots, sms)
         else:
             want = max(1, -(-int(TUNE["waves"] * sms) // (B * H * qtiles)))
             pps = -(-NP // min(want, NP))
             pps = -(-pps // nw) * nw                  # whole pages for every warp of a block
             n_split = -(-NP // pps)
-        # the fused blocks an SM may hold and holds in this launch (_tail_warps: whether the tail fits beside)
-        resident = resident_slots(fn, 32 * nw, smem, dev_index) // sms
+        # the fused blocks an SM may hold and holds in this launch, and their shared memory each
+        # (_tail_warps: whether the tail fits beside them)
+        resident = slots // sms
         per_sm = min(resident, -(-(n_split * qtiles * H * B) // sms))
+        fused_block = smem + int(fn.shared_size_bytes)
     # the rest (the tail): sink + tokens [S + NF, T), on a side stream beside the fused kernel. Half-
     # precision q reads it in place: the rows whose key and value are both fp16 as fp16 tiles
     # (paged_tail16_attn), the mixed rows [NS, NS + n_mixed) (a key or a value from a page) as fp32 tiles
@@ -423,14 +428,17 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
         parts = [("fp16", NT - n_mixed, 0), ("mixed", n_mixed, c["n_sink"])]
     else:
         parts = [("mixed", NT, 0)]
+    def tail_warps(kind):
+        if kind == "gather":
+            return L.attn_warps(L.DT[torch.float32], D)
+        f16 = kind == "fp16"
+        return _tail_warps(D, dev_index, fused_block, f16,
+                           lambda n: int(_tail_kernel(D, tqt, L.DT[q.dtype], f16, n, dev_index).shared_size_bytes),
+                           per_sm, resident, pps // nw if NP else 0)
+
     # (kind, rows, first tail row or skipped rows, warps per block, keys per split, splits)
     parts = [(kind, rows, u, nw_t, *A._splits(rows, B * H * tqtiles, 32 * nw_t, sms, TUNE["tail_tiles"]))
-             for kind, rows, u in parts if rows > 0
-             for nw_t in (_tail_warps(D, dev_index, smem + int(fn.shared_size_bytes) if NP else 0, kind == "fp16",
-                                      lambda n, f16=kind == "fp16": int(_tail_kernel(
-                                          D, tqt, L.DT[q.dtype], f16, n, dev_index).shared_size_bytes),
-                                      per_sm, resident, pps // max(nw, 1))
-                          if kind != "gather" else L.attn_warps(L.DT[torch.float32], D),)]
+             for kind, rows, u in parts if rows > 0 for nw_t in (tail_warps(kind),)]
     nt = sum(p[-1] for p in parts)
     S_TOTAL = n_split + nt
     rows = B * H_q * T_q
