@@ -4,7 +4,8 @@ with large operands (keys and values scaled to |x| <= 3e4, |q| ~ 300, softmax sc
     python benchmarks/accuracy_large_operands.py          # on the device (CUDA, CuPy)
 
 For each of K2V2, K4V4, K4V2, K2V4 (group 128, window 128, B = 2, H_kv = 4, GQA 2, D = 128) and 8 random
-caches (4 seeds x T in {1500, 2348}) it prints max and mean of (lse error) / (bound), where error =
+caches (4 seeds x T in {1500, 2348}) it prints max and mean of (lse error) / (bound), for each way the
+FP16 tail sums its scores (``paged.TUNE["tail_sums"]``: 2 four fp32 fma chains, 1 float64), where error =
 max |lse - lse_float64| and bound = 2 x the float32 reference's error + one float32 step at the
 magnitude (contract rule 7, ``tests/parity/tolerance.py``); a ratio above 1 misses the rule.
 """
@@ -48,10 +49,14 @@ def ratio(kb: int, vb: int, seed: int, T: int, qs: float = 300.0) -> float:
 
 
 def main() -> None:
-    for kb, vb in ((2, 2), (4, 4), (4, 2), (2, 4)):
-        rs = [ratio(kb, vb, s, T) for s in range(4) for T in (1500, 2348)]
-        print(f"K{kb}V{vb}: lse error / bound over {len(rs)} caches: max {max(rs):.2f} mean {np.mean(rs):.2f}",
-              flush=True)
+    from kvq.fast.cupy import paged
+
+    for sums in (2, 1):                        # the FP16 tail's score sums: four fp32 chains / float64
+        paged.TUNE["tail_sums"] = sums
+        for kb, vb in ((2, 2), (4, 4), (4, 2), (2, 4)):
+            rs = [ratio(kb, vb, s, T) for s in range(4) for T in (1500, 2348)]
+            print(f"K{kb}V{vb}, tail_sums={sums}: lse error / bound over {len(rs)} caches: max {max(rs):.2f} "
+                  f"mean {np.mean(rs):.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -274,10 +274,12 @@ def test_tail_warps_fit_the_device(monkeypatch, optin, want, got):
     assert paged._tail_warps(128, 0, 77824) == got
 
 
-def _tail_static(n: int) -> int:
-    """paged_tail_attn<128, 4, n>'s static shared memory as ptxas reports it: fp64 queries [4][128], the
-    probabilities [n][32][4] fp32, m and l [n][4] fp32 each."""
-    return 4 * 128 * 8 + n * 32 * 4 * 4 + 2 * n * 4 * 4
+def _tail_static(n: int, sums: int = 2) -> int:
+    """paged_tail_attn<128, 4, n, 0, sums>'s static shared memory as ptxas reports it (sm_90: 4224 / 3136 /
+    2592 bytes at 4 / 2 / 1 warps with sums = 2, 6272 / 5184 / 4640 with sums = 1): the queries [4][128]
+    (fp32 with four fp32 chains per score, fp64 with float64 sums), the probabilities [n][32][4] fp32, m and
+    l [n][4] fp32 each."""
+    return 4 * 128 * (8 if sums == 1 else 4) + n * 32 * 4 * 4 + 2 * n * 4 * 4
 
 
 @pytest.mark.parametrize("method, k_bits, v_bits, kitty, db, got", [
@@ -297,6 +299,8 @@ def test_tail_warps_auto(monkeypatch, method, k_bits, v_bits, kitty, db, got):
     monkeypatch.setitem(paged.TUNE, "tail_warps", None)
     fused = 0 if method == "no pages" else paged._mma2_smem(kitty, db, 4, k_bits, v_bits) + (800 if kitty else 288)
     assert paged._tail_warps(128, 0, fused, tail_static=_tail_static) == got
+    # the float64 sums' larger static queries (TUNE["tail_sums"] = 1) change no choice on the H100
+    assert paged._tail_warps(128, 0, fused, tail_static=lambda n: _tail_static(n, 1)) == got
     # a fused grid of more than two blocks per SM leaves no room worth keeping: the most warps
     assert paged._tail_warps(128, 0, fused, tail_static=_tail_static, fused_per_sm=4, fused_resident=4) == 4
     # a small grid (two blocks per SM) of a kernel that could hold four: beside it only if it is short
@@ -355,7 +359,8 @@ def test_decode_tells_tail_warps_the_fused_blocks_per_sm(monkeypatch, sms, per_s
     monkeypatch.setattr(PD, "_smem_optin", lambda i: 232448)
     monkeypatch.setattr(PD, "_device_limits", lambda i: (65536, 233472, 2048, 1024))
     monkeypatch.setattr(PD, "_mma_kernel", lambda *a: K("mma2"))
-    monkeypatch.setattr(PD, "_tail_kernel", lambda D, QT, qdt, f16, nw, dev: K(L.paged_tail_name(D, QT, qdt, f16, nw)))
+    monkeypatch.setattr(PD, "_tail_kernel", lambda D, QT, qdt, f16, nw, dev, sums: K(L.paged_tail_name(D, QT, qdt,
+                                                                                                      f16, nw, sums)))
     monkeypatch.setattr(PD, "_side_stream", lambda d, k=0: torch.cuda.current_stream(d))
     monkeypatch.setattr(PD, "mma_ok", lambda *a: True)
     monkeypatch.setattr(PD, "fused_ok", lambda cfg, D: True)
@@ -397,3 +402,22 @@ def test_decode_tells_tail_warps_the_fused_blocks_per_sm(monkeypatch, sms, per_s
         assert per_sm == min(per_sm_max, -(-blocks // sms)) and per_sm != 2 and resident == per_sm_max
         assert ppw == pps // (fblock[0] // 32)
         assert static == 288 and block == (32 * n,)
+    assert all(r[0].endswith(", 2>") for r in tails)  # TUNE["tail_sums"]: four fp32 chains per score
+    monkeypatch.setitem(PD.TUNE, "tail_sums", 1)
+    rec.clear()
+    PD.decode_attention(cfg, TK.KeyCodec, st, torch.zeros((B, 4 * H, 1, D), dtype=torch.float16))
+    tails = [r for r in rec if r[0].startswith("paged_tail")]
+    assert tails and all(r[0].endswith(", 1>") for r in tails)
+
+
+@pytest.mark.parametrize("bad", [0, 3, True, "2", None])
+def test_tail_sums_rejects_unbuilt_modes(monkeypatch, bad):
+    """``TUNE["tail_sums"]`` takes the summations the tail kernels are built for (1 float64, 2 four fp32
+    chains); anything else is a clear error before any launch."""
+    from kvq.fast.cupy import paged
+
+    monkeypatch.setitem(paged.TUNE, "tail_sums", bad)
+    with pytest.raises(ValueError, match="tail_sums"):
+        paged._tail_sums()
+    monkeypatch.setitem(paged.TUNE, "tail_sums", 1)
+    assert paged._tail_sums() == 1

@@ -374,12 +374,15 @@ def test_decode_tensor_cores_4bit(name, make, ratio, T_q, qs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kb, vb", [(2, 2), (4, 4), (4, 2), (2, 4)], ids=["K2V2", "K4V4", "K4V2", "K2V4"])
-def test_decode_tensor_cores_large_operands_sweep(kb, vb):
+@pytest.mark.parametrize("kb, vb, sums", [(2, 2, 2), (4, 4, 2), (4, 2, 2), (2, 4, 2), (2, 2, 1), (4, 4, 1)],
+                         ids=["K2V2", "K4V4", "K4V2", "K2V4", "K2V2-f64tail", "K4V4-f64tail"])
+def test_decode_tensor_cores_large_operands_sweep(kb, vb, sums, monkeypatch):
     """CuPy tensor-core decode with large operands (keys / values up to 3e4, |q| ~ 300, scale 1e-5: |lse| ~
     1e3) over 8 random caches (``benchmarks/accuracy_large_operands.py``): the lse meets the tolerance rule
-    on every one (centered key codes in the page kernel; the tail's score sums in float64: with one fp32
-    fma chain per score the worst cache was 1.71x the bound, ``benchmarks/model_tail_scores.py``)."""
+    on every one (centered key codes in the page kernel; the tail's score sums as four fp32 fma chains, the
+    default, or in float64, ``TUNE["tail_sums"]`` = 2 / 1: with one fp32 fma chain per score the worst
+    cache was 1.71x the bound, ``benchmarks/model_tail_scores.py``)."""
+    monkeypatch.setitem(_paged("cupy").TUNE, "tail_sums", sums)
     import importlib.util
     from pathlib import Path
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "accuracy_large_operands.py"

@@ -76,8 +76,8 @@ def attn_warps(dt: int, D: int) -> int:
 def _attention_names():
     names = [f"attn_split<{dt}, {D}, {qt}, {attn_warps(dt, D)}>" for dt in (0, 1, 2) for D in ATTN_DIMS
              for qt in ATTN_QT if attn_supported(dt, D)]
-    names += [f"attn_split<2, {D}, {qt}, {attn_warps(2, D)}, 0, {qdt}>" for D in ATTN_DIMS for qt in ATTN_QT
-              for qdt in (0, 1) if attn_supported(2, D)]      # fp32 data, fp16 / bf16 q, float sums (paged tail)
+    names += [f"attn_split<2, {D}, {qt}, {attn_warps(2, D)}, 0, {qdt}, {sd}>" for D in ATTN_DIMS for qt in ATTN_QT
+              for qdt in (0, 1) for sd in TAIL_SUMS if attn_supported(2, D)]   # fp32 data, fp16 / bf16 q (paged tail)
     names += [f"attn_split<0, {D}, {qt}, {attn_warps(0, D)}, 1, 2>" for D in ATTN_DIMS for qt in ATTN_QT
               if attn_supported(0, D)]                    # fp16 data, fp32 q, double sums (OSCAR's FP16 segments)
     names += [f"attn_merge<{dt}>" for dt in (0, 1, 2)]
@@ -106,12 +106,15 @@ def gather_tail_name(k_bits: int, v_bits: int, kitty: bool) -> str:
 
 #: warps per block paged_tail_attn and paged_tail16_attn are built for (their tiles in dynamic shared memory)
 PAGED_TAIL_WARPS = (1, 2, 4)
+#: how the paged decode's FP16 tail sums each score (attn_split.cuh SD): 1 in double, 2 as four fp32 chains
+TAIL_SUMS = (1, 2)
 
 
-def paged_tail_name(D: int, QT: int, q_dt: int, fp16_rows: bool = False, nw: int = 1) -> str:
+def paged_tail_name(D: int, QT: int, q_dt: int, fp16_rows: bool = False, nw: int = 1, sums: int = 2) -> str:
     """paged_tail_attn with nw warps (fp32 tiles: any tail row) or, with fp16_rows, paged_tail16_attn
-    (fp16 tiles: rows whose key and value are both fp16); nw in PAGED_TAIL_WARPS."""
-    return f"paged_tail{'16' if fp16_rows else ''}_attn<{D}, {QT}, {nw}, {q_dt}>"
+    (fp16 tiles: rows whose key and value are both fp16); nw in PAGED_TAIL_WARPS; ``sums`` in TAIL_SUMS
+    (attn_split.cuh SD: 1 double, 2 four fp32 fma chains)."""
+    return f"paged_tail{'16' if fp16_rows else ''}_attn<{D}, {QT}, {nw}, {q_dt}, {sums}>"
 
 
 def _paged_names():
@@ -120,8 +123,8 @@ def _paged_names():
     names += [mma2_name(k, nr, kb, vb) for k in (0, 1) for nr in (4, 8) for kb in (2, 4) for vb in (2, 4)
               if not (k and kb == 4)]
     names += [gather_tail_name(kb, vb, kitty) for kb, kitty in PAGED_KEYS for vb in PAGED_VBITS]
-    names += [paged_tail_name(D, qt, qdt, f16, nw) for D in PAGED_DIMS for qt in PAGED_QT for qdt in (0, 1)
-              for f16 in (True, False) for nw in PAGED_TAIL_WARPS]
+    names += [paged_tail_name(D, qt, qdt, f16, nw, sd) for D in PAGED_DIMS for qt in PAGED_QT for qdt in (0, 1)
+              for f16 in (True, False) for nw in PAGED_TAIL_WARPS for sd in TAIL_SUMS]
     return tuple(names)
 
 

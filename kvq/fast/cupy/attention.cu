@@ -13,8 +13,11 @@
 
 // ---- split kernel (its body: attn_split.cuh) -------------------------------------------------------
 
-// fp32 data with half-precision queries (the paged decode's gathered tail): score sums in double (SD).
-template <int DT, int D, int QT, int NW, int PRECISE = (DT == 2), int QDT = DT>
+// SD: how the scores' dot products are summed (attn_split.cuh): double where PRECISE, and by default for
+// fp32 data with half-precision queries (the paged decode's gathered tail, which names SD: 1 double, 2
+// four fp32 chains, like paged_tail_attn); else one fp32 chain.
+template <int DT, int D, int QT, int NW, int PRECISE = (DT == 2), int QDT = DT,
+          int SD = ((PRECISE || (DT == 2 && QDT != 2)) ? 1 : 0)>
 __global__ void __launch_bounds__(NW * 32)
     attn_split(const typename Ty<QDT>::S* __restrict__ q, const typename Ty<DT>::S* __restrict__ k,
                const typename Ty<DT>::S* __restrict__ v, float* __restrict__ o_part,
@@ -22,7 +25,7 @@ __global__ void __launch_bounds__(NW * 32)
                i64 sv_b, i64 sv_h, i64 sv_t, int B, int Hq, int Hkv, int Tq, i64 T, i64 chunk, int num_splits,
                int split0, float qk_scale) {
     const CopyTiles<DT, D> tiles{k, v, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t};
-    attn_split_body<DT, D, QT, NW, PRECISE, QDT, (PRECISE || (DT == 2 && QDT != 2))>(
+    attn_split_body<DT, D, QT, NW, PRECISE, QDT, SD>(
         q, tiles, o_part, lse_part, sq_b, sq_h, sq_t, B, Hq, Hkv, Tq, T, chunk, num_splits, split0, qk_scale);
 }
 

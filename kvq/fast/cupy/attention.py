@@ -70,13 +70,18 @@ def _kv_operand(t: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _split_kernel(dt: int, D: int, QT: int, nw: int, qdt: int | None = None, precise: bool = False):
+def _split_kernel(dt: int, D: int, QT: int, nw: int, qdt: int | None = None, precise: bool = False,
+                  sums: int | None = None):
     """attn_split for these template values; with ``qdt`` (the queries' dtype code, when it is not the
     keys'): attention.cu's PRECISE = ``precise`` (double accumulators, natural units; else float
-    accumulators in base 2). Asks for the largest shared-memory carveout, so that six blocks of ~37 KiB
-    static shared memory fit on an SM (one wave for B=32, H_kv=8, 4K keys)."""
-    name = (f"attn_split<{dt}, {D}, {QT}, {nw}>" if qdt is None
-            else f"attn_split<{dt}, {D}, {QT}, {nw}, {int(precise)}, {qdt}>")
+    accumulators in base 2) and, with ``sums``, its SD (how each score is summed: 1 in double, 2 as four
+    fp32 fma chains; fp32 data with half-precision q, the paged decode's gathered tail). Asks for the
+    largest shared-memory carveout, so that six blocks of ~37 KiB static shared memory fit on an SM (one
+    wave for B=32, H_kv=8, 4K keys)."""
+    if qdt is None:
+        name = f"attn_split<{dt}, {D}, {QT}, {nw}>"
+    else:
+        name = f"attn_split<{dt}, {D}, {QT}, {nw}, {int(precise)}, {qdt}{'' if sums is None else f', {sums}'}>"
     return max_carveout(L.kernel(_SRC, name))
 
 

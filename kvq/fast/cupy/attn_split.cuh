@@ -122,9 +122,12 @@ struct TwoSegmentTiles {
 //   end the NW warp states are merged through shared memory.
 // Bytes: reads each K and V element of the split once per query tile (once when G_q*T_q <= QT);
 //   writes (D + 1) fp32 per query row and split.
-// SD (default PRECISE): the scores' dot products summed in double, rounded once to float (the paged
-// decode's FP16 tail for half-precision q: a 128-term fp32 fma chain per score reached several fp32
-// ulps at |score| ~ 1e3, beyond the tolerance rule; benchmarks/model_tail_scores.py).
+// SD, how each score's dot product is summed: 0 one fp32 fma chain; 1 (the default when PRECISE) in
+// double, rounded once to float; 2 four interleaved fp32 fma chains (channels d = 4 i + j in chain j, in
+// order of d) added pairwise at the end, (c0 + c1) + (c2 + c3) (not with PRECISE). The paged decode's
+// FP16 tail for half-precision q takes 2 (TUNE["tail_sums"]) or 1: one 128-term fp32 chain per score
+// reached several fp32 ulps at |score| ~ 1e3, beyond the tolerance rule, where four chains stay at about
+// a fifth of the bound (benchmarks/model_tail_scores.py) with no conversions to double.
 // Accumulator of the dot products and of P.V: float, or double when PRECISE (the default for float32
 // inputs: the fp32 path is the precise one, its sums then carry no more rounding than the float32
 // reference's pairwise sums; PRECISE also means natural-log units, else base 2 with log2(e) in the
@@ -165,7 +168,10 @@ __device__ __forceinline__ void attn_split_body(const typename Ty<QDT>::S* __res
     typedef AttnCfg<DT, D> Cfg;
     typedef typename Ty<DT>::S S;
     typedef typename AccT<PRECISE ? 2 : 0>::T Acc;
-    typedef typename AccT<(PRECISE || SD) ? 2 : 0>::T SAcc;   // the score sums
+    typedef typename AccT<(PRECISE || SD == 1) ? 2 : 0>::T SAcc;   // the score sums
+    constexpr int NCH = (SD == 2 && !PRECISE) ? 4 : 1;                // fma chains per score
+    static_assert(SD >= 0 && SD <= 2, "SD: 0 one fp32 chain, 1 double, 2 four fp32 chains");
+    static_assert(Cfg::VE % NCH == 0, "a 16-byte vector holds whole groups of the chains' channels");
     constexpr int VE = Cfg::VE;
     constexpr int NVEC = Cfg::NVEC;
     constexpr int KROW = Cfg::KROW;
@@ -237,9 +243,11 @@ __device__ __forceinline__ void attn_split_body(const typename Ty<QDT>::S* __res
         __syncwarp();                                  // ... and every lane's
 
         // scores: lane j <-> key kb + j, all QT query rows
-        SAcc s[QT];
+        SAcc s[QT][NCH];                               // chain j: channels d = j mod NCH
 #pragma unroll
-        for (int qi = 0; qi < QT; ++qi) s[qi] = 0.0f;
+        for (int qi = 0; qi < QT; ++qi)
+#pragma unroll
+            for (int j = 0; j < NCH; ++j) s[qi][j] = 0.0f;
         const S* krow = ks + lane * KROW;
 #pragma unroll 4
         for (int cv = 0; cv < NVEC; ++cv) {
@@ -252,14 +260,20 @@ __device__ __forceinline__ void attn_split_body(const typename Ty<QDT>::S* __res
             for (int qi = 0; qi < QT; ++qi) {
                 const QS* qr = s_q + qi * D + cv * VE;
 #pragma unroll
-                for (int e = 0; e < VE; ++e) s[qi] = fma((SAcc)qr[e], kd[e], s[qi]);
+                for (int e = 0; e < VE; ++e) s[qi][e % NCH] = fma((SAcc)qr[e], kd[e], s[qi][e % NCH]);
             }
+        }
+        float sd[QT];                                  // the scores, rounded once to float
+#pragma unroll
+        for (int qi = 0; qi < QT; ++qi) {
+            if constexpr (NCH == 4) sd[qi] = (s[qi][0] + s[qi][1]) + (s[qi][2] + s[qi][3]);
+            else sd[qi] = (float)s[qi][0];
         }
 
         // online softmax, base 2 (PRECISE: natural); p goes to shared memory for the P.V step
 #pragma unroll
         for (int qi = 0; qi < QT; ++qi) {
-            const float sc = lane < nk ? (float)s[qi] : -KVQ_INF;
+            const float sc = lane < nk ? sd[qi] : -KVQ_INF;
             float tmax = sc;
 #pragma unroll
             for (int off = 16; off > 0; off >>= 1) tmax = fmaxf(tmax, __shfl_xor_sync(KVQ_FULL_MASK, tmax, off));

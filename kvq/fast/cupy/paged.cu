@@ -893,8 +893,9 @@ struct PagedTail16Tiles {
 };
 
 // ---- tail attention kernels ----------------------------------------------------------------------
-// Computes: attention.cu's attn_split<DT, D, QT, NW, 0, QDT> (base 2, QDT = fp16 / bf16 queries, the
-//   score sums in double (SD; the queries held as double in shared memory), P . V in float; its grid
+// Computes: attention.cu's attn_split<DT, D, QT, NW, 0, QDT, SD> (base 2, QDT = fp16 / bf16 queries, the
+//   score sums as SD says: 1 in double (the queries held as double in shared memory), 2 as four fp32
+//   fma chains added pairwise (attn_split.cuh), P . V in float; its grid
 //   and partial layout, partials from number split0 on) over tail rows read in place from the cache,
 //   no gathered copy:
 //   paged_tail_attn: T rows from tail row u0 on, as fp32 tiles: the same tile values as
@@ -906,24 +907,24 @@ struct PagedTail16Tiles {
 // Grid: (num_splits * n_qtiles, H_kv, B); block NW * 32 threads, the tiles in NW * AttnCfg<DT,
 //   D>::WARP_BYTES bytes of dynamic shared memory (paged_tail_attn: fp32, DT = 2; paged_tail16_attn:
 //   fp16, DT = 0).
-template <int D, int QT, int NW, int QDT>
+template <int D, int QT, int NW, int QDT, int SD>
 __global__ void __launch_bounds__(NW * 32)
     paged_tail_attn(const typename Ty<QDT>::S* __restrict__ q, KVQ_TAIL_PARAMS, int kbits, int vbits, int kitty,
                     int u0, float* __restrict__ o_part, float* __restrict__ lse_part, i64 sq_b, i64 sq_h, i64 sq_t,
                     int B, int Hq, int Tq, i64 T, i64 chunk, int num_splits, int split0, float qk_scale,
                     KVQ_TAIL_INTS) {
     const PagedTailTiles<D> tiles{KVQ_TAIL_ROWS, kbits, vbits, kitty, u0};
-    attn_split_body<2, D, QT, NW, 0, QDT, 1, 1>(q, tiles, o_part, lse_part, sq_b, sq_h, sq_t, B, Hq, H, Tq, T,
+    attn_split_body<2, D, QT, NW, 0, QDT, SD, 1>(q, tiles, o_part, lse_part, sq_b, sq_h, sq_t, B, Hq, H, Tq, T,
                                                 chunk, num_splits, split0, qk_scale);
 }
 
-template <int D, int QT, int NW, int QDT>
+template <int D, int QT, int NW, int QDT, int SD>
 __global__ void __launch_bounds__(NW * 32)
     paged_tail16_attn(const typename Ty<QDT>::S* __restrict__ q, KVQ_TAIL_PARAMS, int gap_at, int gap,
                       float* __restrict__ o_part, float* __restrict__ lse_part, i64 sq_b, i64 sq_h, i64 sq_t,
                       int B, int Hq, int Tq, i64 T, i64 chunk, int num_splits, int split0, float qk_scale,
                       KVQ_TAIL_INTS) {
     const PagedTail16Tiles<D> tiles{KVQ_TAIL_ROWS, gap_at, gap};
-    attn_split_body<0, D, QT, NW, 0, QDT, 1, 1>(q, tiles, o_part, lse_part, sq_b, sq_h, sq_t, B, Hq, H, Tq, T, chunk,
+    attn_split_body<0, D, QT, NW, 0, QDT, SD, 1>(q, tiles, o_part, lse_part, sq_b, sq_h, sq_t, B, Hq, H, Tq, T, chunk,
                                              num_splits, split0, qk_scale);
 }

@@ -85,9 +85,14 @@ MMA_BITS = (2, 4)                   # key / value code bits of paged_decode_mma2
 #: _fused_splits, 2 for small grids). Sweep on the H100 (KIVI-K2V2, ms at 1 / 2 / 3 / 4 blocks per SM):
 #: 1 x 32K 0.0286 / 0.0273 / 0.0271 / 0.0338, 1 x 128K 0.0698 / 0.0542 / 0.0541 / 0.0587, 8 x 8K 0.0465 /
 #: 0.0391 / 0.0469 / 0.0469, 32 x 8K 0.0987 / 0.0980 / 0.1177 / 0.1075; long grids as fast or faster at 4:
-#: 8 x 128K 0.459 / 0.305 / 0.285 / 0.282, 32 x 128K 1.140 / 1.151 / 1.061 / 1.068
+#: 8 x 128K 0.459 / 0.305 / 0.285 / 0.282, 32 x 128K 1.140 / 1.151 / 1.061 / 1.068;
+#: tail_sums: how the FP16 tail (half-precision q) sums each score q . k (attn_split.cuh SD): 2 as four
+#: interleaved fp32 fma chains added pairwise (fp32 arithmetic only), 1 in float64 rounded once (the
+#: queries held as float64: conversions and fp64 fmas); both meet the tolerance rule on the large-operand
+#: caches, where one fp32 chain did not (benchmarks/model_tail_scores.py)
 TUNE = {"num_warps": None, "waves": None, "mma": True, "side_stream": True, "fused_tail": True, "tail_tiles": 1,
-        "tail_first": False, "tail16": None, "tail_warps": None, "tail16_warps": None, "max_blocks_per_sm": None}
+        "tail_first": False, "tail16": None, "tail_warps": None, "tail16_warps": None, "max_blocks_per_sm": None,
+        "tail_sums": 2}
 
 
 def _buf_bytes(D: int, k_bits: int, v_bits: int, kitty: bool, ngv: int, db: int) -> int:
@@ -241,11 +246,19 @@ def _tail_warp_bytes(D: int, fp16: bool = False) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _tail_kernel(D: int, QT: int, q_dt: int, fp16: bool, nw: int, device_index: int):
-    """paged_tail16_attn (fp16) or paged_tail_attn with nw warps, allowed the dynamic shared memory of
-    their tiles on that device (set once, not per decode)."""
-    return _allow_smem(L.kernel(_SRC, L.paged_tail_name(D, QT, q_dt, fp16, nw)), nw * _tail_warp_bytes(D, fp16),
-                       device_index)
+def _tail_kernel(D: int, QT: int, q_dt: int, fp16: bool, nw: int, device_index: int, sums: int = 2):
+    """paged_tail16_attn (fp16) or paged_tail_attn with nw warps and score sums ``sums`` (L.TAIL_SUMS),
+    allowed the dynamic shared memory of their tiles on that device (set once, not per decode)."""
+    return _allow_smem(L.kernel(_SRC, L.paged_tail_name(D, QT, q_dt, fp16, nw, sums)),
+                       nw * _tail_warp_bytes(D, fp16), device_index)
+
+
+def _tail_sums() -> int:
+    """TUNE["tail_sums"], checked: one of L.TAIL_SUMS (1 float64, 2 four fp32 fma chains)."""
+    sums = TUNE["tail_sums"]
+    if isinstance(sums, bool) or sums not in L.TAIL_SUMS:
+        raise ValueError(f"TUNE['tail_sums'] = {sums!r}: 1 (float64 sums) or 2 (four fp32 fma chains)")
+    return sums
 
 
 def _smem_optin(device_index: int) -> int:
@@ -422,6 +435,7 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     tqt = 4 if M <= 4 else 8                          # the tail's own query tile (attention.cu's QT)
     tqtiles = -(-M // tqt)
     n_mixed = max(c["n_kpages"] * G, c["n_vq"]) - NF
+    sums = _tail_sums()
     if not in_place:
         parts = [("gather", NT, 0)]
     elif TUNE["tail16"] if TUNE["tail16"] is not None else B * H * tqtiles >= sms:
@@ -433,7 +447,7 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
             return L.attn_warps(L.DT[torch.float32], D)
         f16 = kind == "fp16"
         return _tail_warps(D, dev_index, fused_block, f16,
-                           lambda n: int(_tail_kernel(D, tqt, L.DT[q.dtype], f16, n, dev_index).shared_size_bytes),
+                           lambda n: int(_tail_kernel(D, tqt, L.DT[q.dtype], f16, n, dev_index, sums).shared_size_bytes),
                            per_sm, resident, pps // nw if NP else 0)
 
     # (kind, rows, first tail row or skipped rows, warps per block, keys per split, splits)
@@ -461,14 +475,15 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
                 common = (np.int64(n_rows), np.int64(chunk), np.int32(n), np.int32(split0), qk)
                 if kind == "gather":
                     tk, tv = gather_tail(cfg, codec, st, NF)
-                    fn_t = A._split_kernel(L.DT[torch.float32], D, tqt, nw_t, None if precise else L.DT[q.dtype])
+                    fn_t = (A._split_kernel(L.DT[torch.float32], D, tqt, nw_t) if precise else
+                            A._split_kernel(L.DT[torch.float32], D, tqt, nw_t, L.DT[q.dtype], sums=sums))
                     L.run(fn_t, grid, (32 * nw_t,),
                           (qf, tk, tv, o_part, lse_part, *qs, *(np.int64(s) for s in tk.stride()[:3]),
                            *(np.int64(s) for s in tv.stride()[:3]), *dims, np.int32(H), np.int32(T_q), *common), dev)
                 else:
                     ptrs, ints = rows_args
                     f16 = kind == "fp16"
-                    fn_t = _tail_kernel(D, tqt, L.DT[q.dtype], f16, nw_t, dev_index)
+                    fn_t = _tail_kernel(D, tqt, L.DT[q.dtype], f16, nw_t, dev_index, sums)
                     where = ((np.int32(c["n_sink"]), np.int32(n_mixed)) if f16 else
                              (np.int32(k_bits), np.int32(cfg.v_bits), np.int32(kitty), np.int32(u)))
                     L.run(fn_t, grid, (32 * nw_t,),
