@@ -91,6 +91,17 @@ def test_launch_constants_match_the_kernels():
     assert {int(v) for v in re.findall(r"constexpr int R = (\d+);", text)} == {quant._R}
     assert {int(v) for v in re.findall(r"constexpr int K = (\d+);", text)} == {quant._CACHED}
     assert 32 * quant._MAXTY <= 256 and "__launch_bounds__(256, 4) quant_cols" in text
+    from kvq.fast.cupy import attention
+
+    assert f"__launch_bounds__({32 * attention.MERGE_WARPS}) attn_merge" in _loader.source("attention.cu")
+
+
+@pytest.mark.parametrize("D, ndl", [(16, 1), (32, 1), (64, 2), (100, 4), (128, 4), (256, 8), (512, 8)])
+def test_merge_dims_per_lane(D, ndl):
+    """attn_merge's lanes cover the head dim with the fewest dims per lane it is built for (D > 256: 8,
+    the grid's second dimension takes the rest)."""
+    assert _loader.merge_dims_per_lane(D) == ndl
+    assert f"attn_merge<0, {ndl}>" in _loader.KERNELS["attention.cu"]
 
 
 def test_sources_are_self_contained():

@@ -73,6 +73,16 @@ def attn_warps(dt: int, D: int) -> int:
     return max(1, min(4, 36864 // attn_warp_bytes(dt, D)))
 
 
+#: attention.cu attn_merge: dims per lane it is built for (one warp per row; D > 256 takes more blocks)
+MERGE_DIMS_PER_LANE = (1, 2, 4, 8)
+
+
+def merge_dims_per_lane(D: int) -> int:
+    """attn_merge's dims per lane for head dim D: the fewest of MERGE_DIMS_PER_LANE whose 32 lanes cover D
+    (8 beyond 256: the grid's second dimension then takes the rest)."""
+    return next((n for n in MERGE_DIMS_PER_LANE if 32 * n >= D), MERGE_DIMS_PER_LANE[-1])
+
+
 def _attention_names():
     names = [f"attn_split<{dt}, {D}, {qt}, {attn_warps(dt, D)}>" for dt in (0, 1, 2) for D in ATTN_DIMS
              for qt in ATTN_QT if attn_supported(dt, D)]
@@ -80,7 +90,7 @@ def _attention_names():
               for qdt in (0, 1) for sd in TAIL_SUMS if attn_supported(2, D)]   # fp32 data, fp16 / bf16 q (paged tail)
     names += [f"attn_split<0, {D}, {qt}, {attn_warps(0, D)}, 1, 2>" for D in ATTN_DIMS for qt in ATTN_QT
               if attn_supported(0, D)]                    # fp16 data, fp32 q, double sums (OSCAR's FP16 segments)
-    names += [f"attn_merge<{dt}>" for dt in (0, 1, 2)]
+    names += [f"attn_merge<{dt}, {ndl}>" for dt in (0, 1, 2) for ndl in MERGE_DIMS_PER_LANE]
     return tuple(names)
 
 

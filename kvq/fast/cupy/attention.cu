@@ -34,72 +34,63 @@ __global__ void __launch_bounds__(NW * 32)
 //   M = max_s lse_s; w_s = exp(lse_s - M); o = sum_s w_s o_s / sum_s w_s (rounded to DTO);
 //   lse = M + log(sum_s w_s); rows whose partials are all -inf get o = 0, lse = -inf.
 //   o_part is (S, rows, D) fp32, lse_part (S, rows) fp32, natural log.
-// Grid: one block per row, NT = 256 or 1024 threads (blockDim; 1024 where there are few rows, so that
-//   each thread's chain of partial loads is short: at batch 1 a row's ~70 partials took 5.7 us with 256):
-//   the S weights are computed once into shared memory (block max and sum), then thread (j, d) (d < D,
-//   j < NT / D) sums the partials s = j, j + NT / D, ... of dim d (independent loads, four in flight) and
-//   the NT / D sums are added through shared memory.
-// Dynamic shared memory: (S + NT + 64) * 4 bytes.
+// Grid: (ceil(rows / warps per block), ceil(D / (32 NDL))); one warp per row, lane l holding dims
+//   32 i + l (i < NDL) of the block's 32 NDL dims (blockIdx.y): no shared memory, no block barrier, any
+//   S. The partials are read CH at a time with every load in flight together, the first CH issued
+//   before the max lse is known (a decode merges about 10-20 partials: two trips to L2 in all, where a
+//   block per row with barriers between its phases took 5-7 us on the H100). o sums the partials in
+//   order s = 0, 1, ... (one fma chain per dim); the weights' sum is added per lane (lane c takes the
+//   partials c, c + CH, ...) and then across the lanes (xor butterfly).
 // Bytes: reads S * (D + 1) fp32 per row; writes D outputs + 1 lse per row.
-template <int DTO>
-__global__ void __launch_bounds__(1024) attn_merge(const float* __restrict__ o_part,
-                                                  const float* __restrict__ lse_part,
-                                                  typename Ty<DTO>::S* __restrict__ out,
-                                                  float* __restrict__ lse_out, i64 rows, int D, int S) {
-    extern __shared__ float smf[];
-    float* w = smf;                                // [S]
-    const int nt = blockDim.x, nwarps = nt >> 5;
-    float* red = smf + S;                          // [nt]
-    float* wr = red + nt;                          // [64]: per-warp reductions (nwarps <= 32)
-    const i64 row = blockIdx.x;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+template <int DTO, int NDL>
+__global__ void __launch_bounds__(128) attn_merge(const float* __restrict__ o_part,
+                                                 const float* __restrict__ lse_part,
+                                                 typename Ty<DTO>::S* __restrict__ out,
+                                                 float* __restrict__ lse_out, i64 rows, int D, int S) {
+    constexpr int CH = 8;                          // partials whose loads are in flight together
+    const int lane = threadIdx.x & 31;
+    const i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= rows) return;                       // the whole warp
+    const int d0 = blockIdx.y * 32 * NDL + lane;   // this lane's dims d0 + 32 i
+    const i64 step = rows * (i64)D;
+    const float* op = o_part + row * D;
+    float o[CH][NDL];
+    auto load = [&](int base) {
+#pragma unroll
+        for (int c = 0; c < CH; ++c)
+#pragma unroll
+            for (int i = 0; i < NDL; ++i) {
+                const int s = base + c, d = d0 + 32 * i;
+                o[c][i] = s < S && d < D ? op[(i64)s * step + d] : 0.0f;
+            }
+    };
+    load(0);
     float M = -KVQ_INF;
-    for (int s = tid; s < S; s += nt) {
-        const float ls = lse_part[(i64)s * rows + row];
-        w[s] = ls;
-        M = fmaxf(M, ls);
-    }
+    for (int s = lane; s < S; s += 32) M = fmaxf(M, lse_part[(i64)s * rows + row]);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(KVQ_FULL_MASK, M, off));
-    if (lane == 0) wr[warp] = M;
-    __syncthreads();
-    M = wr[0];
-    for (int i = 1; i < nwarps; ++i) M = fmaxf(M, wr[i]);
-    float L = 0.0f;
-    for (int s = tid; s < S; s += nt) {
-        const float x = M == -KVQ_INF || w[s] == -KVQ_INF ? 0.0f : expf(w[s] - M);
-        w[s] = x;
-        L += x;
+    float L = 0.0f, A[NDL];
+#pragma unroll
+    for (int i = 0; i < NDL; ++i) A[i] = 0.0f;
+    for (int base = 0; base < S; base += CH) {
+        if (base > 0) load(base);
+        const int sw = base + (lane & (CH - 1));   // lane c (and c + CH, ...): the weight of partial base + c
+        const float ls = sw < S ? lse_part[(i64)sw * rows + row] : -KVQ_INF;
+        const float w = M == -KVQ_INF || ls == -KVQ_INF ? 0.0f : expf(ls - M);
+        if (lane < CH) L += w;
+#pragma unroll
+        for (int c = 0; c < CH; ++c) {
+            const float wc = __shfl_sync(KVQ_FULL_MASK, w, c);
+#pragma unroll
+            for (int i = 0; i < NDL; ++i) A[i] = fmaf(wc, o[c][i], A[i]);
+        }
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(KVQ_FULL_MASK, L, off);
-    if (lane == 0) wr[32 + warp] = L;
-    __syncthreads();                               // w[] and the partial sums are ready
-    L = 0.0f;
-    for (int i = 0; i < nwarps; ++i) L += wr[32 + i];
-    const int ns = nt / D;                         // partial groups
-    const int j = tid / D, d = tid - (tid / D) * D;
-    float A = 0.0f;
-    if (j < ns) {
-        const float* op = o_part + row * D + d;
-        const i64 step = rows * D;
-        int s = j;
-        for (; s + 3 * ns < S; s += 4 * ns) {
-            const float o0 = op[(i64)s * step], o1 = op[(i64)(s + ns) * step];
-            const float o2 = op[(i64)(s + 2 * ns) * step], o3 = op[(i64)(s + 3 * ns) * step];
-            A = fmaf(w[s], o0, A);
-            A = fmaf(w[s + ns], o1, A);
-            A = fmaf(w[s + 2 * ns], o2, A);
-            A = fmaf(w[s + 3 * ns], o3, A);
-        }
-        for (; s < S; s += ns) A = fmaf(w[s], op[(i64)s * step], A);
-        red[tid] = A;
+#pragma unroll
+    for (int i = 0; i < NDL; ++i) {
+        const int d = d0 + 32 * i;
+        if (d < D) out[row * D + d] = Ty<DTO>::st(L > 0.0f ? A[i] / L : 0.0f);
     }
-    __syncthreads();
-    if (tid < D) {
-        A = red[tid];
-        for (int i = 1; i < ns; ++i) A += red[i * D + tid];
-        out[row * D + tid] = Ty<DTO>::st(L > 0.0f ? A / L : 0.0f);
-        if (tid == 0) lse_out[row] = L > 0.0f ? M + logf(L) : -KVQ_INF;
-    }
+    if (blockIdx.y == 0 && lane == 0) lse_out[row] = L > 0.0f ? M + logf(L) : -KVQ_INF;
 }

@@ -11,8 +11,9 @@ numerics contract rule 7 (order-dependent reductions: fp32 accumulation, not bit
 Kernels: ``attn_split`` runs one block per (key split, kv head, batch, tile of QT query rows): it reads
 its K / V chunk once for all G_q * T_q query rows of the kv head (GQA), 32 keys at a time per warp
 through cp.async into shared memory, fp32 scores and online softmax (base 2, scale * log2(e) folded
-into q), and writes an fp32 partial (o, lse). ``attn_merge`` combines the partials of all splits of
-all segments and rounds once to q's dtype. Head dims 16, 32, 64, 128, 256 (fp32: up to 128).
+into q), and writes an fp32 partial (o, lse). ``attn_merge`` (a warp per row) combines the partials of
+all splits of all segments and rounds once to q's dtype. Head dims 16, 32, 64, 128, 256 (fp32: up to
+128).
 """
 
 from __future__ import annotations
@@ -32,8 +33,7 @@ __all__ = ["partial_attention", "merge", "decode_attention"]
 _SRC = "attention.cu"
 LOG2E = 1.4426950408889634
 _MAX_CHUNK = 4096        # keys per split at most (load balance over the SMs)
-_MERGE_THREADS = 256
-_MERGE_THREADS_FEW = 1024           # the merge's block when rows <= 2 x SMs
+MERGE_WARPS = 4                     # attn_merge: rows (one warp each) per block (its launch bounds: 128 threads)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -96,18 +96,16 @@ def max_carveout(fn):
 
 def _merge_launch(o_part, lse_part, out, lse, rows: int, S: int, D: int) -> None:
     """o_part (S, rows, D) fp32, lse_part (S, rows) fp32 -> out (rows, D) in out's dtype, lse (rows,):
-    one block per row (attention.cu attn_merge): 1024 threads when the rows fill at most a few blocks per
-    SM (batch 1: shorter load chains per thread), else 256."""
-    if rows > 2 ** 31 - 1:
-        raise ValueError(f"{rows} query rows exceed the merge kernel's grid (2^31 - 1 blocks)")
-    dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
-    nt = _MERGE_THREADS_FEW if rows <= 2 * L.sm_count(dev) else _MERGE_THREADS
-    smem = (S + nt + 64) * 4
-    if smem > 48 * 1024:
-        raise ValueError(f"{S} partials exceed the merge kernel's shared memory (48 KiB)")
-    fn = L.kernel(_SRC, f"attn_merge<{L.DT[out.dtype]}>")
-    L.run(fn, (rows,), (nt,), (o_part, lse_part, out, lse, np.int64(rows), np.int32(D), np.int32(S)),
-          out.device, shared_mem=smem)
+    attention.cu attn_merge, one warp per row (MERGE_WARPS per block), lane l holding dims 32 i + l of
+    the block's 32 x ``L.merge_dims_per_lane(D)`` dims (more blocks along the grid's y for D > 256)."""
+    ndl = L.merge_dims_per_lane(D)
+    blocks = -(-rows // MERGE_WARPS)
+    if blocks > 2 ** 31 - 1:
+        raise ValueError(f"{rows} query rows exceed the merge kernel's grid (2^31 - 1 blocks of "
+                         f"{MERGE_WARPS} rows)")
+    fn = L.kernel(_SRC, f"attn_merge<{L.DT[out.dtype]}, {ndl}>")
+    L.run(fn, (blocks, -(-D // (32 * ndl))), (32 * MERGE_WARPS,),
+          (o_part, lse_part, out, lse, np.int64(rows), np.int32(D), np.int32(S)), out.device)
 
 
 # ----------------------------------------------------------------------------------------------------
