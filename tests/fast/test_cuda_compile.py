@@ -93,7 +93,10 @@ def test_launch_constants_match_the_kernels():
     assert 32 * quant._MAXTY <= 256 and "__launch_bounds__(256, 4) quant_cols" in text
     from kvq.fast.cupy import attention
 
-    assert f"__launch_bounds__({32 * attention.MERGE_WARPS}) attn_merge" in _loader.source("attention.cu")
+    text = _loader.source("attention.cu")
+    assert f"__launch_bounds__({32 * attention.MERGE_WARPS}) attn_merge" in text
+    assert f"constexpr int CH = {attention.MERGE_CHUNK};" in text and "s_a[4]" in text
+    assert [attention.merge_warps_per_row(S) for S in (1, 8, 9, 16, 17, 500)] == [1, 1, 2, 2, 4, 4]
 
 
 @pytest.mark.parametrize("D, ndl", [(16, 1), (32, 1), (64, 2), (100, 4), (128, 4), (256, 8), (512, 8)])

@@ -158,6 +158,46 @@ def test_merge(fast_target, dtype):
     assert bool((o_e == 0).all()) and bool((l_e == float("-inf")).all())
 
 
+@pytest.mark.parametrize("S, D", [(1, 16), (9, 128), (17, 64), (40, 128)])
+def test_merge_many_partials(fast_target, S, D):
+    """merge of S partials (some rows with -inf partials among finite ones) against the reference: the
+    CuPy merge takes 1, 2 or 4 warps per row by S (attention.merge_warps_per_row) in chunks of 8 partials,
+    lanes covering D with 1, 2 or 4 dims each."""
+    backend, device = fast_target
+    A = _attention(backend)
+    rng = np.random.default_rng(S * 1000 + D)
+    shape = (3, 5, D)
+    parts = []
+    for i in range(S):
+        o = rng.standard_normal(shape).astype(np.float32)
+        lse = (4 * rng.standard_normal(shape[:-1])).astype(np.float32)
+        lse[i % 3, i % 5] = -np.inf                   # a partial with no keys in some row
+        parts.append((torch.from_numpy(o).to(device), torch.from_numpy(lse).to(device)))
+    o_f, l_f = A.merge(parts)
+    truth = RA.merge([(_np(o, np.float64), _np(l, np.float64)) for o, l in parts])
+    ref32 = RA.merge([(_np(o, np.float32), _np(l, np.float32)) for o, l in parts])
+    check_close(o_f, truth[0], ref32[0], FP32, f"o (S={S}, D={D})")
+    check_close(l_f, truth[1], ref32[1], FP32, f"lse (S={S}, D={D})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S", [3, 12, 33])
+def test_cupy_merge_head_dim_beyond_256(S):
+    """CuPy merge with D = 300 (more than 32 lanes x 8 dims: the grid's second dimension takes dims 256-299)
+    and fp16 partials, against the reference."""
+    import kvq.fast.cupy.attention as CA
+    rng = np.random.default_rng(S)
+    shape = (2, 7, 300)
+    parts = [(torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).half().cuda(),
+              torch.from_numpy((2 * rng.standard_normal(shape[:-1])).astype(np.float32)).cuda()) for _ in range(S)]
+    o_f, l_f = CA.merge(parts)
+    assert o_f.dtype == FP16
+    truth = RA.merge([(_np(o, np.float64), _np(l, np.float64)) for o, l in parts])
+    ref32 = RA.merge([(_np(o, np.float32), _np(l, np.float32)) for o, l in parts])
+    check_close(o_f, truth[0], ref32[0], FP16, "o")
+    check_close(l_f, truth[1], ref32[1], FP32, "lse")
+
+
 def test_merge_of_partials_equals_decode(fast_target):
     """decode over two segments == merge of partial_attention over each (float32, within tolerance)."""
     backend, device = fast_target

@@ -33,7 +33,8 @@ __all__ = ["partial_attention", "merge", "decode_attention"]
 _SRC = "attention.cu"
 LOG2E = 1.4426950408889634
 _MAX_CHUNK = 4096        # keys per split at most (load balance over the SMs)
-MERGE_WARPS = 4                     # attn_merge: rows (one warp each) per block (its launch bounds: 128 threads)
+MERGE_WARPS = 4                     # attn_merge: warps per block (its launch bounds: 128 threads)
+MERGE_CHUNK = 8                     # attn_merge: partials per chunk (CH), all loads of a chunk in flight together
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -94,18 +95,25 @@ def max_carveout(fn):
     return fn
 
 
+def merge_warps_per_row(S: int) -> int:
+    """attn_merge's warps per row for S partials: one per chunk of MERGE_CHUNK partials, 1, 2 or 4 (H100,
+    8 x 32K KIVI-K2V2, about 13 partials a row: the merge 7.2 -> 2.9 us at one warp per row; at batch 1, 36
+    partials a row, one warp took 4.3 us)."""
+    return 1 if S <= MERGE_CHUNK else 2 if S <= 2 * MERGE_CHUNK else 4
+
+
 def _merge_launch(o_part, lse_part, out, lse, rows: int, S: int, D: int) -> None:
     """o_part (S, rows, D) fp32, lse_part (S, rows) fp32 -> out (rows, D) in out's dtype, lse (rows,):
-    attention.cu attn_merge, one warp per row (MERGE_WARPS per block), lane l holding dims 32 i + l of
-    the block's 32 x ``L.merge_dims_per_lane(D)`` dims (more blocks along the grid's y for D > 256)."""
-    ndl = L.merge_dims_per_lane(D)
-    blocks = -(-rows // MERGE_WARPS)
+    attention.cu attn_merge, blocks of 4 warps, ``merge_warps_per_row(S)`` warps per row, lane l holding
+    dims 32 i + l of the block's 32 x ``L.merge_dims_per_lane(D)`` dims (more blocks along the grid's y for
+    D > 256)."""
+    ndl, wpr = L.merge_dims_per_lane(D), merge_warps_per_row(S)
+    blocks = -(-rows // (MERGE_WARPS // wpr))
     if blocks > 2 ** 31 - 1:
-        raise ValueError(f"{rows} query rows exceed the merge kernel's grid (2^31 - 1 blocks of "
-                         f"{MERGE_WARPS} rows)")
+        raise ValueError(f"{rows} query rows exceed the merge kernel's grid (2^31 - 1 blocks)")
     fn = L.kernel(_SRC, f"attn_merge<{L.DT[out.dtype]}, {ndl}>")
     L.run(fn, (blocks, -(-D // (32 * ndl))), (32 * MERGE_WARPS,),
-          (o_part, lse_part, out, lse, np.int64(rows), np.int32(D), np.int32(S)), out.device)
+          (o_part, lse_part, out, lse, np.int64(rows), np.int32(D), np.int32(S), np.int32(wpr)), out.device)
 
 
 # ----------------------------------------------------------------------------------------------------
