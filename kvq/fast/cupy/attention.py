@@ -11,7 +11,7 @@ numerics contract rule 7 (order-dependent reductions: fp32 accumulation, not bit
 Kernels: ``attn_split`` runs one block per (key split, kv head, batch, tile of QT query rows): it reads
 its K / V chunk once for all G_q * T_q query rows of the kv head (GQA), 32 keys at a time per warp
 through cp.async into shared memory, fp32 scores and online softmax (base 2, scale * log2(e) folded
-into q), and writes an fp32 partial (o, lse). ``attn_merge`` (a warp per row) combines the partials of
+into q), and writes an fp32 partial (o, lse). ``attn_merge`` (1-4 warps per row) combines the partials of
 all splits of all segments and rounds once to q's dtype. Head dims 16, 32, 64, 128, 256 (fp32: up to
 128).
 """
