@@ -95,7 +95,8 @@ def test_launch_constants_match_the_kernels():
 
     text = _loader.source("attention.cu")
     assert f"__launch_bounds__({32 * attention.MERGE_WARPS}) attn_merge" in text
-    assert f"constexpr int CH = {attention.MERGE_CHUNK};" in text and "s_a[4]" in text
+    assert f"constexpr int CH = {attention.MERGE_CHUNK};" in text
+    assert f"constexpr int NWB = {attention.MERGE_WARPS};" in text
     assert [attention.merge_warps_per_row(S) for S in (1, 8, 9, 16, 17, 500)] == [1, 1, 2, 2, 4, 4]
 
 

@@ -120,7 +120,7 @@ PAGED_TAIL_WARPS = (1, 2, 4)
 TAIL_SUMS = (1, 2)
 
 
-def paged_tail_name(D: int, QT: int, q_dt: int, fp16_rows: bool = False, nw: int = 1, sums: int = 2) -> str:
+def paged_tail_name(D: int, QT: int, q_dt: int, fp16_rows: bool, nw: int, sums: int) -> str:
     """paged_tail_attn with nw warps (fp32 tiles: any tail row) or, with fp16_rows, paged_tail16_attn
     (fp16 tiles: rows whose key and value are both fp16); nw in PAGED_TAIL_WARPS; ``sums`` in TAIL_SUMS
     (attn_split.cuh SD: 1 double, 2 four fp32 fma chains)."""

@@ -13,11 +13,10 @@
 
 // ---- split kernel (its body: attn_split.cuh) -------------------------------------------------------
 
-// SD: how the scores' dot products are summed (attn_split.cuh): double where PRECISE, and by default for
-// fp32 data with half-precision queries (the paged decode's gathered tail, which names SD: 1 double, 2
-// four fp32 chains, like paged_tail_attn); else one fp32 chain.
-template <int DT, int D, int QT, int NW, int PRECISE = (DT == 2), int QDT = DT,
-          int SD = ((PRECISE || (DT == 2 && QDT != 2)) ? 1 : 0)>
+// SD: how the scores' dot products are summed (attn_split.cuh): by default double where PRECISE, else one
+// fp32 chain; the paged decode's gathered tail (fp32 data, half-precision queries) names it: 1 double, 2
+// four fp32 chains, like paged_tail_attn.
+template <int DT, int D, int QT, int NW, int PRECISE = (DT == 2), int QDT = DT, int SD = PRECISE>
 __global__ void __launch_bounds__(NW * 32)
     attn_split(const typename Ty<QDT>::S* __restrict__ q, const typename Ty<DT>::S* __restrict__ k,
                const typename Ty<DT>::S* __restrict__ v, float* __restrict__ o_part,
@@ -49,10 +48,11 @@ __global__ void __launch_bounds__(128) attn_merge(const float* __restrict__ o_pa
                                                  typename Ty<DTO>::S* __restrict__ out,
                                                  float* __restrict__ lse_out, i64 rows, int D, int S, int wpr) {
     constexpr int CH = 8;                          // partials whose loads are in flight together
-    __shared__ float s_a[4][32 * NDL], s_l[4];
+    constexpr int NWB = 4;                         // warps per block (the launch bounds' 128 threads)
+    __shared__ float s_a[NWB][32 * NDL], s_l[NWB];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int k = warp % wpr;                      // this warp's share of its row's chunks
-    const i64 row = (i64)blockIdx.x * (4 / wpr) + warp / wpr;
+    const i64 row = (i64)blockIdx.x * (NWB / wpr) + warp / wpr;
     const bool valid = row < rows;                 // (whole warps; every warp reaches the barrier)
     const int d0 = blockIdx.y * 32 * NDL + lane;   // this lane's dims d0 + 32 i
     const i64 step = rows * (i64)D;

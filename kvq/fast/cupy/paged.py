@@ -246,7 +246,7 @@ def _tail_warp_bytes(D: int, fp16: bool = False) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _tail_kernel(D: int, QT: int, q_dt: int, fp16: bool, nw: int, device_index: int, sums: int = 2):
+def _tail_kernel(D: int, QT: int, q_dt: int, fp16: bool, nw: int, device_index: int, sums: int):
     """paged_tail16_attn (fp16) or paged_tail_attn with nw warps and score sums ``sums`` (L.TAIL_SUMS),
     allowed the dynamic shared memory of their tiles on that device (set once, not per decode)."""
     return _allow_smem(L.kernel(_SRC, L.paged_tail_name(D, QT, q_dt, fp16, nw, sums)),
