@@ -3,9 +3,11 @@ with large operands (keys and values scaled to |x| <= 3e4, |q| ~ 300, softmax sc
 
     python benchmarks/accuracy_large_operands.py          # on the device (CUDA, CuPy)
 
-For each of K2V2, K4V4, K4V2, K2V4 (group 128, window 128, B = 2, H_kv = 4, GQA 2, D = 128) and 8 random
-caches (4 seeds x T in {1500, 2348}) it prints max and mean of (lse error) / (bound), for each way the
-FP16 tail sums its scores (``paged.TUNE["tail_sums"]``: 2 four fp32 fma chains, 1 float64), where error =
+For each of K2V2, K4V4, K4V2, K2V4 (group 128, window 128, B = 2, H_kv = 4, GQA 2, D = 128; and K2V2 /
+K4V4 with an FP16 sink of 32 tokens) and 8 random caches (4 seeds x T in {1500, 2348}) it prints max and
+mean of (lse error) / (bound), for each way the FP16 tail computes its scores: its fp16 rows on the tensor
+cores (``paged.TUNE["tail_mma"]``, the default) or not, and the CUDA-core rows' sums
+(``paged.TUNE["tail_sums"]``: 2 four fp32 fma chains, 1 float64), where error =
 max |lse - lse_float64| and bound = 2 x the float32 reference's error + one float32 step at the
 magnitude (contract rule 7, ``tests/parity/tolerance.py``); a ratio above 1 misses the rule.
 """
@@ -19,10 +21,11 @@ from kvq.reference import kivi as RK
 CUDA = dict(group_size=128, residual=128, max_tokens=4096)
 
 
-def large_case(kb: int, vb: int, seed: int, T: int, qs: float = 300.0):
-    """(cfg, reference state, k, v, q) of one cache: B = 2, H_kv = 4, GQA 2, D = 128; keys and values
-    fp16 scaled to |x| <= 3e4, q fp16 (B, 8, 1, D) of scale qs (also ``model_tail_scores.py``'s caches)."""
-    cfg = RK.KIVIConfig(kb, vb, **CUDA)
+def large_case(kb: int, vb: int, seed: int, T: int, qs: float = 300.0, sink: int = 0):
+    """(cfg, reference state, k, v, q) of one cache: B = 2, H_kv = 4, GQA 2, D = 128, an FP16 sink of
+    ``sink`` tokens; keys and values fp16 scaled to |x| <= 3e4, q fp16 (B, 8, 1, D) of scale qs (also
+    ``model_tail_scores.py``'s caches)."""
+    cfg = RK.KIVIConfig(kb, vb, sink=sink, **CUDA)
     B, H, D = 2, 4, 128
     rng = np.random.default_rng(seed)
     k = rng.standard_normal((B, H, T, D)).astype(np.float32)
@@ -35,8 +38,8 @@ def large_case(kb: int, vb: int, seed: int, T: int, qs: float = 300.0):
     return cfg, rs, k, v, q
 
 
-def ratio(kb: int, vb: int, seed: int, T: int, qs: float = 300.0) -> float:
-    cfg, rs, k, v, qn = large_case(kb, vb, seed, T, qs)
+def ratio(kb: int, vb: int, seed: int, T: int, qs: float = 300.0, sink: int = 0) -> float:
+    cfg, rs, k, v, qn = large_case(kb, vb, seed, T, qs, sink)
     fs = FK.init(cfg, *rs.shape)
     FK.append(cfg, fs, torch.from_numpy(k).cuda(), torch.from_numpy(v).cuda())
     q = torch.from_numpy(qn).cuda()
@@ -51,12 +54,12 @@ def ratio(kb: int, vb: int, seed: int, T: int, qs: float = 300.0) -> float:
 def main() -> None:
     from kvq.fast.cupy import paged
 
-    for sums in (2, 1):                        # the FP16 tail's score sums: four fp32 chains / float64
-        paged.TUNE["tail_sums"] = sums
-        for kb, vb in ((2, 2), (4, 4), (4, 2), (2, 4)):
-            rs = [ratio(kb, vb, s, T) for s in range(4) for T in (1500, 2348)]
-            print(f"K{kb}V{vb}, tail_sums={sums}: lse error / bound over {len(rs)} caches: max {max(rs):.2f} "
-                  f"mean {np.mean(rs):.2f}", flush=True)
+    for tmma, sums in ((None, 2), (False, 2), (False, 1)):   # tensor-core fp16 rows; four fp32 chains / float64
+        paged.TUNE["tail_mma"], paged.TUNE["tail_sums"] = tmma, sums
+        for kb, vb, sink in ((2, 2, 0), (4, 4, 0), (4, 2, 0), (2, 4, 0), (2, 2, 32), (4, 4, 32)):
+            rs = [ratio(kb, vb, s, T, sink=sink) for s in range(4) for T in (1500, 2348)]
+            print(f"K{kb}V{vb}{'*' if sink else ''}, tail_mma={tmma}, tail_sums={sums}: lse error / bound over "
+                  f"{len(rs)} caches: max {max(rs):.2f} mean {np.mean(rs):.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,10 @@
 
 Shape: B = 8, T = 32K, 32 query / 8 KV heads, head dim 128 (the issue's "batch 8" row). The cache is
 filled with random codes (``bench_kivi_kitty.build_cache``); times are medians of CUDA-graph replays
-(``common.bench``) of the whole decode (fused kernel + tail + merge).
+(``common.bench``) of the whole decode (fused kernel + tail + merge). ``--copies auto`` (the default)
+rotates over as many caches as the benchmarks do (``common.copies_for``: one rotation touches 4x the
+L2), so that a cache smaller than the L2 (8 x 8K: about 40 MB, the H100's L2 holds 50) is read from
+DRAM as in ``bench_kivi_kitty``; ``--copies 1`` times one cache, warm in the L2 where it fits.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import bench_kivi_kitty as BK  # noqa: E402
 import common as C  # noqa: E402
 
 
-def setup(method: str, B: int, T: int, backend: str = "triton"):
+def setup(method: str, B: int, T: int, backend: str = "triton", seed: int = 0):
     """(module, config, cache state, 4 fp16 queries) of a method ("OSCAR": bench_oscar's random-code cache)."""
     g = torch.Generator(device="cuda").manual_seed(1)
     qs = [torch.randn((B, 32, 1, 128), generator=g, device="cuda", dtype=torch.float16) for _ in range(4)]
@@ -34,19 +37,41 @@ def setup(method: str, B: int, T: int, backend: str = "triton"):
         import bench_oscar as BO
         mod = BO._mod(backend)
         cfg = BO.config(mod, T, dry=False)
-        return mod, cfg, BO.build_cache(mod, cfg, B, 8, 128, T, "cuda"), qs
+        return mod, cfg, BO.build_cache(mod, cfg, B, 8, 128, T, "cuda", seed=seed), qs
     mod, cfg = BK.config(method, T, dry=False, backend=backend)
-    st = BK.build_cache(mod, cfg, B, 8, 128, T, "cuda")
+    st = BK.build_cache(mod, cfg, B, 8, 128, T, "cuda", seed=seed)
     return mod, cfg, st, qs
 
 
-def decode_step(method: str, mod, cfg, st, backend: str = "triton"):
-    """q -> decode_attention over the cache (OSCAR with bench_oscar's random orthogonal calibration)."""
+def state_bytes(st) -> int:
+    """Bytes of every tensor of a cache state (its pools, tables and FP16 buffers)."""
+    return sum(t.numel() * t.element_size() for t in st.arrays().values())
+
+
+def cache_copies(method: str, B: int, T: int, backend: str, st, copies: str) -> list:
+    """``st`` and further random caches of the same shape: ``copies`` = "auto" (``common.copies_for`` on
+    the state's bytes) or a count."""
+    n = C.copies_for(state_bytes(st), "cuda") if copies == "auto" else int(copies)
+    if n < 1:
+        raise ValueError(f"--copies {copies!r}: 'auto' or a count >= 1")
+    return [st] + [setup(method, B, T, backend, seed=i)[2] for i in range(1, n)]
+
+
+def decode_step(method: str, mod, cfg, st=None, backend: str = "triton"):
+    """q -> decode_attention over the cache ``st``, or with ``st`` None (q, state) -> decode_attention over
+    that state (OSCAR with bench_oscar's random orthogonal calibration)."""
     if method == "OSCAR":
         import bench_oscar as BO
         calib = BO.calibration(mod, 8, 128)
-        return lambda q: mod.decode_attention(cfg, calib, st, q)
-    return lambda q: mod.decode_attention(cfg, st, q)
+        step = lambda q, s: mod.decode_attention(cfg, calib, s, q)  # noqa: E731
+    else:
+        step = lambda q, s: mod.decode_attention(cfg, s, q)         # noqa: E731
+    return step if st is None else (lambda q: step(q, st))
+
+
+def inputs(qs: list, states: list) -> list:
+    """(q, state) pairs for ``common.bench``: every state once per rotation, the queries in turn."""
+    return [(qs[i % len(qs)], s) for i, s in enumerate(states)] if len(states) > 1 else [(q, states[0]) for q in qs]
 
 
 def main() -> None:
@@ -58,6 +83,8 @@ def main() -> None:
     ap.add_argument("--B", type=int, default=8)
     ap.add_argument("--T", type=int, default=32768)
     ap.add_argument("--grid", default="block_t=32,64,128;num_warps=4,8;waves=3")
+    ap.add_argument("--copies", default="auto", help="caches to rotate over: 'auto' (cold L2, as the "
+                    "benchmarks) or a count (1: one cache, warm in the L2 where it fits)")
     a = ap.parse_args()
     import importlib
     paged = importlib.import_module(f"kvq.fast.{a.backend}.paged")
@@ -77,19 +104,20 @@ def main() -> None:
     old = dict(paged.TUNE)
     for m in methods:
         mod, cfg, st, qs = setup(m, a.B, a.T, a.backend)
-        step = decode_step(m, mod, cfg, st, a.backend)
+        states = cache_copies(m, a.B, a.T, a.backend, st, a.copies)
+        step = decode_step(m, mod, cfg, None, a.backend)
         for combo in itertools.product(*vals):
             paged.TUNE.update(dict(zip(keys, combo)))
             try:
-                t = C.bench(step, [(q,) for q in qs], device="cuda")
-                row = {"method": m, **dict(zip(keys, combo)), "ms": t["ms"]}
+                t = C.bench(step, inputs(qs, states), device="cuda")
+                row = {"method": m, **dict(zip(keys, combo)), "ms": t["ms"], "copies": len(states)}
             except Exception as e:                                  # a knob the kernel cannot take
                 row = {"method": m, **dict(zip(keys, combo)), "error": f"{type(e).__name__}: {e}"[:300]}
             print(json.dumps(row), flush=True)
             rows.append(row)
             paged.TUNE.clear()
             paged.TUNE.update(old)
-        st = step = None
+        st = step = states = None
         torch.cuda.empty_cache()
     res = {"meta": C.meta(torch.device("cuda")), "backend": a.backend, "B": a.B, "T": a.T, "rows": rows}
     with open(os.path.join(a.out, f"fused_sweep_{a.backend}_B{a.B}_T{a.T}.json"), "w") as f:

@@ -98,6 +98,9 @@ def test_launch_constants_match_the_kernels():
     assert f"constexpr int CH = {attention.MERGE_CHUNK};" in text
     assert f"constexpr int NWB = {attention.MERGE_WARPS};" in text
     assert [attention.merge_warps_per_row(S) for S in (1, 8, 9, 16, 17, 500)] == [1, 1, 2, 2, 4, 4]
+    text = _loader.source("paged.cu")                   # paged_tail_mma's tile rows (mma.cuh) and smem per warp
+    assert f"#define KVQ_TMMA_ROW {_loader.TAIL_MMA_ROW}" in text
+    assert _loader.tail_mma_warp_bytes() == 2 * 32 * _loader.TAIL_MMA_ROW * 2 == 17408
 
 
 @pytest.mark.parametrize("D, ndl", [(16, 1), (32, 1), (64, 2), (100, 4), (128, 4), (256, 8), (512, 8)])

@@ -376,13 +376,15 @@ def test_decode_tells_tail_warps_the_fused_blocks_per_sm(monkeypatch, sms, per_s
     real = PD._tail_warps
 
     def spy(D, dev, fused_block=0, fp16=False, tail_static=None, fused_per_sm=2, fused_resident=2,
-            fused_pages_per_warp=0):
+            fused_pages_per_warp=0, other=0):
+        assert other == 0                      # no tensor-core tail beside (TUNE["tail_mma"] = False)
         n = real(D, dev, fused_block, fp16, tail_static, fused_per_sm, fused_resident, fused_pages_per_warp)
         asked.append((fused_block, fused_per_sm, fused_resident, fused_pages_per_warp,
                       tail_static(n) if tail_static else None, n))
         return n
 
     monkeypatch.setattr(PD, "_tail_warps", spy)
+    monkeypatch.setitem(PD.TUNE, "tail_mma", False)  # the fp16 rows too through paged_tail_attn / tail16
     cfg = RK.KIVIConfig(2, 2, group_size=128, residual=128, max_tokens=4096)
     B, H, D, T = 1, 4, 128, 1100
     rng = np.random.default_rng(0)
@@ -408,6 +410,173 @@ def test_decode_tells_tail_warps_the_fused_blocks_per_sm(monkeypatch, sms, per_s
     PD.decode_attention(cfg, TK.KeyCodec, st, torch.zeros((B, 4 * H, 1, D), dtype=torch.float16))
     tails = [r for r in rec if r[0].startswith("paged_tail")]
     assert tails and all(r[0].endswith(", 1>") for r in tails)
+
+
+def _record_decode_launches(monkeypatch, sms=132):
+    """decode_attention's CuPy glue on the CPU: (launch records, a function that decodes a KIVI-K2V2* cache
+    (sink 32, window 128, B = 2, H_kv = 4, D = 128, T = 1100: sink, key-buffer and mixed tail rows) with q
+    of a dtype and GQA ratio). A record: (kernel name, grid, block, dynamic shared memory, arguments)."""
+    import contextlib
+
+    import kvq.fast.cupy._loader as L
+    import kvq.fast.cupy.attention as A
+    from kvq.fast import _common as C
+    from kvq.fast.cupy import paged as PD
+    from kvq.fast.triton import kivi as TK
+    from kvq.reference import kivi as RK
+
+    class K(str):
+        shared_size_bytes = 288
+
+    rec = []
+    monkeypatch.setattr(L, "run", lambda fn, grid, block, args, dev, shared_mem=0: rec.append((fn, grid, block,
+                                                                                                shared_mem, args)))
+    monkeypatch.setattr(L, "kernel", lambda src, name: K(name))
+    monkeypatch.setattr(L, "sm_count", lambda d: sms)
+    monkeypatch.setattr(PD, "resident_slots", lambda *a, **k: 4 * sms)
+    monkeypatch.setattr(PD, "_smem_optin", lambda i: 232448)
+    monkeypatch.setattr(PD, "_device_limits", lambda i: (65536, 233472, 2048, 1024))
+    monkeypatch.setattr(PD, "_allow_smem", lambda fn, smem, dev: fn)
+    monkeypatch.setattr(PD, "_mma_kernel", lambda *a: K("mma2"))
+    monkeypatch.setattr(PD, "_side_stream", lambda d, k=0: torch.cuda.current_stream(d))
+    monkeypatch.setattr(PD, "mma_ok", lambda *a: True)
+    monkeypatch.setattr(PD, "fused_ok", lambda cfg, D: True)
+    monkeypatch.setattr(PD, "_aligned", lambda *t: True)
+    monkeypatch.setattr(A, "_merge_launch", lambda *a: rec.append(("merge",) + a))
+    stream = type("S", (), {"wait_stream": lambda self, o: None})()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: stream)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    orig = C.check_decode_q
+    monkeypatch.setattr(C, "check_decode_q", lambda q, shape, device, length, allow_cpu=False:
+                        orig(q, shape, device, length, allow_cpu=True))
+    for f in (PD._tail_kernel, PD._tail_mma_kernel):
+        f.cache_clear()
+    cfg = RK.KIVIConfig(2, 2, group_size=128, residual=128, max_tokens=4096, sink=32)
+    B, H, D, T = 2, 4, 128, 1100
+    rng = np.random.default_rng(0)
+    k = torch.from_numpy(rng.standard_normal((B, H, T, D)).astype(np.float16))
+    v = torch.from_numpy(rng.standard_normal((B, H, T, D)).astype(np.float16))
+    st = TK.init(cfg, B, H, D)
+    TK.append(cfg, st, k, v)
+
+    def decode(dtype=torch.float16, ratio=4):
+        rec.clear()
+        PD.decode_attention(cfg, TK.KeyCodec, st, torch.zeros((B, ratio * H, 1, D), dtype=dtype))
+        return rec
+
+    return cfg, PD.counts(cfg, T), decode
+
+
+@pytest.mark.parametrize("ratio", [4, 8, 12])
+def test_decode_puts_fp16_tail_rows_on_tensor_cores(monkeypatch, ratio):
+    """decode_attention's glue (CPU, launches recorded): with fp16 q and D = 128 the tail rows whose key and
+    value are both fp16 (sink, key buffer) go to paged_tail_mma (``TUNE["tail_mma"]`` None / True: 2 warps
+    beside this small fused grid, their tiles in dynamic shared memory, query tiles of 8 rows, the mixed
+    rows skipped by (gap_at, gap) =
+    (sink, mixed rows)) and the mixed rows to paged_tail_attn, their partials numbered after the fused
+    kernel's and each other's; bf16 q, or ``TUNE["tail_mma"] = False``, keep the tail off the tensor cores;
+    the merge sees every partial."""
+    import kvq.fast.cupy._loader as L
+    from kvq.fast.cupy import paged as PD
+
+    cfg, c, decode = _record_decode_launches(monkeypatch)
+    NF = min(c["n_kpages"] * 128, c["n_vq"])
+    n_mixed = max(c["n_kpages"] * 128, c["n_vq"]) - NF
+    NT = c["n_sink"] + c["post"] - NF
+    assert c["n_sink"] == 32 and n_mixed > 0 and NT - n_mixed > 32        # sink, key-buffer and mixed rows
+    for want in (None, True):
+        monkeypatch.setitem(PD.TUNE, "tail_mma", want)
+        rec = decode(ratio=ratio)
+        fused = [r for r in rec if r[0] == "mma2"]
+        mma = [r for r in rec if r[0].startswith("paged_tail_mma")]
+        mixed = [r for r in rec if r[0].startswith("paged_tail_attn")]
+        assert len(fused) == len(mma) == len(mixed) == 1 and not [r for r in rec if "tail16" in r[0]]
+        name, grid, block, smem, args = mma[0]
+        # a small fused grid (at most two blocks per SM): 2 warps, so that a mixed-row block fits beside too
+        assert name == L.paged_tail_mma_name(2) and block == (64,) and smem == 2 * L.tail_mma_warp_bytes()
+        # (q, 15 TailRows pointers, gap_at, gap, o_part, lse_part, 3 q strides, B, Hq, Tq, T, chunk, splits, split0, qk)
+        gap_at, gap, T_rows, chunk, n, split0 = (int(args[16]), int(args[17]), int(args[26]), int(args[27]),
+                                                 int(args[28]), int(args[29]))
+        assert (gap_at, gap, T_rows) == (32, n_mixed, NT - n_mixed)
+        assert grid == (n * -(-ratio // 8), 4, 2) and n * chunk >= T_rows and chunk % 32 == 0
+        n_fused = fused[0][1][0]
+        # (q, 15 pointers, kbits, vbits, kitty, u0, o_part, lse_part, 3 q strides, B, Hq, Tq, T, chunk, splits, split0, qk)
+        m_args = mixed[0][4]
+        assert int(m_args[19]) == 32 and int(m_args[28]) == n_mixed        # u0 = sink, T = the mixed rows
+        m_n, m_split0 = int(m_args[30]), int(m_args[31])
+        assert sorted([(split0, n), (m_split0, m_n)]) in ([(n_fused, n), (n_fused + n, m_n)],
+                                                          [(n_fused, m_n), (n_fused + m_n, n)])
+        merge = [r for r in rec if r[0] == "merge"][0]
+        assert merge[6] == n_fused + n + m_n                                # S_TOTAL partials
+    for dtype, want in ((torch.bfloat16, None), (torch.float16, False)):
+        monkeypatch.setitem(PD.TUNE, "tail_mma", want)
+        rec = decode(dtype, ratio)
+        assert not [r for r in rec if r[0].startswith("paged_tail_mma")]
+        assert [r for r in rec if r[0].startswith("paged_tail")]
+
+
+@pytest.mark.parametrize("key, bad", [("tail_mma", 1), ("tail_mma", "yes"), ("tail_mma_warps", 3),
+                                      ("tail_mma_warps", 8)])
+def test_tail_mma_knobs_reject_bad_values(monkeypatch, key, bad):
+    """``TUNE["tail_mma"]`` is None, True or False and ``TUNE["tail_mma_warps"]`` one of the warp counts
+    paged_tail_mma is built for: anything else is a clear error before any launch."""
+    from kvq.fast.cupy import paged as PD
+
+    _, _, decode = _record_decode_launches(monkeypatch)
+    monkeypatch.setitem(PD.TUNE, key, bad)
+    with pytest.raises(ValueError, match=key):
+        decode()
+
+
+def test_tail_mma_warps_fit_the_device(monkeypatch):
+    """paged_tail_mma's warps per block: ``TUNE["tail_mma_warps"]``, or 4 (2 beside a fused grid of at most
+    two blocks per SM), capped by what one block may hold (17 KiB of tiles per warp)."""
+    from kvq.fast.cupy import paged as PD
+
+    for optin, want, per_sm, got in ((232448, None, 0, 4), (232448, None, 4, 4), (232448, None, 2, 2),
+                                     (232448, None, 1, 2), (232448, 4, 2, 4), (232448, 2, 4, 2),
+                                     (48 * 1024, None, 0, 2), (20 * 1024, None, 4, 1)):
+        monkeypatch.setattr(PD, "_smem_optin", lambda i, o=optin: o)
+        monkeypatch.setitem(PD.TUNE, "tail_mma_warps", want)
+        assert PD._tail_mma_warps(0, per_sm) == got
+
+
+def test_tail_mma_auto_rule(monkeypatch):
+    """``TUNE["tail_mma"]`` None: the tensor-core tail where it applies (fp16 q, D = 128, the tail read in
+    place, some fp16 rows) and its fp16 rows are at least 1 / TAIL_MMA_SHARE of the fused tokens (Kitty at
+    8K on the H100: 128 fp16 rows beside 7936 fused tokens; not at 32K); True: wherever it applies."""
+    from kvq.fast.cupy import paged as PD
+
+    h, f, b = (torch.zeros(1, dtype=t) for t in (torch.float16, torch.float32, torch.bfloat16))
+    ok = PD._tail_mma_ok
+    assert ok(h, 128, True, 128, 7936) and ok(h, 128, True, 128, 128 * PD.TAIL_MMA_SHARE) and ok(h, 128, True, 5, 0)
+    assert not ok(h, 128, True, 128, 32512) and not ok(h, 128, True, 128, 128 * PD.TAIL_MMA_SHARE + 1)
+    for args in ((f, 128, True, 128, 0), (b, 128, True, 128, 0), (h, 64, True, 128, 0), (h, 128, False, 128, 0),
+                 (h, 128, True, 0, 0)):
+        assert not ok(*args)
+    monkeypatch.setitem(PD.TUNE, "tail_mma", True)
+    assert ok(h, 128, True, 1, 10 ** 6) and not ok(h, 64, True, 128, 0)
+    monkeypatch.setitem(PD.TUNE, "tail_mma", False)
+    assert not ok(h, 128, True, 128, 0)
+
+
+def test_tail_warps_leave_room_for_the_tensor_core_tail(monkeypatch):
+    """Beside a fused grid of at most two blocks per SM, a mixed-row block shares the SM with a paged_tail_mma
+    block too (``other``): Kitty's 4-warp mixed block (135 KiB) fitted beside two fused blocks' neighbours no
+    longer, 2 warps do (H100, Kitty 8 x 8K: 0.0446 ms at 2 warps, 0.0499 at 4)."""
+    import kvq.fast.cupy._loader as L
+    from kvq.fast.cupy import paged
+
+    monkeypatch.setattr(paged, "_smem_optin", lambda i: 232448)
+    monkeypatch.setattr(paged, "_device_limits", lambda i: (65536, 233472, 2048, 1024))
+    fused = paged._mma2_smem(True, 16, 4, 2, 2) + 1024
+    long_grid = dict(fused_per_sm=2, fused_resident=4, fused_pages_per_warp=4)
+    assert paged._tail_warps(128, 0, fused, tail_static=_tail_static, **long_grid) == 4
+    other = 2 * L.tail_mma_warp_bytes()
+    assert paged._tail_warps(128, 0, fused, tail_static=_tail_static, **long_grid, other=other) == 2
+    assert paged._tail_warps(128, 0, fused, tail_static=_tail_static, fused_per_sm=4, fused_resident=4,
+                             other=other) == 4
 
 
 @pytest.mark.parametrize("bad", [0, 3, True, "2", None])

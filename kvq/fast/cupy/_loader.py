@@ -127,6 +127,21 @@ def paged_tail_name(D: int, QT: int, q_dt: int, fp16_rows: bool, nw: int, sums: 
     return f"paged_tail{'16' if fp16_rows else ''}_attn<{D}, {QT}, {nw}, {q_dt}, {sums}>"
 
 
+#: fp16 elements per row of paged_tail_mma's K / V tiles (mma.cuh KVQ_TMMA_ROW: D = 128 padded by 16 bytes)
+TAIL_MMA_ROW = 136
+
+
+def paged_tail_mma_name(nw: int) -> str:
+    """paged_tail_mma with nw warps (nw in PAGED_TAIL_WARPS): the fp16 tail rows on the tensor cores (fp16
+    q, D = 128)."""
+    return f"paged_tail_mma<{nw}>"
+
+
+def tail_mma_warp_bytes() -> int:
+    """One warp's K and V tiles of paged_tail_mma in dynamic shared memory (32 rows of TAIL_MMA_ROW fp16 each)."""
+    return 2 * 32 * TAIL_MMA_ROW * 2
+
+
 def _paged_names():
     names = [paged_decode_name(D, kb, vb, kitty, qt) for D in PAGED_DIMS for kb, kitty in PAGED_KEYS
              for vb in PAGED_VBITS for qt in PAGED_QT]
@@ -135,6 +150,7 @@ def _paged_names():
     names += [gather_tail_name(kb, vb, kitty) for kb, kitty in PAGED_KEYS for vb in PAGED_VBITS]
     names += [paged_tail_name(D, qt, qdt, f16, nw, sd) for D in PAGED_DIMS for qt in PAGED_QT for qdt in (0, 1)
               for f16 in (True, False) for nw in PAGED_TAIL_WARPS for sd in TAIL_SUMS]
+    names += [paged_tail_mma_name(nw) for nw in PAGED_TAIL_WARPS]
     return tuple(names)
 
 

@@ -411,4 +411,180 @@ __device__ __forceinline__ void mma_finish(u8* area, float* s_m, float* s_l, flo
                          o_part, lse_part);
 }
 
+// ---- tensor-core split attention over fp16 tiles (paged.cu paged_tail_mma) ---------------------------
+
+// a[0..3] = the four 8x8 b16 matrices whose rows lanes 8i .. 8i + 7 address (ldmatrix .x4; TRANS: each
+// matrix transposed), every address 16-byte aligned in shared memory
+template <bool TRANS>
+__device__ __forceinline__ void ldsm_x4(u32* a, const void* p) {
+    if constexpr (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(p_smem_addr(p)));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(p_smem_addr(p)));
+}
+
+//: fp16 elements per row of paged_tail_mma's K and V tiles in shared memory (D = 128 padded by 16 bytes:
+//: the 8 rows an ldmatrix matrix reads fall in 8 different bank groups)
+#define KVQ_TMMA_ROW 136
+
+// Computes: attn_split_body's partials (its grid (num_splits * n_qtiles, H_kv, B), partial layout, base-2
+//   softmax and natural-log lse) for fp16 q, D = 128 and fp16 K / V tiles, query tiles of QT = 8 rows,
+//   on the tensor cores. Per warp and 32-key tile (tiles.stage: K and V rows [32][KVQ_TMMA_ROW], two
+//   cp.async groups): S^T (keys x rows) = K . q^T by mma.m16n8k16 with q exact in the B fragments; each
+//   k-step (16 channels) sums from zero accumulators and the 8 k-step sums are added pairwise in fp32,
+//   ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)): one accumulator over all 8 k-steps (the
+//   tensor cores' truncating accumulation at every step) reached 1.8x the tolerance rule's bound on
+//   the large-operand caches, the pairwise sums 0.3x (benchmarks/model_tail_scores.py); then s = S *
+//   qk_scale (log2 units), online softmax per row (ex2.approx), P to fp16 and transposed into the B
+//   fragments by movmatrix, O^T (channels x rows) += V^T . P^T (ldmatrix.trans of the V tile). The NW
+//   warps take tiles w, w + NW, ... of the split and are combined as attn_split_body's.
+// Thread (g, t) = (lane / 4, lane % 4): S^T m-tile mt rows g, g + 8 <-> keys 16 mt + g, + 8; columns
+//   2t, 2t + 1 <-> query rows; O^T m-tile mc rows g, g + 8 <-> channels 16 mc + g, + 8.
+// Dynamic shared memory: NW * 2 * 32 * KVQ_TMMA_ROW * 2 bytes (the combine area [NW][8][128] fp32 reuses it).
+template <int NW, class Tiles>
+__device__ __forceinline__ void attn_mma_body(const u16* __restrict__ q, const Tiles& tiles,
+                                              float* __restrict__ o_part, float* __restrict__ lse_part, i64 sq_b,
+                                              i64 sq_h, i64 sq_t, int B, int Hq, int Hkv, int Tq, i64 T, i64 chunk,
+                                              int num_splits, int split0, float qk_scale) {
+    constexpr int D = 128, QT = 8, ROW = KVQ_TMMA_ROW;
+    extern __shared__ u32x4 kvq_tmma_tiles[];
+    __shared__ float s_m[NW][QT], s_l[NW][QT];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int split = (int)(blockIdx.x % (unsigned)num_splits);
+    const int qt = (int)(blockIdx.x / (unsigned)num_splits);
+    const int hk = blockIdx.y, b = blockIdx.z;
+    const int Gq = Hq / Hkv, NQ = Gq * Tq, r0 = qt * QT, nq = kvq_min(QT, NQ - r0);
+    const i64 k0 = (i64)split * chunk, k1 = kvq_min(k0 + chunk, T);
+
+    // B fragments of q^T for the 8 k-steps: column g = query row r0 + g (zero past nq), k rows 2t, 2t + 1
+    // (bq[kk][0]) and 2t + 8, 2t + 9 (bq[kk][1]) of channels 16 kk ..
+    u32 bq[8][2];
+    {
+        const u16* qr = nullptr;
+        if (g < nq) {
+            const int r = r0 + g, h = hk * Gq + r / Tq, tq = r - (r / Tq) * Tq;
+            qr = q + (i64)b * sq_b + (i64)h * sq_h + (i64)tq * sq_t;
+        }
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int c = 16 * kk + 2 * t + 8 * j;
+                bq[kk][j] = qr ? (u32)qr[c] | ((u32)qr[c + 1] << 16) : 0u;
+            }
+    }
+
+    u16* ks = reinterpret_cast<u16*>(kvq_tmma_tiles) + warp * (64 * ROW);   // [32][ROW]
+    u16* vs = ks + 32 * ROW;                                                  // [32][ROW]
+    float m0 = -KVQ_INF, m1 = -KVQ_INF, l0 = 0.0f, l1 = 0.0f;               // query rows 2t, 2t + 1
+    float O[8][4];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) O[i][0] = O[i][1] = O[i][2] = O[i][3] = 0.0f;
+    // ldmatrix row addresses: K (A of S^T, not transposed): lane -> key (lane & 7) + 8 ((lane >> 3) & 1),
+    // channel 8 (lane >> 4); V (A of O^T, transposed): key (lane & 7) + 8 (lane >> 4), channel
+    // 8 ((lane >> 3) & 1)
+    const u16* ka = ks + ((lane & 7) + 8 * ((lane >> 3) & 1)) * ROW + 8 * (lane >> 4);
+    const u16* va = vs + ((lane & 7) + 8 * (lane >> 4)) * ROW + 8 * ((lane >> 3) & 1);
+    const i64 ntile = k1 > k0 ? (k1 - k0 + 31) / 32 : 0;
+
+    for (i64 ti = warp; ti < ntile; ti += NW) {        // uniform across the warp
+        const i64 kb = k0 + ti * 32;
+        const int nk = (int)kvq_min((i64)32, k1 - kb);
+        tiles.stage(ks, vs, b, hk, kb, nk, lane);         // K: one cp.async group, V: the next
+        p_wait<1>();
+        __syncwarp();
+        float S[2][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+            float pr[4][4];                            // k-step pairs (2 kp, 2 kp + 1)
+#pragma unroll
+            for (int kp = 0; kp < 4; ++kp) {
+                float x[4] = {0.0f, 0.0f, 0.0f, 0.0f}, y[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                u32 a[4];
+                ldsm_x4<false>(a, ka + 16 * mt * ROW + 32 * kp);
+                mma16816(x, a, bq[2 * kp][0], bq[2 * kp][1]);
+                ldsm_x4<false>(a, ka + 16 * mt * ROW + 32 * kp + 16);
+                mma16816(y, a, bq[2 * kp + 1][0], bq[2 * kp + 1][1]);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) pr[kp][e] = x[e] + y[e];
+            }
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float sv = __fmul_rn((pr[0][e] + pr[1][e]) + (pr[2][e] + pr[3][e]), qk_scale);
+                S[mt][e] = 16 * mt + g + 8 * (e >> 1) < nk ? sv : -KVQ_INF;
+            }
+        }
+        // online softmax of rows 2t (e even) and 2t + 1 (e odd) over the tile's keys (lanes g)
+        float x0 = fmaxf(fmaxf(S[0][0], S[0][2]), fmaxf(S[1][0], S[1][2]));
+        float x1 = fmaxf(fmaxf(S[0][1], S[0][3]), fmaxf(S[1][1], S[1][3]));
+#pragma unroll
+        for (int off = 4; off <= 16; off <<= 1) {
+            x0 = fmaxf(x0, __shfl_xor_sync(KVQ_FULL_MASK, x0, off));
+            x1 = fmaxf(x1, __shfl_xor_sync(KVQ_FULL_MASK, x1, off));
+        }
+        const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);    // finite: the tile has a key
+        const float a0 = m0 == n0 ? 1.0f : ex2(m0 - n0), a1 = m1 == n1 ? 1.0f : ex2(m1 - n1);
+        m0 = n0;
+        m1 = n1;
+        l0 *= a0;
+        l1 *= a1;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            O[i][0] *= a0;
+            O[i][1] *= a1;
+            O[i][2] *= a0;
+            O[i][3] *= a1;
+        }
+        u32 bp[2][2];                                  // B fragments of P^T: k-step mt = the keys of m-tile mt
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+            float p[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) p[e] = ex2(S[mt][e] - ((e & 1) ? n1 : n0));   // -inf -> 0
+            l0 += p[0] + p[2];
+            l1 += p[1] + p[3];
+            bp[mt][0] = movmatrix_t(f2_to_h2(p[0], p[1]));   // keys 16 mt + 2t, + 1 of row g
+            bp[mt][1] = movmatrix_t(f2_to_h2(p[2], p[3]));   // keys 16 mt + 8 + 2t, + 1
+        }
+        p_wait<0>();                                   // the V tile has landed
+        __syncwarp();
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int mc = 0; mc < 8; ++mc) {
+                u32 a[4];
+                ldsm_x4<true>(a, va + 16 * mt * ROW + 16 * mc);
+                mma16816(O[mc], a, bp[mt][0], bp[mt][1]);
+            }
+        __syncwarp();                                  // the next tile overwrites ks, vs
+    }
+
+    // the warp's rows: l over its lanes g, then (m, l, O) per warp into shared memory for combine_warps
+#pragma unroll
+    for (int off = 4; off <= 16; off <<= 1) {
+        l0 += __shfl_xor_sync(KVQ_FULL_MASK, l0, off);
+        l1 += __shfl_xor_sync(KVQ_FULL_MASK, l1, off);
+    }
+    __syncthreads();                                   // every warp is done with its tiles
+    float* cacc = reinterpret_cast<float*>(kvq_tmma_tiles);   // [NW][QT][D]
+    float* cw = cacc + warp * QT * D;
+#pragma unroll
+    for (int mc = 0; mc < 8; ++mc) {
+        const int c = 16 * mc + g;
+        cw[(2 * t) * D + c] = O[mc][0];
+        cw[(2 * t + 1) * D + c] = O[mc][1];
+        cw[(2 * t) * D + c + 8] = O[mc][2];
+        cw[(2 * t + 1) * D + c + 8] = O[mc][3];
+    }
+    if (g == 0) {
+        s_m[warp][2 * t] = m0, s_m[warp][2 * t + 1] = m1;
+        s_l[warp][2 * t] = l0, s_l[warp][2 * t + 1] = l1;
+    }
+    __syncthreads();
+    combine_warps<QT, D>(&s_m[0][0], &s_l[0][0], cacc, NW, nq, tid, NW * 32, r0, hk, Gq, Tq, B, Hq, b,
+                         (i64)(split0 + split), o_part, lse_part);
+}
+
 #endif  // KVQ_MMA_CUH

@@ -877,18 +877,21 @@ struct PagedTailTiles {
     }
 };
 
-// The tile source of paged_tail16_attn (fp16 tiles by cp.async): tail rows whose key and value are both
-// fp16 (sink, Q-buffers, window), tile row r being tail row r + (r >= gap_at ? gap : 0) (the mixed
-// rows [gap_at, gap_at + gap) skipped).
-template <int D>
+// The tile source of paged_tail16_attn and paged_tail_mma (fp16 tiles by cp.async): tail rows whose key
+// and value are both fp16 (sink, Q-buffers, window), tile row r being tail row r + (r >= gap_at ? gap :
+// 0) (the mixed rows [gap_at, gap_at + gap) skipped); value rows VROW elements apart in shared memory.
+// Lane r works out row r's addresses once (cp_async_rows).
+template <int D, int VROW = D>
 struct PagedTail16Tiles {
     TailRows rows;
     int gap_at, gap;
 
     __device__ __forceinline__ void stage(u16* ks, u16* vs, int b, int hk, i64 kb, int nk, int lane) const {
-        const auto row = [&](int r) { const int u = (int)kb + r; return u + (u >= gap_at ? gap : 0); };
-        cp_async_tiles<0, D>(ks, vs, nk, lane, [&](int r) { return rows.key_row16(b, hk, row(r)); },
-                             [&](int r) { return rows.value_row16(b, hk, row(r)); });
+        const int u = (int)kb + lane;
+        const int ur = u + (u >= gap_at ? gap : 0);
+        const bool live = lane < nk;
+        cp_async_rows<0, D, VROW>(ks, vs, nk, lane, live ? rows.key_row16(b, hk, ur) : nullptr,
+                                  live ? rows.value_row16(b, hk, ur) : nullptr);
     }
 };
 
@@ -927,4 +930,20 @@ __global__ void __launch_bounds__(NW * 32)
     const PagedTail16Tiles<D> tiles{KVQ_TAIL_ROWS, gap_at, gap};
     attn_split_body<0, D, QT, NW, 0, QDT, SD, 1>(q, tiles, o_part, lse_part, sq_b, sq_h, sq_t, B, Hq, H, Tq, T, chunk,
                                              num_splits, split0, qk_scale);
+}
+
+// Computes: paged_tail16_attn's partials (the same rows, grid and partial layout) for fp16 q and D = 128
+//   on the tensor cores (mma.cuh attn_mma_body: query tiles of 8 rows, each score's 8 k-step sums added
+//   pairwise in fp32, P in fp16). The half-precision-q decode's fp16 tail rows (TUNE["tail_mma"]).
+// Grid: (num_splits * ceil(G_q T_q / 8), H_kv, B); block NW * 32 threads; NW * 2 * 32 * KVQ_TMMA_ROW * 2
+//   bytes of dynamic shared memory.
+template <int NW>
+__global__ void __launch_bounds__(NW * 32)
+    paged_tail_mma(const u16* __restrict__ q, KVQ_TAIL_PARAMS, int gap_at, int gap, float* __restrict__ o_part,
+                   float* __restrict__ lse_part, i64 sq_b, i64 sq_h, i64 sq_t, int B, int Hq, int Tq, i64 T,
+                   i64 chunk, int num_splits, int split0, float qk_scale, KVQ_TAIL_INTS) {
+    constexpr int D = 128;
+    const PagedTail16Tiles<D, KVQ_TMMA_ROW> tiles{KVQ_TAIL_ROWS, gap_at, gap};
+    attn_mma_body<NW>(q, tiles, o_part, lse_part, sq_b, sq_h, sq_t, B, Hq, H, Tq, T, chunk, num_splits, split0,
+                      qk_scale);
 }

@@ -90,9 +90,18 @@ MMA_BITS = (2, 4)                   # key / value code bits of paged_decode_mma2
 #: interleaved fp32 fma chains added pairwise (fp32 arithmetic only), 1 in float64 rounded once (the
 #: queries held as float64: conversions and fp64 fmas); both meet the tolerance rule on the large-operand
 #: caches, where one fp32 chain did not (benchmarks/model_tail_scores.py)
+#: tail_mma: the tail rows whose key and value are both fp16 on the tensor cores (paged_tail_mma: fp16 q,
+#: D = 128; each score's 8 k-step sums added pairwise in fp32) in their own launch, the mixed rows through
+#: paged_tail_attn (True; False: tail16's rule; None, auto: where it applies and the fp16 rows are at
+#: least 1/TAIL_MMA_SHARE of the fused kernel's tokens: on the H100 (Kitty, cold L2, ms, on / off) 8 x 8K
+#: 0.0446 / 0.0473, 32 x 8K 0.1248 / 0.1287, but 1 x 32K 0.0326 / 0.0298 and 8 x 32K 0.1049 / 0.1025, where
+#: the extra launch beside a longer fused kernel costs more than the tail's 128 fp16 rows save);
+#: tail_mma_warps: its warps per block (1, 2 or 4; None: 4, 17 KiB of tiles each, or 2 where the fused
+#: grid holds at most two blocks per SM, so that a 2-warp mixed-row block fits beside them too; fewer
+#: where the device cannot hold them)
 TUNE = {"num_warps": None, "waves": None, "mma": True, "side_stream": True, "fused_tail": True, "tail_tiles": 1,
         "tail_first": False, "tail16": None, "tail_warps": None, "tail16_warps": None, "max_blocks_per_sm": None,
-        "tail_sums": 2}
+        "tail_sums": 2, "tail_mma": None, "tail_mma_warps": None}
 
 
 def _buf_bytes(D: int, k_bits: int, v_bits: int, kitty: bool, ngv: int, db: int) -> int:
@@ -261,6 +270,41 @@ def _tail_sums() -> int:
     return sums
 
 
+@functools.lru_cache(maxsize=None)
+def _tail_mma_kernel(nw: int, device_index: int):
+    """paged_tail_mma with nw warps, allowed the dynamic shared memory of its tiles on that device."""
+    return _allow_smem(L.kernel(_SRC, L.paged_tail_mma_name(nw)), nw * L.tail_mma_warp_bytes(), device_index)
+
+
+#: _tail_mma_ok: the automatic rule takes the tensor-core tail where its fp16 rows are at least this
+#: fraction (1 / TAIL_MMA_SHARE) of the tokens the fused kernel reads (or there is no fused kernel)
+TAIL_MMA_SHARE = 64
+
+
+def _tail_mma_ok(q, D: int, in_place: bool, fp16_rows: int, fused_rows: int) -> bool:
+    """Whether decode puts the fp16 tail rows on the tensor cores: TUNE["tail_mma"] True / False, or None
+    (auto): fp16 q, D = 128, the tail read in place, and fp16 rows >= fused rows / TAIL_MMA_SHARE."""
+    want = TUNE["tail_mma"]
+    if want is not None and not isinstance(want, bool):
+        raise ValueError(f"TUNE['tail_mma'] = {want!r}: None (auto), True or False")
+    able = in_place and q.dtype == torch.float16 and D == 128 and fp16_rows > 0
+    return able and (want or (want is None and fp16_rows * TAIL_MMA_SHARE >= fused_rows))
+
+
+def _tail_mma_warps(device_index: int, fused_per_sm: int = 0) -> int:
+    """Warps per block of paged_tail_mma: TUNE["tail_mma_warps"] (one of _loader.PAGED_TAIL_WARPS) or, None,
+    4, or 2 beside a fused grid of at most two blocks per SM (``fused_per_sm``, 0: no fused kernel), whose
+    SMs also take a mixed-row block (``_tail_warps``'s ``other``); at most what one block may hold."""
+    want = TUNE["tail_mma_warps"]
+    if want is not None and want not in L.PAGED_TAIL_WARPS:
+        raise ValueError(f"TUNE['tail_mma_warps'] = {want!r}: paged_tail_mma is built for {L.PAGED_TAIL_WARPS} warps")
+    if want is None:
+        want = 2 if 0 < fused_per_sm <= 2 else 4
+    optin = _smem_optin(device_index)
+    fits = [n for n in L.PAGED_TAIL_WARPS if n * L.tail_mma_warp_bytes() <= optin and n <= want]
+    return max(fits) if fits else 1
+
+
 def _smem_optin(device_index: int) -> int:
     """The most shared memory one block may opt into on that device (bytes; 48 KiB if not reported)."""
     return int(_device_props(device_index).get("sharedMemPerBlockOptin", 48 * 1024))
@@ -272,7 +316,7 @@ SHORT_PAGES_PER_WARP = 2
 
 
 def _tail_warps(D: int, device_index: int, fused_block: int = 0, fp16: bool = False, tail_static=None,
-                fused_per_sm: int = 2, fused_resident: int = 2, fused_pages_per_warp: int = 0) -> int:
+                fused_per_sm: int = 2, fused_resident: int = 2, fused_pages_per_warp: int = 0, other: int = 0) -> int:
     """Warps per block of paged_tail_attn, or with ``fp16`` of paged_tail16_attn (one warp always fits:
     33 / 16.5 KiB of fp32 / fp16 tiles at D = 128).
 
@@ -285,7 +329,10 @@ def _tail_warps(D: int, device_index: int, fused_block: int = 0, fp16: bool = Fa
     are the faster where the tail's blocks find room: on full grids, or in the free slots of a longer small
     grid). ``fused_block``: the fused kernel's shared memory per block, dynamic plus static (0: no fused
     kernel); ``tail_static(n)``: the n-warp tail kernel's static shared memory (None: 0); every block also
-    costs the driver's reserve (_device_limits). H100 (profile_fused, Kitty, tail warps 2 / 4, ms): 1 x 32K
+    costs the driver's reserve (_device_limits). ``other``: the dynamic shared memory of a paged_tail_mma
+    block that shares the SMs (0: none); beside a fused grid of at most two blocks per SM the tail block
+    must fit next to both (H100, Kitty 8 x 8K with the tensor-core tail: 0.0446 ms at 2 warps, 0.0499 at
+    4). H100 (profile_fused, Kitty, tail warps 2 / 4, ms): 1 x 32K
     0.0298 / 0.0351 (a 4-warp tail, 140.4 KiB, does not fit beside two 49.4 KiB Kitty blocks), 1 x 128K
     0.0611 / 0.0589, 8 x 8K 0.0580 / 0.0519, 8 x 32K 0.118 / 0.110, 32 x 32K 0.365 / 0.352; KIVI-K4V4 8 x
     32K 0.120 / 0.129 (2 blocks per SM all along)."""
@@ -294,7 +341,7 @@ def _tail_warps(D: int, device_index: int, fused_block: int = 0, fp16: bool = Fa
     if want is not None and want not in L.PAGED_TAIL_WARPS:
         raise ValueError(f"TUNE[{key!r}] = {want!r}: the tail kernels are built for {L.PAGED_TAIL_WARPS} warps")
     beside = bool(fused_block) and want is None and fused_per_sm <= 2 and (
-        fused_resident <= 2 or fused_pages_per_warp <= SHORT_PAGES_PER_WARP)
+        fused_resident <= 2 or fused_pages_per_warp <= SHORT_PAGES_PER_WARP or other > 0)
     optin = _smem_optin(device_index)
     if beside:
         _, shm, _, reserved = _device_limits(device_index)
@@ -304,7 +351,7 @@ def _tail_warps(D: int, device_index: int, fused_block: int = 0, fp16: bool = Fa
             continue
         if not beside:
             return n
-        tail = tb + (tail_static(n) if tail_static is not None else 0) + reserved
+        tail = tb + (tail_static(n) if tail_static is not None else 0) + reserved + (other + reserved if other else 0)
         if shm - tail >= fused_per_sm * (fused_block + reserved):
             return n
     return 1
@@ -438,6 +485,8 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     sums = _tail_sums()
     if not in_place:
         parts = [("gather", NT, 0)]
+    elif _tail_mma_ok(q, D, in_place, NT - n_mixed, NF):
+        parts = [("mma", NT - n_mixed, 0), ("mixed", n_mixed, c["n_sink"])]
     elif TUNE["tail16"] if TUNE["tail16"] is not None else B * H * tqtiles >= sms:
         parts = [("fp16", NT - n_mixed, 0), ("mixed", n_mixed, c["n_sink"])]
     else:
@@ -445,13 +494,20 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     def tail_warps(kind):
         if kind == "gather":
             return L.attn_warps(L.DT[torch.float32], D)
+        if kind == "mma":
+            return _tail_mma_warps(dev_index, per_sm)
         f16 = kind == "fp16"
+        other = (_tail_mma_warps(dev_index, per_sm) * L.tail_mma_warp_bytes()
+                 if any(p[0] == "mma" and p[1] > 0 for p in parts) else 0)
         return _tail_warps(D, dev_index, fused_block, f16,
                            lambda n: int(_tail_kernel(D, tqt, L.DT[q.dtype], f16, n, dev_index, sums).shared_size_bytes),
-                           per_sm, resident, pps // nw if NP else 0)
+                           per_sm, resident, pps // nw if NP else 0, other)
 
+    # query tiles of each kind's kernel: attention.cu's QT rows, paged_tail_mma's 8
+    qtiles_of = {"mma": -(-M // 8)}
     # (kind, rows, first tail row or skipped rows, warps per block, keys per split, splits)
-    parts = [(kind, rows, u, nw_t, *A._splits(rows, B * H * tqtiles, 32 * nw_t, sms, TUNE["tail_tiles"]))
+    parts = [(kind, rows, u, nw_t, *A._splits(rows, B * H * qtiles_of.get(kind, tqtiles), 32 * nw_t, sms,
+                                              TUNE["tail_tiles"]))
              for kind, rows, u in parts if rows > 0 for nw_t in (tail_warps(kind),)]
     nt = sum(p[-1] for p in parts)
     S_TOTAL = n_split + nt
@@ -471,9 +527,14 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
         split0 = n_split
         for side, (kind, n_rows, u, nw_t, chunk, n) in zip(sides, parts):
             with torch.cuda.stream(side):
-                grid, dims = (n * tqtiles, H, B), (np.int32(B), np.int32(H_q))
+                grid, dims = (n * qtiles_of.get(kind, tqtiles), H, B), (np.int32(B), np.int32(H_q))
                 common = (np.int64(n_rows), np.int64(chunk), np.int32(n), np.int32(split0), qk)
-                if kind == "gather":
+                if kind == "mma":
+                    ptrs, ints = rows_args
+                    L.run(_tail_mma_kernel(nw_t, dev_index), grid, (32 * nw_t,),
+                          (qf, *ptrs, np.int32(c["n_sink"]), np.int32(n_mixed), o_part, lse_part, *qs, *dims,
+                           np.int32(T_q), *common, *ints), dev, shared_mem=nw_t * L.tail_mma_warp_bytes())
+                elif kind == "gather":
                     tk, tv = gather_tail(cfg, codec, st, NF)
                     fn_t = (A._split_kernel(L.DT[torch.float32], D, tqt, nw_t) if precise else
                             A._split_kernel(L.DT[torch.float32], D, tqt, nw_t, L.DT[q.dtype], sums=sums))
