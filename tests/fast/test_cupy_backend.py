@@ -472,7 +472,7 @@ def _record_decode_launches(monkeypatch, sms=132):
 def test_decode_puts_fp16_tail_rows_on_tensor_cores(monkeypatch, ratio):
     """decode_attention's glue (CPU, launches recorded): with fp16 q and D = 128 the tail rows whose key and
     value are both fp16 (sink, key buffer) go to paged_tail_mma (``TUNE["tail_mma"]`` None / True: 2 warps
-    beside this small fused grid, their tiles in dynamic shared memory, query tiles of 8 rows, the mixed
+    beside a small fused grid, else 4, their tiles in dynamic shared memory, query tiles of 8 rows, the mixed
     rows skipped by (gap_at, gap) =
     (sink, mixed rows)) and the mixed rows to paged_tail_attn, their partials numbered after the fused
     kernel's and each other's; bf16 q, or ``TUNE["tail_mma"] = False``, keep the tail off the tensor cores;
@@ -480,7 +480,8 @@ def test_decode_puts_fp16_tail_rows_on_tensor_cores(monkeypatch, ratio):
     import kvq.fast.cupy._loader as L
     from kvq.fast.cupy import paged as PD
 
-    cfg, c, decode = _record_decode_launches(monkeypatch)
+    sms = 16                                   # B x H_kv = 8 (sequence, kv head) blocks fill a quarter of them
+    cfg, c, decode = _record_decode_launches(monkeypatch, sms)
     NF = min(c["n_kpages"] * 128, c["n_vq"])
     n_mixed = max(c["n_kpages"] * 128, c["n_vq"]) - NF
     NT = c["n_sink"] + c["post"] - NF
@@ -493,8 +494,10 @@ def test_decode_puts_fp16_tail_rows_on_tensor_cores(monkeypatch, ratio):
         mixed = [r for r in rec if r[0].startswith("paged_tail_attn")]
         assert len(fused) == len(mma) == len(mixed) == 1 and not [r for r in rec if "tail16" in r[0]]
         name, grid, block, smem, args = mma[0]
-        # a small fused grid (at most two blocks per SM): 2 warps, so that a mixed-row block fits beside too
-        assert name == L.paged_tail_mma_name(2) and block == (64,) and smem == 2 * L.tail_mma_warp_bytes()
+        # beside a small fused grid (at most two blocks per SM) 2 warps, so that a mixed-row block fits too
+        fg = fused[0][1]
+        nw = 2 if -(-(fg[0] * fg[1] * fg[2]) // sms) <= 2 else 4
+        assert name == L.paged_tail_mma_name(nw) and block == (32 * nw,) and smem == nw * L.tail_mma_warp_bytes()
         # (q, 15 TailRows pointers, gap_at, gap, o_part, lse_part, 3 q strides, B, Hq, Tq, T, chunk, splits, split0, qk)
         gap_at, gap, T_rows, chunk, n, split0 = (int(args[16]), int(args[17]), int(args[26]), int(args[27]),
                                                  int(args[28]), int(args[29]))
@@ -523,7 +526,7 @@ def test_tail_mma_knobs_reject_bad_values(monkeypatch, key, bad):
     paged_tail_mma is built for: anything else is a clear error before any launch."""
     from kvq.fast.cupy import paged as PD
 
-    _, _, decode = _record_decode_launches(monkeypatch)
+    _, _, decode = _record_decode_launches(monkeypatch, 16)
     monkeypatch.setitem(PD.TUNE, key, bad)
     with pytest.raises(ValueError, match=key):
         decode()
@@ -544,19 +547,24 @@ def test_tail_mma_warps_fit_the_device(monkeypatch):
 
 def test_tail_mma_auto_rule(monkeypatch):
     """``TUNE["tail_mma"]`` None: the tensor-core tail where it applies (fp16 q, D = 128, the tail read in
-    place, some fp16 rows) and its fp16 rows are at least 1 / TAIL_MMA_SHARE of the fused tokens (Kitty at
-    8K on the H100: 128 fp16 rows beside 7936 fused tokens; not at 32K); True: wherever it applies."""
+    place, some fp16 rows), its fp16 rows are at least 1 / TAIL_MMA_SHARE of the fused tokens (Kitty at 8K
+    on the H100: 128 fp16 rows beside 7936 fused tokens; not at 32K) and its blocks fill a quarter of the
+    SMs (batch 8 x 8 kv heads on 132 SMs, not batch 1); True: wherever it applies."""
     from kvq.fast.cupy import paged as PD
 
     h, f, b = (torch.zeros(1, dtype=t) for t in (torch.float16, torch.float32, torch.bfloat16))
-    ok = PD._tail_mma_ok
+
+    def ok(q, D, in_place, rows, fused, blocks=64):
+        return PD._tail_mma_ok(q, D, in_place, rows, fused, blocks, 132)
+
     assert ok(h, 128, True, 128, 7936) and ok(h, 128, True, 128, 128 * PD.TAIL_MMA_SHARE) and ok(h, 128, True, 5, 0)
+    assert ok(h, 128, True, 128, 7936, 33) and not ok(h, 128, True, 128, 7936, 32) and not ok(h, 128, True, 128, 0, 8)
     assert not ok(h, 128, True, 128, 32512) and not ok(h, 128, True, 128, 128 * PD.TAIL_MMA_SHARE + 1)
     for args in ((f, 128, True, 128, 0), (b, 128, True, 128, 0), (h, 64, True, 128, 0), (h, 128, False, 128, 0),
                  (h, 128, True, 0, 0)):
         assert not ok(*args)
     monkeypatch.setitem(PD.TUNE, "tail_mma", True)
-    assert ok(h, 128, True, 1, 10 ** 6) and not ok(h, 64, True, 128, 0)
+    assert ok(h, 128, True, 1, 10 ** 6, 1) and not ok(h, 64, True, 128, 0)
     monkeypatch.setitem(PD.TUNE, "tail_mma", False)
     assert not ok(h, 128, True, 128, 0)
 
