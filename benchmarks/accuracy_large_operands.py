@@ -6,7 +6,8 @@ with large operands (keys and values scaled to |x| <= 3e4, |q| ~ 300, softmax sc
 For each of K2V2, K4V4, K4V2, K2V4 (group 128, window 128, B = 2, H_kv = 4, GQA 2, D = 128; and K2V2 /
 K4V4 with an FP16 sink of 32 tokens) and 8 random caches (4 seeds x T in {1500, 2348}) it prints max and
 mean of (lse error) / (bound), for each way the FP16 tail computes its scores: its fp16 rows on the tensor
-cores (``paged.TUNE["tail_mma"]``, the default) or not, and the CUDA-core rows' sums
+cores (``paged.TUNE["tail_mma"]`` True; the automatic rule takes them at batch >= 8 only, these caches have
+batch 2) or not, and the CUDA-core rows' sums
 (``paged.TUNE["tail_sums"]``: 2 four fp32 fma chains, 1 float64), where error =
 max |lse - lse_float64| and bound = 2 x the float32 reference's error + one float32 step at the
 magnitude (contract rule 7, ``tests/parity/tolerance.py``); a ratio above 1 misses the rule.
@@ -54,7 +55,7 @@ def ratio(kb: int, vb: int, seed: int, T: int, qs: float = 300.0, sink: int = 0)
 def main() -> None:
     from kvq.fast.cupy import paged
 
-    for tmma, sums in ((None, 2), (False, 2), (False, 1)):   # tensor-core fp16 rows; four fp32 chains / float64
+    for tmma, sums in ((True, 2), (False, 2), (False, 1)):   # tensor-core fp16 rows; four fp32 chains / float64
         paged.TUNE["tail_mma"], paged.TUNE["tail_sums"] = tmma, sums
         for kb, vb, sink in ((2, 2, 0), (4, 4, 0), (4, 2, 0), (2, 4, 0), (2, 2, 32), (4, 4, 32)):
             rs = [ratio(kb, vb, s, T, sink=sink) for s in range(4) for T in (1500, 2348)]

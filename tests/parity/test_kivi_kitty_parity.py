@@ -289,8 +289,8 @@ TAIL = [(0, 3001, torch.float16, 4, 128), (0, 2048 + 77, torch.float16, 8, 128),
                                          f"{str(a[2])[6:]}-gqa{a[3]}-D{a[4]}" for a in TAIL])
 def test_decode_tail_in_place(cupy_target, a, monkeypatch):
     """CuPy: half-precision q reads the tail (sink, Q-buffers, window, mixed tokens) in place
-    (``TUNE["fused_tail"]``, the default) and meets the tolerance rule: by default (fp16 q, D = 128) with the
-    fp16 rows on the tensor cores (paged_tail_mma, ``TUNE["tail_mma"]``) and the mixed rows by
+    (``TUNE["fused_tail"]``, the default) and meets the tolerance rule: (fp16 q, D = 128) with the fp16
+    rows on the tensor cores (paged_tail_mma, ``TUNE["tail_mma"] = True``) and the mixed rows by
     paged_tail_attn, in either launch order with the same bits; off the tensor cores
     (``TUNE["tail_mma"] = False``) with ``TUNE["tail16"] = True``
     (fp16 rows by paged_tail16_attn, mixed rows by paged_tail_attn; the auto rule picks it from one tail
@@ -312,7 +312,8 @@ def test_decode_tail_in_place(cupy_target, a, monkeypatch):
     q = torch.from_numpy(np.random.default_rng(T).standard_normal((B, H * ratio, 1, D)).astype(np.float32))
     q = q.to(dtype).cuda()
     (o64, l64), (o32, l32) = _truth_ref32(ref, cfg, rs, q)
-    out_m, lse_m = fast.decode_attention(cfg, fs, q)             # the default: fp16 rows on the tensor cores
+    monkeypatch.setitem(FP.TUNE, "tail_mma", True)               # fp16 rows on the tensor cores (auto: batch >= 8)
+    out_m, lse_m = fast.decode_attention(cfg, fs, q)
     check_close(out_m, o64, o32, dtype, "out (tail_mma)")
     check_close(lse_m, l64, l32, torch.float32, "lse (tail_mma)")
     monkeypatch.setitem(FP.TUNE, "tail_first", not FP.TUNE["tail_first"])
@@ -387,8 +388,8 @@ def test_decode_tensor_cores_4bit(name, make, ratio, T_q, qs):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kb, vb, sums, tmma, sink",
-                         [(2, 2, 2, None, 0), (4, 4, 2, None, 0), (4, 2, 2, None, 0), (2, 4, 2, None, 0),
-                          (2, 2, 2, None, 32), (4, 4, 2, None, 32), (2, 2, 1, None, 0), (4, 4, 1, None, 0),
+                         [(2, 2, 2, True, 0), (4, 4, 2, True, 0), (4, 2, 2, True, 0), (2, 4, 2, True, 0),
+                          (2, 2, 2, True, 32), (4, 4, 2, True, 32), (2, 2, 1, False, 0), (4, 4, 1, False, 0),
                           (2, 2, 2, False, 0), (4, 4, 2, False, 0)],
                          ids=["K2V2", "K4V4", "K4V2", "K2V4", "K2V2*", "K4V4*", "K2V2-f64tail", "K4V4-f64tail",
                               "K2V2-cudacore-tail", "K4V4-cudacore-tail"])
@@ -396,8 +397,9 @@ def test_decode_tensor_cores_large_operands_sweep(kb, vb, sums, tmma, sink, monk
     """CuPy tensor-core decode with large operands (keys / values up to 3e4, |q| ~ 300, scale 1e-5: |lse| ~
     1e3) over 8 random caches (``benchmarks/accuracy_large_operands.py``; ``sink``: an FP16 sink of 32 tokens
     too): the lse meets the tolerance rule on every one (centered key codes in the page kernel; the fp16
-    tail rows on the tensor cores with each score's k-step sums added pairwise, the default, or with
-    ``TUNE["tail_mma"] = False`` on the CUDA cores; the CUDA-core tail's score sums as four fp32 fma chains,
+    tail rows on the tensor cores with each score's k-step sums added pairwise, ``TUNE["tail_mma"] = True``
+    (the automatic rule takes them at batch >= 8), or on the CUDA cores (False); the CUDA-core tail's score
+    sums as four fp32 fma chains,
     the default, or in float64, ``TUNE["tail_sums"]`` = 2 / 1: with one fp32 fma chain per score the worst
     cache was 1.71x the bound, ``benchmarks/model_tail_scores.py``)."""
     monkeypatch.setitem(_paged("cupy").TUNE, "tail_sums", sums)
