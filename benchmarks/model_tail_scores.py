@@ -9,7 +9,14 @@ same with the tail's sums in float64 (rounded once to fp32, what the kernels do 
 four interleaved fp32 fma chains (channels d = j mod 4) added pairwise at the end: a cheaper candidate,
 fp32 arithmetic with no conversions to float64.
 
-    python benchmarks/model_tail_scores.py          # about a minute on the CPU
+    python benchmarks/model_tail_scores.py          # a few minutes on the CPU
+
+Two more modes model ``paged_tail_mma`` (the fp16 tail rows on the tensor cores, fp16 q exact in the
+fragments, s = S * fp32(scale log2 e)): the rows whose key and value are both fp16 through
+mma.m16n8k16 k-steps of 16 channels with ``model_mma_scores.tc_add``'s truncating accumulation, either
+one accumulator chained over the 8 k-steps or each k-step from zero and the 8 sums added pairwise in
+fp32 (the kernel); the mixed rows keep the four fp32 chains. Worst ratios (CPU, 2026-11-22): chained
+1.83 (K2) / 1.70 (K4), pairwise 0.26 / 0.28.
 
 Measured on the H100 for these caches (``benchmarks/results/h100-31017f8/accuracy.txt``): worst
 K2V2 1.71, K4V4 1.16; this model alone gives 1.63 and 1.11 for the same caches. The model's worst
@@ -25,7 +32,37 @@ from kvq.reference import kivi as RK
 LOG2E = 1.4426950408889634
 
 
-MODES = ("one fp32 fma chain", "float64 sums", "four fp32 fma chains")
+MODES = ("one fp32 fma chain", "float64 sums", "four fp32 fma chains",
+         "tensor cores, k-steps chained", "tensor cores, k-step sums pairwise")
+
+
+def _chains(qs, kk, n):
+    """fp32 fma chains over d = j mod n of qs . kk rows, added pairwise (float32 results)."""
+    accs = []
+    for j in range(n):
+        acc = np.zeros(kk.shape[0], np.float32)
+        for d in range(j, kk.shape[1], n):
+            acc = (acc.astype(np.float64) + qs[d] * kk[:, d]).astype(np.float32)
+        accs.append(acc)
+    while len(accs) > 1:                                              # pairwise fp32 adds
+        accs = [(accs[i].astype(np.float64) + accs[i + 1]).astype(np.float32) for i in range(0, len(accs), 2)]
+    return accs[0]
+
+
+def _tensor_cores(q16, k16, pairwise: bool):
+    """sum_d q16[d] k16[:, d] by mma k-steps of 16 channels (exact products, truncating accumulation)."""
+    from model_mma_scores import f32, tc_add
+    n = k16.shape[1] // 16
+    if not pairwise:
+        acc = np.zeros(k16.shape[0])
+        for i in range(n):
+            acc = tc_add(acc, q16[None, 16 * i:16 * i + 16] * k16[:, 16 * i:16 * i + 16])
+        return acc
+    sums = [tc_add(np.zeros(k16.shape[0]), q16[None, 16 * i:16 * i + 16] * k16[:, 16 * i:16 * i + 16])
+            for i in range(n)]
+    while len(sums) > 1:
+        sums = [f32(sums[i] + sums[i + 1]) for i in range(0, len(sums), 2)]
+    return sums[0]
 
 
 def ratios(kb: int, seed: int, T: int) -> tuple:
@@ -38,6 +75,7 @@ def ratios(kb: int, seed: int, T: int) -> tuple:
     K, _ = RK.dequantize(cfg, rs)
     c = _paged.counts(cfg, T)
     NF = min(c["n_kpages"] * cfg.group_size, c["n_vq"])           # tail rows: tokens [NF, T)
+    F0 = max(c["n_kpages"] * cfg.group_size, c["n_vq"])           # fp16 rows (key and value): [F0, T)
     qk = np.float32(1e-5 * LOG2E)
     out = []
     for mode in MODES:
@@ -49,18 +87,12 @@ def ratios(kb: int, seed: int, T: int) -> tuple:
                 qs = (q[b, h, 0].astype(np.float32) * qk).astype(np.float64)
                 if mode == MODES[1]:                                  # float64 sums, one rounding
                     s2[NF:] = (kk[NF:] @ qs).astype(np.float32)
+                elif mode in MODES[3:]:                               # fp16 rows on the tensor cores
+                    s2[NF:F0] = _chains(qs, kk[NF:F0], 4)
+                    S = _tensor_cores(q64[b, h, 0], kk[F0:], mode == MODES[4])
+                    s2[F0:] = (S * np.float64(qk)).astype(np.float32)
                 else:                                                 # fp32 fma chains over d = j mod n
-                    n = 1 if mode == MODES[0] else 4
-                    accs = []
-                    for j in range(n):
-                        acc = np.zeros(T - NF, np.float32)
-                        for d in range(j, D, n):
-                            acc = (acc.astype(np.float64) + qs[d] * kk[NF:, d]).astype(np.float32)
-                        accs.append(acc)
-                    while len(accs) > 1:                              # pairwise fp32 adds
-                        accs = [(accs[i].astype(np.float64) + accs[i + 1]).astype(np.float32)
-                                for i in range(0, len(accs), 2)]
-                    s2[NF:] = accs[0]
+                    s2[NF:] = _chains(qs, kk[NF:], 1 if mode == MODES[0] else 4)
                 m = s2.max()
                 lse[b, h] = (m + np.log2(np.exp2(s2 - m).sum())) / LOG2E
         bound = 2 * np.abs(l32 - l64).max() + np.spacing(np.float32(np.abs(l64).max()))

@@ -47,9 +47,8 @@ struct AttnCfg {
 };
 
 // The two cp.async groups of a warp's tiles (K, then V): key row r < nk from krow(r), value row from
-// vrow(r) (16-byte aligned, last dim contiguous); rows past nk zero-filled. Value rows VROW elements
-// apart in shared memory (D, or padded: paged_tail_mma's ldmatrix), key rows AttnCfg::KROW.
-template <int DT, int D, int VROW = D, class KRow, class VRow>
+// vrow(r) (16-byte aligned, last dim contiguous); rows past nk zero-filled.
+template <int DT, int D, class KRow, class VRow>
 __device__ __forceinline__ void cp_async_tiles(typename Ty<DT>::S* ks, typename Ty<DT>::S* vs, int nk, int lane,
                                                KRow krow, VRow vrow) {
     typedef AttnCfg<DT, D> Cfg;
@@ -67,7 +66,7 @@ __device__ __forceinline__ void cp_async_tiles(typename Ty<DT>::S* ks, typename 
         const int idx = lane + 32 * i;
         const int r = idx / NVEC;
         const int col = idx - r * NVEC;
-        cp_async16(vs + r * VROW + col * VE, vrow(r < nk ? r : 0) + col * VE, r < nk ? 16 : 0);
+        cp_async16(vs + r * D + col * VE, vrow(r < nk ? r : 0) + col * VE, r < nk ? 16 : 0);
     }
     cp_async_commit();
 }
@@ -75,7 +74,8 @@ __device__ __forceinline__ void cp_async_tiles(typename Ty<DT>::S* ks, typename 
 // cp_async_tiles with each row's address worked out once, by its own lane: lane r < nk passes the key
 // and value rows of tile row r (kmine, vmine), every copy takes its row's address by a shuffle (a tile
 // source whose row addresses cost many instructions: paged.cu's fp16 tail rows); rows past nk
-// zero-filled (lane 0's row as their address).
+// zero-filled (lane 0's row as their address). Value rows VROW elements apart in shared memory (D, or
+// padded: paged_tail_mma's ldmatrix), key rows AttnCfg::KROW.
 template <int DT, int D, int VROW = D>
 __device__ __forceinline__ void cp_async_rows(typename Ty<DT>::S* ks, typename Ty<DT>::S* vs, int nk, int lane,
                                               const typename Ty<DT>::S* kmine, const typename Ty<DT>::S* vmine) {

@@ -425,8 +425,8 @@ __device__ __forceinline__ void ldsm_x4(u32* a, const void* p) {
                      : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(p_smem_addr(p)));
 }
 
-//: fp16 elements per row of paged_tail_mma's K and V tiles in shared memory (D = 128 padded by 16 bytes:
-//: the 8 rows an ldmatrix matrix reads fall in 8 different bank groups)
+// fp16 elements per row of paged_tail_mma's K and V tiles in shared memory (D = 128 padded by 16 bytes:
+// the 8 rows an ldmatrix matrix reads fall in 8 different bank groups)
 #define KVQ_TMMA_ROW 136
 
 // Computes: attn_split_body's partials (its grid (num_splits * n_qtiles, H_kv, B), partial layout, base-2
