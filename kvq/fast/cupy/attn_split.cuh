@@ -82,26 +82,20 @@ __device__ __forceinline__ void cp_async_rows(typename Ty<DT>::S* ks, typename T
     typedef AttnCfg<DT, D> Cfg;
     typedef typename Ty<DT>::S S;
     constexpr int VE = Cfg::VE, NVEC = Cfg::NVEC, KROW = Cfg::KROW;
+    const auto group = [&](S* dst, int ld, const S* mine) {       // one cp.async group: 32 rows of NVEC vectors
 #pragma unroll
-    for (int i = 0; i < NVEC; ++i) {
-        const int idx = lane + 32 * i;
-        const int r = idx / NVEC;
-        const int col = idx - r * NVEC;
-        const S* p = reinterpret_cast<const S*>(
-            __shfl_sync(KVQ_FULL_MASK, (unsigned long long)kmine, r < nk ? r : 0));
-        cp_async16(ks + r * KROW + col * VE, p + col * VE, r < nk ? 16 : 0);
-    }
-    cp_async_commit();
-#pragma unroll
-    for (int i = 0; i < NVEC; ++i) {
-        const int idx = lane + 32 * i;
-        const int r = idx / NVEC;
-        const int col = idx - r * NVEC;
-        const S* p = reinterpret_cast<const S*>(
-            __shfl_sync(KVQ_FULL_MASK, (unsigned long long)vmine, r < nk ? r : 0));
-        cp_async16(vs + r * VROW + col * VE, p + col * VE, r < nk ? 16 : 0);
-    }
-    cp_async_commit();
+        for (int i = 0; i < NVEC; ++i) {
+            const int idx = lane + 32 * i;
+            const int r = idx / NVEC;
+            const int col = idx - r * NVEC;
+            const S* p = reinterpret_cast<const S*>(
+                __shfl_sync(KVQ_FULL_MASK, (unsigned long long)mine, r < nk ? r : 0));
+            cp_async16(dst + r * ld + col * VE, p + col * VE, r < nk ? 16 : 0);
+        }
+        cp_async_commit();
+    };
+    group(ks, KROW, kmine);
+    group(vs, VROW, vmine);
 }
 
 // The tile source of attn_split: K / V rows of (B, H_kv, T, D) tensors with strides (elements), the
