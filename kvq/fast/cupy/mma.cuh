@@ -31,6 +31,45 @@ __device__ __forceinline__ void warp_copy(u8* dst, const u8* src, int nbytes, in
     for (int i = lane * 16; i < nbytes; i += 32 * 16) p_cp_async16(dst + i, src + i);
 }
 
+// a compile-time flag as a value (a generic lambda's argument: KvqBool<true>{})
+template <bool V>
+struct KvqBool {
+    static constexpr bool value = V;
+};
+
+// One 16-byte cp.async from src + OFF to the shared address dst + OFF: the offset is an immediate of both
+// addresses, so a run of copies needs no address arithmetic between them.
+template <int OFF>
+__device__ __forceinline__ void p_cp_async16_at(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%2], 16;\n" ::"r"(dst), "l"(src), "n"(OFF) : "memory");
+}
+
+// Copies K .. N - 1 of a warp's run (copy k: 16 bytes at 512 k from this lane's dst / src); SWZ: copy k
+// lands at chunk lane ^ (k & 7) of its 512-byte round (warp_copy_swz's order).
+template <int K, int N, bool SWZ>
+__device__ __forceinline__ void cp_rounds(u32 d, const u8* s, int lane) {
+    if constexpr (K < N) {
+        if constexpr (SWZ) p_cp_async16_at<512 * K>(d + 16 * ((lane ^ (K & 7)) - lane), s);
+        else p_cp_async16_at<512 * K>(d, s);
+        cp_rounds<K + 1, N, SWZ>(d, s, lane);
+    }
+}
+
+// warp_copy (SWZ: warp_copy_swz) of a compile-time NBYTES, every copy one instruction: the lanes' shared
+// and global addresses are worked out once; the last, partial round (NBYTES % 512) by the lanes it needs.
+template <int NBYTES, bool SWZ = false>
+__device__ __forceinline__ void warp_copy_c(u8* dst, const u8* src, int lane) {
+    static_assert(NBYTES % 16 == 0, "16-byte chunks");
+    static_assert(!SWZ || (NBYTES % 512 == 0 && NBYTES <= 4096), "swizzled runs: whole rounds, up to 4096 bytes");
+    constexpr int FULL = NBYTES / 512, REST = NBYTES % 512;
+    const u32 d = p_smem_addr(dst) + 16 * lane;
+    const u8* s = src + 16 * lane;
+    cp_rounds<0, FULL, SWZ>(d, s, lane);
+    if constexpr (REST != 0) {
+        if (16 * lane < REST) cp_rounds<FULL, FULL + 1, SWZ>(d, s, lane);
+    }
+}
+
 // warp_copy with the 16-byte chunks XOR-swizzled within groups of 8: chunk i lands at i ^ ((i >> 5) & 7),
 // so that the 8 rows of 512 bytes a tensor-core kernel's lanes g = 0..7 read at one time fall in 8
 // different bank groups (nbytes a multiple of 16, at most 4096)

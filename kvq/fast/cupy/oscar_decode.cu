@@ -115,19 +115,25 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
 #pragma unroll
         for (int e = 0; e < 4; ++e) O[i][e] = 0.0f;
 
-    auto stage = [&](u8* slot, const u8* codes, const u16* sc, const u16* mn, int jj, bool swz) {
-        const i64 ph = (i64)kvq_max_i(table[(i64)b * n_tab + jj], 0) * Hkv + hk;
-        if (swz) warp_copy_swz(slot, codes + ph * (PG * ROW), PG * ROW, lane);   // key codes: swizzled
-        else warp_copy(slot, codes + ph * (PG * ROW), PG * ROW, lane);
-        warp_copy(slot + S_OFF, reinterpret_cast<const u8*>(sc + ph * PG), PG * 2, lane);
-        warp_copy(slot + M_OFF, reinterpret_cast<const u8*>(mn + ph * PG), PG * 2, lane);
+    // stage the key (SWZ: codes XOR-swizzled) or value half of pool page `page` (its table entry, read
+    // ahead: the copies wait on no global load) into a slot
+    auto stage = [&](auto swz, u8* slot, const u8* codes, const u16* sc, const u16* mn, int page) {
+        const i64 ph = (i64)kvq_max_i(page, 0) * Hkv + hk;
+        warp_copy_c<PG * ROW, decltype(swz)::value>(slot, codes + ph * (PG * ROW), lane);
+        warp_copy_c<PG * 2>(slot + S_OFF, reinterpret_cast<const u8*>(sc + ph * PG), lane);
+        warp_copy_c<PG * 2>(slot + M_OFF, reinterpret_cast<const u8*>(mn + ph * PG), lane);
     };
+    const KvqBool<true> KEYS;
+    const KvqBool<false> VALUES;
+    const int* tab = table + (i64)b * n_tab;
     int j = p0 + warp;
-    if (j < p1) stage(kslot, kc, ks, km, j, true);
+    if (j < p1) stage(KEYS, kslot, kc, ks, km, tab[j]);
     p_commit();
-    if (j < p1) stage(vslot, vc, vs, vm, j, false);
+    if (j < p1) stage(VALUES, vslot, vc, vs, vm, tab[j]);
     p_commit();
     for (; j < p1; j += NW) {                      // uniform across the warp
+        const bool more = j + NW < p1;
+        const int pn = more ? tab[j + NW] : 0;     // the next page's table entry, loaded now
         p_wait<1>();                               // the keys of page j
         __syncwarp();
         const int nvalid = kvq_min(PG, NH - j * PG);
@@ -169,7 +175,7 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
             kmn[mt] = *reinterpret_cast<const u32*>(kms + 16 * g + 2 * mt);
         }
         __syncwarp();
-        if (j + NW < p1) stage(kslot, kc, ks, km, j + NW, true);
+        if (more) stage(KEYS, kslot, kc, ks, km, pn);
         p_commit();
 
         // ---- scores of row r0 + e and this thread's token: max|q_row| (scale (hi + 2^-11 lo) + mn sum q~)
@@ -179,7 +185,7 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
             return qm * fmaf(sc, fmaf(lo, 1.0f / 2048.0f, hi), mn * (e ? qs1 : qs0));
         }, nvalid, vslot, lane, m0, m1, l0, l1, bs0, bs1, O);
         __syncwarp();
-        if (j + NW < p1) stage(vslot, vc, vs, vm, j + NW, false);
+        if (more) stage(VALUES, vslot, vc, vs, vm, pn);
         p_commit();
     }
     p_wait<0>();                                   // no copy may be in flight at exit / reuse

@@ -380,33 +380,32 @@ __global__ void __launch_bounds__(128, 2)
 // as in FlashAttention, 8 of 16 rows would be padding: twice the mma and the accumulators).
 
 // Copy the key half (K slot: codes, scale, mn, Kitty idx and high plane) or the value half (V slot:
-// codes, scale, mn) of page j of sequence b, kv head hk, into the warp's slot (cp.async, 16 bytes).
+// codes, scale, mn) of pool page `page` (its page-table entry, read ahead by the caller: the copies'
+// addresses wait on no load), kv head hk, into the warp's slot (cp.async, 16 bytes).
 template <int KITTY, int KB = 2>
-__device__ __forceinline__ void stage_k2(u8* buf, int j, int b, int hk, int Hkv, int n_tab,
-                                         const int* __restrict__ k_table, const u8* __restrict__ kc,
+__device__ __forceinline__ void stage_k2(u8* buf, int page, int hk, int Hkv, const u8* __restrict__ kc,
                                          const u8* __restrict__ kh, const u8* __restrict__ ki,
                                          const u16* __restrict__ ks, const u16* __restrict__ km, int db,
                                          int lane) {
     constexpr int D = 128, GB = 16 * KB;
-    const i64 kph = (i64)kvq_max_i(k_table[(i64)b * n_tab + j], 0) * Hkv + hk;
-    warp_copy(buf, kc + kph * (D * GB), D * GB, lane);
-    warp_copy(buf + D * GB, reinterpret_cast<const u8*>(ks + kph * D), D * 2, lane);
-    warp_copy(buf + D * GB + 2 * D, reinterpret_cast<const u8*>(km + kph * D), D * 2, lane);
+    const i64 kph = (i64)kvq_max_i(page, 0) * Hkv + hk;
+    warp_copy_c<D * GB>(buf, kc + kph * (D * GB), lane);
+    warp_copy_c<D * 2>(buf + D * GB, reinterpret_cast<const u8*>(ks + kph * D), lane);
+    warp_copy_c<D * 2>(buf + D * GB + 2 * D, reinterpret_cast<const u8*>(km + kph * D), lane);
     if constexpr (KITTY != 0) {
-        warp_copy(buf + D * GB + 4 * D, ki + kph * D, D, lane);
+        warp_copy_c<D>(buf + D * GB + 4 * D, ki + kph * D, lane);
         if (db > 0) warp_copy(buf + D * GB + 5 * D, kh + kph * db * GB, db * GB, lane);
     }
 }
 
 template <int VB = 2>
-__device__ __forceinline__ void stage_v2(u8* buf, int j, int b, int hk, int Hkv, int n_tab,
-                                         const int* __restrict__ v_table, const u8* __restrict__ vc,
+__device__ __forceinline__ void stage_v2(u8* buf, int page, int hk, int Hkv, const u8* __restrict__ vc,
                                          const u16* __restrict__ vs, const u16* __restrict__ vm, int lane) {
     constexpr int G = KVQ_G, VBY = 16 * VB;
-    const i64 vph = (i64)kvq_max_i(v_table[(i64)b * n_tab + j], 0) * Hkv + hk;
-    warp_copy(buf, vc + vph * (G * VBY), G * VBY, lane);
-    warp_copy(buf + G * VBY, reinterpret_cast<const u8*>(vs + vph * G), G * 2, lane);
-    warp_copy(buf + G * VBY + 2 * G, reinterpret_cast<const u8*>(vm + vph * G), G * 2, lane);
+    const i64 vph = (i64)kvq_max_i(page, 0) * Hkv + hk;
+    warp_copy_c<G * VBY>(buf, vc + vph * (G * VBY), lane);
+    warp_copy_c<G * 2>(buf + G * VBY, reinterpret_cast<const u8*>(vs + vph * G), lane);
+    warp_copy_c<G * 2>(buf + G * VBY + 2 * G, reinterpret_cast<const u8*>(vm + vph * G), lane);
 }
 
 // The B fragment (k = 4 channels, n = row rb) of q * scale * inv for k-step channels c and c + 8 (pairs):
@@ -508,11 +507,17 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
         for (int e = 0; e < 4; ++e) O[i][e] = 0.0f;
 
     int j = p0 + warp;
-    if (j < p1) stage_k2<KITTY, KB>(kslot, j, b, hk, Hkv, n_tab, k_table, kc, kh, ki, ks, km, db, lane);
+    const int* ktab = k_table + (i64)b * n_tab;
+    const int* vtab = v_table + (i64)b * n_tab;
+    if (j < p1) stage_k2<KITTY, KB>(kslot, ktab[j], hk, Hkv, kc, kh, ki, ks, km, db, lane);
     p_commit();
-    if (j < p1) stage_v2<VB>(vslot, j, b, hk, Hkv, n_tab, v_table, vc, vs, vm, lane);
+    if (j < p1) stage_v2<VB>(vslot, vtab[j], hk, Hkv, vc, vs, vm, lane);
     p_commit();
     for (; j < p1; j += NW) {                      // uniform across the warp
+        // the next page's key-table entry, loaded now (its value entry once its keys are staged): the
+        // copies after this page's scores and after its P . V then wait on no global load
+        const bool more = j + NW < p1;
+        const int kpn = more ? ktab[j + NW] : 0;
         p_wait<1>();                               // the keys of page j
         __syncwarp();
         const int nvalid = kvq_min(G, NF - j * G);
@@ -545,9 +550,12 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
         // ---- the bias of the centered codes, q . (mn_k + KOFF scale_k), an fp32 dot on the CUDA cores:
         // lane takes channels lane + 32 i of every row; the 32 partial sums of the 8 rows meet by a
         // reduce-scatter (xor 16, 8, 4: rows halve; xor 2, 1: sums), which leaves row g's sum in lanes
-        // (g, *); this thread's rows r0, r0 + 1 come from lanes 4 r0, 4 r0 + 4
+        // (g, *); this thread's rows r0, r0 + 1 come from lanes 4 r0, 4 r0 + 4. NR = 4: rows 4-7 are
+        // zero queries, left out: the xor-16 step sums rows 0-3 in both halves, so lanes 0-15 add what
+        // they added with the zero rows (the same bits)
         float bias0, bias1;
         {
+            constexpr int NQ = NR == 4 ? 4 : 8;
             float mc[4], v[8];
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -555,15 +563,17 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
                 mc[i] = __fadd_rn(f16_to_f32(kms[c]), __fmul_rn((float)KOFF, f16_to_f32(kss[c])));
             }
 #pragma unroll
-            for (int r = 0; r < 8; ++r) {
+            for (int r = 0; r < NQ; ++r) {
                 v[r] = 0.0f;
 #pragma unroll
                 for (int i = 0; i < 4; ++i) v[r] = fmaf(s_q[r * D + lane + 32 * i], mc[i], v[r]);
             }
             const bool b4 = lane & 16, b3 = lane & 8, b2 = lane & 4;
 #pragma unroll
-            for (int r = 0; r < 4; ++r)
-                v[r] = (b4 ? v[r + 4] : v[r]) + __shfl_xor_sync(KVQ_FULL_MASK, b4 ? v[r] : v[r + 4], 16);
+            for (int r = 0; r < 4; ++r) {
+                if constexpr (NR == 4) v[r] += __shfl_xor_sync(KVQ_FULL_MASK, v[r], 16);
+                else v[r] = (b4 ? v[r + 4] : v[r]) + __shfl_xor_sync(KVQ_FULL_MASK, b4 ? v[r] : v[r + 4], 16);
+            }
 #pragma unroll
             for (int r = 0; r < 2; ++r)
                 v[r] = (b3 ? v[r + 2] : v[r]) + __shfl_xor_sync(KVQ_FULL_MASK, b3 ? v[r] : v[r + 2], 8);
@@ -620,8 +630,9 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
             __syncwarp();                          // s_inv is rewritten for the next page
         }
         __syncwarp();
-        if (j + NW < p1) stage_k2<KITTY, KB>(kslot, j + NW, b, hk, Hkv, n_tab, k_table, kc, kh, ki, ks, km, db, lane);
+        if (more) stage_k2<KITTY, KB>(kslot, kpn, hk, Hkv, kc, kh, ki, ks, km, db, lane);
         p_commit();
+        const int vpn = more ? vtab[j + NW] : 0;
 
         // ---- scores of row r0 + e: (hi + 2^-11 lo) max|q_row| 2^ek + q . mn_k
         const float rs0 = qmax0 * f_pow2(ek), rs1 = qmax1 * f_pow2(ek);
@@ -630,7 +641,7 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
             return fmaf(lo, rs * (1.0f / 2048.0f), fmaf(hi, rs, (e & 1) ? bias1 : bias0));
         }, nvalid, vslot, lane, m0, m1, l0, l1, bs0, bs1, O);
         __syncwarp();
-        if (j + NW < p1) stage_v2<VB>(vslot, j + NW, b, hk, Hkv, n_tab, v_table, vc, vs, vm, lane);
+        if (more) stage_v2<VB>(vslot, vpn, hk, Hkv, vc, vs, vm, lane);
         p_commit();
     }
     p_wait<0>();                                   // no copy may be in flight at exit / reuse
