@@ -182,6 +182,11 @@ def run_shape(B, T, Hq, Hkv, Dh, device, copy_gbps, quick, dry, deadline) -> dic
                 bms = base.get(bname, {}).get("ms")
                 row[f"speedup_vs_{bname}"] = (bms / t["ms"]) if bms and t["ms"] else None
             del states, st
+            C.free_cuda(device)
+            # one kernel that only reads the same bytes, timed the same way: the best any kernel could do
+            rc = C.read_ceiling(nb["total"], device, quick)
+            row["read_ceiling"] = rc
+            row["pct_read_ceiling"] = 100.0 * rc["ms"] / t["ms"] if rc and t["ms"] else None
         except Exception as e:
             row["error"] = C.err_str(e)
             row["valid"] = False

@@ -193,6 +193,66 @@ def bench(fn, inputs, *, device, quick: bool = False, graph: bool = True,
 
 # ----------------------------------------------------------------------------------------------- metadata
 
+# ------------------------------------------------------------------------------- size-matched read ceiling
+
+#: one pass over a buffer: 16-byte loads, XOR-folded (the fold is written only if it equals an argument
+#: that never matches, so nothing is stored and the loads cannot be dropped)
+_READ_SRC = r"""
+extern "C" __global__ void read_pass(const uint4* __restrict__ p, long long n, unsigned never, unsigned* out) {
+    unsigned acc = 0;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + 3 * stride < n; i += 4 * stride) {
+        const uint4 a = p[i], b = p[i + stride], c = p[i + 2 * stride], d = p[i + 3 * stride];
+        acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
+    }
+    for (; i < n; i += stride) {
+        const uint4 a = p[i];
+        acc ^= a.x ^ a.y ^ a.z ^ a.w;
+    }
+    if (acc == never) out[0] = acc;
+}
+"""
+
+
+def read_ceiling(nbytes: int, device, quick: bool = False) -> dict | None:
+    """The time of ONE kernel that only reads ``nbytes`` (16-byte loads, grid-stride, 256 threads a block;
+    the faster of 4 and 16 blocks per SM), rotated over cold copies like the decode benchmarks and timed
+    by ``bench`` (CUDA-graph replay): what any single kernel reading a decode step's bytes could reach at
+    that size, launch and ramp included. None without CUDA or CuPy."""
+    if torch.device(device).type != "cuda":
+        return None
+    try:
+        import cupy
+        import numpy as np
+
+        from kvq.fast.cupy import _loader as L
+    except Exception:
+        return None
+    dev = torch.device(device)
+    fn = cupy.RawModule(code=_READ_SRC).get_function("read_pass")
+    n16 = max(1, -(-int(nbytes) // 16))
+    copies = copies_for(16 * n16, device)
+    bufs = [torch.randint(0, 2**31 - 1, (4 * n16,), dtype=torch.int32, device=dev) for _ in range(copies)]
+    out = torch.zeros(1, dtype=torch.int32, device=dev)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    best = None
+    for per_sm in (4, 16):
+        grid = max(1, min(sms * per_sm, -(-n16 // 256)))
+
+        def one(buf, grid=grid):
+            L.run(fn, (grid,), (256,), (buf, np.int64(n16), np.uint32(0xFFFFFFFF), out), dev)
+
+        t = bench(one, [(b,) for b in bufs], device=device, quick=quick)
+        if best is None or t["ms"] < best["ms"]:
+            best = {"ms": t["ms"], "blocks_per_sm": per_sm, "grid": grid, "bytes": 16 * n16,
+                    "n_copies": copies, "method": t["method"]}
+    del bufs
+    free_cuda(device)
+    best["gbps"] = gbps(best["bytes"], best["ms"])
+    return best
+
+
 def git_commit() -> str:
     """KVQ_COMMIT when set (the device copy: its .git, where there is one, may be stale), else HEAD's hash
     with '-dirty' when the tree has changes."""

@@ -53,6 +53,28 @@ def kivi_kitty_table(kk, methods=("KIVI-K2V2", "KIVI-K4V4", "Kitty", "Kitty-Pro"
     return "\n".join(rows)
 
 
+def read_ceiling_table(kk, methods=("KIVI-K2V2", "KIVI-K4V4", "Kitty", "Kitty-Pro"), key=lambda m: f"{m} [cupy]") -> str:
+    """The size-matched read ceiling of ``kivi_kitty.json`` / ``oscar.json`` (``common.read_ceiling``): per
+    shape and method, one kernel that only reads the step's bytes, as % of copy bandwidth, and the step's
+    time as % of that kernel's ("" where a run has none)."""
+    head = ["batch x context"]
+    for m in methods:
+        head += [f"{m}: read-only kernel, % copy", f"{m} step, % of it"]
+    rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for s in kk["shapes"]:
+        cells = [f"{s['B']} x {s['T'] // 1024}K"]
+        for m in methods:
+            r = (s["methods"] if "methods" in s else s).get(key(m)) or {}
+            rc, ms = r.get("read_ceiling"), r.get("ms")
+            if rc and ms:
+                # the same bytes in rc["ms"] instead of ms: the step's % of copy scaled by ms / rc["ms"]
+                cells += [f"{r['pct_copy'] * ms / rc['ms']:.0f}%", f"{100.0 * rc['ms'] / ms:.0f}%"]
+            else:
+                cells += ["", ""]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def oscar_table(o) -> str:
     """``oscar.json`` as a Markdown table: per shape, SDPA FP16, the Triton and CuPy OSCAR decode times,
     their speedups over SDPA and the CuPy kernel's percent of copy bandwidth."""
@@ -122,8 +144,12 @@ def main(argv=None) -> int:
         print(decode_table(dec) + "\n")
     if kk:
         print(kivi_kitty_table(kk) + "\n")
+        if any((r or {}).get("read_ceiling") for s in kk["shapes"] for r in s["methods"].values()):
+            print(read_ceiling_table(kk) + "\n")
     if o and "oscar [cupy]" in o["shapes"][0] and "oscar" in o["shapes"][0]:
         print(oscar_table(o))
+        if any((s.get("oscar [cupy]") or {}).get("read_ceiling") for s in o["shapes"]):
+            print("\n" + read_ceiling_table(o, methods=("oscar [cupy]",), key=lambda m: m))
     return 0
 
 

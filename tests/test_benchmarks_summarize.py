@@ -54,3 +54,19 @@ def test_main_prints_every_table(capsys):
     assert S.main([str(RESULTS)]) == 0
     out = capsys.readouterr().out
     assert "KIVI-K4V4 (ms)" in out and "OSCAR CuPy (ms)" in out and "1282 passed" in out
+
+
+def test_read_ceiling_table_scales_the_step_to_the_read_only_kernel():
+    # a step of 0.5 ms at 40% of copy whose bytes one read-only kernel reads in 0.25 ms: that kernel runs at
+    # 80% of copy, and the step takes 50% of its speed; a method without the measurement leaves its cells empty
+    kk = {"shapes": [{"B": 1, "T": 32768, "methods": {
+        "KIVI-K2V2 [cupy]": {"ms": 0.5, "gbps": 1200.0, "pct_copy": 40.0, "read_ceiling": {"ms": 0.25, "bytes": 600}},
+        "Kitty [cupy]": {"ms": 0.6, "gbps": 1000.0, "pct_copy": 33.0}}}]}
+    rows = _rows(S.read_ceiling_table(kk, ("KIVI-K2V2", "Kitty")))
+    assert rows == [["1 x 32K", "80%", "50%", "", ""]]
+
+
+def test_read_ceiling_needs_cuda():
+    import common as C
+
+    assert C.read_ceiling(1 << 20, "cpu") is None
