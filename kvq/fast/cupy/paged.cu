@@ -394,7 +394,12 @@ __device__ __forceinline__ void stage_k2(u8* buf, int page, int hk, int Hkv, con
     warp_copy_c<D * 2>(buf + D * GB + 2 * D, reinterpret_cast<const u8*>(km + kph * D), lane);
     if constexpr (KITTY != 0) {
         warp_copy_c<D>(buf + D * GB + 4 * D, ki + kph * D, lane);
-        if (db > 0) warp_copy(buf + D * GB + 5 * D, kh + kph * db * GB, db * GB, lane);
+        u8* hdst = buf + D * GB + 5 * D;
+        const u8* hsrc = kh + kph * db * GB;
+        // the high plane: the paper's boost rates (12.5%: 16 rows, 25%: 32 rows) as fixed-size runs
+        if (db == 16) warp_copy_c<16 * GB>(hdst, hsrc, lane);
+        else if (db == 32) warp_copy_c<32 * GB>(hdst, hsrc, lane);
+        else if (db > 0) warp_copy(hdst, hsrc, db * GB, lane);
     }
 }
 
