@@ -147,9 +147,9 @@ def main(argv=None) -> int:
         if any((r or {}).get("read_ceiling") for s in kk["shapes"] for r in s["methods"].values()):
             print(read_ceiling_table(kk) + "\n")
     if o and "oscar [cupy]" in o["shapes"][0] and "oscar" in o["shapes"][0]:
-        print(oscar_table(o))
-        if any((s.get("oscar [cupy]") or {}).get("read_ceiling") for s in o["shapes"]):
-            print("\n" + read_ceiling_table(o, methods=("oscar [cupy]",), key=lambda m: m))
+        print(oscar_table(o) + "\n")
+    if o and any((s.get("oscar [cupy]") or {}).get("read_ceiling") for s in o["shapes"]):
+        print(read_ceiling_table(o, methods=("oscar [cupy]",), key=lambda m: m) + "\n")
     return 0
 
 
