@@ -281,16 +281,20 @@ def run(device, *, copy_gbps=None, quick=False, dry_run=False, deadline=None) ->
 
 def amortized_flush(shapes, flush) -> dict:
     """Flush cost per decode step: a page of keys and of values is quantized once every G steps, so
-    the step pays flush_ms / G; as a percentage of the Triton step's attention time at B = 8 (the
-    batch the flush was timed at), per context (the Kitty slides report 0.17% of a step)."""
+    the step pays flush_ms / G; as a percentage of the step's attention time at B = 8 (the batch the
+    flush was timed at), per context (the Kitty slides report 0.17% of a step). The step is the Triton
+    row where the run has one, else the CuPy row (``step_row`` says which)."""
     out = {}
     for m, f in flush.items():
         if not f.get("ms"):
             continue
         per_step = f["ms"] / f["G"]
-        out[m] = {"flush_ms_per_step": per_step, "pct_of_step": {
-            str(s["T"]): 100.0 * per_step / s["methods"][m]["ms"] for s in shapes
-            if s.get("B") == f["B"] and s.get("methods", {}).get(m, {}).get("ms")}}
+        rows = [s for s in shapes if s.get("B") == f["B"] and s.get("methods")]
+        key = next((k for k in (row_name(m, "triton"), row_name(m, "cupy"))
+                    if any((s["methods"].get(k) or {}).get("ms") for s in rows)), None)
+        out[m] = {"flush_ms_per_step": per_step, "step_row": key, "pct_of_step": {
+            str(s["T"]): 100.0 * per_step / s["methods"][key]["ms"] for s in rows
+            if key and (s["methods"].get(key) or {}).get("ms")}}
     return out
 
 

@@ -70,3 +70,34 @@ def test_read_ceiling_needs_cuda():
     import common as C
 
     assert C.read_ceiling(1 << 20, "cpu") is None
+
+
+LATEST = ROOT / "benchmarks" / "results" / "h100-7ba6718"
+
+
+def test_read_ceiling_table_of_a_committed_run():
+    kk = S.load(LATEST, "kivi_kitty.json")
+    rows = _rows(S.read_ceiling_table(kk, ("KIVI-K2V2",)))
+    assert len(rows) == len(kk["shapes"])
+    for row, s in zip(rows, kk["shapes"]):
+        r = s["methods"]["KIVI-K2V2 [cupy]"]
+        rc = r["read_ceiling"]
+        assert row[1] == f"{r['pct_copy'] * r['ms'] / rc['ms']:.0f}%"
+        assert row[2] == f"{r['pct_read_ceiling']:.0f}%"
+    o = S.load(LATEST, "oscar.json")
+    assert len(_rows(S.read_ceiling_table(o, ("oscar [cupy]",), key=lambda m: m))) == len(o["shapes"])
+
+
+def test_amortized_flush_takes_the_cupy_step_when_a_run_has_no_triton_rows():
+    import bench_kivi_kitty as BK
+
+    kk = S.load(LATEST, "kivi_kitty.json")
+    a = BK.amortized_flush(kk["shapes"], kk["flush"])
+    f = kk["flush"]["Kitty"]
+    s8 = next(s for s in kk["shapes"] if s["B"] == f["B"] and s["T"] == 8192)
+    assert a["Kitty"]["step_row"] == "Kitty [cupy]"
+    assert a["Kitty"]["pct_of_step"]["8192"] == 100.0 * f["ms"] / f["G"] / s8["methods"]["Kitty [cupy]"]["ms"]
+    # a run with Triton rows keeps the Triton step (the committed c6508dc run's own numbers)
+    old = S.load(RESULTS, "kivi_kitty.json")
+    assert BK.amortized_flush(old["shapes"], old["flush"])["Kitty"]["pct_of_step"] == \
+        old["amortized_flush"]["Kitty"]["pct_of_step"]
