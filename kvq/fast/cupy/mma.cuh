@@ -45,7 +45,9 @@ __device__ __forceinline__ void p_cp_async16_at(u32 dst, const void* src) {
 }
 
 // Copies K .. N - 1 of a warp's run (copy k: 16 bytes at 512 k from this lane's dst / src); SWZ: copy k
-// lands at chunk lane ^ (k & 7) of its 512-byte round (warp_copy_swz's order).
+// lands at chunk lane ^ (k & 7) of its 512-byte round, i.e. chunk i of the run at i ^ ((i >> 5) & 7), so
+// that the 8 rows of 512 bytes a tensor-core kernel's lanes g = 0..7 read at one time fall in 8 different
+// bank groups.
 template <int K, int N, bool SWZ>
 __device__ __forceinline__ void cp_rounds(u32 d, const u8* s, int lane) {
     if constexpr (K < N) {
@@ -55,8 +57,9 @@ __device__ __forceinline__ void cp_rounds(u32 d, const u8* s, int lane) {
     }
 }
 
-// warp_copy (SWZ: warp_copy_swz) of a compile-time NBYTES, every copy one instruction: the lanes' shared
-// and global addresses are worked out once; the last, partial round (NBYTES % 512) by the lanes it needs.
+// warp_copy (SWZ: XOR-swizzled as in cp_rounds) of a compile-time NBYTES, every copy one instruction: the
+// lanes' shared and global addresses are worked out once; the last, partial round (NBYTES % 512) by the
+// lanes it needs.
 template <int NBYTES, bool SWZ = false>
 __device__ __forceinline__ void warp_copy_c(u8* dst, const u8* src, int lane) {
     static_assert(NBYTES % 16 == 0, "16-byte chunks");
@@ -70,12 +73,6 @@ __device__ __forceinline__ void warp_copy_c(u8* dst, const u8* src, int lane) {
     }
 }
 
-// warp_copy with the 16-byte chunks XOR-swizzled within groups of 8: chunk i lands at i ^ ((i >> 5) & 7),
-// so that the 8 rows of 512 bytes a tensor-core kernel's lanes g = 0..7 read at one time fall in 8
-// different bank groups (nbytes a multiple of 16, at most 4096)
-__device__ __forceinline__ void warp_copy_swz(u8* dst, const u8* src, int nbytes, int lane) {
-    for (int i = lane; i < nbytes / 16; i += 32) p_cp_async16(dst + 16 * (i ^ ((i >> 5) & 7)), src + 16 * i);
-}
 
 // (lo, hi) -> one half2 register, lo in bits 0-15 (the element order of the mma fragments)
 __device__ __forceinline__ u32 f2_to_h2(float lo, float hi) {

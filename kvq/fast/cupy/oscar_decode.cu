@@ -37,8 +37,8 @@ __device__ __forceinline__ u32 codes_h2_rt(u32 x, u32 m, u32 sc, u32 bi) {
 // Softmax and P . V: page_softmax_pv (mma.cuh), the value page has the layout of a KIVI value page.
 // Grid: (num_splits, H_kv, B); block NW * 32 threads, each warp its own pages with a key and a value
 //   slot in shared memory (cp.async: the next page's keys load during this page's softmax and P . V,
-//   its values during the next scores; the key codes XOR-swizzled in 16-byte chunks, warp_copy_swz,
-//   so that the lanes' row reads are free of bank conflicts); warps combined at the end.
+//   its values during the next scores; the key codes XOR-swizzled in 16-byte chunks, warp_copy_c<...,
+//   true>, so that the lanes' row reads are free of bank conflicts); warps combined at the end.
 // Dynamic shared memory: 8 * D * 8 (queries: fp32, fp16 hi, fp16 lo) + NW * 2 * (Pg * 32 + 4 * Pg).
 // Bytes: reads each packed K / V page of the split and its metadata once, the page-table entries and
 //   the queries; writes (D + 1) fp32 per query row and split.
