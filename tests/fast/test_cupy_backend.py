@@ -204,12 +204,13 @@ def test_split_plan_fills_one_wave():
 
 
 @pytest.mark.parametrize("NP,n_base,want", [(255, 8, (32, 8)), (1023, 8, (32, 32)), (63, 64, (4, 16)),
-                                             (63, 256, (2, 32)), (255, 64, (8, 32)), (1023, 64, (8, 128)),
+                                             (63, 256, (1, 64)), (255, 64, (4, 64)), (1023, 64, (8, 128)),
                                              (1023, 256, (2, 512))])
 def test_fused_splits_small_grids_at_two_blocks_per_sm(monkeypatch, NP, n_base, want):
-    """_fused_splits on 132 SMs x 4 blocks: a plan that leaves each warp at most FEW_PAGES_PER_WARP pages
-    (batch 1; batch 8 at 8K) is re-planned on 2 blocks per SM (1 x 32K: 64 splits of 1 page per
-    warp -> 32 of 2, measured 34 -> 27 us on the H100); a long grid keeps the kernel's occupancy."""
+    """_fused_splits on 132 SMs x 4 blocks: a plan that leaves each warp at most FEW_PAGES_PER_WARP (8) pages
+    (batch 1; batch 8 up to 32K; batch 32 at 8K) is re-planned on 2 blocks per SM (1 x 32K: 64 splits of 1
+    page per warp -> 32 of 2, measured 34 -> 27 us on the H100; 8 x 32K: 8 splits of 8 pages per warp -> 4
+    of 16); a long grid (32 pages per warp: 8 x 128K, 32 x 32K) keeps the kernel's occupancy."""
     from kvq.fast.cupy import paged
 
     monkeypatch.setitem(paged.TUNE, "max_blocks_per_sm", None)
@@ -223,7 +224,7 @@ def test_fused_splits_small_grids_at_two_blocks_per_sm(monkeypatch, NP, n_base, 
 
 def test_fused_splits_threshold_is_a_parameter(monkeypatch):
     """OSCAR's decode passes its own threshold (one page per warp): 1 x 128K stays at 4 blocks per SM
-    there, while the paged decode's default (4 pages per warp) re-plans it."""
+    there, while the paged decode's default (8 pages per warp) re-plans it."""
     from kvq.fast.cupy import oscar_decode, paged
 
     monkeypatch.setitem(paged.TUNE, "max_blocks_per_sm", None)
