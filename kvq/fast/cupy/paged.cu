@@ -654,6 +654,11 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
                       b, split, o_part, lse_part);
 }
 
+// a code (< 2^23) as an exact float: its bits in the significand of 2^23, minus 2^23 (exact)
+__device__ __forceinline__ float exact_f32(u32 code) {
+    return ieee_add(__uint_as_float(0x4B000000u | code), -8388608.0f);
+}
+
 // element i of a scale or mn array as fp32: stored fp32 when meta32, else fp16
 __device__ __forceinline__ float meta_f32(const void* __restrict__ p, i64 i, int meta32) {
     return meta32 ? reinterpret_cast<const float*>(p)[i] : f16_to_f32(reinterpret_cast<const u16*>(p)[i]);
@@ -849,6 +854,48 @@ struct PagedTailTiles {
             o[1] = u32x4{__float_as_uint(f[4]), __float_as_uint(f[5]), __float_as_uint(f[6]), __float_as_uint(f[7])};
         }
     }
+    // tile rows [r0, re) from page-head ph's slots s0, s0 + 1, ..., KB-bit keys (Kitty: 2-bit low plane and
+    // the high plane's rows), lanes on channels lane + 32 j: each channel's metadata loaded once, its codes
+    // read a 32-bit word at a time (32 / KB slots; the high plane 16) and shifted out, then code * scale
+    // + mn as two rounded fp32 operations (key_code_meta's bits)
+    template <int KB>
+    __device__ __forceinline__ void key_rows(float* ks, i64 ph, int s0, int r0, int re, int lane) const {
+        constexpr int J = D / 32, PER = 32 / KB, RW = KVQ_G * KB / 32;    // slots a word, words a channel row
+        constexpr u32 MASK = (1u << KB) - 1u;
+        float sc[J], mn[J];
+        int ix[J];
+        const u32* w[J];
+        const u32* hw[J];
+        u32 cur[J], hcur[J];
+#pragma unroll
+        for (int j = 0; j < J; ++j) {
+            const int d = lane + 32 * j;
+            rows.key_meta(ph, d, kitty, sc[j], mn[j], ix[j]);
+            w[j] = reinterpret_cast<const u32*>(rows.kc) + (ph * D + d) * RW;
+            const bool hi = ix[j] < rows.db;                               // Kitty: a boosted channel
+            hw[j] = hi ? reinterpret_cast<const u32*>(rows.kh) + (ph * rows.db + ix[j]) * (KVQ_G / 16) : nullptr;
+            cur[j] = w[j][s0 / PER] >> (KB * (s0 % PER));
+            hcur[j] = hi ? hw[j][s0 / 16] >> (2 * (s0 % 16)) : 0u;
+        }
+        for (int r = r0, slot = s0; r < re; ++r) {                         // slot: warp-uniform
+#pragma unroll
+            for (int j = 0; j < J; ++j) {
+                const u32 code = (cur[j] & MASK) | ((hcur[j] & 3u) << 2);
+                ks[r * KROW + lane + 32 * j] = ieee_add(ieee_mul(exact_f32(code), sc[j]), mn[j]);
+                cur[j] >>= KB;
+                hcur[j] >>= 2;
+            }
+            ++slot;
+            if (slot % PER == 0 && r + 1 < re) {
+#pragma unroll
+                for (int j = 0; j < J; ++j) cur[j] = w[j][slot / PER];
+            }
+            if (slot % 16 == 0 && r + 1 < re) {
+#pragma unroll
+                for (int j = 0; j < J; ++j) hcur[j] = hw[j] ? hw[j][slot / 16] : 0u;
+            }
+        }
+    }
     __device__ __forceinline__ void stage(float* ks, float* vs, int b, int hk, i64 kb, int nk, int lane) const {
         const int u = u0 + (int)kb + lane;            // lane r: row r
         const bool live = lane < nk;
@@ -867,16 +914,9 @@ struct PagedTailTiles {
                 const i64 ph = (i64)__shfl_sync(KVQ_FULL_MASK, (long long)kph, r0);
                 const int s0 = __shfl_sync(KVQ_FULL_MASK, slot, r0);
                 const int re = kvq_min(r1, r0 + KVQ_G - s0);
-                float sc[D / 32], mn[D / 32];
-                int ix[D / 32];
-#pragma unroll
-                for (int j = 0; j < D / 32; ++j) rows.key_meta(ph, lane + 32 * j, kitty, sc[j], mn[j], ix[j]);
-#pragma unroll 4
-                for (int r = r0; r < re; ++r)
-#pragma unroll
-                    for (int j = 0; j < D / 32; ++j)
-                        ks[r * KROW + lane + 32 * j] =
-                            rows.key_code_meta(ph, s0 + r - r0, lane + 32 * j, kbits, sc[j], mn[j], ix[j]);
+                if (kbits == 2) key_rows<2>(ks, ph, s0, r0, re, lane);
+                else if (kbits == 4) key_rows<4>(ks, ph, s0, r0, re, lane);
+                else key_rows<8>(ks, ph, s0, r0, re, lane);
                 r0 = re;
             }
         }
