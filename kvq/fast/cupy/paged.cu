@@ -817,9 +817,9 @@ __global__ void __launch_bounds__(256)
 // tail rows [kb, kb + nk) of (b, hk). Lane r works out where row r lives (once per row); fp16 rows are
 // read as 16-byte vectors (all of a lane's loads issued before any is used; the row's address from
 // lane r by a shuffle) and widened; page rows (the mixed tokens: a key without its value quantized, or
-// the reverse) are dequantized in place, lanes on channels: key rows with each page's metadata loaded
-// once per channel and 4 rows in flight, value rows a row at a time. Rows past nk are left as they are (the body
-// masks them).
+// the reverse) are dequantized in place, lanes on channels: key rows by key_rows (each page's metadata
+// loaded once per channel, the codes a 32-bit word at a time), value rows a row at a time. Rows past nk
+// are left as they are (the body masks them).
 template <int D>
 struct PagedTailTiles {
     TailRows rows;
