@@ -3,8 +3,10 @@
 # each (old, new, old, new), by profile_fused.py's cold-cache timing of whole decode steps; then
 # per-kernel timelines of this checkout.
 #
-#   git archive <old-commit> kvq | tar -x -C ab_old          # here, before the device call
+#   mkdir ab_old && git archive <old-commit> kvq | tar -x -C ab_old   # here, before the device call
 #   bash benchmarks/ab_trees.sh ab_old > $OUT/ab.log 2>&1     # on the device
+#
+# ab_old stays untracked (not ignored, so the device copy of the working tree carries it); remove it after.
 #
 # SHAPES (env): "B T methods" triples separated by ";" (default: the h100-7ba6718 A/B's).
 set -uo pipefail
