@@ -22,6 +22,7 @@ says which. On the CPU (dry runs) a perf_counter takes the place of the events a
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import math
 import os
@@ -191,8 +192,6 @@ def bench(fn, inputs, *, device, quick: bool = False, graph: bool = True,
     return res
 
 
-# ----------------------------------------------------------------------------------------------- metadata
-
 # ------------------------------------------------------------------------------- size-matched read ceiling
 
 #: one pass over a buffer: 16-byte loads, XOR-folded (the fold is written only if it equals an argument
@@ -215,6 +214,13 @@ extern "C" __global__ void read_pass(const uint4* __restrict__ p, long long n, u
 """
 
 
+@functools.lru_cache(maxsize=None)
+def _read_kernel():
+    import cupy
+
+    return cupy.RawModule(code=_READ_SRC).get_function("read_pass")
+
+
 def read_ceiling(nbytes: int, device, quick: bool = False) -> dict | None:
     """The time of ONE kernel that only reads ``nbytes`` (16-byte loads, grid-stride, 256 threads a block;
     the faster of 4 and 16 blocks per SM), rotated over cold copies like the decode benchmarks and timed
@@ -222,15 +228,15 @@ def read_ceiling(nbytes: int, device, quick: bool = False) -> dict | None:
     that size, launch and ramp included. None without CUDA or CuPy."""
     if torch.device(device).type != "cuda":
         return None
-    try:
-        import cupy
-        import numpy as np
+    import importlib.util
 
-        from kvq.fast.cupy import _loader as L
-    except Exception:
+    if importlib.util.find_spec("cupy") is None:
         return None
+    import numpy as np
+
+    from kvq.fast.cupy import _loader as L
     dev = torch.device(device)
-    fn = cupy.RawModule(code=_READ_SRC).get_function("read_pass")
+    fn = _read_kernel()
     n16 = max(1, -(-int(nbytes) // 16))
     copies = copies_for(16 * n16, device)
     bufs = [torch.randint(0, 2**31 - 1, (4 * n16,), dtype=torch.int32, device=dev) for _ in range(copies)]
@@ -252,6 +258,8 @@ def read_ceiling(nbytes: int, device, quick: bool = False) -> dict | None:
     best["gbps"] = gbps(best["bytes"], best["ms"])
     return best
 
+
+# ----------------------------------------------------------------------------------------------- metadata
 
 def git_commit() -> str:
     """KVQ_COMMIT when set (the device copy: its .git, where there is one, may be stale), else HEAD's hash
