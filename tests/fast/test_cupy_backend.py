@@ -339,41 +339,11 @@ def test_decode_tells_tail_warps_the_fused_blocks_per_sm(monkeypatch, sms, per_s
     """decode_attention's glue (CPU, launches recorded, no CuPy): ``_tail_warps`` gets the fused kernel's
     shared memory per block (dynamic + static) and the fused blocks an SM holds in this launch (the least of
     its resident blocks per SM and the grid over the SMs), and the tail launches with the warps it chose."""
-    import contextlib
-
-    import kvq.fast.cupy._loader as L
-    import kvq.fast.cupy.attention as A
-    from kvq.fast import _common as C
     from kvq.fast.cupy import paged as PD
     from kvq.fast.triton import kivi as TK
     from kvq.reference import kivi as RK
 
-    class K(str):
-        shared_size_bytes = 288
-
-    rec, asked = [], []
-    monkeypatch.setattr(L, "run", lambda fn, grid, block, args, dev, shared_mem=0: rec.append((fn, grid, block,
-                                                                                                shared_mem, args)))
-    monkeypatch.setattr(L, "kernel", lambda src, name: K(name))
-    monkeypatch.setattr(L, "sm_count", lambda d: sms)
-    monkeypatch.setattr(PD, "resident_slots", lambda *a, **k: per_sm_max * sms)
-    monkeypatch.setattr(PD, "_smem_optin", lambda i: 232448)
-    monkeypatch.setattr(PD, "_device_limits", lambda i: (65536, 233472, 2048, 1024))
-    monkeypatch.setattr(PD, "_mma_kernel", lambda *a: K("mma2"))
-    monkeypatch.setattr(PD, "_tail_kernel", lambda D, QT, qdt, f16, nw, dev, sums: K(L.paged_tail_name(D, QT, qdt,
-                                                                                                      f16, nw, sums)))
-    monkeypatch.setattr(PD, "_side_stream", lambda d, k=0: torch.cuda.current_stream(d))
-    monkeypatch.setattr(PD, "mma_ok", lambda *a: True)
-    monkeypatch.setattr(PD, "fused_ok", lambda cfg, D: True)
-    monkeypatch.setattr(PD, "_aligned", lambda *t: True)
-    monkeypatch.setattr(A, "_merge_launch", lambda *a: rec.append(("merge",)))
-    stream = type("S", (), {"wait_stream": lambda self, o: None})()
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: stream)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    orig = C.check_decode_q
-    monkeypatch.setattr(C, "check_decode_q", lambda q, shape, device, length, allow_cpu=False:
-                        orig(q, shape, device, length, allow_cpu=True))
+    rec, asked = _patch_decode_glue(monkeypatch, sms, per_sm_max), []
     real = PD._tail_warps
 
     def spy(D, dev, fused_block=0, fp16=False, tail_static=None, fused_per_sm=2, fused_resident=2,
@@ -413,18 +383,17 @@ def test_decode_tells_tail_warps_the_fused_blocks_per_sm(monkeypatch, sms, per_s
     assert tails and all(r[0].endswith(", 1>") for r in tails)
 
 
-def _record_decode_launches(monkeypatch, sms=132):
-    """decode_attention's CuPy glue on the CPU: (launch records, a function that decodes a KIVI-K2V2* cache
-    (sink 32, window 128, B = 2, H_kv = 4, D = 128, T = 1100: sink, key-buffer and mixed tail rows) with q
-    of a dtype and GQA ratio). A record: (kernel name, grid, block, dynamic shared memory, arguments)."""
+def _patch_decode_glue(monkeypatch, sms=132, per_sm_max=4):
+    """decode_attention's CuPy glue made to run on the CPU: kernels are names (static shared memory 288 bytes),
+    launches are recorded instead of run, the device has ``sms`` SMs holding ``per_sm_max`` fused blocks each,
+    streams are no-ops. Returns the list of launch records: (kernel name, grid, block, dynamic shared
+    memory, arguments), and ("merge", ...) for the merge."""
     import contextlib
 
     import kvq.fast.cupy._loader as L
     import kvq.fast.cupy.attention as A
     from kvq.fast import _common as C
     from kvq.fast.cupy import paged as PD
-    from kvq.fast.triton import kivi as TK
-    from kvq.reference import kivi as RK
 
     class K(str):
         shared_size_bytes = 288
@@ -434,7 +403,7 @@ def _record_decode_launches(monkeypatch, sms=132):
                                                                                                 shared_mem, args)))
     monkeypatch.setattr(L, "kernel", lambda src, name: K(name))
     monkeypatch.setattr(L, "sm_count", lambda d: sms)
-    monkeypatch.setattr(PD, "resident_slots", lambda *a, **k: 4 * sms)
+    monkeypatch.setattr(PD, "resident_slots", lambda *a, **k: per_sm_max * sms)
     monkeypatch.setattr(PD, "_smem_optin", lambda i: 232448)
     monkeypatch.setattr(PD, "_device_limits", lambda i: (65536, 233472, 2048, 1024))
     monkeypatch.setattr(PD, "_allow_smem", lambda fn, smem, dev: fn)
@@ -453,6 +422,18 @@ def _record_decode_launches(monkeypatch, sms=132):
                         orig(q, shape, device, length, allow_cpu=True))
     for f in (PD._tail_kernel, PD._tail_mma_kernel):
         f.cache_clear()
+    return rec
+
+
+def _record_decode_launches(monkeypatch, sms=132):
+    """decode_attention's CuPy glue on the CPU: (launch records, a function that decodes a KIVI-K2V2* cache
+    (sink 32, window 128, B = 2, H_kv = 4, D = 128, T = 1100: sink, key-buffer and mixed tail rows) with q
+    of a dtype and GQA ratio). A record: (kernel name, grid, block, dynamic shared memory, arguments)."""
+    from kvq.fast.cupy import paged as PD
+    from kvq.fast.triton import kivi as TK
+    from kvq.reference import kivi as RK
+
+    rec = _patch_decode_glue(monkeypatch, sms)
     cfg = RK.KIVIConfig(2, 2, group_size=128, residual=128, max_tokens=4096, sink=32)
     B, H, D, T = 2, 4, 128, 1100
     rng = np.random.default_rng(0)

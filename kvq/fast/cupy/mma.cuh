@@ -129,6 +129,18 @@ __device__ __forceinline__ u32 codes_field_h2(u32 x) {
     return r;
 }
 
+// O^T's 8 m-tiles times the online softmax's correction: this thread's entries of its first query row
+// (columns c0, c2) by a0, of its second (c1, c3) by a1
+__device__ __forceinline__ void scale_o_rows(float (*O)[4], float a0, float a1) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        O[i][0] *= a0;
+        O[i][1] *= a1;
+        O[i][2] *= a0;
+        O[i][3] *= a1;
+    }
+}
+
 // 2^x (approximate, flush-to-zero: probabilities of the online softmax, rule 7)
 __device__ __forceinline__ float ex2(float x) {
     float r;
@@ -354,13 +366,7 @@ __device__ __forceinline__ void page_softmax_pv(float (*S)[4], float (*SL)[4], F
     const float mn0 = fmaxf(m0, mp0 + voff), mn1 = fmaxf(m1, mp1 + voff);
     const float a0 = m0 == mn0 ? 1.0f : ex2(m0 - mn0), a1 = m1 == mn1 ? 1.0f : ex2(m1 - mn1);
     if (__any_sync(KVQ_FULL_MASK, a0 != 1.0f || a1 != 1.0f)) {     // rescale when some row's M moved
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            O[i][0] *= a0;
-            O[i][1] *= a1;
-            O[i][2] *= a0;
-            O[i][3] *= a1;
-        }
+        scale_o_rows(O, a0, a1);
         l0 *= a0;
         l1 *= a1;
         bs0 *= a0;
@@ -566,13 +572,7 @@ __device__ __forceinline__ void attn_mma_body(const u16* __restrict__ q, const T
         m1 = n1;
         l0 *= a0;
         l1 *= a1;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            O[i][0] *= a0;
-            O[i][1] *= a1;
-            O[i][2] *= a0;
-            O[i][3] *= a1;
-        }
+        scale_o_rows(O, a0, a1);
         u32 bp[2][2];                                  // B fragments of P^T: k-step mt = the keys of m-tile mt
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
