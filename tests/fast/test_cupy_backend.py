@@ -358,11 +358,7 @@ def test_decode_tells_tail_warps_the_fused_blocks_per_sm(monkeypatch, sms, per_s
     monkeypatch.setitem(PD.TUNE, "tail_mma", False)  # the fp16 rows too through paged_tail_attn / tail16
     cfg = RK.KIVIConfig(2, 2, group_size=128, residual=128, max_tokens=4096)
     B, H, D, T = 1, 4, 128, 1100
-    rng = np.random.default_rng(0)
-    k = torch.from_numpy(rng.standard_normal((B, H, T, D)).astype(np.float16))
-    v = torch.from_numpy(rng.standard_normal((B, H, T, D)).astype(np.float16))
-    st = TK.init(cfg, B, H, D)
-    TK.append(cfg, st, k, v)
+    st = _kivi_cache(cfg, B, H, D, T)
     PD.decode_attention(cfg, TK.KeyCodec, st, torch.zeros((B, 4 * H, 1, D), dtype=torch.float16))
     fused = [r for r in rec if r[0] == "mma2"]
     tails = [r for r in rec if r[0].startswith("paged_tail")]
@@ -381,6 +377,18 @@ def test_decode_tells_tail_warps_the_fused_blocks_per_sm(monkeypatch, sms, per_s
     PD.decode_attention(cfg, TK.KeyCodec, st, torch.zeros((B, 4 * H, 1, D), dtype=torch.float16))
     tails = [r for r in rec if r[0].startswith("paged_tail")]
     assert tails and all(r[0].endswith(", 1>") for r in tails)
+
+
+def _kivi_cache(cfg, B, H, D, T):
+    """A CPU cache state (the Triton backend's, which runs on the CPU) of T random fp16 tokens."""
+    from kvq.fast.triton import kivi as TK
+
+    rng = np.random.default_rng(0)
+    k = torch.from_numpy(rng.standard_normal((B, H, T, D)).astype(np.float16))
+    v = torch.from_numpy(rng.standard_normal((B, H, T, D)).astype(np.float16))
+    st = TK.init(cfg, B, H, D)
+    TK.append(cfg, st, k, v)
+    return st
 
 
 def _patch_decode_glue(monkeypatch, sms=132, per_sm_max=4):
@@ -436,11 +444,7 @@ def _record_decode_launches(monkeypatch, sms=132):
     rec = _patch_decode_glue(monkeypatch, sms)
     cfg = RK.KIVIConfig(2, 2, group_size=128, residual=128, max_tokens=4096, sink=32)
     B, H, D, T = 2, 4, 128, 1100
-    rng = np.random.default_rng(0)
-    k = torch.from_numpy(rng.standard_normal((B, H, T, D)).astype(np.float16))
-    v = torch.from_numpy(rng.standard_normal((B, H, T, D)).astype(np.float16))
-    st = TK.init(cfg, B, H, D)
-    TK.append(cfg, st, k, v)
+    st = _kivi_cache(cfg, B, H, D, T)
 
     def decode(dtype=torch.float16, ratio=4):
         rec.clear()
