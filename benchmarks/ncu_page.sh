@@ -4,6 +4,10 @@
 #
 #   SHAPES="8 32768 KIVI-K2V2;32 8192 Kitty" bash benchmarks/ncu_page.sh
 #   KERNEL=paged_tail_attn SHAPES="1 32768 KIVI-K2V2" bash benchmarks/ncu_page.sh      # another kernel
+#   TUNE="max_blocks_per_sm=4" SHAPES="8 32768 KIVI-K2V2" bash benchmarks/ncu_page.sh  # paged.TUNE values
+#
+# Per shape: <tag>.ncu-rep, <tag>.details.txt (every section), <tag>.sass.csv (per-instruction counters)
+# and <tag>.stalls.txt (benchmarks/ncu_stalls.py: stall reasons, instruction mix), in $OUT/ncu.tgz.
 #
 # ncu locks the clocks at base and flushes the caches before the profiled launch (its defaults), so its
 # durations are not the benchmark's; the stall shares and instruction counts are what to read here.
@@ -20,9 +24,11 @@ for s in "${SH[@]}"; do
     echo "== ncu $tag (${KERNEL:-paged_decode_mma2})"
     ncu --kernel-name "regex:${KERNEL:-paged_decode_mma2}" --launch-count 1 --set full --import-source no -f \
         -o "$D/$tag" python3 benchmarks/profile_fused.py --backend cupy --once --B "$B" --T "$T" --methods "$M" \
-        > "$D/$tag.run.log" 2>&1 || { echo "ncu failed"; tail -n 20 "$D/$tag.run.log"; continue; }
+        --tune "${TUNE:-}" > "$D/$tag.run.log" 2>&1 || { echo "ncu failed"; tail -n 20 "$D/$tag.run.log"; continue; }
     ncu -i "$D/$tag.ncu-rep" --page details > "$D/$tag.details.txt" 2>&1
     ncu -i "$D/$tag.ncu-rep" --page source --csv --print-source sass > "$D/$tag.sass.csv" 2>&1
+    python3 benchmarks/ncu_stalls.py "$D/$tag.sass.csv" > "$D/$tag.stalls.txt"
+    head -n 12 "$D/$tag.stalls.txt"
     grep -E "Duration|Executed Ipc A|Issue Slots Busy|No Eligible|Active Warps Per|Eligible Warps|Warp Cycles Per Issued|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per" \
         "$D/$tag.details.txt" | head -n 20
 done

@@ -43,14 +43,7 @@ def main() -> None:
     ap.add_argument("--copies", default="auto", help="--timeline: caches to rotate over (profile_fused)")
     ap.add_argument("--tune", default="", help="paged.TUNE values for the run, e.g. 'side_stream=False;tail_mma=True'")
     a = ap.parse_args()
-    if a.tune:
-        import importlib
-        paged = importlib.import_module(f"kvq.fast.{a.backend}.paged")
-        for part in a.tune.split(";"):
-            k, v = part.split("=")
-            if k not in paged.TUNE:
-                raise SystemExit(f"--tune: {k!r} is not a TUNE key ({sorted(paged.TUNE)})")
-            paged.TUNE[k] = int(v) if v.isdigit() else {"True": True, "False": False, "None": None}.get(v, v)
+    PF.apply_tune(a.backend, a.tune)
     if a.timeline:
         for m in a.methods.split(","):
             print(json.dumps(timeline(m, a)))

@@ -4,6 +4,7 @@
     python benchmarks/profile_fused.py --backend cupy --grid "num_warps=2,4;waves=2,3,4"       # the CuPy kernel
     python benchmarks/profile_fused.py --backend cupy --grid "side_stream=True,False"   # knob values: ints, True / False, strings
     ncu --set full -k regex:_fused -c 1 python benchmarks/profile_fused.py --once   # one decode, for ncu
+    (benchmarks/ncu_page.sh runs that for the CuPy page kernel; --tune sets paged.TUNE for the --once decode)
 
 Shape: B = 8, T = 32K, 32 query / 8 KV heads, head dim 128 (the issue's "batch 8" row). The cache is
 filled with random codes (``bench_kivi_kitty.build_cache``); times are medians of CUDA-graph replays
@@ -69,6 +70,19 @@ def decode_step(method: str, mod, cfg, st=None, backend: str = "triton"):
     return step if st is None else (lambda q: step(q, st))
 
 
+def apply_tune(backend: str, spec: str) -> None:
+    """Set paged.TUNE values of a backend from "key=value;key=value" (ints, True / False / None, strings)."""
+    if not spec:
+        return
+    import importlib
+    paged = importlib.import_module(f"kvq.fast.{backend}.paged")
+    for part in spec.split(";"):
+        k, v = part.split("=")
+        if k not in paged.TUNE:
+            raise SystemExit(f"--tune: {k!r} is not a TUNE key ({sorted(paged.TUNE)})")
+        paged.TUNE[k] = int(v) if v.isdigit() else {"True": True, "False": False, "None": None}.get(v, v)
+
+
 def inputs(qs: list, states: list) -> list:
     """(q, state) pairs for ``common.bench``: every state once per rotation, the queries in turn."""
     return [(qs[i % len(qs)], s) for i, s in enumerate(states)] if len(states) > 1 else [(q, states[0]) for q in qs]
@@ -78,6 +92,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     ap.add_argument("--once", action="store_true", help="one decode per method (for ncu)")
+    ap.add_argument("--tune", default="", help="--once: paged.TUNE values, e.g. 'max_blocks_per_sm=4'")
     ap.add_argument("--methods", default="KIVI-K2V2,Kitty", help="KIVI-*, Kitty, Kitty-Pro, OSCAR")
     ap.add_argument("--backend", default="triton", choices=("triton", "cupy"))
     ap.add_argument("--B", type=int, default=8)
@@ -90,6 +105,7 @@ def main() -> None:
     paged = importlib.import_module(f"kvq.fast.{a.backend}.paged")
     methods = a.methods.split(",")
     if a.once:
+        apply_tune(a.backend, a.tune)
         for m in methods:
             mod, cfg, st, qs = setup(m, a.B, a.T, a.backend)
             decode_step(m, mod, cfg, st, a.backend)(qs[0])
