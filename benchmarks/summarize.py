@@ -75,6 +75,23 @@ def read_ceiling_table(kk, methods=("KIVI-K2V2", "KIVI-K4V4", "Kitty", "Kitty-Pr
     return "\n".join(rows)
 
 
+def fused_ceilings_table(fc) -> str:
+    """``fused_ceilings.json`` (``benchmarks/fused_ceilings.py``) as a Markdown table: per shape and method
+    the page kernel's time as it is, with its page copies left out (compute only) and with its compute
+    left out (copies only), us, and compute only over copies only (above 1: the compute is the longer)."""
+    by = {}
+    for r in fc["rows"]:
+        by.setdefault((r["method"], r["B"], r["T"]), {})[r["mode"]] = r["fused_us"]
+    head = ["batch x context", "method", "as it is (us)", "compute only (us)", "copies only (us)",
+            "compute / copies"]
+    rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for (m, B, T), t in by.items():
+        if not all(t.get(k) for k in (0, 1, 2)):
+            continue
+        rows.append(f"| {B} x {T // 1024}K | {m} | {t[0]:.1f} | {t[1]:.1f} | {t[2]:.1f} | {t[1] / t[2]:.2f} |")
+    return "\n".join(rows)
+
+
 def oscar_table(o) -> str:
     """``oscar.json`` as a Markdown table: per shape, SDPA FP16, the Triton and CuPy OSCAR decode times,
     their speedups over SDPA and the CuPy kernel's percent of copy bandwidth."""
@@ -127,9 +144,9 @@ def quant_table(q) -> str:
 
 def main(argv=None) -> int:
     d = Path((argv or sys.argv[1:])[0])
-    ce, q, dec, t, kk, o = (load(d, n) for n in ("ceilings.json", "quant.json", "decode.json", "gpu-tests.json",
-                                                "kivi_kitty.json", "oscar.json"))
-    meta = (dec or q or kk or o or ce)["meta"]
+    ce, q, dec, t, kk, o, fc = (load(d, n) for n in ("ceilings.json", "quant.json", "decode.json", "gpu-tests.json",
+                                                    "kivi_kitty.json", "oscar.json", "fused_ceilings.json"))
+    meta = (dec or q or kk or o or ce or fc)["meta"]
     print(f"Device {meta['device']['name']}, torch {meta['device']['torch']}, triton {meta['device']['triton']}, "
           f"cupy {meta['device']['cupy']}; commit {meta['commit'][:7]}; {meta['date_utc'][:10]}.\n")
     if ce:
@@ -150,6 +167,8 @@ def main(argv=None) -> int:
         print(oscar_table(o) + "\n")
     if o and any((s.get("oscar [cupy]") or {}).get("read_ceiling") for s in o["shapes"]):
         print(read_ceiling_table(o, methods=("oscar [cupy]",), key=lambda m: m) + "\n")
+    if fc:
+        print(fused_ceilings_table(fc) + "\n")
     return 0
 
 

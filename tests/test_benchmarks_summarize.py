@@ -101,3 +101,16 @@ def test_amortized_flush_takes_the_cupy_step_when_a_run_has_no_triton_rows():
     old = S.load(RESULTS, "kivi_kitty.json")
     assert BK.amortized_flush(old["shapes"], old["flush"])["Kitty"]["pct_of_step"] == \
         old["amortized_flush"]["Kitty"]["pct_of_step"]
+
+
+def test_fused_ceilings_table():
+    """One row per (method, shape) with all three probes; the ratio is compute only over copies only."""
+    fc = {"rows": [{"method": "KIVI-K2V2", "B": 8, "T": 32768, "mode": m, "fused_us": us}
+                   for m, us in ((0, 75.0), (1, 66.0), (2, 60.0))]
+          + [{"method": "Kitty", "B": 1, "T": 8192, "mode": 0, "fused_us": 10.0}]}      # incomplete: no row
+    rows = _rows(S.fused_ceilings_table(fc))
+    assert rows == [["8 x 32K", "KIVI-K2V2", "75.0", "66.0", "60.0", "1.10"]]
+    run = S.load(ROOT / "benchmarks" / "results" / "h100-a5e2ef7", "fused_ceilings.json")
+    rows = _rows(S.fused_ceilings_table(run))
+    assert len(rows) == len(run["rows"]) // 3 == 7
+    assert all(float(r[3]) > float(r[4]) for r in rows)        # that run: compute only > copies only everywhere
