@@ -8,9 +8,9 @@ production kernel carries them): ``paged.cu`` gets a device global ``kvq_probe``
 set from here between runs (one compile for the three modes):
 
 - mode 0: the kernel as it is (the probe checks are never taken);
-- mode 1, compute only: ``stage_k2`` / ``stage_v2`` return at once: no page-table use and no cp.async
-  copies, the loop computes on whatever the slots hold (the results are garbage, the time is the
-  compute's, the copies' own instructions left out);
+- mode 1, compute only: ``stage_k2`` / ``stage_v2`` return at once: no cp.async copies (the loop still
+  reads the next page's table entries), the loop computes on whatever the slots hold (the results are
+  garbage, the time is the compute's, the copies' own instructions left out);
 - mode 2, copies only: each page waits for its key copies, issues the next page's, waits for its value
   copies, issues the next page's, and skips all of its compute.
 
