@@ -195,8 +195,11 @@ def run_shape(B, T, Hq, Hkv, Dh, device, copy_gbps, quick, dry, deadline) -> dic
 
 
 def time_flush(device, quick, dry, deadline) -> dict:
-    """One page flush per method: the key Q-buffer (B, H, G, D) -> one key page, and G values -> one
-    value page (quantize + pack), B = 8, H_kv = 8 (dry: 2, 2)."""
+    """One page flush per method, as ``append`` does it (Triton backend): the key Q-buffer (B, H, G, D) ->
+    one key page written into the pool (Kitty with magnitude selection: the fused kernel,
+    ``KittyCodec.write_pages``; else ``encode_pages`` and the copy into the pool), and G values -> one
+    value page (quantize + pack), B = 8, H_kv = 8 (dry: 2, 2). ``fused``: whether the key page took
+    the one-kernel path."""
     from kvq.fast.triton import paged
     import kvq.fast as fast
     fast.set_validation(False)
@@ -213,12 +216,19 @@ def time_flush(device, quick, dry, deadline) -> dict:
             kp = torch.randn((B, H, 1, G, Dh), generator=gen, device=device, dtype=torch.float16)
             vp = torch.randn((B, H, G, Dh), generator=gen, device=device, dtype=torch.float16)
 
+            codec = mod.KeyCodec
+            pool = codec.empty_pool(cfg, B, H, Dh, device)
+            write = getattr(codec, "write_pages", None)
+            fused = bool(write and write(cfg, pool, kp, 0))
+
             def flush(kp_, vp_):
-                mod.KeyCodec.encode_pages(cfg, kp_, 0)
-                paged.quantize_values(cfg, mod.KeyCodec, vp_)
+                if not (write and write(cfg, pool, kp_, 0)):
+                    for name, a in codec.encode_pages(cfg, kp_, 0).items():
+                        pool[name][:B] = a.transpose(0, 1).reshape((B,) + tuple(a.shape[2:]))
+                paged.quantize_values(cfg, codec, vp_)
 
             t = C.bench(flush, [(kp, vp)], device=device, quick=quick)
-            res[method] = {"ms": t["ms"], "timing": t, "B": B, "H_kv": H, "G": G, "D": Dh,
+            res[method] = {"ms": t["ms"], "timing": t, "B": B, "H_kv": H, "G": G, "D": Dh, "fused": fused,
                            "bytes_in": 2 * kp.numel() * 2}
         except Exception as e:
             res[method] = {"error": C.err_str(e)}

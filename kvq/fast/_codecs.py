@@ -1,7 +1,7 @@
 """Key-page codecs of the paged cache (KIVI, Kitty) on torch tensors, for either fast backend.
 
 A codec knows how a key page is stored in the pool (``empty_pool``), how full pages of FP16 keys become
-pool arrays (``encode_pages``), how pool arrays become fp32 keys (``decode``) and which tensors the
+pool arrays (``encode_pages``; Kitty's ``write_pages``: straight into the pool, one kernel), how pool arrays become fp32 keys (``decode``) and which tensors the
 backend's fused decode kernel reads (``kernel_arrays``). The arithmetic runs in the backend's bit-exact
 kernels (``Ops``: its ``quant`` and ``packing`` modules); selection, gathers and layout are torch.
 
@@ -32,12 +32,20 @@ from kvq.reference.kitty import SELECTIONS
 @dataclass(frozen=True)
 class Ops:
     """A backend's bit-exact kernels: ``quant`` (quantize / dequantize) and ``packing`` (pack / unpack /
-    quantize_pack / unpack_dequantize) modules, and whether CPU tensors are allowed (the interpreter)."""
+    quantize_pack / unpack_dequantize) modules, whether CPU tensors are allowed (the interpreter) and,
+    where the backend has one, Kitty's fused page flush."""
 
     name: str
     quant: ModuleType
     packing: ModuleType
     allow_cpu: Callable[[], bool]
+    #: (pages, pool, first slot, d_boost) -> None: Kitty's fused key-page flush into the pool, or None
+    kitty_flush: Callable | None = None
+
+
+#: KittyCodec.write_pages uses the backend's fused flush kernel where it has one (False: every flush
+#: takes encode_pages and a copy into the pool, as a backend without one does)
+FUSED_FLUSH = True
 
 
 def _meta(cfg) -> torch.dtype:
@@ -192,6 +200,16 @@ class KittyCodec:
             boost = select_boost(scores, cfg.d_boost(D), cfg.selection)
         arrays = encode(self.ops, pages, boost, cfg.d_boost(D), cfg.meta_dtype)      # d_boost per page
         return {name: a.transpose(1, 2) for name, a in arrays.items()}
+
+    def write_pages(self, cfg, pool: dict, pages: torch.Tensor, first_slot: int) -> bool:
+        """Full pages (B, H, n, G, D) fp16 encoded straight into the pool arrays at slots ``first_slot + j *
+        B + b`` by the backend's fused flush kernel (one launch): True. False where the backend has none,
+        the selection is random (drawn on the host) or ``FUSED_FLUSH`` is off: the caller then encodes
+        (``encode_pages``) and copies."""
+        if not FUSED_FLUSH or self.ops.kitty_flush is None or cfg.selection != "magnitude":
+            return False
+        self.ops.kitty_flush(pages, pool, first_slot, cfg.d_boost(pages.shape[-1]))
+        return True
 
     def decode(self, cfg, page: dict) -> torch.Tensor:
         return dequantize_page(self.ops, page, cfg.group_size)

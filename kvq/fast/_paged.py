@@ -158,11 +158,13 @@ def append(cfg, codec, st: PagedState, k, v) -> PagedState:
     n_full = keys.shape[2] // G
     if n_full:
         pages = keys[:, :, :n_full * G].reshape(B, H, n_full, G, D)
-        arrays = codec.encode_pages(cfg, pages, c0["n_kpages"])          # name -> (B, n_full, H, ...)
         first = st.k_next
-        for name, a in arrays.items():
-            a = a.transpose(0, 1).reshape((n_full * B,) + tuple(a.shape[2:]))   # page-major, then batch
-            st.k_pool[name][first:first + n_full * B] = a
+        write = getattr(codec, "write_pages", None)                      # Kitty: one kernel into the pool
+        if not (write and write(cfg, st.k_pool, pages, first)):
+            arrays = codec.encode_pages(cfg, pages, c0["n_kpages"])      # name -> (B, n_full, H, ...)
+            for name, a in arrays.items():
+                a = a.transpose(0, 1).reshape((n_full * B,) + tuple(a.shape[2:]))   # page-major, then batch
+                st.k_pool[name][first:first + n_full * B] = a
         ids = first + torch.arange(n_full * B, dtype=torch.int32, device=dev).view(n_full, B).t()
         st.k_table[:, c0["n_kpages"]:c0["n_kpages"] + n_full] = ids
         st.k_next = first + n_full * B
