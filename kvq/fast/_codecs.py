@@ -1,8 +1,9 @@
 """Key-page codecs of the paged cache (KIVI, Kitty) on torch tensors, for either fast backend.
 
 A codec knows how a key page is stored in the pool (``empty_pool``), how full pages of FP16 keys become
-pool arrays (``encode_pages``; Kitty's ``write_pages``: straight into the pool, one kernel), how pool arrays become fp32 keys (``decode``) and which tensors the
-backend's fused decode kernel reads (``kernel_arrays``). The arithmetic runs in the backend's bit-exact
+pool arrays (``encode_pages``; Kitty's ``write_pages``: straight into the pool, one kernel), how pool
+arrays become fp32 keys (``decode``) and which tensors the backend's fused decode kernel reads
+(``kernel_arrays``). The arithmetic runs in the backend's bit-exact
 kernels (``Ops``: its ``quant`` and ``packing`` modules); selection, gathers and layout are torch.
 
     from kvq.fast._codecs import Ops, KittyCodec

@@ -52,7 +52,8 @@ def test_fused_flush_equals_reference_and_torch_path(device, monkeypatch, rate, 
         fs = TK.init(cfg, B, H, D)
         t = 0
         for n in chunks:
-            TK.append(cfg, fs, torch.from_numpy(k[:, :, t:t + n]).to(device), torch.from_numpy(v[:, :, t:t + n]).to(device))
+            kt, vt = (torch.from_numpy(a[:, :, t:t + n]).to(device) for a in (k, v))
+            TK.append(cfg, fs, kt, vt)
             t += n
         assert_same_state(fs, rs, "fused " if fused else "torch ")
         states[fused] = fs
