@@ -195,11 +195,12 @@ def run_shape(B, T, Hq, Hkv, Dh, device, copy_gbps, quick, dry, deadline) -> dic
 
 
 def time_flush(device, quick, dry, deadline) -> dict:
-    """One page flush per method, as ``append`` does it (Triton backend): the key Q-buffer (B, H, G, D) ->
-    one key page written into the pool (Kitty with magnitude selection: the fused kernel,
-    ``KittyCodec.write_pages``; else ``encode_pages`` and the copy into the pool), and G values -> one
-    value page (quantize + pack), B = 8, H_kv = 8 (dry: 2, 2). ``fused``: whether the key page took
-    the one-kernel path."""
+    """One page flush per method, as ``append`` does it (Triton backend), B = 8, H_kv = 8 (dry: 2, 2):
+    the key Q-buffer (B, H, G, D) -> one key page in the pool (the codec's ``write_pages``, one kernel,
+    where the backend has it: ``kvq.fast.triton._flush``; else ``encode_pages`` and copies into the pool)
+    and G values -> one value page in the pool (``value_evict``, one kernel; else the value quantizer and
+    copies). ``fused``: whether both took the one-kernel writers (``kvq.fast._codecs.FUSED_FLUSH``)."""
+    from kvq.fast import _codecs
     from kvq.fast.triton import paged
     import kvq.fast as fast
     fast.set_validation(False)
@@ -217,15 +218,21 @@ def time_flush(device, quick, dry, deadline) -> dict:
             vp = torch.randn((B, H, G, Dh), generator=gen, device=device, dtype=torch.float16)
 
             codec = mod.KeyCodec
-            pool = codec.empty_pool(cfg, B, H, Dh, device)
+            st = mod.init(cfg, B, H, Dh)                       # the pools (page b of sequence b)
+            table = torch.arange(B, dtype=torch.int32, device=device).view(B, 1)
             write = getattr(codec, "write_pages", None)
-            fused = bool(write and write(cfg, pool, kp, 0))
+            evict = _codecs.writer(codec.ops, "value_evict")
+            fused = bool(write and write(cfg, st.k_pool, kp, 0)) and evict is not None
 
             def flush(kp_, vp_):
-                if not (write and write(cfg, pool, kp_, 0)):
+                if not (write and write(cfg, st.k_pool, kp_, 0)):
                     for name, a in codec.encode_pages(cfg, kp_, 0).items():
-                        pool[name][:B] = a.transpose(0, 1).reshape((B,) + tuple(a.shape[2:]))
-                paged.quantize_values(cfg, codec, vp_)
+                        st.k_pool[name][:B] = a.transpose(0, 1).reshape((B,) + tuple(a.shape[2:]))
+                if evict is not None:
+                    evict(vp_, st.v_codes, st.v_scale, st.v_mn, table, 0, cfg.v_bits, cfg.v_group(Dh))
+                else:
+                    packed, scale, mn = paged.quantize_values(cfg, codec, vp_)
+                    st.v_codes[:B], st.v_scale[:B], st.v_mn[:B] = packed, scale, mn
 
             t = C.bench(flush, [(kp, vp)], device=device, quick=quick)
             res[method] = {"ms": t["ms"], "timing": t, "B": B, "H_kv": H, "G": G, "D": Dh, "fused": fused,

@@ -1,7 +1,7 @@
 """Key-page codecs of the paged cache (KIVI, Kitty) on torch tensors, for either fast backend.
 
 A codec knows how a key page is stored in the pool (``empty_pool``), how full pages of FP16 keys become
-pool arrays (``encode_pages``; Kitty's ``write_pages``: straight into the pool, one kernel), how pool
+pool arrays (``encode_pages``; ``write_pages``: straight into the pool, one kernel), how pool
 arrays become fp32 keys (``decode``) and which tensors the backend's fused decode kernel reads
 (``kernel_arrays``). The arithmetic runs in the backend's bit-exact
 kernels (``Ops``: its ``quant`` and ``packing`` modules); selection, gathers and layout are torch.
@@ -34,19 +34,28 @@ from kvq.reference.kitty import SELECTIONS
 class Ops:
     """A backend's bit-exact kernels: ``quant`` (quantize / dequantize) and ``packing`` (pack / unpack /
     quantize_pack / unpack_dequantize) modules, whether CPU tensors are allowed (the interpreter) and,
-    where the backend has one, Kitty's fused page flush."""
+    where the backend has them, single-kernel writers of key pages and evicted values into the pool."""
 
     name: str
     quant: ModuleType
     packing: ModuleType
     allow_cpu: Callable[[], bool]
-    #: (pages, pool, first slot, d_boost) -> None: Kitty's fused key-page flush into the pool, or None
-    kitty_flush: Callable | None = None
+    #: (pages, pool, first slot, bits, d_boost, kitty) -> None: full key pages into the pool, one kernel
+    key_flush: Callable | None = None
+    #: (toks, v_codes, v_scale, v_mn, v_table, q0, bits, Gv) -> None: evicted values into their page slots
+    value_evict: Callable | None = None
 
 
-#: KittyCodec.write_pages uses the backend's fused flush kernel where it has one (False: every flush
-#: takes encode_pages and a copy into the pool, as a backend without one does)
+#: the paged cache writes pages and evicted values with the backend's single-kernel writers where it has
+#: them (False: every write takes the quantize kernels and torch copies into the pool, as a backend
+#: without them does)
 FUSED_FLUSH = True
+
+
+def writer(ops: Ops, name: str):
+    """The backend's single-kernel pool writer ``name`` ("key_flush" / "value_evict"), or None where it
+    has none or ``FUSED_FLUSH`` is off."""
+    return getattr(ops, name) if FUSED_FLUSH else None
 
 
 def _meta(cfg) -> torch.dtype:
@@ -73,6 +82,16 @@ class KIVICodec:
                                                            meta_dtype=nx.dtype_name(cfg.meta_dtype))
         codes = packed.view(B, H, n, G * cfg.k_bits // 8, D).permute(0, 2, 1, 4, 3)   # (B, n, H, D, GB)
         return {"codes": codes, "scale": scale.transpose(1, 2), "mn": mn.transpose(1, 2)}
+
+    def write_pages(self, cfg, pool: dict, pages: torch.Tensor, first_slot: int) -> bool:
+        """Full pages (B, H, n, G, D) fp16 encoded straight into the pool arrays at slots ``first_slot + j *
+        B + b`` by the backend's key-page writer (one launch): True. False where the backend has none or
+        ``FUSED_FLUSH`` is off: the caller then encodes (``encode_pages``) and copies."""
+        flush = writer(self.ops, "key_flush")
+        if flush is None:
+            return False
+        flush(pages, pool, first_slot, cfg.k_bits, 0, False)
+        return True
 
     def decode(self, cfg, page: dict) -> torch.Tensor:
         """Pages (..., H, ...) -> fp32 keys (..., H, G, D)."""
@@ -207,9 +226,10 @@ class KittyCodec:
         B + b`` by the backend's fused flush kernel (one launch): True. False where the backend has none,
         the selection is random (drawn on the host) or ``FUSED_FLUSH`` is off: the caller then encodes
         (``encode_pages``) and copies."""
-        if not FUSED_FLUSH or self.ops.kitty_flush is None or cfg.selection != "magnitude":
+        flush = writer(self.ops, "key_flush")
+        if flush is None or cfg.selection != "magnitude":
             return False
-        self.ops.kitty_flush(pages, pool, first_slot, cfg.d_boost(pages.shape[-1]))
+        flush(pages, pool, first_slot, 2, cfg.d_boost(pages.shape[-1]), True)
         return True
 
     def decode(self, cfg, page: dict) -> torch.Tensor:

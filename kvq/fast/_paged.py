@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvq.fast import _codecs
 from kvq.fast import _common as C
 from kvq.reference import numerics as nx
 from kvq.reference import paged as RP
@@ -159,7 +160,7 @@ def append(cfg, codec, st: PagedState, k, v) -> PagedState:
     if n_full:
         pages = keys[:, :, :n_full * G].reshape(B, H, n_full, G, D)
         first = st.k_next
-        write = getattr(codec, "write_pages", None)                      # Kitty: one kernel into the pool
+        write = getattr(codec, "write_pages", None)                      # one kernel into the pool
         if not (write and write(cfg, st.k_pool, pages, first)):
             arrays = codec.encode_pages(cfg, pages, c0["n_kpages"])      # name -> (B, n_full, H, ...)
             for name, a in arrays.items():
@@ -207,7 +208,6 @@ def _evict_values(cfg, codec, st: PagedState, evicted: torch.Tensor, c0: dict) -
     e = toks.shape[2]
     if e == 0:
         return
-    packed, scale, mn = quantize_values(cfg, codec, toks)                    # (B, H, e, ...)
     # pages opened by these tokens: page-major, then batch (the reference's allocation order)
     pg0, pg1 = -(-q0 // G), (q0 + e - 1) // G + 1                     # new pages [pg0, pg1)
     n_new = pg1 - pg0
@@ -215,6 +215,11 @@ def _evict_values(cfg, codec, st: PagedState, evicted: torch.Tensor, c0: dict) -
         ids = st.v_next + torch.arange(n_new * B, dtype=torch.int32, device=dev).view(n_new, B).t()
         st.v_table[:, pg0:pg1] = ids
         st.v_next += n_new * B
+    evict = _codecs.writer(codec.ops, "value_evict")
+    if evict is not None:                                              # one kernel: codes into their slots
+        evict(toks, st.v_codes, st.v_scale, st.v_mn, st.v_table, q0, cfg.v_bits, cfg.v_group(st.shape[2]))
+        return
+    packed, scale, mn = quantize_values(cfg, codec, toks)                    # (B, H, e, ...)
     q = torch.arange(q0, q0 + e, device=dev)
     page, slot = q // G, q % G
     pid = st.v_table[:, page].long()                                   # (B, e)

@@ -36,14 +36,14 @@ from kvq.fast._codecs import Ops
 from kvq.fast._paged import (PagedState, append, counts, dequantize_cache, init,  # noqa: F401
                              max_pages, meta_dtype, quantize_values, segment_bounds)
 
-from . import _kitty_flush as KF
+from . import _flush as W
 from . import attention as A
 from . import packing as P
 from . import quant as Q
 from .quant import _unpack_last
 
 #: the bit-exact Triton kernels the shared paged cache (``kvq.fast._paged``) quantizes and packs with
-OPS = Ops("triton", Q, P, C.interpreting, kitty_flush=KF.flush_pages)
+OPS = Ops("triton", Q, P, C.interpreting, key_flush=W.flush_key_pages, value_evict=W.evict_values)
 
 LOG2E = 1.4426950408889634
 

@@ -1,0 +1,211 @@
+"""The paged cache's writes as single Triton kernels, straight into the preallocated pool.
+
+``flush_key_pages``: full pages of fp16 keys -> the key pool, one launch for all of a flush's pages.
+Per (page, head) one program quantizes every channel over the page's G tokens (rule 2, the bit-exact
+quantizer's device helpers from ``kvq.fast.triton.quant``) and packs the codes along tokens (rule 6:
+token PER j + k of byte j at bits [BITS k, BITS k + BITS)), at pool slot ``first + j * B + b`` (page j of
+sequence b: page-major, then batch, the reference's allocation order).
+
+- KIVI: ``codes`` (D, G * BITS / 8), ``scale`` / ``mn`` (D,).
+- Kitty (``kvq.reference.kitty.encode_page``, in the reference's order of decisions):
+  1. the channel scores of eq. 2, ``s_i = (1/G) sum_t |x_{t,i}|`` (an fp32 sum in the kernel's order,
+     then an IEEE division by G: contract rule 7, as the torch path);
+  2. the ``d_boost`` largest scores boosted, ties to the lower channel (each channel's rank counted
+     against all others: the reference's stable sort on -s);
+  3. every channel at 2 and at 4 bits;
+  4. ``low`` (D, G/4): the 2-bit code of an unboosted channel, the low two bits of a boosted one's
+     4-bit code; ``high`` (d_boost, G/4): the boosted channels' high two bits in channel order;
+     ``idx`` (D,): a boosted channel's row in ``high``, ``d_boost`` otherwise; ``scale`` / ``mn``: the
+     4-bit metadata of a boosted channel, the 2-bit metadata of the others.
+
+``evict_values``: the tokens that leave the value window (or a full value Q-buffer), quantized per
+token in groups of Gv channels and packed along channels, each written to its page slot: token q (q0 +
+t) goes to page ``v_table[b, q // G]``, slot ``q % G``. One program per (token, head, sequence).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvq.fast import _common as C
+
+from .quant import _codes, _fast_ok, _load_f32, _meta
+
+__all__ = ["flush_key_pages", "evict_values"]
+
+
+# Computes: the key-page arrays of one (page, head) into the pool (module docstring).
+# Grid: (n * B, H): program (j * B + b, h) takes page j of sequence b, kv head h; the pages' last three
+#   dimensions (n, G, D) contiguous, batch and head strides sx_b, sx_h (a slice of the keys, no copy).
+# Tile: (BLOCK_J, PER, BLOCK_D) keys (token PER j + k, channel d) in registers; Kitty's ranking a
+#   (BLOCK_D, BLOCK_D) comparison.
+# Bytes: reads G * D fp16 keys; writes D * G * BITS / 8 code bytes and 2 D metadata (Kitty: also
+#   d_boost * G / 4 high-plane bytes and D index bytes).
+@triton.jit
+def _key_flush_kernel(x_ptr, low_ptr, high_ptr, idx_ptr, s_ptr, m_ptr, sx_b, sx_h, B, n, G, D, DB, first, Gf,
+                      BITS: tl.constexpr, QMAX: tl.constexpr, KITTY: tl.constexpr, FASTDIV: tl.constexpr,
+                      BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr):
+    PER: tl.constexpr = 8 // BITS
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    H = tl.num_programs(1)
+    jp = pid // B
+    b = pid % B
+    NJ = G // PER
+    j3 = tl.arange(0, BLOCK_J)[:, None, None]
+    k3 = tl.arange(0, PER)[None, :, None]
+    dd = tl.arange(0, BLOCK_D)
+    d3 = dd[None, None, :]
+    dvalid = dd < D
+    m = (j3 < NJ) & (d3 < D)
+    base = b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h + jp.to(tl.int64) * G * D
+    x = _load_f32(x_ptr + base + (j3 * PER + k3) * D + d3, m, False)
+    # per channel over the page's tokens (rule 2; nz: NaN where the channel holds a non-finite key;
+    # padding channels: 0)
+    lo = tl.where(dvalid, tl.min(tl.min(tl.where(m, x, float("inf")), axis=1), axis=0), 0.0)
+    hi = tl.where(dvalid, tl.max(tl.max(tl.where(m, x, float("-inf")), axis=1), axis=0), 0.0)
+    nz = tl.sum(tl.sum(x * 0.0, axis=1), axis=0)
+    sa_st, ma_st, sa, ma = _meta(lo, hi, nz, s_ptr, QMAX, 0.0, False)
+    ca = _codes(x, sa[None, None, :], ma[None, None, :], tl.div_rn(1.0, sa)[None, None, :], _fast_ok(sa, dvalid),
+                QMAX, 0.0, False, BITS, FASTDIV)
+    ph = (first + pid).to(tl.int64) * H + h
+    j2 = tl.arange(0, BLOCK_J)[:, None]
+    d2 = dd[None, :]
+    m2d = (j2 < NJ) & (d2 < D)
+    if KITTY:
+        # eq. 2 scores and the boosted channels: rank = channels with a larger score, or an equal one at
+        # a lower index (padding channels score -inf and are never boosted)
+        sc = tl.div_rn(tl.sum(tl.sum(tl.where(m, tl.abs(x), 0.0), axis=1), axis=0), Gf)
+        sc = tl.where(dvalid, sc, float("-inf"))
+        before = (sc[None, :] > sc[:, None]) | ((sc[None, :] == sc[:, None]) & (dd[None, :] < dd[:, None]))
+        boost = (tl.sum(before.to(tl.int32), axis=1) < DB) & dvalid
+        s4_st, m4_st, s4, m4 = _meta(lo, hi, nz, s_ptr, 15.0, 0.0, False)
+        c4 = _codes(x, s4[None, None, :], m4[None, None, :], tl.div_rn(1.0, s4)[None, None, :],
+                    _fast_ok(s4, dvalid), 15.0, 0.0, False, 4, FASTDIV)
+        codes = tl.where(boost[None, None, :], c4 & 3, ca)
+        s_out = tl.where(boost, s4_st, sa_st)
+        m_out = tl.where(boost, m4_st, ma_st)
+        row = tl.cumsum(boost.to(tl.int32), axis=0) - 1
+        tl.store(idx_ptr + ph * D + dd, tl.where(boost, row, DB).to(tl.uint8), mask=dvalid)
+        high = tl.sum((c4 >> 2) << (k3 * 2), axis=1)
+        tl.store(high_ptr + (ph * DB + row[None, :]) * NJ + j2, high.to(tl.uint8), mask=m2d & boost[None, :])
+    else:
+        codes = ca
+        s_out = sa_st
+        m_out = ma_st
+    low = tl.sum(codes << (k3 * BITS), axis=1)                               # (BLOCK_J, BLOCK_D) bytes
+    tl.store(low_ptr + (ph * D + d2) * NJ + j2, low.to(tl.uint8), mask=m2d)
+    tl.store(s_ptr + ph * D + dd, s_out, mask=dvalid)
+    tl.store(m_ptr + ph * D + dd, m_out, mask=dvalid)
+
+
+def flush_key_pages(pages: torch.Tensor, pool: dict, first: int, bits: int, d_boost: int, kitty: bool) -> None:
+    """Encode full key pages (B, H, n, G, D) fp16 into the key pool at slots ``first + j * B + b``:
+    KIVI's ``codes`` / ``scale`` / ``mn`` with ``bits``-bit codes, or (``kitty``, magnitude selection,
+    bits = 2) Kitty's ``low`` / ``high`` / ``idx`` / ``scale`` / ``mn``.
+
+    Checks the shapes and dtypes it relies on; the caller (``kvq.fast._paged.append``) has validated
+    the keys (finite fp16) and allocated the slots.
+    """
+    if pages.ndim != 5 or pages.dtype != torch.float16:
+        raise ValueError(f"pages must be (B, H, n, G, D) float16, got {tuple(pages.shape)} {pages.dtype}")
+    B, H, n, G, D = pages.shape
+    if bits not in (2, 4, 8) or (kitty and bits != 2) or G % (8 // bits):
+        raise ValueError(f"bits={bits} (Kitty: 2) must be 2, 4 or 8 and divide the group size {G} into bytes")
+    if not 0 <= d_boost <= (min(D, 255) if kitty else 0):
+        raise ValueError(f"d_boost={d_boost} must lie in [0, min(D, 255)] (KIVI: 0)")
+    names = ("low", "high", "idx", "scale", "mn") if kitty else ("codes", "scale", "mn")
+    if set(pool) != set(names):
+        raise ValueError(f"the pool holds {sorted(pool)}, not {sorted(names)}")
+    codes, scale, mn = pool[names[0]], pool["scale"], pool["mn"]
+    shapes_ok = (codes.shape[1:] == (H, D, G * bits // 8) and scale.shape[1:] == (H, D) and mn.shape == scale.shape
+                 and codes.dtype == torch.uint8 and first + n * B <= codes.shape[0])
+    if kitty:
+        shapes_ok = shapes_ok and pool["high"].shape[1:] == (H, d_boost, G // 4) and pool["idx"].shape == scale.shape
+    if not shapes_ok:
+        raise ValueError("the pool arrays do not match the pages (or too few slots are left)")
+    if not all(t.is_contiguous() for t in pool.values()):
+        raise ValueError("the pool arrays must be contiguous")
+    if B * n == 0:
+        return
+    x = pages if pages.stride()[2:] == (G * D, D, 1) else pages.contiguous()
+    high = pool["high"] if kitty and d_boost else codes
+    idx = pool["idx"] if kitty else codes
+    _key_flush_kernel[(n * B, H)](x, codes, high, idx, scale, mn, x.stride(0), x.stride(1), B, n, G, D, d_boost,
+                                  first, float(G), BITS=bits, QMAX=float(2 ** bits - 1), KITTY=bool(kitty),
+                                  FASTDIV=not C.interpreting(), BLOCK_J=triton.next_power_of_2(G * bits // 8),
+                                  BLOCK_D=triton.next_power_of_2(D), num_warps=8, enable_fp_fusion=False)
+
+
+# Computes: one token's values quantized per token in groups of GV channels (rule 2) and packed along
+#   channels (rule 6), written to the token's page slot (module docstring).
+# Grid: (e, H, B): program (t, h, b) takes token t of sequence b, kv head h; x strides sx_b, sx_h, sx_t,
+#   channels contiguous.
+# Tile: (BLOCK_J, PER) channels PER j + k; groups by a (BLOCK_G, BLOCK_J, PER) membership mask (a group
+#   need not fill whole bytes).
+# Bytes: reads D fp16 values and one page-table entry; writes D * BITS / 8 code bytes and 2 D / GV metadata.
+@triton.jit
+def _value_evict_kernel(x_ptr, c_ptr, s_ptr, m_ptr, tab_ptr, sx_b, sx_h, sx_t, q0, G, D, GV, NGV, n_tab,
+                        BITS: tl.constexpr, QMAX: tl.constexpr, FASTDIV: tl.constexpr,
+                        BLOCK_J: tl.constexpr, BLOCK_G: tl.constexpr):
+    PER: tl.constexpr = 8 // BITS
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    H = tl.num_programs(1)
+    NJ = D // PER
+    jj = tl.arange(0, BLOCK_J)
+    c = jj[:, None] * PER + tl.arange(0, PER)[None, :]                     # (BLOCK_J, PER) channels
+    m = c < D
+    x = _load_f32(x_ptr + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h + t.to(tl.int64) * sx_t + c, m, False)
+    gg = tl.arange(0, BLOCK_G)
+    gvalid = gg < NGV
+    gm = ((c // GV)[None, :, :] == gg[:, None, None]) & m[None, :, :]        # channel c in group g
+    x3 = x[None, :, :]
+    lo = tl.where(gvalid, tl.min(tl.min(tl.where(gm, x3, float("inf")), axis=2), axis=1), 0.0)
+    hi = tl.where(gvalid, tl.max(tl.max(tl.where(gm, x3, float("-inf")), axis=2), axis=1), 0.0)
+    nz = tl.sum(tl.sum(tl.where(gm, x3 * 0.0, 0.0), axis=2), axis=1)
+    s_st, m_st, s32, m32 = _meta(lo, hi, nz, s_ptr, QMAX, 0.0, False)
+    # each channel's group metadata: a sum with one nonzero term per channel (exact)
+    se = tl.sum(tl.where(gm, s32[:, None, None], 0.0), axis=0)
+    me = tl.sum(tl.where(gm, m32[:, None, None], 0.0), axis=0)
+    re = tl.sum(tl.where(gm, tl.div_rn(1.0, s32)[:, None, None], 0.0), axis=0)
+    code = _codes(x, se, me, re, _fast_ok(s32, gvalid), QMAX, 0.0, False, BITS, FASTDIV)
+    byte = tl.sum(code << (tl.arange(0, PER)[None, :] * BITS), axis=1)      # (BLOCK_J,)
+    q = q0 + t
+    page = tl.load(tab_ptr + b.to(tl.int64) * n_tab + q // G).to(tl.int64)
+    row = (page * H + h) * G + q % G
+    tl.store(c_ptr + row * NJ + jj, byte.to(tl.uint8), mask=jj < NJ)
+    tl.store(s_ptr + row * NGV + gg, s_st, mask=gvalid)
+    tl.store(m_ptr + row * NGV + gg, m_st, mask=gvalid)
+
+
+def evict_values(toks: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor, v_mn: torch.Tensor,
+                 v_table: torch.Tensor, q0: int, bits: int, Gv: int) -> None:
+    """Quantize the values ``toks`` (B, H, e, D) fp16, tokens q0 .. q0 + e - 1 of the quantized history,
+    per token in groups of ``Gv`` channels at ``bits`` bits, into their page slots: ``v_codes`` (slots, H,
+    G, D * bits / 8), ``v_scale`` / ``v_mn`` (slots, H, G, D / Gv), pages from ``v_table`` (B, pages),
+    whose entries for these tokens the caller has set.
+    """
+    if toks.ndim != 4 or toks.dtype != torch.float16:
+        raise ValueError(f"toks must be (B, H, e, D) float16, got {tuple(toks.shape)} {toks.dtype}")
+    B, H, e, D = toks.shape
+    if bits not in (2, 4, 8) or D % (8 // bits) or Gv < 1 or D % Gv:
+        raise ValueError(f"bits={bits} must be 2, 4 or 8 with D={D} a multiple of {8 // max(bits, 1)} and of Gv={Gv}")
+    G = v_codes.shape[2] if v_codes.ndim == 4 else 0
+    if (v_codes.ndim != 4 or v_codes.shape[1] != H or v_codes.shape[3] != D * bits // 8
+            or v_scale.shape != (v_codes.shape[0], H, G, D // Gv) or v_mn.shape != v_scale.shape
+            or v_table.ndim != 2 or v_table.shape[0] != B or v_table.dtype != torch.int32
+            or (e and (q0 + e - 1) // G >= v_table.shape[1])):
+        raise ValueError("the value pool, its page table and the tokens do not match")
+    if not all(t.is_contiguous() for t in (v_codes, v_scale, v_mn, v_table)):
+        raise ValueError("the value pool and page table must be contiguous")
+    if B * H * e == 0:
+        return
+    x = toks if toks.stride(-1) == 1 else toks.contiguous()
+    _value_evict_kernel[(e, H, B)](x, v_codes, v_scale, v_mn, v_table, x.stride(0), x.stride(1), x.stride(2), q0, G,
+                                   D, Gv, D // Gv, v_table.shape[1], BITS=bits, QMAX=float(2 ** bits - 1),
+                                   FASTDIV=not C.interpreting(), BLOCK_J=triton.next_power_of_2(D * bits // 8),
+                                   BLOCK_G=triton.next_power_of_2(D // Gv), num_warps=1, enable_fp_fusion=False)

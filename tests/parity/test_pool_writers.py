@@ -1,0 +1,230 @@
+"""The paged cache's single-kernel pool writers (``kvq.fast.triton._flush``): ``flush_key_pages`` (KIVI's
+and Kitty's full key pages, one launch per flush) and ``evict_values`` (the values that leave the window,
+quantized per token into their page slots, one launch per append), both straight into the pool.
+
+The cache state they leave equals the reference's bit for bit and the torch path's (``FUSED_FLUSH``
+off: the quantize kernels and copies into the pool), over bit widths 2 / 4 / 8, value groups that do
+not fill whole bytes, Kitty's boost rates (none, all), a group that is not a power of two, and bulk,
+chunked and one-token appends. Kitty uses keys with an unambiguous channel ranking (contract rule 7:
+``test_kivi_kitty_parity.test_kitty_near_ties`` covers near-ties, through the same kernel). The appends
+use the writers (no page arrays, no separate value quantization); Kitty's random selection (host RNG)
+and a backend without writers take the torch path; bad arguments raise before any launch and leave the
+pool as it was.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvq.fast import _codecs
+from kvq.fast import _paged
+from kvq.fast.triton import _flush as W
+from kvq.fast.triton import kitty as TK
+from kvq.fast.triton import kivi as TV
+from kvq.fast.triton import packing as TP
+from kvq.fast.triton import quant as TQ
+from kvq.reference import kitty as RT
+from kvq.reference import kivi as RK
+
+from .cases import assert_bits_equal
+from .test_kivi_kitty_parity import _chunks, _kv, assert_same_state
+
+TRITON = [pytest.param("cpu", id="triton-interp"), pytest.param("cuda", id="triton-cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(params=TRITON)
+def device(request):
+    if request.param == "cpu" and torch.cuda.is_available():
+        pytest.skip("the Triton interpreter target runs only on machines without a GPU (CI)")
+    return request.param
+
+
+S = dict(group_size=16, residual=5)
+# name, (reference module, fast module), config, (B, H, D), T, chunk kind
+CASES = [
+    ("KIVI-K2V2", (RK, TV), RK.KIVIConfig(2, 2, max_tokens=75, **S), (2, 2, 16), 75, "random"),
+    ("KIVI-K4V2*", (RK, TV), RK.KIVIConfig(4, 2, sink=3, max_tokens=60, **S), (2, 1, 16), 60, "ones"),
+    ("KIVI-K8V8", (RK, TV), RK.KIVIConfig(8, 8, max_tokens=50, **S), (1, 2, 16), 50, "bulk"),
+    ("KIVI-K2V4-Gv8", (RK, TV), RK.KIVIConfig(2, 4, v_group_size=8, max_tokens=60, **S), (2, 1, 32), 60, "random"),
+    ("KIVI-K4V2-Gv2", (RK, TV), RK.KIVIConfig(4, 2, v_group_size=2, max_tokens=50, **S), (1, 2, 16), 50, "random"),
+    ("KIVI-K2V2-G12", (RK, TV), RK.KIVIConfig(2, 2, group_size=12, residual=3, max_tokens=50), (2, 1, 20), 50, "bulk"),
+    ("Kitty", (RT, TK), RT.KittyConfig(0.125, sink=3, max_tokens=75, **S), (2, 2, 32), 75, "bulk"),
+    ("Kitty-Pro", (RT, TK), RT.KittyConfig(0.25, sink=3, max_tokens=70, **S), (2, 1, 32), 70, "random"),
+    ("Kitty-ones", (RT, TK), RT.KittyConfig(0.25, sink=2, max_tokens=45, **S), (1, 2, 16), 45, "ones"),
+    ("Kitty-no-boost", (RT, TK), RT.KittyConfig(0.0, sink=3, max_tokens=40, **S), (1, 2, 16), 40, "bulk"),
+    ("Kitty-all-boost", (RT, TK), RT.KittyConfig(1.0, sink=3, max_tokens=40, **S), (2, 1, 16), 40, "random"),
+    ("Kitty-G12-D20", (RT, TK), RT.KittyConfig(0.3, group_size=12, residual=5, sink=3, max_tokens=50), (2, 2, 20), 50,
+     "random"),
+]
+
+
+@pytest.mark.parametrize("name, mods, cfg, shape, T, chunks", CASES, ids=[c[0] for c in CASES])
+def test_writers_equal_reference_and_torch_path(device, monkeypatch, name, mods, cfg, shape, T, chunks):
+    ref, fast = mods
+    B, H, D = shape
+    k, v = _kv(B, H, T, D, cfg.group_size, seed=7, start=cfg.sink)
+    rs = ref.init(cfg, B, H, D)
+    ref.append(cfg, rs, k, v)
+    states = {}
+    for fused in (True, False):
+        monkeypatch.setattr(_codecs, "FUSED_FLUSH", fused)
+        fs = fast.init(cfg, B, H, D)
+        t = 0
+        for n in _chunks(chunks, T):
+            kt, vt = (torch.from_numpy(a[:, :, t:t + n]).to(device) for a in (k, v))
+            fast.append(cfg, fs, kt, vt)
+            t += n
+        assert_same_state(fs, rs, "writers " if fused else "torch path ")
+        states[fused] = fs
+    for n, a in states[True].arrays().items():
+        assert_bits_equal(a, states[False].arrays()[n].cpu().numpy(), n)
+
+
+@pytest.mark.parametrize("mods, cfg", [((TV, RK), RK.KIVIConfig(2, 4, sink=2, residual=4, group_size=16, max_tokens=64)),
+                                       ((TK, RT), RT.KittyConfig(0.25, sink=2, residual=4, group_size=16, max_tokens=64))],
+                         ids=["KIVI", "Kitty"])
+def test_appends_take_the_writers(device, monkeypatch, mods, cfg):
+    """With the writers on, appends build no page arrays (encode_pages) and quantize no values apart."""
+    fast, _ = mods
+
+    def forbidden(*a, **kw):
+        raise AssertionError("the torch path was taken")
+
+    codec = type(fast.KeyCodec)
+    monkeypatch.setattr(codec, "encode_pages", forbidden)
+    monkeypatch.setattr(_paged, "quantize_values", forbidden)
+    k, v = _kv(1, 2, 64, 16, 16, seed=3, start=2)
+    fs = fast.init(cfg, 1, 2, 16)
+    for t in range(0, 64, 16):
+        fast.append(cfg, fs, torch.from_numpy(k[:, :, t:t + 16]).to(device), torch.from_numpy(v[:, :, t:t + 16]).to(device))
+    assert fs.k_next == 3 and fs.v_next > 0                         # pages were written
+    monkeypatch.setattr(_codecs, "FUSED_FLUSH", False)
+    with pytest.raises(AssertionError, match="torch path"):
+        fast.append(cfg, fast.init(cfg, 1, 2, 16), torch.from_numpy(k).to(device), torch.from_numpy(v).to(device))
+
+
+def test_writers_decline():
+    """Kitty's random selection (drawn on the host) and a backend without writers take the torch path."""
+    pages = torch.zeros((1, 1, 1, 16, 16), dtype=torch.float16)
+    kitty = _codecs.KittyCodec(TK.paged.OPS)
+    pool = kitty.empty_pool(RT.CONFIGS["Kitty"], 2, 1, 16, "cpu")
+    assert kitty.write_pages(RT.KittyConfig(0.25, selection="random", group_size=16), pool, pages, 0) is False
+    bare = _codecs.Ops("bare", TQ, TP, lambda: True)
+    assert _codecs.KittyCodec(bare).write_pages(RT.KittyConfig(0.25, group_size=16), pool, pages, 0) is False
+    assert _codecs.KIVICodec(bare).write_pages(RK.KIVIConfig(2, 2, group_size=16), {}, pages, 0) is False
+    assert _codecs.writer(bare, "value_evict") is None
+    assert (TK.paged.OPS.key_flush, TK.paged.OPS.value_evict) == (W.flush_key_pages, W.evict_values)
+
+
+def _kpool(Pn, H, D, G, Db, kitty=True, bits=2):
+    u8 = dict(dtype=torch.uint8)
+    meta = dict(dtype=torch.float16)
+    if not kitty:
+        return {"codes": torch.zeros((Pn, H, D, G * bits // 8), **u8), "scale": torch.zeros((Pn, H, D), **meta),
+                "mn": torch.zeros((Pn, H, D), **meta)}
+    return {"low": torch.zeros((Pn, H, D, G // 4), **u8), "high": torch.zeros((Pn, H, Db, G // 4), **u8),
+            "idx": torch.zeros((Pn, H, D), **u8), "scale": torch.zeros((Pn, H, D), **meta),
+            "mn": torch.zeros((Pn, H, D), **meta)}
+
+
+KEY_BAD = ["dtype", "ndim", "group", "bits", "kitty-bits", "d_boost", "kivi-d_boost", "names", "pool", "slots",
+           "contiguous"]
+
+
+@pytest.mark.parametrize("what", KEY_BAD)
+def test_flush_key_pages_rejects_bad_arguments(what):
+    B, H, n, G, D, Db, bits, kitty = 1, 2, 2, 16, 16, 2, 2, True
+    pages = torch.zeros((B, H, n, G, D), dtype=torch.float16)
+    pool, first = _kpool(4, H, D, G, Db), 0
+    if what == "dtype":
+        pages = pages.float()
+    elif what == "ndim":
+        pages = pages[0]
+    elif what == "group":
+        pages, pool = torch.zeros((B, H, n, 6, D), dtype=torch.float16), _kpool(4, H, D, 6, Db)
+    elif what == "bits":
+        bits, kitty, Db, pool = 3, False, 0, _kpool(4, H, D, G, 0, kitty=False)
+    elif what == "kitty-bits":
+        bits = 4
+    elif what == "d_boost":
+        Db = D + 1
+    elif what == "kivi-d_boost":
+        kitty, pool = False, _kpool(4, H, D, G, 0, kitty=False)
+    elif what == "names":
+        pool = _kpool(4, H, D, G, 0, kitty=False)
+    elif what == "pool":
+        pool["high"] = torch.zeros((4, H, Db + 1, G // 4), dtype=torch.uint8)
+    elif what == "slots":
+        first = 3
+    else:
+        pool["low"] = torch.zeros((4, H, G // 4, D), dtype=torch.uint8).transpose(-1, -2)
+    before = {k: t.clone() for k, t in pool.items()}
+    with pytest.raises(ValueError):
+        W.flush_key_pages(pages, pool, first, bits, Db, kitty)
+    for k, t in pool.items():
+        assert torch.equal(t, before[k]), k
+
+
+VALUE_BAD = ["dtype", "ndim", "bits", "group", "pool", "table-dtype", "table-rows", "past-table", "contiguous"]
+
+
+@pytest.mark.parametrize("what", VALUE_BAD)
+def test_evict_values_rejects_bad_arguments(what):
+    B, H, e, D, G, bits, Gv, q0 = 2, 2, 3, 16, 8, 2, 8, 0
+    toks = torch.zeros((B, H, e, D), dtype=torch.float16)
+    codes = torch.zeros((4, H, G, D * bits // 8), dtype=torch.uint8)
+    scale = torch.zeros((4, H, G, D // Gv), dtype=torch.float16)
+    mn = scale.clone()
+    table = torch.zeros((B, 2), dtype=torch.int32)
+    if what == "dtype":
+        toks = toks.float()
+    elif what == "ndim":
+        toks = toks[0]
+    elif what == "bits":
+        bits = 3
+    elif what == "group":
+        Gv = 5
+    elif what == "pool":
+        scale = torch.zeros((4, H, G, 1), dtype=torch.float16)
+    elif what == "table-dtype":
+        table = table.long()
+    elif what == "table-rows":
+        table = torch.zeros((B + 1, 2), dtype=torch.int32)
+    elif what == "past-table":
+        q0 = 2 * G - 1                                              # its last token lies past the table
+    else:
+        codes = torch.zeros((4, H, D * bits // 8, G), dtype=torch.uint8).transpose(-1, -2)
+    before = [t.clone() for t in (codes, scale, mn)]
+    with pytest.raises(ValueError):
+        W.evict_values(toks, codes, scale, mn, table, q0, bits, Gv)
+    for t, t0 in zip((codes, scale, mn), before):
+        assert torch.equal(t, t0)
+
+
+def test_writers_read_strided_slices(device):
+    """Pages or tokens cut out of a longer buffer (its batch and head strides) are read in place and give
+    the same pool as contiguous copies."""
+    rng = np.random.default_rng(5)
+    B, H, G, D, Db = 2, 2, 16, 16, 4
+    buf = torch.from_numpy((rng.standard_normal((B, H, 2 * G + 5, D)) * 3).astype(np.float16)).to(device)
+    pages = buf[:, :, :2 * G].reshape(B, H, 2, G, D)
+    assert not pages.is_contiguous()
+    a, b = ({k: t.to(device) for k, t in _kpool(4, H, D, G, Db).items()} for _ in range(2))
+    W.flush_key_pages(pages, a, 0, 2, Db, True)
+    W.flush_key_pages(pages.contiguous(), b, 0, 2, Db, True)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert int((a["idx"] < Db).sum()) == 4 * H * Db                 # every page and head boosts Db channels
+    toks = buf[:, :, 3:3 + G]
+    table = torch.arange(B, dtype=torch.int32, device=device).view(B, 1)
+    outs = []
+    for x in (toks, toks.contiguous()):
+        pool = [torch.zeros((B, H, G, D // 4), dtype=torch.uint8, device=device),
+                torch.zeros((B, H, G, 2), dtype=torch.float16, device=device),
+                torch.zeros((B, H, G, 2), dtype=torch.float16, device=device)]
+        W.evict_values(x, *pool, table, 0, 2, 8)
+        outs.append(pool)
+    for x, y in zip(*outs):
+        assert torch.equal(x, y)
