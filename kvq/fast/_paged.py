@@ -191,6 +191,12 @@ def append(cfg, codec, st: PagedState, k, v) -> PagedState:
     return st
 
 
+#: under the Triton interpreter (CPU), evictions of more (token, head) programs than this take the value
+#: quantizer (a few programs of many rows), not the one-program-per-token writer: the same bits (the
+#: writer tests check it), minutes less of CI
+INTERP_EVICT_PROGRAMS = 16
+
+
 def _evict_values(cfg, codec, st: PagedState, evicted: torch.Tensor, c0: dict) -> None:
     G = cfg.group_size
     B = evicted.shape[0]
@@ -216,6 +222,8 @@ def _evict_values(cfg, codec, st: PagedState, evicted: torch.Tensor, c0: dict) -
         st.v_table[:, pg0:pg1] = ids
         st.v_next += n_new * B
     evict = _codecs.writer(codec.ops, "value_evict")
+    if evict is not None and C.interpreting() and B * st.shape[1] * e > INTERP_EVICT_PROGRAMS:
+        evict = None                    # the interpreter runs one program (token, head) at a time in Python
     if evict is not None:                                              # one kernel: codes into their slots
         evict(toks, st.v_codes, st.v_scale, st.v_mn, st.v_table, q0, cfg.v_bits, cfg.v_group(st.shape[2]))
         return

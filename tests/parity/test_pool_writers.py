@@ -9,7 +9,8 @@ chunked and one-token appends. Kitty uses keys with an unambiguous channel ranki
 ``test_kivi_kitty_parity.test_kitty_near_ties`` covers near-ties, through the same kernel). The appends
 use the writers (no page arrays, no separate value quantization); Kitty's random selection (host RNG)
 and a backend without writers take the torch path; bad arguments raise before any launch and leave the
-pool as it was.
+pool as it was. Under the interpreter, large evictions take the value quantizer (``_paged.
+INTERP_EVICT_PROGRAMS``: one program per token and head is slow there); the parity tests lift the limit.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def test_writers_equal_reference_and_torch_path(device, monkeypatch, name, mods,
     rs = ref.init(cfg, B, H, D)
     ref.append(cfg, rs, k, v)
     states = {}
+    monkeypatch.setattr(_paged, "INTERP_EVICT_PROGRAMS", 1 << 30)      # the writer for every eviction
     for fused in (True, False):
         monkeypatch.setattr(_codecs, "FUSED_FLUSH", fused)
         fs = fast.init(cfg, B, H, D)
@@ -93,6 +95,7 @@ def test_appends_take_the_writers(device, monkeypatch, mods, cfg):
         raise AssertionError("the torch path was taken")
 
     codec = type(fast.KeyCodec)
+    monkeypatch.setattr(_paged, "INTERP_EVICT_PROGRAMS", 1 << 30)
     monkeypatch.setattr(codec, "encode_pages", forbidden)
     monkeypatch.setattr(_paged, "quantize_values", forbidden)
     k, v = _kv(1, 2, 64, 16, 16, seed=3, start=2)
@@ -103,6 +106,26 @@ def test_appends_take_the_writers(device, monkeypatch, mods, cfg):
     monkeypatch.setattr(_codecs, "FUSED_FLUSH", False)
     with pytest.raises(AssertionError, match="torch path"):
         fast.append(cfg, fast.init(cfg, 1, 2, 16), torch.from_numpy(k).to(device), torch.from_numpy(v).to(device))
+
+
+def test_interpreter_takes_the_quantizer_for_large_evictions(monkeypatch):
+    """Under the interpreter an eviction of more (token, head) programs than INTERP_EVICT_PROGRAMS takes the
+    value quantizer (the same bits); on the GPU the writer takes every eviction."""
+    cfg = RK.KIVIConfig(2, 2, group_size=16, residual=4, max_tokens=64)
+    k, v = _kv(1, 2, 40, 16, 16, seed=2, distinct=False)
+    calls = []
+    real = _paged.quantize_values
+    monkeypatch.setattr(_paged, "quantize_values", lambda *a: calls.append(a[2].shape[2]) or real(*a))
+    monkeypatch.setattr(_paged.C, "interpreting", lambda: True)
+    fs = TV.init(cfg, 1, 2, 16) if not torch.cuda.is_available() else None
+    if fs is None:
+        pytest.skip("the interpreter rule is exercised on the CPU (CI)")
+    TV.append(cfg, fs, torch.from_numpy(k[:, :, :30]), torch.from_numpy(v[:, :, :30]))    # 26 x 2 programs
+    TV.append(cfg, fs, torch.from_numpy(k[:, :, 30:33]), torch.from_numpy(v[:, :, 30:33]))  # 3 x 2 programs
+    assert calls == [26]
+    rs = RK.init(cfg, 1, 2, 16)
+    RK.append(cfg, rs, k[:, :, :33], v[:, :, :33])
+    assert_same_state(fs, rs)
 
 
 def test_writers_decline():
