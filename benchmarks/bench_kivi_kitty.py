@@ -195,13 +195,12 @@ def run_shape(B, T, Hq, Hkv, Dh, device, copy_gbps, quick, dry, deadline) -> dic
 
 
 def time_flush(device, quick, dry, deadline) -> dict:
-    """One page flush per method, as ``append`` does it (Triton backend), B = 8, H_kv = 8 (dry: 2, 2):
-    the key Q-buffer (B, H, G, D) -> one key page in the pool (the codec's ``write_pages``, one kernel,
-    where the backend has it: ``kvq.fast.triton._flush``; else ``encode_pages`` and copies into the pool)
-    and G values -> one value page in the pool (``value_evict``, one kernel; else the value quantizer and
-    copies). ``fused``: whether both took the one-kernel writers (``kvq.fast._codecs.FUSED_FLUSH``)."""
-    from kvq.fast import _codecs
-    from kvq.fast.triton import paged
+    """One page flush per method by the append's own writers (Triton backend), B = 8, H_kv = 8 (dry: 2,
+    2): the key Q-buffer (B, H, G, D) -> one key page in the pool (``kvq.fast._paged.write_key_pages``)
+    and G values -> one value page in the pool (``write_values``), each one kernel where the backend has
+    it (``kvq.fast.triton._flush``), else the quantizers and copies. ``fused``: whether both took the
+    one-kernel writers (``kvq.fast._codecs.FUSED_FLUSH``)."""
+    from kvq.fast import _paged
     import kvq.fast as fast
     fast.set_validation(False)
     B, H, Dh = (2, DRY_H_KV, DRY_D) if dry else (8, H_KV, D)
@@ -217,22 +216,16 @@ def time_flush(device, quick, dry, deadline) -> dict:
             kp = torch.randn((B, H, 1, G, Dh), generator=gen, device=device, dtype=torch.float16)
             vp = torch.randn((B, H, G, Dh), generator=gen, device=device, dtype=torch.float16)
 
-            codec = mod.KeyCodec
-            st = mod.init(cfg, B, H, Dh)                       # the pools (page b of sequence b)
-            table = torch.arange(B, dtype=torch.int32, device=device).view(B, 1)
-            write = getattr(codec, "write_pages", None)
-            evict = _codecs.writer(codec.ops, "value_evict")
-            fused = bool(write and write(cfg, st.k_pool, kp, 0)) and evict is not None
+            st = mod.init(cfg, B, H, Dh)                       # the pools; value page b of sequence b
+            st.v_table[:, 0] = torch.arange(B, dtype=torch.int32, device=device)
+            # the append's own writers (kvq.fast._paged): one kernel each where the backend has them
+            keys_one = _paged.write_key_pages(cfg, mod.KeyCodec, st, kp, 0, 0)
+            values_one = _paged.write_values(cfg, mod.KeyCodec, st, vp, 0)
+            fused = keys_one and values_one
 
             def flush(kp_, vp_):
-                if not (write and write(cfg, st.k_pool, kp_, 0)):
-                    for name, a in codec.encode_pages(cfg, kp_, 0).items():
-                        st.k_pool[name][:B] = a.transpose(0, 1).reshape((B,) + tuple(a.shape[2:]))
-                if evict is not None:
-                    evict(vp_, st.v_codes, st.v_scale, st.v_mn, table, 0, cfg.v_bits, cfg.v_group(Dh))
-                else:
-                    packed, scale, mn = paged.quantize_values(cfg, codec, vp_)
-                    st.v_codes[:B], st.v_scale[:B], st.v_mn[:B] = packed, scale, mn
+                _paged.write_key_pages(cfg, mod.KeyCodec, st, kp_, 0, 0)
+                _paged.write_values(cfg, mod.KeyCodec, st, vp_, 0)
 
             t = C.bench(flush, [(kp, vp)], device=device, quick=quick)
             res[method] = {"ms": t["ms"], "timing": t, "B": B, "H_kv": H, "G": G, "D": Dh, "fused": fused,

@@ -160,12 +160,7 @@ def append(cfg, codec, st: PagedState, k, v) -> PagedState:
     if n_full:
         pages = keys[:, :, :n_full * G].reshape(B, H, n_full, G, D)
         first = st.k_next
-        write = getattr(codec, "write_pages", None)                      # one kernel into the pool
-        if not (write and write(cfg, st.k_pool, pages, first)):
-            arrays = codec.encode_pages(cfg, pages, c0["n_kpages"])      # name -> (B, n_full, H, ...)
-            for name, a in arrays.items():
-                a = a.transpose(0, 1).reshape((n_full * B,) + tuple(a.shape[2:]))   # page-major, then batch
-                st.k_pool[name][first:first + n_full * B] = a
+        write_key_pages(cfg, codec, st, pages, first, c0["n_kpages"])
         ids = first + torch.arange(n_full * B, dtype=torch.int32, device=dev).view(n_full, B).t()
         st.k_table[:, c0["n_kpages"]:c0["n_kpages"] + n_full] = ids
         st.k_next = first + n_full * B
@@ -221,20 +216,44 @@ def _evict_values(cfg, codec, st: PagedState, evicted: torch.Tensor, c0: dict) -
         ids = st.v_next + torch.arange(n_new * B, dtype=torch.int32, device=dev).view(n_new, B).t()
         st.v_table[:, pg0:pg1] = ids
         st.v_next += n_new * B
+    write_values(cfg, codec, st, toks, q0)
+
+
+def write_key_pages(cfg, codec, st: PagedState, pages: torch.Tensor, first: int, first_index: int) -> bool:
+    """Full key pages (B, H, n, G, D) fp16 into the key pool at slots ``first + j * B + b`` (page-major,
+    then batch; ``first_index``: the sequence's page number of the first, for Kitty's random draws): the
+    codec's single-kernel writer where the backend has one (True), else ``encode_pages`` and copies."""
+    write = getattr(codec, "write_pages", None)
+    if write and write(cfg, st.k_pool, pages, first):
+        return True
+    B, n = pages.shape[0], pages.shape[2]
+    for name, a in codec.encode_pages(cfg, pages, first_index).items():      # name -> (B, n, H, ...)
+        st.k_pool[name][first:first + n * B] = a.transpose(0, 1).reshape((n * B,) + tuple(a.shape[2:]))
+    return False
+
+
+def write_values(cfg, codec, st: PagedState, toks: torch.Tensor, q0: int) -> bool:
+    """Values (B, H, e, D) fp16, quantized-history tokens q0 .. q0 + e - 1 whose pages ``st.v_table``
+    already names, quantized per token into their page slots: the backend's single-kernel writer where it
+    has one (True; under the interpreter only up to INTERP_EVICT_PROGRAMS (token, head) programs), else
+    the value quantizer and scatters."""
+    B, H, e, D = toks.shape
     evict = _codecs.writer(codec.ops, "value_evict")
-    if evict is not None and C.interpreting() and B * st.shape[1] * e > INTERP_EVICT_PROGRAMS:
+    if evict is not None and C.interpreting() and B * H * e > INTERP_EVICT_PROGRAMS:
         evict = None                    # the interpreter runs one program (token, head) at a time in Python
     if evict is not None:                                              # one kernel: codes into their slots
-        evict(toks, st.v_codes, st.v_scale, st.v_mn, st.v_table, q0, cfg.v_bits, cfg.v_group(st.shape[2]))
-        return
+        evict(toks, st.v_codes, st.v_scale, st.v_mn, st.v_table, q0, cfg.v_bits, cfg.v_group(D))
+        return True
+    G = cfg.group_size
     packed, scale, mn = quantize_values(cfg, codec, toks)                    # (B, H, e, ...)
-    q = torch.arange(q0, q0 + e, device=dev)
+    q = torch.arange(q0, q0 + e, device=toks.device)
     page, slot = q // G, q % G
     pid = st.v_table[:, page].long()                                   # (B, e)
     sl = slot.view(1, e).expand(B, e)
     st.v_codes[pid, :, sl] = packed.transpose(1, 2)                   # (B, e, H, bytes)
     st.v_scale[pid, :, sl] = scale.transpose(1, 2)
     st.v_mn[pid, :, sl] = mn.transpose(1, 2)
+    return False
 
 
 # ---------------------------------------------------------------------------------------------------

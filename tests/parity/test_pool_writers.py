@@ -111,15 +111,15 @@ def test_appends_take_the_writers(device, monkeypatch, mods, cfg):
 def test_interpreter_takes_the_quantizer_for_large_evictions(monkeypatch):
     """Under the interpreter an eviction of more (token, head) programs than INTERP_EVICT_PROGRAMS takes the
     value quantizer (the same bits); on the GPU the writer takes every eviction."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter rule is exercised on the CPU (CI)")
     cfg = RK.KIVIConfig(2, 2, group_size=16, residual=4, max_tokens=64)
     k, v = _kv(1, 2, 40, 16, 16, seed=2, distinct=False)
     calls = []
     real = _paged.quantize_values
     monkeypatch.setattr(_paged, "quantize_values", lambda *a: calls.append(a[2].shape[2]) or real(*a))
     monkeypatch.setattr(_paged.C, "interpreting", lambda: True)
-    fs = TV.init(cfg, 1, 2, 16) if not torch.cuda.is_available() else None
-    if fs is None:
-        pytest.skip("the interpreter rule is exercised on the CPU (CI)")
+    fs = TV.init(cfg, 1, 2, 16)
     TV.append(cfg, fs, torch.from_numpy(k[:, :, :30]), torch.from_numpy(v[:, :, :30]))    # 26 x 2 programs
     TV.append(cfg, fs, torch.from_numpy(k[:, :, 30:33]), torch.from_numpy(v[:, :, 30:33]))  # 3 x 2 programs
     assert calls == [26]
