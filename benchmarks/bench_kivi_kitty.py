@@ -194,8 +194,8 @@ def run_shape(B, T, Hq, Hkv, Dh, device, copy_gbps, quick, dry, deadline) -> dic
     return shape
 
 
-def time_flush(device, quick, dry, deadline) -> dict:
-    """One page flush per method by the append's own writers (Triton backend), B = 8, H_kv = 8 (dry: 2,
+def time_flush(device, quick, dry, deadline, backend: str = "triton") -> dict:
+    """One page flush per method by the append's own writers (``backend``), B = 8, H_kv = 8 (dry: 2,
     2): the key Q-buffer (B, H, G, D) -> one key page in the pool (``kvq.fast._paged.write_key_pages``)
     and G values -> one value page in the pool (``write_values``), each one kernel where the backend has
     it (``kvq.fast.triton._flush``), else the quantizers and copies. ``fused``: whether both took the
@@ -210,7 +210,7 @@ def time_flush(device, quick, dry, deadline) -> dict:
             res[method] = {"skipped": "time budget exhausted"}
             continue
         try:
-            mod, cfg = config(method, 4096, dry)
+            mod, cfg = config(method, 4096, dry, backend)
             G = cfg.group_size
             gen = torch.Generator(device=device).manual_seed(3)
             kp = torch.randn((B, H, 1, G, Dh), generator=gen, device=device, dtype=torch.float16)
