@@ -198,8 +198,9 @@ def time_flush(device, quick, dry, deadline, backend: str = "triton") -> dict:
     """One page flush per method by the append's own writers (``backend``), B = 8, H_kv = 8 (dry: 2,
     2): the key Q-buffer (B, H, G, D) -> one key page in the pool (``kvq.fast._paged.write_key_pages``)
     and G values -> one value page in the pool (``write_values``), each one kernel where the backend has
-    it (``kvq.fast.triton._flush``), else the quantizers and copies. ``fused``: whether both took the
-    one-kernel writers (``kvq.fast._codecs.FUSED_FLUSH``)."""
+    it (``kvq.fast.triton._flush``, ``kvq.fast.cupy._flush``), else the quantizers and copies. ``fused``:
+    whether both took the one-kernel writers (``kvq.fast._codecs.FUSED_FLUSH``); ``keys_ms`` /
+    ``values_ms``: each write timed alone."""
     from kvq.fast import _paged
     import kvq.fast as fast
     fast.set_validation(False)
@@ -228,8 +229,12 @@ def time_flush(device, quick, dry, deadline, backend: str = "triton") -> dict:
                 _paged.write_values(cfg, mod.KeyCodec, st, vp_, 0)
 
             t = C.bench(flush, [(kp, vp)], device=device, quick=quick)
-            res[method] = {"ms": t["ms"], "timing": t, "B": B, "H_kv": H, "G": G, "D": Dh, "fused": fused,
-                           "bytes_in": 2 * kp.numel() * 2}
+            tk = C.bench(lambda kp_: _paged.write_key_pages(cfg, mod.KeyCodec, st, kp_, 0, 0), [(kp,)],
+                         device=device, quick=quick)
+            tv = C.bench(lambda vp_: _paged.write_values(cfg, mod.KeyCodec, st, vp_, 0), [(vp,)],
+                         device=device, quick=quick)
+            res[method] = {"ms": t["ms"], "keys_ms": tk["ms"], "values_ms": tv["ms"], "timing": t, "B": B,
+                           "H_kv": H, "G": G, "D": Dh, "fused": fused, "bytes_in": 2 * kp.numel() * 2}
         except Exception as e:
             res[method] = {"error": C.err_str(e)}
     return res

@@ -42,11 +42,13 @@ def summary_lines(res: dict) -> list[str]:
     lines = []
     for backend, rows in res["backends"].items():
         for method, r in rows.items():
-            def ms(rs):
-                return " / ".join(f"{x['ms']:.4f}" if "ms" in x else x.get("error", "?")[:60] for x in rs)
+            def ms(rs, key="ms"):
+                return " / ".join(f"{x[key]:.4f}" if key in x else x.get("error", "?")[:60] for x in rs)
             took = all(x.get("fused") for x in r["fused"])
             lines.append(f"{backend:7s} {method:10s} writers {ms(r['fused'])} ms "
-                         f"({'one kernel each' if took else 'NOT single-kernel'}) | quantize + copies {ms(r['unfused'])} ms")
+                         f"({'one kernel each' if took else 'NOT single-kernel'}; keys {ms(r['fused'], 'keys_ms')}, "
+                         f"values {ms(r['fused'], 'values_ms')}) | quantize + copies {ms(r['unfused'])} ms "
+                         f"(keys {ms(r['unfused'], 'keys_ms')}, values {ms(r['unfused'], 'values_ms')})")
     return lines
 
 

@@ -58,6 +58,49 @@ def writer(ops: Ops, name: str):
     return getattr(ops, name) if FUSED_FLUSH else None
 
 
+def check_key_flush(pages, pool: dict, first: int, bits: int, d_boost: int, kitty: bool) -> None:
+    """The arguments of a backend's ``key_flush`` (see ``Ops``): ValueError on what its kernel relies on,
+    before any launch (the caller, ``kvq.fast._paged.append``, has validated the keys and allocated the
+    slots)."""
+    if pages.ndim != 5 or pages.dtype != torch.float16:
+        raise ValueError(f"pages must be (B, H, n, G, D) float16, got {tuple(pages.shape)} {pages.dtype}")
+    B, H, n, G, D = pages.shape
+    if bits not in (2, 4, 8) or (kitty and bits != 2) or G % (8 // bits):
+        raise ValueError(f"bits={bits} (Kitty: 2) must be 2, 4 or 8 and divide the group size {G} into bytes")
+    if not 0 <= d_boost <= (min(D, 255) if kitty else 0):
+        raise ValueError(f"d_boost={d_boost} must lie in [0, min(D, 255)] (KIVI: 0)")
+    names = ("low", "high", "idx", "scale", "mn") if kitty else ("codes", "scale", "mn")
+    if set(pool) != set(names):
+        raise ValueError(f"the pool holds {sorted(pool)}, not {sorted(names)}")
+    codes, scale, mn = pool[names[0]], pool["scale"], pool["mn"]
+    shapes_ok = (codes.shape[1:] == (H, D, G * bits // 8) and scale.shape[1:] == (H, D) and mn.shape == scale.shape
+                 and codes.dtype == torch.uint8 and first + n * B <= codes.shape[0])
+    if kitty:
+        shapes_ok = shapes_ok and pool["high"].shape[1:] == (H, d_boost, G // 4) and pool["idx"].shape == scale.shape
+    if not shapes_ok:
+        raise ValueError("the pool arrays do not match the pages (or too few slots are left)")
+    if not all(t.is_contiguous() for t in pool.values()):
+        raise ValueError("the pool arrays must be contiguous")
+
+
+def check_value_evict(toks, v_codes, v_scale, v_mn, v_table, q0: int, bits: int, Gv: int) -> None:
+    """The arguments of a backend's ``value_evict`` (see ``Ops``): ValueError on what its kernel relies
+    on, before any launch (the caller has set the page-table entries of these tokens)."""
+    if toks.ndim != 4 or toks.dtype != torch.float16:
+        raise ValueError(f"toks must be (B, H, e, D) float16, got {tuple(toks.shape)} {toks.dtype}")
+    B, H, e, D = toks.shape
+    if bits not in (2, 4, 8) or D % (8 // bits) or Gv < 1 or D % Gv:
+        raise ValueError(f"bits={bits} must be 2, 4 or 8 with D={D} a multiple of {8 // max(bits, 1)} and of Gv={Gv}")
+    G = v_codes.shape[2] if v_codes.ndim == 4 else 0
+    if (v_codes.ndim != 4 or v_codes.shape[1] != H or v_codes.shape[3] != D * bits // 8
+            or v_scale.shape != (v_codes.shape[0], H, G, D // Gv) or v_mn.shape != v_scale.shape
+            or v_table.ndim != 2 or v_table.shape[0] != B or v_table.dtype != torch.int32
+            or (e and (q0 + e - 1) // G >= v_table.shape[1])):
+        raise ValueError("the value pool, its page table and the tokens do not match")
+    if not all(t.is_contiguous() for t in (v_codes, v_scale, v_mn, v_table)):
+        raise ValueError("the value pool and page table must be contiguous")
+
+
 def _meta(cfg) -> torch.dtype:
     return C.torch_dtype(nx.dtype_name(cfg.meta_dtype))
 

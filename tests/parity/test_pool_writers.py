@@ -1,11 +1,13 @@
-"""The paged cache's single-kernel pool writers (``kvq.fast.triton._flush``): ``flush_key_pages`` (KIVI's
-and Kitty's full key pages, one launch per flush) and ``evict_values`` (the values that leave the window,
-quantized per token into their page slots, one launch per append), both straight into the pool.
+"""The paged cache's single-kernel pool writers (``kvq.fast.triton._flush`` and its CUDA twin
+``kvq.fast.cupy._flush``): ``flush_key_pages`` (KIVI's and Kitty's full key pages, one launch per flush)
+and ``evict_values`` (the values that leave the window, quantized per token into their page slots, one
+launch per append), both straight into the pool.
 
 The cache state they leave equals the reference's bit for bit and the torch path's (``FUSED_FLUSH``
 off: the quantize kernels and copies into the pool), over bit widths 2 / 4 / 8, value groups that do
-not fill whole bytes, Kitty's boost rates (none, all), a group that is not a power of two, and bulk,
-chunked and one-token appends. Kitty uses keys with an unambiguous channel ranking (contract rule 7:
+not fill whole bytes, are not a power of two or span several warps (D = 64), fp32 metadata, Kitty's
+boost rates (none, all), a page group that is not a power of two, and bulk, chunked and one-token
+appends. Kitty uses keys with an unambiguous channel ranking (contract rule 7:
 ``test_kivi_kitty_parity.test_kitty_near_ties`` covers near-ties, through the same kernel). The appends
 use the writers (no page arrays, no separate value quantization); Kitty's random selection (host RNG)
 and a backend without writers take the torch path; bad arguments raise before any launch and leave the
@@ -21,6 +23,9 @@ import torch
 
 from kvq.fast import _codecs
 from kvq.fast import _paged
+from kvq.fast.cupy import _flush as CW
+from kvq.fast.cupy import kitty as CK
+from kvq.fast.cupy import kivi as CV
 from kvq.fast.triton import _flush as W
 from kvq.fast.triton import kitty as TK
 from kvq.fast.triton import kivi as TV
@@ -32,38 +37,55 @@ from kvq.reference import kivi as RK
 from .cases import assert_bits_equal
 from .test_kivi_kitty_parity import _chunks, _kv, assert_same_state
 
-TRITON = [pytest.param("cpu", id="triton-interp"), pytest.param("cuda", id="triton-cuda", marks=pytest.mark.gpu)]
+#: (backend, device): the Triton kernels under the CPU interpreter (CI) and on the GPU, the CUDA kernels on the GPU
+TARGETS = [pytest.param(("triton", "cpu"), id="triton-interp"),
+           pytest.param(("triton", "cuda"), id="triton-cuda", marks=pytest.mark.gpu),
+           pytest.param(("cupy", "cuda"), id="cupy-cuda", marks=pytest.mark.gpu)]
+#: backend -> (KIVI module, Kitty module, writers module)
+MODS = {"triton": (TV, TK, W), "cupy": (CV, CK, CW)}
 
 
-@pytest.fixture(params=TRITON)
-def device(request):
-    if request.param == "cpu" and torch.cuda.is_available():
+@pytest.fixture(params=TARGETS)
+def target(request):
+    if request.param[1] == "cpu" and torch.cuda.is_available():
         pytest.skip("the Triton interpreter target runs only on machines without a GPU (CI)")
     return request.param
 
 
+def _fast(backend, kind):
+    """The backend's module of the method kind ("kivi" / "kitty") and its writers."""
+    kivi, kitty, writers = MODS[backend]
+    return (kivi if kind == "kivi" else kitty), writers
+
+
 S = dict(group_size=16, residual=5)
-# name, (reference module, fast module), config, (B, H, D), T, chunk kind
+# name, method kind, config, (B, H, D), T, chunk kind
 CASES = [
-    ("KIVI-K2V2", (RK, TV), RK.KIVIConfig(2, 2, max_tokens=75, **S), (2, 2, 16), 75, "random"),
-    ("KIVI-K4V2*", (RK, TV), RK.KIVIConfig(4, 2, sink=3, max_tokens=60, **S), (2, 1, 16), 60, "ones"),
-    ("KIVI-K8V8", (RK, TV), RK.KIVIConfig(8, 8, max_tokens=50, **S), (1, 2, 16), 50, "bulk"),
-    ("KIVI-K2V4-Gv8", (RK, TV), RK.KIVIConfig(2, 4, v_group_size=8, max_tokens=60, **S), (2, 1, 32), 60, "random"),
-    ("KIVI-K4V2-Gv2", (RK, TV), RK.KIVIConfig(4, 2, v_group_size=2, max_tokens=50, **S), (1, 2, 16), 50, "random"),
-    ("KIVI-K2V2-G12", (RK, TV), RK.KIVIConfig(2, 2, group_size=12, residual=3, max_tokens=50), (2, 1, 20), 50, "bulk"),
-    ("Kitty", (RT, TK), RT.KittyConfig(0.125, sink=3, max_tokens=75, **S), (2, 2, 32), 75, "bulk"),
-    ("Kitty-Pro", (RT, TK), RT.KittyConfig(0.25, sink=3, max_tokens=70, **S), (2, 1, 32), 70, "random"),
-    ("Kitty-ones", (RT, TK), RT.KittyConfig(0.25, sink=2, max_tokens=45, **S), (1, 2, 16), 45, "ones"),
-    ("Kitty-no-boost", (RT, TK), RT.KittyConfig(0.0, sink=3, max_tokens=40, **S), (1, 2, 16), 40, "bulk"),
-    ("Kitty-all-boost", (RT, TK), RT.KittyConfig(1.0, sink=3, max_tokens=40, **S), (2, 1, 16), 40, "random"),
-    ("Kitty-G12-D20", (RT, TK), RT.KittyConfig(0.3, group_size=12, residual=5, sink=3, max_tokens=50), (2, 2, 20), 50,
+    ("KIVI-K2V2", "kivi", RK.KIVIConfig(2, 2, max_tokens=75, **S), (2, 2, 16), 75, "random"),
+    ("KIVI-K4V2*", "kivi", RK.KIVIConfig(4, 2, sink=3, max_tokens=60, **S), (2, 1, 16), 60, "ones"),
+    ("KIVI-K8V8", "kivi", RK.KIVIConfig(8, 8, max_tokens=50, **S), (1, 2, 16), 50, "bulk"),
+    ("KIVI-K2V4-Gv8", "kivi", RK.KIVIConfig(2, 4, v_group_size=8, max_tokens=60, **S), (2, 1, 32), 60, "random"),
+    ("KIVI-K4V2-Gv2", "kivi", RK.KIVIConfig(4, 2, v_group_size=2, max_tokens=50, **S), (1, 2, 16), 50, "random"),
+    ("KIVI-K2V2-G12", "kivi", RK.KIVIConfig(2, 2, group_size=12, residual=3, max_tokens=50), (2, 1, 20), 50, "bulk"),
+    ("KIVI-K2V4-Gv5", "kivi", RK.KIVIConfig(2, 4, v_group_size=5, max_tokens=40, **S), (1, 2, 20), 40, "random"),
+    ("KIVI-K2V2-D64", "kivi", RK.KIVIConfig(2, 2, max_tokens=40, **S), (1, 2, 64), 40, "random"),
+    ("KIVI-K4V4-fp32-meta", "kivi", RK.KIVIConfig(4, 4, meta_dtype="float32", max_tokens=50, **S), (1, 2, 16), 50,
+     "random"),
+    ("Kitty", "kitty", RT.KittyConfig(0.125, sink=3, max_tokens=75, **S), (2, 2, 32), 75, "bulk"),
+    ("Kitty-Pro", "kitty", RT.KittyConfig(0.25, sink=3, max_tokens=70, **S), (2, 1, 32), 70, "random"),
+    ("Kitty-ones", "kitty", RT.KittyConfig(0.25, sink=2, max_tokens=45, **S), (1, 2, 16), 45, "ones"),
+    ("Kitty-no-boost", "kitty", RT.KittyConfig(0.0, sink=3, max_tokens=40, **S), (1, 2, 16), 40, "bulk"),
+    ("Kitty-all-boost", "kitty", RT.KittyConfig(1.0, sink=3, max_tokens=40, **S), (2, 1, 16), 40, "random"),
+    ("Kitty-G12-D20", "kitty", RT.KittyConfig(0.3, group_size=12, residual=5, sink=3, max_tokens=50), (2, 2, 20), 50,
      "random"),
 ]
 
 
-@pytest.mark.parametrize("name, mods, cfg, shape, T, chunks", CASES, ids=[c[0] for c in CASES])
-def test_writers_equal_reference_and_torch_path(device, monkeypatch, name, mods, cfg, shape, T, chunks):
-    ref, fast = mods
+@pytest.mark.parametrize("name, kind, cfg, shape, T, chunks", CASES, ids=[c[0] for c in CASES])
+def test_writers_equal_reference_and_torch_path(target, monkeypatch, name, kind, cfg, shape, T, chunks):
+    backend, device = target
+    ref = RK if kind == "kivi" else RT
+    fast, _ = _fast(backend, kind)
     B, H, D = shape
     k, v = _kv(B, H, T, D, cfg.group_size, seed=7, start=cfg.sink)
     rs = ref.init(cfg, B, H, D)
@@ -84,12 +106,13 @@ def test_writers_equal_reference_and_torch_path(device, monkeypatch, name, mods,
         assert_bits_equal(a, states[False].arrays()[n].cpu().numpy(), n)
 
 
-@pytest.mark.parametrize("mods, cfg", [((TV, RK), RK.KIVIConfig(2, 4, sink=2, residual=4, group_size=16, max_tokens=64)),
-                                       ((TK, RT), RT.KittyConfig(0.25, sink=2, residual=4, group_size=16, max_tokens=64))],
+@pytest.mark.parametrize("kind, cfg", [("kivi", RK.KIVIConfig(2, 4, sink=2, residual=4, group_size=16, max_tokens=64)),
+                                       ("kitty", RT.KittyConfig(0.25, sink=2, residual=4, group_size=16, max_tokens=64))],
                          ids=["KIVI", "Kitty"])
-def test_appends_take_the_writers(device, monkeypatch, mods, cfg):
+def test_appends_take_the_writers(target, monkeypatch, kind, cfg):
     """With the writers on, appends build no page arrays (encode_pages) and quantize no values apart."""
-    fast, _ = mods
+    backend, device = target
+    fast, _ = _fast(backend, kind)
 
     def forbidden(*a, **kw):
         raise AssertionError("the torch path was taken")
@@ -139,6 +162,7 @@ def test_writers_decline():
     assert _codecs.KIVICodec(bare).write_pages(RK.KIVIConfig(2, 2, group_size=16), {}, pages, 0) is False
     assert _codecs.writer(bare, "value_evict") is None
     assert (TK.paged.OPS.key_flush, TK.paged.OPS.value_evict) == (W.flush_key_pages, W.evict_values)
+    assert (CK.paged.OPS.key_flush, CK.paged.OPS.value_evict) == (CW.flush_key_pages, CW.evict_values)
 
 
 def _kpool(Pn, H, D, G, Db, kitty=True, bits=2):
@@ -156,8 +180,9 @@ KEY_BAD = ["dtype", "ndim", "group", "bits", "kitty-bits", "d_boost", "kivi-d_bo
            "contiguous"]
 
 
+@pytest.mark.parametrize("writers", [W, CW], ids=["triton", "cupy"])
 @pytest.mark.parametrize("what", KEY_BAD)
-def test_flush_key_pages_rejects_bad_arguments(what):
+def test_flush_key_pages_rejects_bad_arguments(what, writers):
     B, H, n, G, D, Db, bits, kitty = 1, 2, 2, 16, 16, 2, 2, True
     pages = torch.zeros((B, H, n, G, D), dtype=torch.float16)
     pool, first = _kpool(4, H, D, G, Db), 0
@@ -185,7 +210,7 @@ def test_flush_key_pages_rejects_bad_arguments(what):
         pool["low"] = torch.zeros((4, H, G // 4, D), dtype=torch.uint8).transpose(-1, -2)
     before = {k: t.clone() for k, t in pool.items()}
     with pytest.raises(ValueError):
-        W.flush_key_pages(pages, pool, first, bits, Db, kitty)
+        writers.flush_key_pages(pages, pool, first, bits, Db, kitty)
     for k, t in pool.items():
         assert torch.equal(t, before[k]), k
 
@@ -193,8 +218,9 @@ def test_flush_key_pages_rejects_bad_arguments(what):
 VALUE_BAD = ["dtype", "ndim", "bits", "group", "pool", "table-dtype", "table-rows", "past-table", "contiguous"]
 
 
+@pytest.mark.parametrize("writers", [W, CW], ids=["triton", "cupy"])
 @pytest.mark.parametrize("what", VALUE_BAD)
-def test_evict_values_rejects_bad_arguments(what):
+def test_evict_values_rejects_bad_arguments(what, writers):
     B, H, e, D, G, bits, Gv, q0 = 2, 2, 3, 16, 8, 2, 8, 0
     toks = torch.zeros((B, H, e, D), dtype=torch.float16)
     codes = torch.zeros((4, H, G, D * bits // 8), dtype=torch.uint8)
@@ -221,14 +247,32 @@ def test_evict_values_rejects_bad_arguments(what):
         codes = torch.zeros((4, H, D * bits // 8, G), dtype=torch.uint8).transpose(-1, -2)
     before = [t.clone() for t in (codes, scale, mn)]
     with pytest.raises(ValueError):
-        W.evict_values(toks, codes, scale, mn, table, q0, bits, Gv)
+        writers.evict_values(toks, codes, scale, mn, table, q0, bits, Gv)
     for t, t0 in zip((codes, scale, mn), before):
         assert torch.equal(t, t0)
 
 
-def test_writers_read_strided_slices(device):
+def test_cupy_writers_reject_host_tensors_and_other_metadata():
+    """The CUDA writers take CUDA tensors and fp16 / fp32 metadata: anything else raises before a launch."""
+    pages = torch.zeros((1, 2, 1, 16, 16), dtype=torch.float16)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        CW.flush_key_pages(pages, _kpool(1, 2, 16, 16, 2), 0, 2, 2, True)
+    pool = _kpool(1, 2, 16, 16, 0, kitty=False)
+    pool["scale"], pool["mn"] = (torch.zeros((1, 2, 16), dtype=torch.bfloat16) for _ in range(2))
+    with pytest.raises(ValueError, match="float16 or float32"):
+        CW.flush_key_pages(pages, pool, 0, 2, 0, False)
+    toks = torch.zeros((1, 2, 1, 16), dtype=torch.float16)
+    codes = torch.zeros((1, 2, 8, 4), dtype=torch.uint8)
+    scale = torch.zeros((1, 2, 8, 2), dtype=torch.float16)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        CW.evict_values(toks, codes, scale, scale.clone(), torch.zeros((1, 1), dtype=torch.int32), 0, 2, 8)
+
+
+def test_writers_read_strided_slices(target):
     """Pages or tokens cut out of a longer buffer (its batch and head strides) are read in place and give
     the same pool as contiguous copies."""
+    backend, device = target
+    _, W = _fast(backend, "kitty")
     rng = np.random.default_rng(5)
     B, H, G, D, Db = 2, 2, 16, 16, 4
     buf = torch.from_numpy((rng.standard_normal((B, H, 2 * G + 5, D)) * 3).astype(np.float16)).to(device)

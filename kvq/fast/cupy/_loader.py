@@ -183,11 +183,32 @@ OSCAR_DECODE_NAMES = (tuple(f"oscar_decode_mma<{nr}>" for nr in (4, 8))
                       + tuple(f"rotate_heads_f64<{i}, {o}, {r}>" for i in (0, 1, 2) for o in (0, 1, 2)
                               for r in ("float", "double")))
 
+def key_flush_name(bits: int, kitty: bool, meta_half: bool) -> str:
+    """flush.cu key_flush: KIVI's (2 / 4 / 8-bit) or Kitty's key pages straight into the pool, fp16 / fp32 metadata."""
+    return f"key_flush<{bits}, {int(kitty)}, {int(meta_half)}>"
+
+
+def value_evict_name(bits: int, meta_half: bool, pow2: bool) -> str:
+    """flush.cu value_evict: evicted values quantized per token into their page slots (pow2: the value
+    group is a power of two, its min / max by shuffles)."""
+    return f"value_evict<{bits}, {int(meta_half)}, {int(pow2)}>"
+
+
+#: flush.cu's threads per block are one per channel, rounded up to a warp, at most this many
+FLUSH_MAX_D = 1024
+
+
+def _flush_names():
+    return (tuple(key_flush_name(b, k, mh) for b, k in PAGED_KEYS for mh in (False, True))
+            + tuple(value_evict_name(b, mh, p2) for b in PAGED_VBITS for mh in (False, True) for p2 in (False, True)))
+
+
 #: source file -> every kernel name expression the Python side may request (tests compile them all)
 KERNELS = {
     "quant.cu": _quant_names(),
     "attention.cu": _attention_names(),
     "paged.cu": _paged_names(),
+    "flush.cu": _flush_names(),
     "higgs.cu": _higgs_names(),
     "oscar.cu": _oscar_names(),
     "oscar_decode.cu": OSCAR_DECODE_NAMES,

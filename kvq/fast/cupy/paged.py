@@ -40,13 +40,15 @@ from kvq.fast._codecs import Ops
 from kvq.fast._paged import (PagedState, append, counts, dequantize_cache, init,  # noqa: F401
                              max_pages, meta_dtype, quantize_values, segment_bounds)
 
+from . import _flush as W
 from . import _loader as L
 from . import attention as A
 from . import packing as P
 from . import quant as Q
 
-#: the bit-exact CuPy kernels the shared paged cache (``kvq.fast._paged``) quantizes and packs with
-OPS = Ops("cupy", Q, P, lambda: False)
+#: the bit-exact CuPy kernels the shared paged cache (``kvq.fast._paged``) quantizes and packs with, and
+#: its single-kernel pool writers (``flush.cu``: key pages and evicted values straight into the pool)
+OPS = Ops("cupy", Q, P, lambda: False, key_flush=W.flush_key_pages, value_evict=W.evict_values)
 
 _SRC = "paged.cu"
 LOG2E = 1.4426950408889634
