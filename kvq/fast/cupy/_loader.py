@@ -184,7 +184,8 @@ OSCAR_DECODE_NAMES = (tuple(f"oscar_decode_mma<{nr}>" for nr in (4, 8))
                               for r in ("float", "double")))
 
 def key_flush_name(bits: int, kitty: bool, meta_half: bool) -> str:
-    """flush.cu key_flush: KIVI's (2 / 4 / 8-bit) or Kitty's key pages straight into the pool, fp16 / fp32 metadata."""
+    """flush.cu key_flush: KIVI's (2 / 4 / 8-bit) or Kitty's key pages straight into the pool, fp16 or
+    fp32 metadata."""
     return f"key_flush<{bits}, {int(kitty)}, {int(meta_half)}>"
 
 

@@ -23,8 +23,8 @@
 #define KVQ_FLUSH_MAXD 1024
 #define KVQ_FLUSH_STAGE 16384          // key_flush: a (page, head)'s code bytes staged in shared memory up to this
 
-// the BITS-bit code of one value (quant.cu's encoder: the IEEE division wherever RN(a * r) could differ)
-template <int BITS>
+// the code of one value under encoder e (quant.cu's encoder: the IEEE division wherever RN(a * r) could
+// differ)
 __device__ __forceinline__ u32 code_of(float v, const Enc& e) {
     u32 c;
     encode_bytes<1, 8>(&v, e, &c);
@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(KVQ_FLUSH_MAXD) key_flush(const u16* __restric
             u32 lb = 0, hb = 0;
 #pragma unroll
             for (int k = 0; k < PER; ++k) {
-                const u32 q = code_of<BITS>(f16_to_f32(xp[(i64)(PER * c + k) * D]), enc);
+                const u32 q = code_of(f16_to_f32(xp[(i64)(PER * c + k) * D]), enc);
                 lb |= (q & ((1u << BITS) - 1u)) << (BITS * k);
                 if (KITTY) hb |= (q >> 2) << (2 * k);
             }
@@ -200,7 +200,7 @@ __global__ void __launch_bounds__(KVQ_FLUSH_MAXD) value_evict(const u16* __restr
     const int q = q0 + t;
     const i64 page = table[(i64)b * n_tab + q / G];
     const i64 row = (page * H + h) * G + q % G;
-    if (on) s_c[c] = (u8)code_of<BITS>(v, make_enc(s32, m32, BITS, 0));
+    if (on) s_c[c] = (u8)code_of(v, make_enc(s32, m32, BITS, 0));
     __syncthreads();
     if (!on) return;
     if (c % GV == 0) {
