@@ -234,7 +234,8 @@ def time_flush(device, quick, dry, deadline, backend: str = "triton") -> dict:
             tv = C.bench(lambda vp_: _paged.write_values(cfg, mod.KeyCodec, st, vp_, 0), [(vp,)],
                          device=device, quick=quick)
             res[method] = {"ms": t["ms"], "keys_ms": tk["ms"], "values_ms": tv["ms"], "timing": t, "B": B,
-                           "H_kv": H, "G": G, "D": Dh, "fused": fused, "bytes_in": 2 * kp.numel() * 2}
+                           "H_kv": H, "G": G, "D": Dh, "fused": fused, "backend": backend,
+                           "bytes_in": 2 * kp.numel() * 2}
         except Exception as e:
             res[method] = {"error": C.err_str(e)}
     return res
@@ -283,7 +284,7 @@ def run(device, *, copy_gbps=None, quick=False, dry_run=False, deadline=None) ->
     batches, contexts, Hq, Hkv, Dh = C.shape_sizes(sys.modules[__name__], quick, dry_run)
     shapes = C.run_shapes(lambda B, T: run_shape(B, T, Hq, Hkv, Dh, device, copy_gbps, quick, dry_run, deadline),
                           batches, contexts, device)
-    flush = time_flush(device, quick, dry_run, deadline)
+    flush = time_flush(device, quick, dry_run, deadline, BACKENDS[0])      # the first backend timed
     try:
         tuning = tune(device, quick, dry_run, deadline)
     except Exception as e:
@@ -297,15 +298,16 @@ def run(device, *, copy_gbps=None, quick=False, dry_run=False, deadline=None) ->
 def amortized_flush(shapes, flush) -> dict:
     """Flush cost per decode step: a page of keys and of values is quantized once every G steps, so
     the step pays flush_ms / G; as a percentage of the step's attention time at B = 8 (the batch the
-    flush was timed at), per context (the Kitty slides report 0.17% of a step). The step is the Triton
-    row where the run has one, else the CuPy row (``step_row`` says which)."""
+    flush was timed at), per context (the Kitty slides report 0.17% of a step). The step is the row of
+    the backend the flush was timed with where the run has one, else the Triton row, else the CuPy row
+    (``step_row`` says which)."""
     out = {}
     for m, f in flush.items():
         if not f.get("ms"):
             continue
         per_step = f["ms"] / f["G"]
         rows = [s for s in shapes if s.get("B") == f["B"] and s.get("methods")]
-        key = next((k for k in (row_name(m, "triton"), row_name(m, "cupy"))
+        key = next((k for k in (row_name(m, f.get("backend", "triton")), row_name(m, "triton"), row_name(m, "cupy"))
                     if any((s["methods"].get(k) or {}).get("ms") for s in rows)), None)
         out[m] = {"flush_ms_per_step": per_step, "step_row": key, "pct_of_step": {
             str(s["T"]): 100.0 * per_step / s["methods"][key]["ms"] for s in rows

@@ -101,6 +101,12 @@ def test_amortized_flush_takes_the_cupy_step_when_a_run_has_no_triton_rows():
     old = S.load(RESULTS, "kivi_kitty.json")
     assert BK.amortized_flush(old["shapes"], old["flush"])["Kitty"]["pct_of_step"] == \
         old["amortized_flush"]["Kitty"]["pct_of_step"]
+    # a flush timed with the CuPy writers takes the CuPy step even where the run has Triton rows
+    cupy_flush = {m: dict(f, backend="cupy") for m, f in old["flush"].items()}
+    a = BK.amortized_flush(old["shapes"], cupy_flush)["Kitty"]
+    s8 = next(s for s in old["shapes"] if s["B"] == cupy_flush["Kitty"]["B"] and s["T"] == 8192)
+    assert a["step_row"] == "Kitty [cupy]"
+    assert a["pct_of_step"]["8192"] == 100.0 * cupy_flush["Kitty"]["ms"] / cupy_flush["Kitty"]["G"] / s8["methods"]["Kitty [cupy]"]["ms"]
 
 
 def test_fused_ceilings_table():
