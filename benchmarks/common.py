@@ -411,6 +411,22 @@ def fp16_decode_baselines(q, B, T, Hkv, Dh, scale, device, quick, deadline, mem_
     return base
 
 
+def device_or_exit(dry_run: bool, script: str) -> str:
+    """"cuda" when there is a GPU; else "cpu" for a ``--dry-run``, else exit with a message."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not dry_run:
+        sys.exit(f"{script} needs a GPU (or --dry-run)")
+    return device
+
+
+def write_result(out_dir, json_name: str, res: dict, summary_lines, device) -> None:
+    """``res`` with its meta (device, commit, argv) as ``json_name`` under out_dir; prints the summary."""
+    res["meta"] = meta(device, sys.argv)
+    path = write_json(out_dir, json_name, res)
+    print("\n".join(summary_lines(res)))
+    print("wrote", path)
+
+
 def standalone_main(doc: str, json_name: str, run, summary_lines) -> None:
     """Command line of one benchmark module run on its own (``--out``, ``--quick``, ``--dry-run``,
     ``--copy-gbps``): measures the copy ceiling unless given, runs, writes ``json_name``, prints the

@@ -11,9 +11,6 @@ quantized into their page slots; ``fused``: whether both writes took a single ke
 from __future__ import annotations
 
 import argparse
-import sys
-
-import torch
 
 import common as C
 import bench_kivi_kitty as K
@@ -59,14 +56,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes (CPU, Triton interpreter)")
     a = ap.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not a.dry_run:
-        sys.exit("flush_ab.py needs a GPU (or --dry-run)")
-    res = run(device, a.backends.split(","), a.rounds, a.dry_run)
-    res["meta"] = C.meta(device, sys.argv)
-    path = C.write_json(a.out, "flush_ab.json", res)
-    print("\n".join(summary_lines(res)))
-    print("wrote", path)
+    device = C.device_or_exit(a.dry_run, "flush_ab.py")
+    C.write_result(a.out, "flush_ab.json", run(device, a.backends.split(","), a.rounds, a.dry_run), summary_lines,
+                   device)
 
 
 if __name__ == "__main__":

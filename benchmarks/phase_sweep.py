@@ -14,9 +14,6 @@ and the ratios to KIVI-K2V2, per phase and of the means.
 from __future__ import annotations
 
 import argparse
-import sys
-
-import torch
 
 import bench_ceilings
 import bench_kivi_kitty as K
@@ -75,16 +72,11 @@ def main() -> None:
     ap.add_argument("--shapes", default="32 8192;8 8192;8 32768", help="'B T0;B T0;...'")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes (CPU, Triton interpreter)")
     a = ap.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not a.dry_run:
-        sys.exit("phase_sweep.py needs a GPU (or --dry-run)")
+    device = C.device_or_exit(a.dry_run, "phase_sweep.py")
     shapes = [tuple(int(x) for x in s.split()) for s in a.shapes.split(";") if s.strip()]
     copy = bench_ceilings.run(device, quick=True, dry_run=a.dry_run)["copy_gbps"]
-    res = run(device, shapes, copy_gbps=copy, dry=a.dry_run)
-    res["meta"] = C.meta(device, sys.argv)
-    path = C.write_json(a.out, "phase_sweep.json", res)
-    print("\n".join(summary_lines(res)))
-    print("wrote", path)
+    C.write_result(a.out, "phase_sweep.json", run(device, shapes, copy_gbps=copy, dry=a.dry_run), summary_lines,
+                   device)
 
 
 if __name__ == "__main__":

@@ -83,6 +83,17 @@ def check_key_flush(pages, pool: dict, first: int, bits: int, d_boost: int, kitt
         raise ValueError("the pool arrays must be contiguous")
 
 
+def key_flush_operands(pages, pool: dict, d_boost: int, kitty: bool) -> tuple:
+    """What a backend's key-flush kernel takes, after ``check_key_flush``: (keys with (n, G, D) contiguous,
+    codes (KIVI ``codes`` / Kitty ``low``), high, idx, scale, mn); a KIVI pool (or Kitty without boosted
+    channels) passes the codes again for the arrays it lacks (never written)."""
+    G, D = pages.shape[-2:]
+    x = pages if pages.stride()[2:] == (G * D, D, 1) else pages.contiguous()
+    codes = pool["low" if kitty else "codes"]
+    return (x, codes, pool["high"] if kitty and d_boost else codes, pool["idx"] if kitty else codes, pool["scale"],
+            pool["mn"])
+
+
 def check_value_evict(toks, v_codes, v_scale, v_mn, v_table, q0: int, bits: int, Gv: int) -> None:
     """The arguments of a backend's ``value_evict`` (see ``Ops``): ValueError on what its kernel relies
     on, before any launch (the caller has set the page-table entries of these tokens)."""

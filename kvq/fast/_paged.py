@@ -223,8 +223,7 @@ def write_key_pages(cfg, codec, st: PagedState, pages: torch.Tensor, first: int,
     """Full key pages (B, H, n, G, D) fp16 into the key pool at slots ``first + j * B + b`` (page-major,
     then batch; ``first_index``: the sequence's page number of the first, for Kitty's random draws): the
     codec's single-kernel writer where the backend has one (True), else ``encode_pages`` and copies."""
-    write = getattr(codec, "write_pages", None)
-    if write and write(cfg, st.k_pool, pages, first):
+    if codec.write_pages(cfg, st.k_pool, pages, first):
         return True
     B, n = pages.shape[0], pages.shape[2]
     for name, a in codec.encode_pages(cfg, pages, first_index).items():      # name -> (B, n, H, ...)

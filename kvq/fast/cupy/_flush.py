@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvq.fast._codecs import check_key_flush, check_value_evict
+from kvq.fast._codecs import check_key_flush, check_value_evict, key_flush_operands
 
 from . import _loader as L
 
@@ -55,15 +55,12 @@ def flush_key_pages(pages: torch.Tensor, pool: dict, first: int, bits: int, d_bo
     """
     check_key_flush(pages, pool, first, bits, d_boost, kitty)
     B, H, n, G, D = pages.shape
-    codes, scale, mn = pool["low" if kitty else "codes"], pool["scale"], pool["mn"]
-    mh = _meta_half(scale)
+    mh = _meta_half(pool["scale"])
     threads = _threads(D)
     _on_cuda(pages, *pool.values())
     if B * n == 0:
         return
-    x = pages if pages.stride()[2:] == (G * D, D, 1) else pages.contiguous()
-    high = pool["high"] if kitty and d_boost else codes
-    idx = pool["idx"] if kitty else codes
+    x, codes, high, idx, scale, mn = key_flush_operands(pages, pool, d_boost, kitty)
     fn = L.kernel(_SRC, L.key_flush_name(bits, kitty, mh))
     args = (x, np.int64(x.stride(0)), np.int64(x.stride(1)), codes, high, idx, scale, mn, np.int32(B), np.int32(G),
             np.int32(D), np.int32(d_boost), np.int64(first))

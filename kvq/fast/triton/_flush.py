@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from kvq.fast import _common as C
-from kvq.fast._codecs import check_key_flush, check_value_evict
+from kvq.fast._codecs import check_key_flush, check_value_evict, key_flush_operands
 
 from .quant import _codes, _fast_ok, _load_f32, _meta
 
@@ -112,12 +112,9 @@ def flush_key_pages(pages: torch.Tensor, pool: dict, first: int, bits: int, d_bo
     """
     check_key_flush(pages, pool, first, bits, d_boost, kitty)
     B, H, n, G, D = pages.shape
-    codes, scale, mn = pool["low" if kitty else "codes"], pool["scale"], pool["mn"]
     if B * n == 0:
         return
-    x = pages if pages.stride()[2:] == (G * D, D, 1) else pages.contiguous()
-    high = pool["high"] if kitty and d_boost else codes
-    idx = pool["idx"] if kitty else codes
+    x, codes, high, idx, scale, mn = key_flush_operands(pages, pool, d_boost, kitty)
     _key_flush_kernel[(n * B, H)](x, codes, high, idx, scale, mn, x.stride(0), x.stride(1), B, n, G, D, d_boost,
                                   first, float(G), BITS=bits, QMAX=float(2 ** bits - 1), KITTY=bool(kitty),
                                   FASTDIV=not C.interpreting(), BLOCK_J=triton.next_power_of_2(G * bits // 8),
