@@ -533,26 +533,35 @@ def test_tail_mma_warps_fit_the_device(monkeypatch):
 
 def test_tail_mma_auto_rule(monkeypatch):
     """``TUNE["tail_mma"]`` None: the tensor-core tail where it applies (fp16 q, D = 128, the tail read in
-    place, some fp16 rows), its fp16 rows are at least 1 / TAIL_MMA_SHARE of the fused tokens (Kitty at 8K
-    on the H100: 128 fp16 rows beside 7936 fused tokens; not at 32K) and its blocks fill a quarter of the
-    SMs (batch 8 x 8 kv heads on 132 SMs, not batch 1); True: wherever it applies."""
+    place, some fp16 rows), its blocks fill a quarter of the SMs (batch 8 x 8 kv heads on 132 SMs, not
+    batch 1) and its fp16 rows are at least 1 / TAIL_MMA_SHARE of the fused tokens (Kitty at 8K on the
+    H100: 128 fp16 rows beside 7936 fused tokens; not at 32K), or, where they hold a sink and the blocks
+    are fewer than the SMs, at least 1 / TAIL_MMA_SINK_SHARE (Kitty 8 x 8K with an empty key Q-buffer: the
+    32 sink rows beside 8064 fused tokens; not at 32 x 8K, 256 blocks, nor at 8 x 32K); True: wherever it
+    applies."""
     from kvq.fast.cupy import paged as PD
 
     h, f, b = (torch.zeros(1, dtype=t) for t in (torch.float16, torch.float32, torch.bfloat16))
 
-    def ok(q, D, in_place, rows, fused, blocks=64):
-        return PD._tail_mma_ok(q, D, in_place, rows, fused, blocks, 132)
+    def ok(q, D, in_place, rows, fused, blocks=64, sink=0):
+        return PD._tail_mma_ok(q, D, in_place, rows, fused, blocks, 132, sink)
 
     assert ok(h, 128, True, 128, 7936) and ok(h, 128, True, 128, 128 * PD.TAIL_MMA_SHARE) and ok(h, 128, True, 5, 0)
     assert ok(h, 128, True, 128, 7936, 33) and not ok(h, 128, True, 128, 7936, 32) and not ok(h, 128, True, 128, 0, 8)
     assert not ok(h, 128, True, 128, 32512) and not ok(h, 128, True, 128, 128 * PD.TAIL_MMA_SHARE + 1)
+    # the sink's share: Kitty 8 x 8K (sink 32, fused 8064) yes; without a sink (KIVI's 32 key Q-buffer
+    # rows), with blocks filling the SMs (32 x 8K), past 1 / TAIL_MMA_SINK_SHARE (8 x 32K) or at batch 1 no
+    assert ok(h, 128, True, 32, 8064, 64, 32) and ok(h, 128, True, 32, 32 * PD.TAIL_MMA_SINK_SHARE, 131, 32)
+    assert not ok(h, 128, True, 32, 8064, 64, 0) and not ok(h, 128, True, 32, 8064, 132, 32)
+    assert not ok(h, 128, True, 32, 32 * PD.TAIL_MMA_SINK_SHARE + 1, 64, 32) and not ok(h, 128, True, 32, 32512, 64, 32)
+    assert not ok(h, 128, True, 32, 8064, 8, 32)
     for args in ((f, 128, True, 128, 0), (b, 128, True, 128, 0), (h, 64, True, 128, 0), (h, 128, False, 128, 0),
                  (h, 128, True, 0, 0)):
         assert not ok(*args)
     monkeypatch.setitem(PD.TUNE, "tail_mma", True)
     assert ok(h, 128, True, 1, 10 ** 6, 1) and not ok(h, 64, True, 128, 0)
     monkeypatch.setitem(PD.TUNE, "tail_mma", False)
-    assert not ok(h, 128, True, 128, 0)
+    assert not ok(h, 128, True, 128, 0) and not ok(h, 128, True, 32, 8064, 64, 32)
 
 
 def test_tail_warps_leave_room_for_the_tensor_core_tail(monkeypatch):

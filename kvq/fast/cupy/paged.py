@@ -95,10 +95,11 @@ MMA_BITS = (2, 4)                   # key / value code bits of paged_decode_mma2
 #: tail_mma: the tail rows whose key and value are both fp16 on the tensor cores (paged_tail_mma: fp16 q,
 #: D = 128; each score's 8 k-step sums added pairwise in fp32) in their own launch, the mixed rows through
 #: paged_tail_attn (True; False: tail16's rule; None, auto: where it applies, the fp16 rows are at
-#: least 1/TAIL_MMA_SHARE of the fused kernel's tokens and the batch fills a quarter of the SMs with
-#: tail blocks: on the H100 (Kitty, cold L2, ms, on / off) 8 x 8K 0.0446 / 0.0473, 32 x 8K 0.1248 /
-#: 0.1287, but 1 x 32K 0.0326 / 0.0298, 8 x 32K 0.1049 / 0.1025 and 1 x 8K 0.023 / 0.020, where the
-#: extra launch beside a longer or a latency-bound step costs more than the tail's 128 fp16 rows save);
+#: least 1/TAIL_MMA_SHARE of the fused kernel's tokens (1/TAIL_MMA_SINK_SHARE where they hold a sink and
+#: the tail's blocks are fewer than the SMs) and the batch fills a quarter of the SMs with tail blocks:
+#: on the H100 (Kitty, cold L2, ms, on / off) 8 x 8K 0.0446 / 0.0473, 32 x 8K 0.1248 / 0.1287, but
+#: 1 x 32K 0.0326 / 0.0298, 8 x 32K 0.1049 / 0.1025 and 1 x 8K 0.023 / 0.020, where the extra launch
+#: beside a longer or a latency-bound step costs more than the tail's 128 fp16 rows save);
 #: tail_mma_warps: its warps per block (1, 2 or 4; None: 4, 17 KiB of tiles each, or 2 where the fused
 #: grid holds at most two blocks per SM, so that a 2-warp mixed-row block fits beside them too; fewer
 #: where the device cannot hold them)
@@ -285,19 +286,29 @@ def _tail_mma_kernel(nw: int, device_index: int):
 #: _tail_mma_ok: the automatic rule takes the tensor-core tail where its fp16 rows are at least this
 #: fraction (1 / TAIL_MMA_SHARE) of the tokens the fused kernel reads (or there is no fused kernel)
 TAIL_MMA_SHARE = 64
+#: ... or, where the fp16 rows hold a sink (Kitty's S = 32) and the tail's blocks fill a quarter of the SMs
+#: but not all of them, at least 1 / TAIL_MMA_SINK_SHARE of the fused tokens: the sink rows then leave
+#: the mixed-row kernel, which is the step's critical path there (H100, Kitty 8 x 8K at T = 8224: mixed
+#: rows 0.2 -> 40.4 us beside a 28.5 us page kernel; with the sink on the tensor cores the step is 39.3 us,
+#: not 43.4; benchmarks/results/h100-fd9acd6-tail-rule)
+TAIL_MMA_SINK_SHARE = 256
 
 
-def _tail_mma_ok(q, D: int, in_place: bool, fp16_rows: int, fused_rows: int, blocks: int, sms: int) -> bool:
+def _tail_mma_ok(q, D: int, in_place: bool, fp16_rows: int, fused_rows: int, blocks: int, sms: int,
+                 sink_rows: int = 0) -> bool:
     """Whether decode puts the fp16 tail rows on the tensor cores: TUNE["tail_mma"] True / False, or None
-    (auto): fp16 q, D = 128, the tail read in place, fp16 rows >= fused rows / TAIL_MMA_SHARE, and the
-    tail's (sequence, kv head, query tile) ``blocks`` at least a quarter of the ``sms`` (H100, Kitty 1 x 8K:
-    0.023 ms with it, 0.020 without: at batch 1 the step is a few latencies long and the extra launch adds
-    one)."""
+    (auto): fp16 q, D = 128, the tail read in place, the tail's (sequence, kv head, query tile) ``blocks``
+    at least a quarter of the ``sms`` (H100, Kitty 1 x 8K: 0.023 ms with it, 0.020 without: at batch 1
+    the step is a few latencies long and the extra launch adds one), and fp16 rows >= fused rows /
+    TAIL_MMA_SHARE, or, with ``sink_rows`` among them and fewer blocks than SMs, fp16 rows >= fused rows /
+    TAIL_MMA_SINK_SHARE (H100, phase means over T = 8192 + {0, 32, 64, 96}: Kitty 8 x 8K 43.8 -> 42.4 us;
+    32 x 8K, whose blocks fill the SMs, 117.0 -> 119.8 us with it, so not there)."""
     want = TUNE["tail_mma"]
     if want is not None and not isinstance(want, bool):
         raise ValueError(f"TUNE['tail_mma'] = {want!r}: None (auto), True or False")
     able = in_place and q.dtype == torch.float16 and D == 128 and fp16_rows > 0
-    auto = fp16_rows * TAIL_MMA_SHARE >= fused_rows and 4 * blocks >= sms
+    share = TAIL_MMA_SINK_SHARE if sink_rows > 0 and blocks < sms else TAIL_MMA_SHARE
+    auto = fp16_rows * share >= fused_rows and 4 * blocks >= sms
     return able and (want or (want is None and auto))
 
 
@@ -495,7 +506,7 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     sums = _tail_sums()
     if not in_place:
         parts = [("gather", NT, 0)]
-    elif _tail_mma_ok(q, D, in_place, NT - n_mixed, NF, B * H * -(-M // 8), sms):
+    elif _tail_mma_ok(q, D, in_place, NT - n_mixed, NF, B * H * -(-M // 8), sms, c["n_sink"]):
         parts = [("mma", NT - n_mixed, 0), ("mixed", n_mixed, c["n_sink"])]
     elif TUNE["tail16"] if TUNE["tail16"] is not None else B * H * tqtiles >= sms:
         parts = [("fp16", NT - n_mixed, 0), ("mixed", n_mixed, c["n_sink"])]
