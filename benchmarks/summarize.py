@@ -23,7 +23,10 @@ def load(d, name: str):
 def run_line(res) -> str:
     """Device, commit and date of a benchmark JSON, and the copy ceiling it measured."""
     m = res["meta"]
-    return (f"{m['device']['name']}, commit `{m['commit'][:7]}`, {m['date_utc'][:10]}; copy ceiling "
+    c = m["commit"]
+    head, plus, rest = c.partition("+")         # "fd9acd6+tail-rule": a tree that was not a commit
+    commit = head[:7] + plus + rest
+    return (f"{m['device']['name']}, commit `{commit}`, {m['date_utc'][:10]}; copy ceiling "
             f"{res['copy_gbps']:.0f} GB/s")
 
 

@@ -120,3 +120,12 @@ def test_fused_ceilings_table():
     rows = _rows(S.fused_ceilings_table(run))
     assert len(rows) == len(run["rows"]) // 3 == 7
     assert all(float(r[3]) > float(r[4]) for r in rows)        # that run: compute only > copies only everywhere
+
+
+def test_run_line_names_a_tree_that_was_not_a_commit():
+    # a run on a commit plus uncommitted changes records "hash+label": the label must not be cut off
+    res = {"meta": {"device": {"name": "GPU"}, "commit": "fd9acd6+tail-rule", "date_utc": "2026-11-23T04:00:00"},
+           "copy_gbps": 3010.2}
+    assert "commit `fd9acd6+tail-rule`" in S.run_line(res)
+    res["meta"]["commit"] = "fd9acd6" + "0" * 33
+    assert "commit `fd9acd6`," in S.run_line(res)
