@@ -10,7 +10,9 @@ length), not appended token by token; the calibration is a random orthogonal R_K
 QR of a seeded Gaussian) with the default clip ratios.
 
 What is timed: the whole ``decode_attention`` call: q rotated by R_K, the fused decode, the output rotated
-back by R_V^T. The fused decode reads the packed pages in place (never dequantized to memory):
+back by R_V^T; and (``rv_folded``) the same call with ``rotate_back=False``, the decode of a model whose W_O
+has R_V^T folded in (``kvq.reference.oscar.fold_value_rotation``, the paper's deployment: the output is
+left in R_V's frame). The fused decode reads the packed pages in place (never dequantized to memory):
 
 * ``triton``: ``kvq.fast.triton.oscar_decode``, one page kernel over the INT2 pages (unpack + dequantize in
   registers, online softmax, split along the sequence), the FP16 sink + window through the FP16 partial
@@ -198,9 +200,15 @@ def run_backend(backend, shape, q, scale, device, copy_gbps, quick, dry, deadlin
         row.update(ms=t["ms"], timing=t, n_copies=copies, gbps=C.gbps(nb["min"], t["ms"]))
         row["pct_copy"] = C.pct(row["gbps"], copy_gbps)
         row["floor_ms"] = nb["min"] / (copy_gbps * 1e9) * 1e3 if copy_gbps else None
+        # the same decode for a W_O with R_V^T folded in (reference.oscar.fold_value_rotation): the output
+        # stays in R_V's frame, no rotation back (rotate_back=False)
+        tf = C.bench(lambda s: oscar.decode_attention(cfg, calib, s, q, scale=scale, rotate_back=False),
+                     [(s,) for s in states], device=device, quick=quick)
+        row["rv_folded"] = {"ms": tf["ms"], "timing": tf}
         for bname in ("sdpa_best", "kvq_fp16"):
             bms = shape["fp16"].get(bname, {}).get("ms")
             row[f"speedup_vs_{bname}"] = (bms / t["ms"]) if bms and t["ms"] else None
+            row["rv_folded"][f"speedup_vs_{bname}"] = (bms / tf["ms"]) if bms and tf["ms"] else None
         del states, st
         C.free_cuda(device)
         # one kernel that only reads the same bytes, timed the same way: the best any kernel could do
@@ -324,9 +332,17 @@ def run(device, *, copy_gbps=None, quick=False, dry_run=False, deadline=None) ->
     return res
 
 
+def _folded(r) -> str:
+    """The R_V-folded columns of a summary line: ms and speedup over SDPA, or dashes (older results)."""
+    if not r or not r.get("ms"):
+        return f"{'-':>8s} {'-':>7s}"
+    sp = r.get("speedup_vs_sdpa_best")
+    return f"{r['ms']:8.3f} " + (f"{sp:7.2f}" if sp else f"{'-':>7s}")
+
+
 def summary_lines(res: dict) -> list[str]:
     lines = [f"{'B':>3s} {'T':>7s} {'sdpa':>8s} {'kvq16':>8s} {'backend':>7s} {'oscar':>9s} {'x sdpa':>7s} "
-             f"{'x kvq16':>7s} {'%copy':>6s} {'out err':>8s}"]
+             f"{'x kvq16':>7s} {'%copy':>6s} {'out err':>8s} {'R_V fold':>8s} {'x sdpa':>7s}"]
     ms = lambda r: f"{r['ms']:8.3f}" if r and r.get("ms") else f"{'-':>8s}"            # noqa: E731
     backends = res.get("backends", ["triton"])
     for s in res.get("shapes", []):
@@ -343,7 +359,8 @@ def summary_lines(res: dict) -> list[str]:
                 mark = ("" if r.get("valid") else "!") + ("" if r.get("fused", True) else "~")
                 lines.append(head + f"{b:>7s} {r['ms']:8.3f}{mark:<1s} "
                              + (f"{sp:7.2f} " if sp else f"{'-':>7s} ") + (f"{sk:7.2f} " if sk else f"{'-':>7s} ")
-                             + f"{r.get('pct_copy') or 0:5.1f}% " + (f"{err:8.1e}" if err is not None else ""))
+                             + f"{r.get('pct_copy') or 0:5.1f}% " + (f"{err:8.1e} " if err is not None else f"{'-':>8s} ")
+                             + _folded(r.get("rv_folded")))
             else:
                 lines.append(head + f"{b:>7s} " + (r.get("skipped") or r.get("error") or "-")[:150])
         if f16.get("skipped"):
@@ -360,7 +377,8 @@ def summary_lines(res: dict) -> list[str]:
                          for n in ("append", "append_unfused", "rotate", "quantize", "decode_step",
                                    "decode_step_unfused")))
     lines.append("  (ms per call of the fused decode; x = speedup; %copy on bytes.min, what the fused kernels "
-                 "read; '!' = failed the check; '~' = history dequantized, not fused)")
+                 "read; '!' = failed the check; '~' = history dequantized, not fused; R_V fold = the call with "
+                 "rotate_back=False, for a W_O with R_V^T folded in)")
     return lines
 
 

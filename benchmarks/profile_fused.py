@@ -30,11 +30,16 @@ import bench_kivi_kitty as BK  # noqa: E402
 import common as C  # noqa: E402
 
 
+#: OSCAR's method names here: the whole decode, and the decode for a W_O with R_V^T folded in
+OSCAR_METHODS = ("OSCAR", "OSCAR-RVfold")
+
+
 def setup(method: str, B: int, T: int, backend: str = "triton", seed: int = 0):
-    """(module, config, cache state, 4 fp16 queries) of a method ("OSCAR": bench_oscar's random-code cache)."""
+    """(module, config, cache state, 4 fp16 queries) of a method ("OSCAR", "OSCAR-RVfold": bench_oscar's
+    random-code cache)."""
     g = torch.Generator(device="cuda").manual_seed(1)
     qs = [torch.randn((B, 32, 1, 128), generator=g, device="cuda", dtype=torch.float16) for _ in range(4)]
-    if method == "OSCAR":
+    if method in OSCAR_METHODS:
         import bench_oscar as BO
         mod = BO._mod(backend)
         cfg = BO.config(mod, T, dry=False)
@@ -60,27 +65,50 @@ def cache_copies(method: str, B: int, T: int, backend: str, st, copies: str) -> 
 
 def decode_step(method: str, mod, cfg, st=None, backend: str = "triton"):
     """q -> decode_attention over the cache ``st``, or with ``st`` None (q, state) -> decode_attention over
-    that state (OSCAR with bench_oscar's random orthogonal calibration)."""
-    if method == "OSCAR":
+    that state (OSCAR with bench_oscar's random orthogonal calibration; "OSCAR-RVfold": the output left in
+    R_V's frame, ``rotate_back=False``, for a W_O with R_V^T folded in)."""
+    if method in OSCAR_METHODS:
         import bench_oscar as BO
         calib = BO.calibration(mod, 8, 128)
-        step = lambda q, s: mod.decode_attention(cfg, calib, s, q)  # noqa: E731
+        back = method == "OSCAR"
+        step = lambda q, s: mod.decode_attention(cfg, calib, s, q, rotate_back=back)  # noqa: E731
     else:
         step = lambda q, s: mod.decode_attention(cfg, s, q)         # noqa: E731
     return step if st is None else (lambda q: step(q, st))
 
 
+def tune_dicts(backend: str) -> dict:
+    """The knob dicts a run may set: ``paged.TUNE`` (keys as they are) and, on CuPy, OSCAR's
+    ``oscar_decode.TUNE`` (keys prefixed "oscar.")."""
+    import importlib
+    out = {"": importlib.import_module(f"kvq.fast.{backend}.paged").TUNE}
+    if backend == "cupy":
+        out["oscar."] = importlib.import_module("kvq.fast.cupy.oscar_decode").TUNE
+    return out
+
+
+def _value(v: str):
+    return int(v) if v.isdigit() else {"True": True, "False": False, "None": None}.get(v, v)
+
+
+def set_tune(backend: str, key: str, value) -> None:
+    """One knob: ``key`` of paged.TUNE, or "oscar.<key>" of oscar_decode.TUNE (CuPy)."""
+    for prefix, d in sorted(tune_dicts(backend).items(), key=lambda kv: -len(kv[0])):
+        if key.startswith(prefix) and key[len(prefix):] in d:
+            d[key[len(prefix):]] = value
+            return
+    known = sorted(p + k for p, d in tune_dicts(backend).items() for k in d)
+    raise SystemExit(f"--tune / --grid: {key!r} is not a TUNE key ({known})")
+
+
 def apply_tune(backend: str, spec: str) -> None:
-    """Set paged.TUNE values of a backend from "key=value;key=value" (ints, True / False / None, strings)."""
+    """Set TUNE values of a backend (``set_tune``) from "key=value;key=value" (ints, True / False / None,
+    strings)."""
     if not spec:
         return
-    import importlib
-    paged = importlib.import_module(f"kvq.fast.{backend}.paged")
     for part in spec.split(";"):
         k, v = part.split("=")
-        if k not in paged.TUNE:
-            raise SystemExit(f"--tune: {k!r} is not a TUNE key ({sorted(paged.TUNE)})")
-        paged.TUNE[k] = int(v) if v.isdigit() else {"True": True, "False": False, "None": None}.get(v, v)
+        set_tune(backend, k, _value(v))
 
 
 def inputs(qs: list, states: list) -> list:
@@ -93,7 +121,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     ap.add_argument("--once", action="store_true", help="one decode per method (for ncu)")
     ap.add_argument("--tune", default="", help="--once: paged.TUNE values, e.g. 'max_blocks_per_sm=4'")
-    ap.add_argument("--methods", default="KIVI-K2V2,Kitty", help="KIVI-*, Kitty, Kitty-Pro, OSCAR")
+    ap.add_argument("--methods", default="KIVI-K2V2,Kitty", help="KIVI-*, Kitty, Kitty-Pro, OSCAR, OSCAR-RVfold")
     ap.add_argument("--backend", default="triton", choices=("triton", "cupy"))
     ap.add_argument("--B", type=int, default=8)
     ap.add_argument("--T", type=int, default=32768)
@@ -101,8 +129,6 @@ def main() -> None:
     ap.add_argument("--copies", default="auto", help="caches to rotate over: 'auto' (cold L2, as the "
                     "benchmarks) or a count (1: one cache, warm in the L2 where it fits)")
     a = ap.parse_args()
-    import importlib
-    paged = importlib.import_module(f"kvq.fast.{a.backend}.paged")
     methods = a.methods.split(",")
     if a.once:
         apply_tune(a.backend, a.tune)
@@ -115,15 +141,16 @@ def main() -> None:
     for part in a.grid.split(";"):
         k, v = part.split("=")
         keys.append(k)
-        vals.append([int(x) if x.isdigit() else {"True": True, "False": False, "None": None}.get(x, x) for x in v.split(",")])
+        vals.append([_value(x) for x in v.split(",")])
     rows = []
-    old = dict(paged.TUNE)
+    old = {p: dict(d) for p, d in tune_dicts(a.backend).items()}
     for m in methods:
         mod, cfg, st, qs = setup(m, a.B, a.T, a.backend)
         states = cache_copies(m, a.B, a.T, a.backend, st, a.copies)
         step = decode_step(m, mod, cfg, None, a.backend)
         for combo in itertools.product(*vals):
-            paged.TUNE.update(dict(zip(keys, combo)))
+            for k, v in zip(keys, combo):
+                set_tune(a.backend, k, v)
             try:
                 t = C.bench(step, inputs(qs, states), device="cuda")
                 row = {"method": m, **dict(zip(keys, combo)), "ms": t["ms"], "copies": len(states)}
@@ -131,8 +158,9 @@ def main() -> None:
                 row = {"method": m, **dict(zip(keys, combo)), "error": f"{type(e).__name__}: {e}"[:300]}
             print(json.dumps(row), flush=True)
             rows.append(row)
-            paged.TUNE.clear()
-            paged.TUNE.update(old)
+            for p, d in tune_dicts(a.backend).items():
+                d.clear()
+                d.update(old[p])
         st = step = states = None
         torch.cuda.empty_cache()
     res = {"meta": C.meta(torch.device("cuda")), "backend": a.backend, "B": a.B, "T": a.T, "rows": rows}

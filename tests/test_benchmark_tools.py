@@ -29,6 +29,16 @@ def test_apply_tune_sets_and_checks_keys(bench_path, monkeypatch):
     assert paged.TUNE == before
     with pytest.raises(SystemExit, match="not a TUNE key"):
         PF.apply_tune("cupy", "no_such_knob=1")
+    # OSCAR's decode knobs (kvq.fast.cupy.oscar_decode.TUNE) under the "oscar." prefix
+    OD = importlib.import_module("kvq.fast.cupy.oscar_decode")
+    monkeypatch.setattr(OD, "TUNE", dict(OD.TUNE))
+    PF.apply_tune("cupy", "oscar.tail_prec=1;oscar.tail_first=False")
+    assert OD.TUNE["tail_prec"] == 1 and OD.TUNE["tail_first"] is False
+    assert paged.TUNE == before
+    with pytest.raises(SystemExit, match="not a TUNE key"):
+        PF.apply_tune("cupy", "oscar.max_blocks_per_sm=1")      # a paged knob is not an OSCAR one
+    with pytest.raises(SystemExit, match="not a TUNE key"):
+        PF.apply_tune("triton", "oscar.tail_prec=1")            # OSCAR's knobs are the CuPy decode's
 
 
 def test_ncu_stalls_summary(bench_path, tmp_path):

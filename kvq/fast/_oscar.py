@@ -60,6 +60,9 @@ class OscarOps:
     #: back; R: the calibration's fp32 values): float64 sums rounded to fp32, then to out_dtype, in one launch
     #: (``kvq.fast.cupy.oscar_decode.rotate_heads``); None: :func:`_rotate_heads` (torch float64 matmul)
     rotate_heads: Callable | None = None
+    #: whether ``fused_decode`` takes ``out_dtype`` (its merge then writes the output in q's dtype where
+    #: the output is not rotated back: no separate cast)
+    fused_out_dtype: bool = False
 
 
 def _device(ops) -> torch.device:
@@ -413,7 +416,8 @@ def decode_attention(ops: "OscarOps", cfg, calib, state: OSCARTensorState, q, *,
     rot = ops.rotate_heads or (lambda x, R, dt: _rotate_heads(x, R).to(dt))
     qr = rot(q, _rot(calib.R_K, dev, dtype=rdt), torch.float32)                # (B, H_q, T_q, D) fp32
     if ops.fused_decode is not None:
-        out, lse = ops.fused_decode(cfg, state, qr, scale=scale, precise=q.dtype == torch.float32)
+        kw = {"out_dtype": q.dtype} if ops.fused_out_dtype and not rotate_back else {}
+        out, lse = ops.fused_decode(cfg, state, qr, scale=scale, precise=q.dtype == torch.float32, **kw)
     else:
         out, lse = ops.attention.decode_attention(qr, segments(ops, cfg, state), scale=scale)
     if rotate_back:

@@ -121,6 +121,42 @@ def test_one_stream(mods, fused_calls, monkeypatch):
     assert len(fused_calls) == 1
 
 
+@pytest.mark.parametrize("prec,first", [(1, True), (1, False), (2, True), (2, False)])
+def test_tail_knobs(mods, fused_calls, monkeypatch, prec, first):
+    """``oscar_decode.TUNE``: the sink / window kernel in double (1) or four-chain fp32 (2, the default)
+    arithmetic, launched before or after the page kernel; every setting meets the tolerance rule, and
+    the two launch orders give the same bits (the partials do not depend on which kernel starts first)."""
+    F, OD = mods
+    cfg, calib, rs, fs = _state(DEV, 1, 2600, seed=17)
+    q = _q(DEV, 8, 1, torch.float16, seed=18)
+    monkeypatch.setitem(OD.TUNE, "tail_prec", prec)
+    monkeypatch.setitem(OD.TUNE, "tail_first", first)
+    out, lse = F.decode_attention(cfg, calib, fs, q)
+    _check(cfg, calib, rs, out, lse, q)
+    monkeypatch.setitem(OD.TUNE, "tail_first", not first)
+    out2, lse2 = F.decode_attention(cfg, calib, fs, q)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    monkeypatch.setitem(OD.TUNE, "tail_prec", 3)
+    with pytest.raises(ValueError, match="tail_prec"):
+        F.decode_attention(cfg, calib, fs, q)
+    assert len(fused_calls) == 3
+
+
+def test_folded_output_dtype(mods):
+    """``rotate_back=False`` (a W_O with R_V^T folded in): the merge writes q's dtype itself; the result
+    is the fp32 merge rounded once, i.e. the fp32 decode's output cast."""
+    F, _ = mods
+    cfg, calib, rs, fs = _state(DEV, 1, 2100, seed=19)
+    q = _q(DEV, 4, 1, torch.float16, seed=20)
+    out, lse = F.decode_attention(cfg, calib, fs, q, rotate_back=False)
+    from kvq.fast.cupy import oscar_decode
+    RK = torch.from_numpy(np.ascontiguousarray(calib.R_K, dtype=np.float32)).to(DEV)   # as the decode's copy
+    qr = oscar_decode.rotate_heads(q, RK, torch.float32)
+    o32, l32 = oscar_decode.decode(cfg, fs, qr)
+    assert out.dtype == torch.float16 and o32.dtype == torch.float32
+    assert torch.equal(out, o32.to(torch.float16)) and torch.equal(lse, l32)
+
+
 @pytest.mark.parametrize("what", ["fp32-q", "G64", "4bit"])
 def test_unfused_fallback(mods, fused_calls, what):
     """float32 q (the precise path), groups smaller than D and 4-bit codes dequantize the history and

@@ -176,10 +176,10 @@ def _aqua_names():
 
 
 #: the tensor-core OSCAR decode (oscar_decode.cu): query rows per block (4 or 8); its FP16 sink + window
-#: kernel (attn_split's body, fp16 K / V, fp32 q, double sums) per query tile; the query-side float64
-#: rotation per input / output dtype
+#: kernel (attn_split's body, fp16 K / V, fp32 q; double sums or four fp32 chains) per query tile; the
+#: query-side float64 rotation per input / output dtype
 OSCAR_DECODE_NAMES = (tuple(f"oscar_decode_mma<{nr}>" for nr in (4, 8))
-                      + tuple(f"oscar_tail_attn<{qt}, {attn_warps(0, 128)}>" for qt in ATTN_QT)
+                      + tuple(f"oscar_tail_attn<{qt}, {attn_warps(0, 128)}, {p}>" for qt in ATTN_QT for p in (1, 2))
                       + tuple(f"rotate_heads_f64<{i}, {o}, {r}>" for i in (0, 1, 2) for o in (0, 1, 2)
                               for r in ("float", "double")))
 

@@ -155,10 +155,12 @@ struct TwoSegmentTiles {
 // FP16 tail for half-precision q takes 2 (TUNE["tail_sums"]) or 1: one 128-term fp32 chain per score
 // reached several fp32 ulps at |score| ~ 1e3, beyond the tolerance rule, where four chains stay at about
 // a fifth of the bound (benchmarks/model_tail_scores.py) with no conversions to double.
-// Accumulator of the dot products and of P.V: float, or double when PRECISE (the default for float32
+// Accumulator of the dot products and of P.V: float, or double when PRECISE = 1 (the default for float32
 // inputs: the fp32 path is the precise one, its sums then carry no more rounding than the float32
 // reference's pairwise sums; PRECISE also means natural-log units, else base 2 with log2(e) in the
-// scale). attn_split<2, D, QT, NW, 0, QDT>: fp32 keys / values with float accumulators and QDT (fp16 /
+// scale). PRECISE = 2: natural-log units with float accumulators and the scores as four fp32 chains (SD
+// = 2): OSCAR's FP16 sink / window beside its tensor-core history kernel (oscar_tail_attn), whose fp32
+// lse bound takes the natural units but not the cost of double arithmetic. attn_split<2, D, QT, NW, 0, QDT>: fp32 keys / values with float accumulators and QDT (fp16 /
 // bf16) queries: the paged decode's tail for half-precision queries, whose fused part carries about 22 bits.
 template <int DT>
 struct AccT {
@@ -194,9 +196,10 @@ __device__ __forceinline__ void attn_split_body(const typename Ty<QDT>::S* __res
                                                 i64 T, i64 chunk, int num_splits, int split0, float qk_scale) {
     typedef AttnCfg<DT, D> Cfg;
     typedef typename Ty<DT>::S S;
-    typedef typename AccT<PRECISE ? 2 : 0>::T Acc;
-    typedef typename AccT<(PRECISE || SD == 1) ? 2 : 0>::T SAcc;   // the score sums
-    constexpr int NCH = (SD == 2 && !PRECISE) ? 4 : 1;                // fma chains per score
+    typedef typename AccT<PRECISE == 1 ? 2 : 0>::T Acc;
+    typedef typename AccT<(PRECISE == 1 || SD == 1) ? 2 : 0>::T SAcc;   // the score sums
+    constexpr int NCH = (SD == 2 && PRECISE != 1) ? 4 : 1;                // fma chains per score
+    static_assert(PRECISE >= 0 && PRECISE <= 2, "PRECISE: 0 base 2, 1 natural + double, 2 natural + float");
     static_assert(SD >= 0 && SD <= 2, "SD: 0 one fp32 chain, 1 double, 2 four fp32 chains");
     static_assert(Cfg::VE % NCH == 0, "a 16-byte vector holds whole groups of the chains' channels");
     constexpr int VE = Cfg::VE;

@@ -15,6 +15,8 @@ fp16 / bf16 q; otherwise the history is read back by ``packing.unpack_dequantize
 
 from __future__ import annotations
 
+import torch
+
 from kvq.fast import _oscar as _O
 from kvq.fast._oscar import OSCARTensorState, counts, identity_calibration  # noqa: F401
 from kvq.reference.oscar import (CLIP_GRID, CONFIGS, DEFAULT_CLIP_K, DEFAULT_CLIP_V,  # noqa: F401
@@ -33,19 +35,21 @@ __all__ = ["DEFAULT_CLIP_K", "DEFAULT_CLIP_V", "CLIP_GRID", "OSCARCalibration", 
 
 
 
-def fused_decode(cfg, st, q_rot, *, scale=None, precise: bool = True):
-    """The decode of ``kvq.fast._oscar.decode_attention`` (``OscarOps.fused_decode``): ``(out, lse)`` fp32 in
-    the rotated frame. The tensor-core kernel where it applies (``oscar_decode.supported``) and q is
-    half precision (``precise=False``); else the history is dequantized and the three segments attended
-    in fp32 (the precise path for float32 q: double accumulators)."""
+def fused_decode(cfg, st, q_rot, *, scale=None, precise: bool = True, out_dtype=torch.float32):
+    """The decode of ``kvq.fast._oscar.decode_attention`` (``OscarOps.fused_decode``): ``(out, lse)`` in
+    the rotated frame, out in ``out_dtype`` (rounded once from fp32), lse fp32. The tensor-core kernel
+    where it applies (``oscar_decode.supported``) and q is half precision (``precise=False``); else the
+    history is dequantized and the three segments attended in fp32 (the precise path for float32 q:
+    double accumulators)."""
     if not precise and OD.supported(cfg, st, q_rot):
-        return OD.decode(cfg, st, q_rot, scale=scale)
-    return A.decode_attention(q_rot, _O.segments(OPS, cfg, st), scale=scale)
+        return OD.decode(cfg, st, q_rot, scale=scale, out_dtype=out_dtype)
+    out, lse = A.decode_attention(q_rot, _O.segments(OPS, cfg, st), scale=scale)
+    return out.to(out_dtype), lse
 
 
 #: this backend's kernels for the shared OSCAR cache code (``kvq.fast._oscar``)
 OPS = _O.OscarOps("cupy", rotate, OQ, P, A, lambda: False, fused_decode=fused_decode, fused_append=OA,
-                   rotate_heads=OD.rotate_heads)
+                   rotate_heads=OD.rotate_heads, fused_out_dtype=True)
 
 
 def quantize_tokens(x_rot, clip: float, group_size: int, bits: int = 2, meta_dtype="float16"):

@@ -194,11 +194,12 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
 }
 
 // ---- the FP16 sink and window in one launch -------------------------------------------------------
-// Computes: attn_split<fp16 K / V, fp32 q, PRECISE> (attention.cu: double sums, natural units; same
-//   grid and partial layout) over the sink (keys [0, n1)) and the window (keys [n1, T)) of the cache,
-//   both read in place from their fp16 buffers (TwoSegmentTiles), as one sequence.
+// Computes: attn_split_body<fp16 K / V, fp32 q, PREC> (attention.cu's split kernel, natural units; PREC 1:
+//   double sums and accumulators, PREC 2: four fp32 chains per score, fp32 accumulators; same grid and
+//   partial layout) over the sink (keys [0, n1)) and the window (keys [n1, T)) of the cache, both read in
+//   place from their fp16 buffers (TwoSegmentTiles), as one sequence.
 // Grid: (num_splits * n_qtiles, H_kv, B); block NW * 32 threads.
-template <int QT, int NW>
+template <int QT, int NW, int PREC>
 __global__ void __launch_bounds__(NW * 32)
     oscar_tail_attn(const float* __restrict__ q, const u16* __restrict__ k1, const u16* __restrict__ v1,
                     const u16* __restrict__ k2, const u16* __restrict__ v2, i64 s1_b, i64 s1_h, i64 s2_b, i64 s2_h,
@@ -206,7 +207,7 @@ __global__ void __launch_bounds__(NW * 32)
                     i64 sq_t, int B, int Hq, int Hkv, int Tq, i64 T, i64 chunk, int num_splits, int split0,
                     float qk_scale) {
     const TwoSegmentTiles<0, 128> tiles{k1, v1, k2, v2, s1_b, s1_h, s2_b, s2_h, s_t, n1};
-    attn_split_body<0, 128, QT, NW, 1, 2>(q, tiles, o_part, lse_part, sq_b, sq_h, sq_t, B, Hq, Hkv, Tq, T, chunk,
+    attn_split_body<0, 128, QT, NW, PREC, 2>(q, tiles, o_part, lse_part, sq_b, sq_h, sq_t, B, Hq, Hkv, Tq, T, chunk,
                                           num_splits, split0, qk_scale);
 }
 

@@ -56,14 +56,30 @@ def _kernel(nr: int, smem: int, device_index: int):
 OSCAR_FEW_PAGES_PER_WARP = 1
 
 
+#: launch knobs of ``decode`` for tuning runs. tail_prec: the FP16 sink / window kernel's arithmetic (both
+#: in natural-log units): 1 double sums and accumulators, 2 (the default) four fp32 fma chains per score
+#: and fp32 accumulators (H100, R_V folded, ms, 1 / 2, tail launched first: 1 x 32K 0.0346 / 0.0342,
+#: 1 x 64K 0.0498 / 0.0475, 1 x 128K 0.0665 / 0.0630, 8 x 64K 0.1624 / 0.1574); tail_first: that kernel
+#: launched on its side stream before the page kernel (True) or after it (False); None (auto): first
+#: where the tail has at least one block per SM (B H_kv query tiles >= SMs), else after: the page grid
+#: then holds every slot, and the tail's blocks take the slots its first blocks free (H100, ms, first /
+#: after: 1 x 32K 0.0324 / 0.0287, 1 x 128K 0.0617 / 0.0585, 8 x 32K 0.0994 / 0.0957, 8 x 64K 0.1576 /
+#: 0.1571, but 32 x 64K 0.5325 / 0.5456; 1 x 64K 0.0462 / 0.0465). Both kernels sharing the SMs cost:
+#: alone (one stream) the tail takes 11 us at 1 x 64K, the page kernel 31 us (see benchmarks/results)
+TUNE = {"tail_prec": 2, "tail_first": None}
+
+
 @functools.lru_cache(maxsize=None)
-def _tail_kernel(qt: int, nw: int):
-    return A.max_carveout(L.kernel(_SRC, f"oscar_tail_attn<{qt}, {nw}>"))
+def _tail_kernel(qt: int, nw: int, prec: int):
+    if prec not in (1, 2):
+        raise ValueError(f"oscar_decode.TUNE['tail_prec'] = {prec!r}: 1 (double) or 2 (four fp32 chains)")
+    return A.max_carveout(L.kernel(_SRC, f"oscar_tail_attn<{qt}, {nw}, {prec}>"))
 
 
-def decode(cfg, st, q_rot, *, scale=None):
-    """Attention of the rotated fp32 query over the whole cache: ``(out fp32, lse fp32)`` in the rotated
-    frame (the caller rotates back). Requires ``supported(cfg, st, q_rot)``."""
+def decode(cfg, st, q_rot, *, scale=None, out_dtype=torch.float32):
+    """Attention of the rotated fp32 query over the whole cache: ``(out, lse fp32)`` in the rotated frame
+    (the caller rotates back), out in ``out_dtype`` (float32, or a half type: the merge rounds once).
+    Requires ``supported(cfg, st, q_rot)``."""
     B, H, D = st.shape
     _, H_q, T_q, _ = q_rot.shape
     sc = C.softmax_scale(scale, D)
@@ -75,50 +91,62 @@ def decode(cfg, st, q_rot, *, scale=None):
     M = (H_q // H) * T_q
     nr = 4 if M <= 4 else 8
     qq = q_rot if q_rot.stride(-1) == 1 else q_rot.contiguous()
-    n_split = pps = 0
-    if NP:
-        nw = PD.MMA_MAX_WARPS
-        smem = smem_bytes(nw)
-        fn = _kernel(nr, smem, dev_index)
-        # re-planned at 2 blocks per SM only from one page per warp (H100, auto vs 4 blocks per SM: 1 x 32K
-        # 0.0350 / 0.0488 ms; at 4 and 8 pages per warp 2 blocks were slower: 1 x 128K 0.0829 / 0.0695,
-        # 8 x 32K 0.1727 / 0.1174)
-        n_split, pps = PD._fused_splits(NP, B * H, nw, PD.resident_slots(fn, 32 * nw, smem, dev_index), sms,
-                                        few=OSCAR_FEW_PAGES_PER_WARP)
-    # the FP16 tokens: oscar_tail_attn (attn_split's body: fp16 K / V, fp32 q, PRECISE: double sums,
-    # natural units; the fp32 lse bound left no room for base-2 rounding here) over the sink and the
-    # window (ring slots in any order: attention does not depend on it) read in place as one sequence,
-    # one tile of keys per warp (it runs beside the fused kernel: its latency counts)
+    # the FP16 tokens: oscar_tail_attn (attn_split's body: fp16 K / V, fp32 q, natural units: the fp32
+    # lse bound left no room for base-2 rounding here; TUNE["tail_prec"]: double or four-chain fp32 sums)
+    # over the sink and the window (ring slots in any order: attention does not depend on it) read in
+    # place as one sequence, one tile of keys per warp (it runs beside the fused kernel: its latency counts)
     tqt = 4 if M <= 4 else 8
     tqtiles = -(-M // tqt)
     tnw = L.attn_warps(L.DT[torch.float16], D)
     n1, NT = c["n_sink"], c["n_sink"] + c["n_win"]
     chunk, nt = A._splits(NT, B * H * tqtiles, 32 * tnw, sms, tiles_per_warp=1) if NT else (0, 0)
+    side_ok = bool(nt and NP and PD.TUNE["side_stream"])
+    n_split = pps = 0
+    if NP:
+        nw = PD.MMA_MAX_WARPS
+        smem = smem_bytes(nw)
+        fn = _kernel(nr, smem, dev_index)
+        slots = PD.resident_slots(fn, 32 * nw, smem, dev_index)
+        # re-planned at 2 blocks per SM only from one page per warp (H100, auto vs 4 blocks per SM: 1 x 32K
+        # 0.0350 / 0.0488 ms; at 4 and 8 pages per warp 2 blocks were slower: 1 x 128K 0.0829 / 0.0695,
+        # 8 x 32K 0.1727 / 0.1174)
+        n_split, pps = PD._fused_splits(NP, B * H, nw, slots, sms, few=OSCAR_FEW_PAGES_PER_WARP)
     S_TOTAL = n_split + nt
     rows = B * H_q * T_q
     o_part = torch.empty((S_TOTAL, rows, D), dtype=torch.float32, device=dev)
     lse_part = torch.empty((S_TOTAL, rows), dtype=torch.float32, device=dev)
     main = torch.cuda.current_stream(dev)
-    side = PD._side_stream(dev_index) if nt and n_split and PD.TUNE["side_stream"] else main
-    if nt:
-        side.wait_stream(main)
+    side = PD._side_stream(dev_index) if side_ok else main
+
+    def launch_tail():
         with torch.cuda.stream(side):
             sk, sv, wk, wv = st.sink_k, st.sink_v, st.win_k, st.win_v
-            L.run(_tail_kernel(tqt, tnw), (nt * tqtiles, H, B), (32 * tnw,),
+            L.run(_tail_kernel(tqt, tnw, TUNE["tail_prec"]), (nt * tqtiles, H, B), (32 * tnw,),
                   (qq, sk, sv, wk, wv, np.int64(sk.stride(0)), np.int64(sk.stride(1)), np.int64(wk.stride(0)),
                    np.int64(wk.stride(1)), np.int64(D), np.int64(n1), o_part, lse_part,
                    *(np.int64(s) for s in qq.stride()[:3]), np.int32(B), np.int32(H_q), np.int32(H),
                    np.int32(T_q), np.int64(NT), np.int64(chunk), np.int32(nt), np.int32(n_split),
                    np.float32(sc)), dev)                                   # natural units
-    if n_split:
+
+    def launch_pages():
         L.run(fn, (n_split, H, B), (32 * nw,),
               (qq, *(np.int64(s) for s in qq.stride()[:3]), st.k_codes, st.k_scale, st.k_mn, st.v_codes,
                st.v_scale, st.v_mn, st.table, np.int32(st.table.shape[1]), o_part, lse_part,
                np.int32(B), np.int32(H_q), np.int32(H), np.int32(T_q), np.int32(NH), np.int32(NP),
                np.int32(pps), np.int32(n_split), np.float32(sc * LOG2E)), dev, shared_mem=smem)
+
+    if side is not main:
+        side.wait_stream(main)                     # fork before either launch: they run side by side
+    first = TUNE["tail_first"]
+    if first is None:
+        first = B * H * tqtiles >= sms
+    launches = [(nt, launch_tail), (n_split, launch_pages)]
+    for needed, launch in (launches if first else launches[::-1]):
+        if needed:
+            launch()
     if side is not main:
         main.wait_stream(side)
-    out = torch.empty((B, H_q, T_q, D), dtype=torch.float32, device=dev)
+    out = torch.empty((B, H_q, T_q, D), dtype=out_dtype, device=dev)
     lse = torch.empty((B, H_q, T_q), dtype=torch.float32, device=dev)
     A._merge_launch(o_part, lse_part, out, lse, rows, S_TOTAL, D)
     return out, lse
