@@ -7,7 +7,7 @@
 #   TUNE="max_blocks_per_sm=4" SHAPES="8 32768 KIVI-K2V2" bash benchmarks/ncu_page.sh  # paged.TUNE values
 #
 # Per shape: <tag>.ncu-rep, <tag>.details.txt (every section), <tag>.sass.csv (per-instruction counters)
-# and <tag>.stalls.txt (benchmarks/ncu_stalls.py: stall reasons, instruction mix), in $OUT/ncu.tgz.
+# and <tag>.stalls.txt (benchmarks/ncu_stalls.py: stall reasons, instruction mix), in $OUT/ncu-<KERNEL>.tgz.
 #
 # ncu locks the clocks at base and flushes the caches before the profiled launch (its defaults), so its
 # durations are not the benchmark's; the stall shares and instruction counts are what to read here.
@@ -32,4 +32,4 @@ for s in "${SH[@]}"; do
     grep -E "Duration|Executed Ipc A|Issue Slots Busy|No Eligible|Active Warps Per|Eligible Warps|Warp Cycles Per Issued|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per" \
         "$D/$tag.details.txt" | head -n 20
 done
-tar -czf "$OUT/ncu.tgz" -C "$OUT" ncu && rm -rf "$D"
+tar -czf "$OUT/ncu-${KERNEL:-paged_decode_mma2}.tgz" -C "$OUT" ncu && rm -rf "$D"   # one tarball per kernel: a second call in the same run keeps the first

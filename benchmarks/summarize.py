@@ -107,6 +107,20 @@ def oscar_table(o) -> str:
     return "\n".join(rows)
 
 
+def oscar_folded_table(o, method: str = "oscar [cupy]") -> str:
+    """One backend's OSCAR rows of ``oscar.json`` with the decode for a W_O with R_V^T folded in
+    (``rv_folded``: the call with ``rotate_back=False``): per shape SDPA FP16, the whole decode and the
+    folded one (ms, speedup over SDPA) and the whole decode's percent of copy bandwidth."""
+    rows = ["| batch x context | SDPA FP16 (ms) | OSCAR (ms) | vs SDPA | R_V folded (ms) | vs SDPA | % copy |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    for s in o["shapes"]:
+        sd, r = _sdpa_ms(s), s[method]
+        f = r["rv_folded"]["ms"]
+        rows.append(f"| {s['B']} x {s['T'] // 1024}K | {sd:.3f} | {r['ms']:.3f} | {sd / r['ms']:.2f}x | {f:.3f} | "
+                    f"{sd / f:.2f}x | {r['pct_copy']:.1f}% |")
+    return "\n".join(rows)
+
+
 def decode_table(dec) -> str:
     rows = ["| batch x context | floor (ms) | SDPA (ms) | kvq Triton (ms) | Triton / SDPA | kvq CUDA (ms) | CUDA / SDPA "
             "| eager per call: SDPA / Triton / CUDA (ms) |",
@@ -168,6 +182,8 @@ def main(argv=None) -> int:
             print(read_ceiling_table(kk) + "\n")
     if o and "oscar [cupy]" in o["shapes"][0] and "oscar" in o["shapes"][0]:
         print(oscar_table(o) + "\n")
+    if o and all((s.get("oscar [cupy]") or {}).get("rv_folded") for s in o["shapes"]):
+        print(oscar_folded_table(o) + "\n")
     if o and any((s.get("oscar [cupy]") or {}).get("read_ceiling") for s in o["shapes"]):
         print(read_ceiling_table(o, methods=("oscar [cupy]",), key=lambda m: m) + "\n")
     if fc:

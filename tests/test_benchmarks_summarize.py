@@ -129,3 +129,15 @@ def test_run_line_names_a_tree_that_was_not_a_commit():
     assert "commit `fd9acd6+tail-rule`" in S.run_line(res)
     res["meta"]["commit"] = "fd9acd6" + "0" * 33
     assert "commit `fd9acd6`," in S.run_line(res)
+
+
+def test_oscar_folded_table_cells_are_the_json_numbers():
+    """The R_V-folded table (bench_oscar's rv_folded: rotate_back=False) of the run that has it."""
+    o = S.load(ROOT / "benchmarks" / "results" / "h100-e967ae5", "oscar.json")
+    rows = _rows(S.oscar_folded_table(o))
+    assert len(rows) == len(o["shapes"])
+    for row, s in zip(rows, o["shapes"]):
+        r, sd = s["oscar [cupy]"], S._sdpa_ms(s)
+        f = r["rv_folded"]["ms"]
+        assert row[0] == f"{s['B']} x {s['T'] // 1024}K"
+        assert row[2:6] == [f"{r['ms']:.3f}", f"{sd / r['ms']:.2f}x", f"{f:.3f}", f"{sd / f:.2f}x"]
