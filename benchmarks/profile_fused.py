@@ -120,7 +120,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     ap.add_argument("--once", action="store_true", help="one decode per method (for ncu)")
-    ap.add_argument("--tune", default="", help="--once: paged.TUNE values, e.g. 'max_blocks_per_sm=4'")
+    ap.add_argument("--tune", default="", help="--once: TUNE values (paged.TUNE keys; 'oscar.<key>' for "
+                    "oscar_decode.TUNE), e.g. 'max_blocks_per_sm=4'")
     ap.add_argument("--methods", default="KIVI-K2V2,Kitty", help="KIVI-*, Kitty, Kitty-Pro, OSCAR, OSCAR-RVfold")
     ap.add_argument("--backend", default="triton", choices=("triton", "cupy"))
     ap.add_argument("--B", type=int, default=8)

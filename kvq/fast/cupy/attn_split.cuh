@@ -160,8 +160,9 @@ struct TwoSegmentTiles {
 // reference's pairwise sums; PRECISE also means natural-log units, else base 2 with log2(e) in the
 // scale). PRECISE = 2: natural-log units with float accumulators and the scores as four fp32 chains (SD
 // = 2): OSCAR's FP16 sink / window beside its tensor-core history kernel (oscar_tail_attn), whose fp32
-// lse bound takes the natural units but not the cost of double arithmetic. attn_split<2, D, QT, NW, 0, QDT>: fp32 keys / values with float accumulators and QDT (fp16 /
-// bf16) queries: the paged decode's tail for half-precision queries, whose fused part carries about 22 bits.
+// lse bound takes the natural units but not the cost of double arithmetic.
+// attn_split<2, D, QT, NW, 0, QDT>: fp32 keys / values with float accumulators and QDT (fp16 / bf16)
+// queries: the paged decode's tail for half-precision queries, whose fused part carries about 22 bits.
 template <int DT>
 struct AccT {
     typedef float T;

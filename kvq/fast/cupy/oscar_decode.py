@@ -117,11 +117,12 @@ def decode(cfg, st, q_rot, *, scale=None, out_dtype=torch.float32):
     lse_part = torch.empty((S_TOTAL, rows), dtype=torch.float32, device=dev)
     main = torch.cuda.current_stream(dev)
     side = PD._side_stream(dev_index) if side_ok else main
+    tail_fn = _tail_kernel(tqt, tnw, TUNE["tail_prec"]) if nt else None   # (a bad knob raises before any launch)
 
     def launch_tail():
         with torch.cuda.stream(side):
             sk, sv, wk, wv = st.sink_k, st.sink_v, st.win_k, st.win_v
-            L.run(_tail_kernel(tqt, tnw, TUNE["tail_prec"]), (nt * tqtiles, H, B), (32 * tnw,),
+            L.run(tail_fn, (nt * tqtiles, H, B), (32 * tnw,),
                   (qq, sk, sv, wk, wv, np.int64(sk.stride(0)), np.int64(sk.stride(1)), np.int64(wk.stride(0)),
                    np.int64(wk.stride(1)), np.int64(D), np.int64(n1), o_part, lse_part,
                    *(np.int64(s) for s in qq.stride()[:3]), np.int32(B), np.int32(H_q), np.int32(H),
