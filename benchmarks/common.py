@@ -447,6 +447,5 @@ def standalone_main(doc: str, json_name: str, run, summary_lines) -> None:
     if copy_gbps is None:
         import bench_ceilings
         copy_gbps = bench_ceilings.run(device, quick=True, dry_run=dry)["copy_gbps"]
-    res = run(device, copy_gbps=copy_gbps, quick=a.quick, dry_run=dry)
-    write_json(a.out, json_name, {"meta": meta(device), **res})
-    print("\n".join(summary_lines(res)))
+    write_result(a.out, json_name, run(device, copy_gbps=copy_gbps, quick=a.quick, dry_run=dry), summary_lines,
+                 device)

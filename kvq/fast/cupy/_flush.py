@@ -3,7 +3,8 @@ the CuPy twins of ``kvq.fast.triton._flush``, the same arguments, checks and bit
 
 ``flush_key_pages``: full pages of fp16 keys -> the key pool (KIVI's 2 / 4 / 8-bit codes and metadata,
 or Kitty's planes, index and metadata), one launch for all of a flush's pages, one block per (page,
-head), one thread per channel. ``evict_values``: the values that leave the window, quantized per token
+head): one thread per channel (rounded up to a warp) times up to 8 slices of the page's tokens.
+``evict_values``: the values that leave the window, quantized per token
 into their page slots, one launch per append, one block per (token, head, sequence). The quantizer's
 arithmetic is ``quant.cu``'s (the bit-exact min-max quantizer of the numerics contract).
 """
