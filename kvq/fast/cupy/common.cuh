@@ -227,35 +227,52 @@ __device__ __forceinline__ void load_bytes(const u8* p, u32* b) {
 // row qi < nq is query row r0 + qi of kv head hk (-> query head hk * Gq + r / Tq, token r % Tq), written
 // to o_part / lse_part at partial `split` (natural-log lse; o = 0, lse = -inf for a row without keys).
 // nat: the states are in natural-log units (exp / log), else base 2 (exp2 / log2, lse times ln 2).
+// Thread qi < nq works out its row's max M, the warps' factors f_w = 2^(m_w - M) (or e^...), L = sum_w f_w
+// l_w (fma chain in warp order), the lse and the partial's row once, and leaves f_w in s_m (-1: a warp
+// without keys) and L in s_l[0][qi]; then every element is o = (sum_w f_w acc_w) / L (fma chain in warp
+// order): the same operations as per element, without each thread redoing the row's exponentials, its
+// logarithm and its integer division (a latency-bound tail kernel spent a fifth of its instructions there).
+// Overwrites s_m and s_l. Ends the kernel's use of them: call it from every thread of the block.
 template <int QT, int D>
-__device__ __forceinline__ void combine_warps(const float* s_m, const float* s_l, const float* cacc, int NW,
+__device__ __forceinline__ void combine_warps(float* s_m, float* s_l, const float* cacc, int NW,
                                               int nq, int tid, int nthreads, int r0, int hk, int Gq, int Tq,
                                               int B, int Hq, int b, i64 split, float* __restrict__ o_part,
                                               float* __restrict__ lse_part, bool nat = false) {
-    for (int idx = tid; idx < QT * D; idx += nthreads) {
-        const int qi = idx / D;
-        const int d = idx - qi * D;
-        if (qi >= nq) continue;
+    __shared__ i64 s_prow[QT];
+    if (tid < nq) {
+        const int qi = tid;
         float M = -KVQ_INF;
         for (int w = 0; w < NW; ++w) M = fmaxf(M, s_m[w * QT + qi]);
-        float L = 0.0f, A = 0.0f;
-        if (M != -KVQ_INF) {
-            for (int w = 0; w < NW; ++w) {
-                const float mw = s_m[w * QT + qi];
-                if (mw != -KVQ_INF) {
-                    const float f = nat ? expf(mw - M) : exp2f(mw - M);
-                    L = fmaf(f, s_l[w * QT + qi], L);
-                    A = fmaf(f, cacc[(w * QT + qi) * D + d], A);
-                }
+        float L = 0.0f;
+        for (int w = 0; w < NW; ++w) {
+            const float mw = s_m[w * QT + qi];
+            float f = -1.0f;
+            if (M != -KVQ_INF && mw != -KVQ_INF) {
+                f = nat ? expf(mw - M) : exp2f(mw - M);
+                L = fmaf(f, s_l[w * QT + qi], L);
             }
+            s_m[w * QT + qi] = f;
         }
+        s_l[qi] = L;
         const int r = r0 + qi;
         const int h = hk * Gq + r / Tq;
         const int t = r - (r / Tq) * Tq;
         const i64 prow = ((split * B + b) * Hq + h) * Tq + t;
-        o_part[prow * D + d] = L > 0.0f ? A / L : 0.0f;
-        if (d == 0)
-            lse_part[prow] = !(L > 0.0f) ? -KVQ_INF : nat ? M + logf(L) : (M + log2f(L)) * 0.693147180559945309f;
+        s_prow[qi] = prow;
+        lse_part[prow] = !(L > 0.0f) ? -KVQ_INF : nat ? M + logf(L) : (M + log2f(L)) * 0.693147180559945309f;
+    }
+    __syncthreads();
+    for (int idx = tid; idx < QT * D; idx += nthreads) {
+        const int qi = idx / D;
+        const int d = idx - qi * D;
+        if (qi >= nq) continue;
+        float A = 0.0f;
+        for (int w = 0; w < NW; ++w) {
+            const float f = s_m[w * QT + qi];
+            if (f >= 0.0f) A = fmaf(f, cacc[(w * QT + qi) * D + d], A);
+        }
+        const float L = s_l[qi];
+        o_part[s_prow[qi] * D + d] = L > 0.0f ? A / L : 0.0f;
     }
 }
 

@@ -264,24 +264,47 @@ __device__ __forceinline__ void two_prod_h2(u32 qh, u32 ql, u32 s, u32& hi, u32&
 
 // The block's 8 query rows (row qi < nq -> query head hk * Gq + qi / Tq, token qi % Tq; rows >= nq are
 // zero) times qk_scale: s_q [8][D] fp32, s_qmax[8] = max |row|, and q~ = row / max |row| as fp16 hi
-// (s_qh) + 2^-11 lo (s_ql), [8][D] each. q_dt: 0 fp16, 2 fp32. Ends with __syncthreads.
+// (s_qh) + 2^-11 lo (s_ql), [8][D] each. q_dt: 0 fp16, 2 fp32. A thread's loads of q are all in flight
+// at once (a loop of one load per element waited out one round trip per element: 8 in a row at every
+// block's start with 128 threads). Ends with __syncthreads.
 template <int D>
 __device__ __forceinline__ void mma_load_queries(float* s_q, u16* s_qh, u16* s_ql, float* s_qmax,
                                                  const void* __restrict__ q, int q_dt, i64 sq_b, i64 sq_h, i64 sq_t,
                                                  int b, int hk, int Gq, int Tq, int nq, float qk_scale) {
-    constexpr int QT = 8;
-    const int tid = threadIdx.x, lane = tid & 31;
-    for (int idx = tid; idx < QT * D; idx += blockDim.x) {
-        const int qi = idx / D, d = idx - (idx / D) * D;
-        float val = 0.0f;
+    constexpr int QT = 8, DL = D / 32;
+    static_assert(D % 32 == 0, "D / 32 channels per lane");
+    __shared__ float s_qrcp[QT];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
+    // warp w loads rows w, w + nw, ..., lane l channels DL l .. DL l + DL - 1: every load of a thread is
+    // issued before the first is used (one round trip, not one per element), one row address per row
+    float val[QT][DL];
+#pragma unroll
+    for (int k = 0; k < QT; ++k) {
+        const int qi = warp + k * nw;
+#pragma unroll
+        for (int e = 0; e < DL; ++e) val[k][e] = 0.0f;
         if (qi < nq) {
             const int h = hk * Gq + qi / Tq, tq = qi - (qi / Tq) * Tq;
-            const i64 off = (i64)b * sq_b + (i64)h * sq_h + (i64)tq * sq_t + d;
-            const float x = q_dt == 0 ? f16_to_f32(reinterpret_cast<const u16*>(q)[off])
-                                      : reinterpret_cast<const float*>(q)[off];
-            val = __fmul_rn(x, qk_scale);
+            const i64 off = (i64)b * sq_b + (i64)h * sq_h + (i64)tq * sq_t + DL * lane;
+#pragma unroll
+            for (int e = 0; e < DL; ++e) {
+                const float x = q_dt == 0 ? f16_to_f32(reinterpret_cast<const u16*>(q)[off + e])
+                                          : reinterpret_cast<const float*>(q)[off + e];
+                val[k][e] = __fmul_rn(x, qk_scale);
+            }
         }
-        s_q[idx] = val;
+    }
+#pragma unroll
+    for (int k = 0; k < QT; ++k) {
+        const int qi = warp + k * nw;
+        if (qi < QT) {
+            if constexpr (DL == 4)
+                *reinterpret_cast<float4*>(s_q + qi * D + 4 * lane) =
+                    make_float4(val[k][0], val[k][1], val[k][2], val[k][3]);
+            else
+#pragma unroll
+                for (int e = 0; e < DL; ++e) s_q[qi * D + DL * lane + e] = val[k][e];
+        }
     }
     __syncthreads();
     if (tid < 32) {                                // max |q| per row: lane -> row lane % 8, quarter lane / 8
@@ -290,12 +313,14 @@ __device__ __forceinline__ void mma_load_queries(float* s_q, u16* s_qh, u16* s_q
             mx = fmaxf(mx, fabsf(s_q[(lane & 7) * D + c]));
         mx = fmaxf(mx, __shfl_xor_sync(KVQ_FULL_MASK, mx, 8));
         mx = fmaxf(mx, __shfl_xor_sync(KVQ_FULL_MASK, mx, 16));
-        if (lane < QT) s_qmax[lane] = mx;
+        if (lane < QT) {
+            s_qmax[lane] = mx;
+            s_qrcp[lane] = mx > 0.0f ? 1.0f / mx : 0.0f;   // once per row, not per element
+        }
     }
     __syncthreads();
     for (int idx = 2 * tid; idx < QT * D; idx += 2 * blockDim.x) {   // q~ as hi + 2^-11 lo, pairs
-        const float mx = s_qmax[idx / D];
-        const float r = mx > 0.0f ? 1.0f / mx : 0.0f;
+        const float r = s_qrcp[idx / D];
         u32 hi, lo;
         split2(s_q[idx] * r, s_q[idx + 1] * r, hi, lo);
         *reinterpret_cast<u32*>(s_qh + idx) = hi;
