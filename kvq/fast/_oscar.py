@@ -43,10 +43,11 @@ class OscarOps:
     packing: ModuleType
     attention: ModuleType
     allow_cpu: Callable[[], bool]
-    #: ``fused_decode(cfg, state, q_rot, *, scale, precise) -> (out, lse)`` fp32: attention of the
+    #: ``fused_decode(cfg, state, q_rot, *, scale, precise, out_dtype) -> (out, lse)``: attention of the
     #: rotated fp32 query over the packed history pages and the FP16 sink and window, merged
     #: (``kvq.fast.triton.oscar_decode.decode``, ``kvq.fast.cupy.oscar.fused_decode``); ``precise``: q is
-    #: float32 (an fp32 output); None: the history is dequantized, then attended
+    #: float32 (an fp32 output); out in ``out_dtype`` (the fp32 merge rounded once: the CuPy merge writes
+    #: it, no separate cast), lse fp32; None: the history is dequantized, then attended
     fused_decode: Callable | None = None
     #: the fused append (``kvq.fast.triton.oscar_append``, ``kvq.fast.cupy.oscar_append``): a module with
     #: ``supported(cfg, D) -> bool`` and ``append(cfg, st, kv, x, R, clip, plan)``, ONE launch per append
@@ -60,9 +61,6 @@ class OscarOps:
     #: back; R: the calibration's fp32 values): float64 sums rounded to fp32, then to out_dtype, in one launch
     #: (``kvq.fast.cupy.oscar_decode.rotate_heads``); None: :func:`_rotate_heads` (torch float64 matmul)
     rotate_heads: Callable | None = None
-    #: whether ``fused_decode`` takes ``out_dtype`` (its merge then writes the output in q's dtype where
-    #: the output is not rotated back: no separate cast)
-    fused_out_dtype: bool = False
 
 
 def _device(ops) -> torch.device:
@@ -416,8 +414,8 @@ def decode_attention(ops: "OscarOps", cfg, calib, state: OSCARTensorState, q, *,
     rot = ops.rotate_heads or (lambda x, R, dt: _rotate_heads(x, R).to(dt))
     qr = rot(q, _rot(calib.R_K, dev, dtype=rdt), torch.float32)                # (B, H_q, T_q, D) fp32
     if ops.fused_decode is not None:
-        kw = {"out_dtype": q.dtype} if ops.fused_out_dtype and not rotate_back else {}
-        out, lse = ops.fused_decode(cfg, state, qr, scale=scale, precise=q.dtype == torch.float32, **kw)
+        out, lse = ops.fused_decode(cfg, state, qr, scale=scale, precise=q.dtype == torch.float32,
+                                    out_dtype=torch.float32 if rotate_back else q.dtype)
     else:
         out, lse = ops.attention.decode_attention(qr, segments(ops, cfg, state), scale=scale)
     if rotate_back:

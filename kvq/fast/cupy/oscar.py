@@ -49,7 +49,7 @@ def fused_decode(cfg, st, q_rot, *, scale=None, precise: bool = True, out_dtype=
 
 #: this backend's kernels for the shared OSCAR cache code (``kvq.fast._oscar``)
 OPS = _O.OscarOps("cupy", rotate, OQ, P, A, lambda: False, fused_decode=fused_decode, fused_append=OA,
-                   rotate_heads=OD.rotate_heads, fused_out_dtype=True)
+                   rotate_heads=OD.rotate_heads)
 
 
 def quantize_tokens(x_rot, clip: float, group_size: int, bits: int = 2, meta_dtype="float16"):
