@@ -210,7 +210,8 @@ def test_fused_splits_small_grids_at_two_blocks_per_sm(monkeypatch, NP, n_base, 
     """_fused_splits on 132 SMs x 4 blocks: a plan that leaves each warp at most FEW_PAGES_PER_WARP (8) pages
     (batch 1; batch 8 up to 32K; batch 32 at 8K) is re-planned on 2 blocks per SM (1 x 32K: 64 splits of 1
     page per warp -> 32 of 2, measured 34 -> 27 us on the H100; 8 x 32K: 8 splits of 8 pages per warp -> 4
-    of 16); a long grid (32 pages per warp: 8 x 128K, 32 x 32K) keeps the kernel's occupancy."""
+    of 16); a long grid (32 pages per warp: 8 x 128K, 32 x 32K) keeps the kernel's occupancy. OSCAR's
+    decode plans by the same rule (1 x 64K: 2 pages per warp at 4 blocks per SM -> 4 at 2)."""
     from kvq.fast.cupy import paged
 
     monkeypatch.setitem(paged.TUNE, "max_blocks_per_sm", None)
@@ -220,17 +221,6 @@ def test_fused_splits_small_grids_at_two_blocks_per_sm(monkeypatch, NP, n_base, 
     small = old_pps // 4 <= paged.FEW_PAGES_PER_WARP
     assert (sp, pps) == (paged._n_splits(NP, n_base, 4, 264) if small else (old_sp, old_pps))
     assert n_base * sp <= (264 if small else 528)                  # one wave in either case
-
-
-def test_fused_splits_threshold_is_a_parameter(monkeypatch):
-    """OSCAR's decode passes its own threshold (one page per warp): 1 x 128K stays at 4 blocks per SM
-    there, while the paged decode's default (8 pages per warp) re-plans it."""
-    from kvq.fast.cupy import oscar_decode, paged
-
-    monkeypatch.setitem(paged.TUNE, "max_blocks_per_sm", None)
-    assert paged._fused_splits(1023, 8, 4, 528, 132, few=oscar_decode.OSCAR_FEW_PAGES_PER_WARP) == (64, 16)
-    assert paged._fused_splits(1023, 8, 4, 528, 132) == (32, 32)
-    assert paged._fused_splits(255, 8, 4, 528, 132, few=oscar_decode.OSCAR_FEW_PAGES_PER_WARP) == (32, 8)
 
 
 def test_fused_splits_cap_from_tune(monkeypatch):

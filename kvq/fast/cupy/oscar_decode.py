@@ -52,10 +52,6 @@ def _kernel(nr: int, smem: int, device_index: int):
     return PD._allow_smem(L.kernel(_SRC, f"oscar_decode_mma<{nr}>"), smem, device_index)
 
 
-#: PD._fused_splits' threshold for OSCAR's decode kernel (measured, see decode)
-OSCAR_FEW_PAGES_PER_WARP = 1
-
-
 #: launch knobs of ``decode`` for tuning runs. tail_prec: the FP16 sink / window kernel's arithmetic (both
 #: in natural-log units): 1 double sums and accumulators, 2 (the default) four fp32 fma chains per score
 #: and fp32 accumulators (H100, R_V folded, ms, 1 / 2, tail launched first: 1 x 32K 0.0346 / 0.0342,
@@ -107,10 +103,13 @@ def decode(cfg, st, q_rot, *, scale=None, out_dtype=torch.float32):
         smem = smem_bytes(nw)
         fn = _kernel(nr, smem, dev_index)
         slots = PD.resident_slots(fn, 32 * nw, smem, dev_index)
-        # re-planned at 2 blocks per SM only from one page per warp (H100, auto vs 4 blocks per SM: 1 x 32K
-        # 0.0350 / 0.0488 ms; at 4 and 8 pages per warp 2 blocks were slower: 1 x 128K 0.0829 / 0.0695,
-        # 8 x 32K 0.1727 / 0.1174)
-        n_split, pps = PD._fused_splits(NP, B * H, nw, slots, sms, few=OSCAR_FEW_PAGES_PER_WARP)
+        # the paged decode's rule: up to 8 pages per warp at full occupancy (batch 1, 8 x 32K), re-planned at
+        # 2 blocks per SM; the tail's blocks then find room beside the page grid at once, and fewer blocks
+        # mean fewer prologues and partials (H100, R_V folded, ms, 2 / 3 / 4 blocks per SM: 1 x 32K 0.0277 /
+        # 0.0278 / 0.0352, 1 x 64K 0.0364 / 0.0396 / 0.0462, 1 x 128K 0.0520 / 0.0559 / 0.0578, 8 x 32K
+        # 0.0906 / 0.0947 / 0.0943, 8 x 64K (16 pages per warp, kept at 4) 0.1515 / 0.1540 / 0.1516;
+        # benchmarks/results/h100-d55ca86)
+        n_split, pps = PD._fused_splits(NP, B * H, nw, slots, sms)
     S_TOTAL = n_split + nt
     rows = B * H_q * T_q
     o_part = torch.empty((S_TOTAL, rows, D), dtype=torch.float32, device=dev)
