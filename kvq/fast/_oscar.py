@@ -43,11 +43,12 @@ class OscarOps:
     packing: ModuleType
     attention: ModuleType
     allow_cpu: Callable[[], bool]
-    #: ``fused_decode(cfg, state, q_rot, *, scale, precise, out_dtype) -> (out, lse)``: attention of the
-    #: rotated fp32 query over the packed history pages and the FP16 sink and window, merged
+    #: ``fused_decode(cfg, state, q_rot, *, scale, precise, out_dtype, R_out) -> (out, lse)``: attention of
+    #: the rotated fp32 query over the packed history pages and the FP16 sink and window, merged
     #: (``kvq.fast.triton.oscar_decode.decode``, ``kvq.fast.cupy.oscar.fused_decode``); ``precise``: q is
-    #: float32 (an fp32 output); out in ``out_dtype`` (the fp32 merge rounded once: the CuPy merge writes
-    #: it, no separate cast), lse fp32; None: the history is dequantized, then attended
+    #: float32 (an fp32 output); out in the rotated frame (``R_out`` None) or rotated back by ``R_out``
+    #: (R_V^T as ``rotate_heads`` takes it; the CuPy merge does it in its own launch), in ``out_dtype``
+    #: (the fp32 result rounded once), lse fp32; None: the history is dequantized, then attended
     fused_decode: Callable | None = None
     #: the fused append (``kvq.fast.triton.oscar_append``, ``kvq.fast.cupy.oscar_append``): a module with
     #: ``supported(cfg, D) -> bool`` and ``append(cfg, st, kv, x, R, clip, plan)``, ONE launch per append
@@ -413,14 +414,12 @@ def decode_attention(ops: "OscarOps", cfg, calib, state: OSCARTensorState, q, *,
     rdt = torch.float32 if ops.rotate_heads is not None else torch.float64
     rot = ops.rotate_heads or (lambda x, R, dt: _rotate_heads(x, R).to(dt))
     qr = rot(q, _rot(calib.R_K, dev, dtype=rdt), torch.float32)                # (B, H_q, T_q, D) fp32
+    R_out = _rot(calib.R_V, dev, True, rdt) if rotate_back else None           # R_V^T
     if ops.fused_decode is not None:
-        out, lse = ops.fused_decode(cfg, state, qr, scale=scale, precise=q.dtype == torch.float32,
-                                    out_dtype=torch.float32 if rotate_back else q.dtype)
-    else:
-        out, lse = ops.attention.decode_attention(qr, segments(ops, cfg, state), scale=scale)
-    if rotate_back:
-        return rot(out, _rot(calib.R_V, dev, True, rdt), q.dtype), lse
-    return out.to(q.dtype), lse
+        return ops.fused_decode(cfg, state, qr, scale=scale, precise=q.dtype == torch.float32,
+                                out_dtype=q.dtype, R_out=R_out)
+    out, lse = ops.attention.decode_attention(qr, segments(ops, cfg, state), scale=scale)
+    return (out.to(q.dtype) if R_out is None else rot(out, R_out, q.dtype)), lse
 
 
 def _rotate_heads(x: torch.Tensor, R: torch.Tensor) -> torch.Tensor:

@@ -157,6 +157,31 @@ def test_folded_output_dtype(mods):
     assert torch.equal(out, o32.to(torch.float16)) and torch.equal(lse, l32)
 
 
+@pytest.mark.parametrize("ratio,T_q,out_dt,r_dt,per_head", [(4, 1, torch.float16, torch.float32, True),
+                                                            (2, 3, torch.float32, torch.float64, False),
+                                                            (8, 1, torch.bfloat16, torch.float32, False)])
+def test_merge_rotate(mods, ratio, T_q, out_dt, r_dt, per_head):
+    """``decode(..., R_out=R)`` (the merge rotating the output in its own launch: oscar_merge_rotate) gives
+    the bits of the merge to fp32 followed by ``rotate_heads`` (two launches), for a per-KV-head or one
+    shared R (fp32 or float64), GQA groups and several query tokens (row -> head h -> R[h // G_q]); the
+    lse is the merge's either way."""
+    _, OD = mods
+    cfg, calib, rs, fs = _state(DEV, 1, 2500, seed=31)
+    q = _q(DEV, ratio, T_q, torch.float16, seed=32)
+    RK = torch.from_numpy(np.ascontiguousarray(calib.R_K, dtype=np.float32)).to(DEV)
+    qr = OD.rotate_heads(q, RK, torch.float32)
+    RVt = torch.from_numpy(np.ascontiguousarray(np.swapaxes(calib.R_V, -1, -2))).to(DEV).to(r_dt)
+    R = RVt if per_head else RVt[1]
+    assert OD.supported(cfg, fs, qr)
+    o32, l32 = OD.decode(cfg, fs, qr)
+    out, lse = OD.decode(cfg, fs, qr, out_dtype=out_dt, R_out=R)
+    assert out.dtype == out_dt and out.shape == q.shape and torch.equal(lse, l32)
+    assert torch.equal(out, OD.rotate_heads(o32, R, out_dt))
+    assert not torch.equal(out.float(), o32)                       # (it did rotate)
+    with pytest.raises(ValueError, match="float64 or float32 R"):
+        OD.decode(cfg, fs, qr, R_out=R.half())
+
+
 @pytest.mark.parametrize("what", ["fp32-q", "G64", "4bit"])
 def test_unfused_fallback(mods, fused_calls, what):
     """float32 q (the precise path), groups smaller than D and 4-bit codes dequantize the history and

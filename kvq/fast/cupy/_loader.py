@@ -177,11 +177,13 @@ def _aqua_names():
 
 #: the tensor-core OSCAR decode (oscar_decode.cu): query rows per block (4 or 8); its FP16 sink + window
 #: kernel (attn_split's body, fp16 K / V, fp32 q; double sums or four fp32 chains) per query tile; the
-#: query-side float64 rotation per input / output dtype
+#: query-side float64 rotation per input / output dtype; the merge with the output rotation per output dtype
 OSCAR_DECODE_NAMES = (tuple(f"oscar_decode_mma<{nr}>" for nr in (4, 8))
                       + tuple(f"oscar_tail_attn<{qt}, {attn_warps(0, 128)}, {p}>" for qt in ATTN_QT for p in (1, 2))
                       + tuple(f"rotate_heads_f64<{i}, {o}, {r}>" for i in (0, 1, 2) for o in (0, 1, 2)
-                              for r in ("float", "double")))
+                              for r in ("float", "double"))
+                      + tuple(f"oscar_merge_rotate<{o}, {r}>" for o in (0, 1, 2) for r in ("float", "double")))
+
 
 def key_flush_name(bits: int, kitty: bool, meta_half: bool) -> str:
     """flush.cu key_flush: KIVI's (2 / 4 / 8-bit) or Kitty's key pages straight into the pool, fp16 or

@@ -34,76 +34,23 @@ __global__ void __launch_bounds__(NW * 32)
 //   lse = M + log(sum_s w_s); rows whose partials are all -inf get o = 0, lse = -inf.
 //   o_part is (S, rows, D) fp32, lse_part (S, rows) fp32, natural log.
 // Grid: (ceil(rows / (4 / W)), ceil(D / (32 NDL))), blocks of 4 warps; W = 1, 2 or 4 warps per row
-//   (wpr), lane l of a warp holding dims 32 i + l (i < NDL) of the block's 32 NDL dims (blockIdx.y).
-//   The partials come in chunks of CH = 8, every load of a chunk in flight together, the first issued
-//   before the max lse is known; warp k of a row takes the chunks k, k + W, ... (a decode merges 10-40
-//   partials: each warp then waits on L2 a few times, where a block per row with barriers between its
-//   phases took 5-8 us on the H100). Each warp sums its chunks' partials in order (one fma chain per
-//   dim) and its weights per lane (lane c: the chunk's partial c) then across lanes (xor butterfly);
-//   with W > 1 the W warps' sums meet in shared memory, added in warp order. Any S.
+//   (wpr), lane l of a warp holding dims 32 i + l (i < NDL) of the block's 32 NDL dims (blockIdx.y);
+//   each row's sums by merge_row (attn_split.cuh). Any S.
 // Bytes: reads S * (D + 1) fp32 per row; writes D outputs + 1 lse per row.
 template <int DTO, int NDL>
 __global__ void __launch_bounds__(128) attn_merge(const float* __restrict__ o_part,
                                                  const float* __restrict__ lse_part,
                                                  typename Ty<DTO>::S* __restrict__ out,
                                                  float* __restrict__ lse_out, i64 rows, int D, int S, int wpr) {
-    constexpr int CH = 8;                          // partials whose loads are in flight together
     constexpr int NWB = 4;                         // warps per block (the launch bounds' 128 threads)
     __shared__ float s_a[NWB][32 * NDL], s_l[NWB];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int k = warp % wpr;                      // this warp's share of its row's chunks
     const i64 row = (i64)blockIdx.x * (NWB / wpr) + warp / wpr;
-    const bool valid = row < rows;                 // (whole warps; every warp reaches the barrier)
     const int d0 = blockIdx.y * 32 * NDL + lane;   // this lane's dims d0 + 32 i
-    const i64 step = rows * (i64)D;
-    const float* op = o_part + (valid ? row : 0) * D;
-    float o[CH][NDL];
-    auto load = [&](int base) {
-#pragma unroll
-        for (int c = 0; c < CH; ++c)
-#pragma unroll
-            for (int i = 0; i < NDL; ++i) {
-                const int s = base + c, d = d0 + 32 * i;
-                o[c][i] = valid && s < S && d < D ? op[(i64)s * step + d] : 0.0f;
-            }
-    };
-    load(k * CH);
-    float M = -KVQ_INF;
-    if (valid)
-        for (int s = lane; s < S; s += 32) M = fmaxf(M, lse_part[(i64)s * rows + row]);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(KVQ_FULL_MASK, M, off));
-    float L = 0.0f, A[NDL];
-#pragma unroll
-    for (int i = 0; i < NDL; ++i) A[i] = 0.0f;
-    for (int base = k * CH; base < S; base += wpr * CH) {
-        if (base > k * CH) load(base);
-        const int sw = base + (lane & (CH - 1));   // lane c (and c + CH, ...): the weight of partial base + c
-        const float ls = valid && sw < S ? lse_part[(i64)sw * rows + row] : -KVQ_INF;
-        const float w = M == -KVQ_INF || ls == -KVQ_INF ? 0.0f : expf(ls - M);
-        if (lane < CH) L += w;
-#pragma unroll
-        for (int c = 0; c < CH; ++c) {
-            const float wc = __shfl_sync(KVQ_FULL_MASK, w, c);
-#pragma unroll
-            for (int i = 0; i < NDL; ++i) A[i] = fmaf(wc, o[c][i], A[i]);
-        }
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(KVQ_FULL_MASK, L, off);
-    if (wpr > 1) {                                 // the row's W warps' sums, added in warp order
-#pragma unroll
-        for (int i = 0; i < NDL; ++i) s_a[warp][32 * i + lane] = A[i];
-        if (lane == 0) s_l[warp] = L;
-        __syncthreads();
-        if (k != 0) return;
-        for (int w2 = 1; w2 < wpr; ++w2) {
-#pragma unroll
-            for (int i = 0; i < NDL; ++i) A[i] += s_a[warp + w2][32 * i + lane];
-            L += s_l[warp + w2];
-        }
-    }
-    if (!valid) return;
+    float A[NDL], M, L;
+    if (!merge_row<NDL>(o_part, lse_part, rows, D, S, row, row < rows, warp % wpr, wpr, warp, lane, d0, &s_a[0][0],
+                        s_l, A, M, L))
+        return;
 #pragma unroll
     for (int i = 0; i < NDL; ++i) {
         const int d = d0 + 32 * i;

@@ -366,4 +366,74 @@ __device__ __forceinline__ void attn_split_body(const typename Ty<QDT>::S* __res
                          (i64)(split0 + split), o_part, lse_part, PRECISE != 0);
 }
 
+// ---- the merge of one row's split partials (attention.cu attn_merge, oscar_decode.cu oscar_merge_rotate) ---
+// Computes, for query row `row` (valid: it exists) over its S partials s (o_part (S, rows, D) fp32, lse_part
+//   (S, rows) fp32, natural log): M = max_s lse_s, w_s = exp(lse_s - M), L = sum_s w_s, A_d = sum_s w_s o_s,d
+//   at this lane's dims d0 + 32 i (i < NDL; dims >= D read as 0); rows whose partials are all -inf get
+//   M = -inf, L = 0, A = 0.
+// The row's W = wpr warps (k = 0 .. W-1 this one; warp: its index in the block) take its chunks of CH = 8
+//   partials k, k + W, ...: every load of a chunk in flight together, the first issued before the max lse
+//   is known (a decode merges 10-70 partials: each warp then waits on L2 a few times, where a block per
+//   row with barriers between its phases took 5-8 us on the H100). Each warp sums its chunks' partials
+//   in order (one fma chain per dim) and its weights per lane (lane c: the chunk's partial c) then across
+//   lanes (xor butterfly); with W > 1 the W warps' sums meet in shared memory (s_a [warps][32 NDL], s_l
+//   [warps]: the block's warps that call it, with a barrier: call it from every thread of the block),
+//   added in warp order. Returns true in warp k = 0 of a valid row, whose M, L and A then hold the sums.
+template <int NDL>
+__device__ __forceinline__ bool merge_row(const float* __restrict__ o_part, const float* __restrict__ lse_part,
+                                          i64 rows, int D, int S, i64 row, bool valid, int k, int wpr, int warp,
+                                          int lane, int d0, float* s_a, float* s_l, float (&A)[NDL], float& M,
+                                          float& L) {
+    constexpr int CH = 8;                          // partials whose loads are in flight together
+    const i64 step = rows * (i64)D;
+    const float* op = o_part + (valid ? row : 0) * D;
+    float o[CH][NDL];
+    auto load = [&](int base) {
+#pragma unroll
+        for (int c = 0; c < CH; ++c)
+#pragma unroll
+            for (int i = 0; i < NDL; ++i) {
+                const int s = base + c, d = d0 + 32 * i;
+                o[c][i] = valid && s < S && d < D ? op[(i64)s * step + d] : 0.0f;
+            }
+    };
+    load(k * CH);
+    M = -KVQ_INF;
+    if (valid)
+        for (int s = lane; s < S; s += 32) M = fmaxf(M, lse_part[(i64)s * rows + row]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(KVQ_FULL_MASK, M, off));
+    L = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NDL; ++i) A[i] = 0.0f;
+    for (int base = k * CH; base < S; base += wpr * CH) {
+        if (base > k * CH) load(base);
+        const int sw = base + (lane & (CH - 1));   // lane c (and c + CH, ...): the weight of partial base + c
+        const float ls = valid && sw < S ? lse_part[(i64)sw * rows + row] : -KVQ_INF;
+        const float w = M == -KVQ_INF || ls == -KVQ_INF ? 0.0f : expf(ls - M);
+        if (lane < CH) L += w;
+#pragma unroll
+        for (int c = 0; c < CH; ++c) {
+            const float wc = __shfl_sync(KVQ_FULL_MASK, w, c);
+#pragma unroll
+            for (int i = 0; i < NDL; ++i) A[i] = fmaf(wc, o[c][i], A[i]);
+        }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(KVQ_FULL_MASK, L, off);
+    if (wpr > 1) {                                 // the row's W warps' sums, added in warp order
+#pragma unroll
+        for (int i = 0; i < NDL; ++i) s_a[warp * 32 * NDL + 32 * i + lane] = A[i];
+        if (lane == 0) s_l[warp] = L;
+        __syncthreads();
+        if (k != 0) return false;
+        for (int w2 = 1; w2 < wpr; ++w2) {
+#pragma unroll
+            for (int i = 0; i < NDL; ++i) A[i] += s_a[(warp + w2) * 32 * NDL + 32 * i + lane];
+            L += s_l[warp + w2];
+        }
+    }
+    return valid && k == 0;
+}
+
 #endif  // KVQ_ATTN_SPLIT_CUH

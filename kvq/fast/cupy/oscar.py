@@ -35,16 +35,17 @@ __all__ = ["DEFAULT_CLIP_K", "DEFAULT_CLIP_V", "CLIP_GRID", "OSCARCalibration", 
 
 
 
-def fused_decode(cfg, st, q_rot, *, scale=None, precise: bool = True, out_dtype=torch.float32):
-    """The decode of ``kvq.fast._oscar.decode_attention`` (``OscarOps.fused_decode``): ``(out, lse)`` in
-    the rotated frame, out in ``out_dtype`` (rounded once from fp32), lse fp32. The tensor-core kernel
-    where it applies (``oscar_decode.supported``) and q is half precision (``precise=False``); else the
-    history is dequantized and the three segments attended in fp32 (the precise path for float32 q:
-    double accumulators)."""
+def fused_decode(cfg, st, q_rot, *, scale=None, precise: bool = True, out_dtype=torch.float32, R_out=None):
+    """The decode of ``kvq.fast._oscar.decode_attention`` (``OscarOps.fused_decode``): ``(out, lse)``, out
+    in the rotated frame (``R_out`` None) or rotated by ``R_out`` (``oscar_decode.rotate_heads``' sums), in
+    ``out_dtype`` (rounded once from fp32), lse fp32. The tensor-core kernel where it applies
+    (``oscar_decode.supported``) and q is half precision (``precise=False``), its merge rotating the
+    output in the same launch; else the history is dequantized and the three segments attended in fp32
+    (the precise path for float32 q: double accumulators), then rotated by ``rotate_heads``."""
     if not precise and OD.supported(cfg, st, q_rot):
-        return OD.decode(cfg, st, q_rot, scale=scale, out_dtype=out_dtype)
+        return OD.decode(cfg, st, q_rot, scale=scale, out_dtype=out_dtype, R_out=R_out)
     out, lse = A.decode_attention(q_rot, _O.segments(OPS, cfg, st), scale=scale)
-    return out.to(out_dtype), lse
+    return (out.to(out_dtype) if R_out is None else OD.rotate_heads(out, R_out, out_dtype)), lse
 
 
 #: this backend's kernels for the shared OSCAR cache code (``kvq.fast._oscar``)

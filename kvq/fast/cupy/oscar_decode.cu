@@ -256,3 +256,57 @@ __global__ void __launch_bounds__(32 * RS_SLICES)
         out[row * D + j] = Ty<DTO>::st((float)y);
     }
 }
+
+// ---- the merge with the output rotation -----------------------------------------------------------
+// Computes: for query row blockIdx.x (of rows = B * H_q * T_q; (b, h, t) as attn_merge's rows) the merge
+//   of its S partials as attn_merge does it (merge_row with the same wpr warps per row: the same fp32
+//   row), the lse (natural log) to lse_out, then y = o R[h / (H_q / H_R)] as rotate_heads_f64 does it (R:
+//   (H_R, D, D) contiguous, float64 or float32 RT read as float64; the D products of each output channel
+//   in float64, RS_SLICES partial sums over i % RS_SLICES added in slice order, rounded to fp32, then to
+//   DTO), out (rows, D): the decode's output rotated back by R_V^T in the merge's launch (one launch and
+//   one round trip of the merged rows fewer; the same bits as attn_merge to fp32 then rotate_heads_f64).
+// Grid: (rows); block (32, RS_SLICES): warps y < wpr merge (lane l: dims l + 32 i), then thread (jj, sl)
+//   the products i = sl, sl + RS_SLICES, ... of output channels jj + 32 c. D = 128.
+// Bytes: reads S * (D + 1) fp32 per row and R[h] (L2-resident across rows); writes D outputs + 1 lse.
+template <int DTO, class RT>
+__global__ void __launch_bounds__(32 * RS_SLICES)
+    oscar_merge_rotate(const float* __restrict__ o_part, const float* __restrict__ lse_part,
+                       const RT* __restrict__ R, typename Ty<DTO>::S* __restrict__ out, float* __restrict__ lse_out,
+                       i64 rows, int S, int wpr, int Hq, int T, int HR) {
+    constexpr int D = 128, NDL = D / 32;
+    static_assert(RS_SLICES >= 4, "the merge's up to 4 warps per row are warps of the block");
+    __shared__ float s_a[RS_SLICES][32 * NDL], s_l[RS_SLICES];
+    __shared__ double xs[D];
+    __shared__ double part[RS_SLICES][D];
+    const int jj = threadIdx.x, sl = threadIdx.y;
+    const i64 row = blockIdx.x;
+    float A[NDL], M, L;
+    if (merge_row<NDL>(o_part, lse_part, rows, D, S, row, sl < wpr, sl % wpr, wpr, sl, jj, jj, &s_a[0][0], s_l, A,
+                       M, L)) {
+#pragma unroll
+        for (int i = 0; i < NDL; ++i) xs[jj + 32 * i] = (double)(L > 0.0f ? A[i] / L : 0.0f);
+        if (jj == 0) lse_out[row] = L > 0.0f ? M + logf(L) : -KVQ_INF;
+    }
+    __syncthreads();
+    const int h = (int)((row / T) % Hq);
+    const RT* Rh = R + (i64)(h / (Hq / HR)) * D * D;
+#pragma unroll
+    for (int c = 0; c < D / 32; ++c) {
+        const int j = jj + 32 * c;
+        double acc = 0.0;
+#pragma unroll 8
+        for (int i = sl; i < D; i += RS_SLICES) acc = fma(xs[i], (double)Rh[(i64)i * D + j], acc);
+        part[sl][j] = acc;
+    }
+    __syncthreads();
+    if (sl == 0) {
+#pragma unroll
+        for (int c = 0; c < D / 32; ++c) {
+            const int j = jj + 32 * c;
+            double y = part[0][j];
+#pragma unroll
+            for (int k = 1; k < RS_SLICES; ++k) y += part[k][j];
+            out[row * D + j] = Ty<DTO>::st((float)y);
+        }
+    }
+}

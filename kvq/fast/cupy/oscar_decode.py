@@ -72,12 +72,15 @@ def _tail_kernel(qt: int, nw: int, prec: int):
     return A.max_carveout(L.kernel(_SRC, f"oscar_tail_attn<{qt}, {nw}, {prec}>"))
 
 
-def decode(cfg, st, q_rot, *, scale=None, out_dtype=torch.float32):
-    """Attention of the rotated fp32 query over the whole cache: ``(out, lse fp32)`` in the rotated frame
-    (the caller rotates back), out in ``out_dtype`` (float32, or a half type: the merge rounds once).
+def decode(cfg, st, q_rot, *, scale=None, out_dtype=torch.float32, R_out=None):
+    """Attention of the rotated fp32 query over the whole cache: ``(out, lse fp32)``, out in ``out_dtype``
+    (float32, or a half type: rounded once). ``R_out`` None: out in the rotated frame (the merge writes
+    it); else out times ``R_out`` (as :func:`rotate_heads` takes it: the caller's R_V^T) in the merge's
+    launch (``oscar_merge_rotate``: the same bits as the merge to fp32 and then ``rotate_heads``).
     Requires ``supported(cfg, st, q_rot)``."""
     B, H, D = st.shape
     _, H_q, T_q, _ = q_rot.shape
+    R3, rt = _heads_R(R_out, q_rot) if R_out is not None else (None, None)
     sc = C.softmax_scale(scale, D)
     dev = q_rot.device
     dev_index = dev.index if dev.index is not None else torch.cuda.current_device()
@@ -148,11 +151,28 @@ def decode(cfg, st, q_rot, *, scale=None, out_dtype=torch.float32):
         main.wait_stream(side)
     out = torch.empty((B, H_q, T_q, D), dtype=out_dtype, device=dev)
     lse = torch.empty((B, H_q, T_q), dtype=torch.float32, device=dev)
-    A._merge_launch(o_part, lse_part, out, lse, rows, S_TOTAL, D)
+    if R3 is None:
+        A._merge_launch(o_part, lse_part, out, lse, rows, S_TOTAL, D)
+    else:
+        L.run(L.kernel(_SRC, f"oscar_merge_rotate<{L.DT[out_dtype]}, {rt}>"), (rows,), (32, _ROT_SLICES),
+              (o_part, lse_part, R3, out, lse, np.int64(rows), np.int32(S_TOTAL),
+               np.int32(A.merge_warps_per_row(S_TOTAL)), np.int32(H_q), np.int32(T_q), np.int32(R3.shape[0])), dev)
     return out, lse
 
 
 _ROT_SLICES = 8          # oscar_decode.cu RS_SLICES: partial sums per output channel of rotate_heads_f64
+
+
+def _heads_R(R: torch.Tensor, x: torch.Tensor) -> tuple:
+    """(R as a contiguous (H_R, D, D), its kernel type name) for the rows of x (B, H_q, T, D); ValueError
+    unless R is float64 or float32 (D, D) or (H_R, D, D) with H_q % H_R == 0 and D <= 256."""
+    Hq, D = x.shape[1], x.shape[3]
+    R3 = R if R.dim() == 3 else R.unsqueeze(0)
+    if (R3.dtype not in (torch.float64, torch.float32) or R3.shape[1:] != (D, D) or Hq % R3.shape[0]
+            or D > 256):
+        raise ValueError(f"rotate_heads takes float64 or float32 R (D, D) or (H_R, D, D) with H_q % H_R == 0 "
+                         f"and D <= 256; got R {tuple(R.shape)} {R.dtype} for x {tuple(x.shape)}")
+    return R3.contiguous(), "double" if R3.dtype == torch.float64 else "float"
 
 
 def rotate_heads(x: torch.Tensor, R: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -162,16 +182,10 @@ def rotate_heads(x: torch.Tensor, R: torch.Tensor, out_dtype: torch.dtype = torc
     to fp32 and then to ``out_dtype``: one launch of ``rotate_heads_f64`` (the decode's q and output
     rotations; the torch form is ``kvq.fast._oscar._rotate_heads``, the same sums in a library order)."""
     B, Hq, T, D = x.shape
-    R3 = R if R.dim() == 3 else R.unsqueeze(0)
-    if (R3.dtype not in (torch.float64, torch.float32) or R3.shape[1:] != (D, D) or Hq % R3.shape[0]
-            or D > 256):
-        raise ValueError(f"rotate_heads takes float64 or float32 R (D, D) or (H_R, D, D) with H_q % H_R == 0 "
-                         f"and D <= 256; got R {tuple(R.shape)} {R.dtype} for x {tuple(x.shape)}")
+    R3, rt = _heads_R(R, x)
     out = torch.empty((B, Hq, T, D), dtype=out_dtype, device=x.device)
     if out.numel() == 0:
         return out
-    R3 = R3.contiguous()
-    rt = "double" if R3.dtype == torch.float64 else "float"
     fn = L.kernel(_SRC, f"rotate_heads_f64<{L.DT[x.dtype]}, {L.DT[out_dtype]}, {rt}>")
     L.run(fn, (B * Hq * T, (D + 31) // 32), (32, _ROT_SLICES),
           (x, R3, out, np.int32(Hq), np.int32(T), np.int32(R3.shape[0]), np.int32(D),

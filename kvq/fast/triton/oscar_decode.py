@@ -261,13 +261,14 @@ def _history_splits(NH: int, bt_max: int, base_programs: int, dev: torch.device)
     return BT, tps, triton.cdiv(NH, tps)
 
 
-def decode(cfg, st, qr, *, scale=None, precise: bool = True, out_dtype=torch.float32):
+def decode(cfg, st, qr, *, scale=None, precise: bool = True, out_dtype=torch.float32, R_out=None):
     """Attention of the rotated query ``qr`` (B, H_q, T_q, D) fp32 over an OSCAR cache ``st``
     (``kvq.fast._oscar.OSCARTensorState``): the INT-b history through the fused page kernel, the FP16
     sink and window (``kvq.fast._oscar.fp16_segment``: (K, V) fp32, in any order) through the
     FP16-baseline partial kernel, one log-sum-exp merge. Returns ``(out, lse)``, out in the rotated frame
-    in ``out_dtype`` (the fp32 merge cast once), lse fp32. ``precise``: the exact-dequantization IEEE fp32
-    path (for an fp32 output); else tensor cores."""
+    (``R_out`` None) or times ``R_out`` (``kvq.fast._oscar._rotate_heads``: float64 sums, the caller's
+    R_V^T), in ``out_dtype`` (cast once), lse fp32. ``precise``: the exact-dequantization IEEE fp32 path
+    (for an fp32 output); else tensor cores."""
     tail = _O.fp16_segment(cfg, st)
     B, H, D = st.shape
     _, H_q, T_q, _ = qr.shape
@@ -296,4 +297,6 @@ def decode(cfg, st, qr, *, scale=None, precise: bool = True, out_dtype=torch.flo
             num_warps=TUNE["num_warps"] or 4, num_stages=(TUNE["num_stages"] or 2) if not interp else 1)
     A._launch_partials(qr, plan, parts, S, H, sc, True, False)
     A._merge_launch(*parts, out, lse, rows, S, D, log2=False)
+    if R_out is not None:
+        out = _O._rotate_heads(out, R_out)
     return out.to(out_dtype), lse
