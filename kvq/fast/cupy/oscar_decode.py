@@ -154,7 +154,7 @@ def decode(cfg, st, q_rot, *, scale=None, out_dtype=torch.float32, R_out=None):
     if R3 is None:
         A._merge_launch(o_part, lse_part, out, lse, rows, S_TOTAL, D)
     else:
-        L.run(L.kernel(_SRC, f"oscar_merge_rotate<{L.DT[out_dtype]}, {rt}>"), (rows,), (32, _ROT_SLICES),
+        L.run(L.kernel(_SRC, f"oscar_merge_rotate<{L.DT[out_dtype]}, {rt}>"), (rows, D // 32), (32, _ROT_SLICES),
               (o_part, lse_part, R3, out, lse, np.int64(rows), np.int32(S_TOTAL),
                np.int32(A.merge_warps_per_row(S_TOTAL)), np.int32(H_q), np.int32(T_q), np.int32(R3.shape[0])), dev)
     return out, lse
