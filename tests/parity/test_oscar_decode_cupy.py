@@ -157,15 +157,18 @@ def test_folded_output_dtype(mods):
     assert torch.equal(out, o32.to(torch.float16)) and torch.equal(lse, l32)
 
 
+@pytest.mark.parametrize("one_launch", [True, False, None])
 @pytest.mark.parametrize("ratio,T_q,out_dt,r_dt,per_head", [(4, 1, torch.float16, torch.float32, True),
                                                             (2, 3, torch.float32, torch.float64, False),
                                                             (8, 1, torch.bfloat16, torch.float32, False)])
-def test_merge_rotate(mods, ratio, T_q, out_dt, r_dt, per_head):
-    """``decode(..., R_out=R)`` (the merge rotating the output in its own launch: oscar_merge_rotate) gives
-    the bits of the merge to fp32 followed by ``rotate_heads`` (two launches), for a per-KV-head or one
+def test_merge_rotate(mods, monkeypatch, ratio, T_q, out_dt, r_dt, per_head, one_launch):
+    """``decode(..., R_out=R)`` gives the bits of the merge to fp32 followed by ``rotate_heads``, whether
+    the merge rotates the output in its own launch (oscar_merge_rotate, ``TUNE["merge_rotate"]`` True),
+    the two run one after the other (False) or the size rule picks (None), for a per-KV-head or one
     shared R (fp32 or float64), GQA groups and several query tokens (row -> head h -> R[h // G_q]); the
     lse is the merge's either way."""
     _, OD = mods
+    monkeypatch.setitem(OD.TUNE, "merge_rotate", one_launch)
     cfg, calib, rs, fs = _state(DEV, 1, 2500, seed=31)
     q = _q(DEV, ratio, T_q, torch.float16, seed=32)
     RK = torch.from_numpy(np.ascontiguousarray(calib.R_K, dtype=np.float32)).to(DEV)

@@ -222,7 +222,9 @@ __global__ void __launch_bounds__(NW * 32)
 // Grid: (B * H_q * T, ceil(D / 32)); block (32, RS_SLICES): thread (jj, s) -> output channel
 //   32 blockIdx.y + jj, products i = s, s + RS_SLICES, ... (D / RS_SLICES independent loads of R, one
 //   128-byte row segment per warp and i: at batch 1 the launch is latency-bound, and one thread per
-//   channel waited on D dependent load rounds); the partials meet in shared memory. D <= 256.
+//   channel waited on D dependent load rounds; issuing them before the row's loads and the barrier made
+//   it slower: 3.3 -> 4.6 us at 1 x 64K, and more at batch 32, 106 registers a thread); the partials meet
+//   in shared memory. D <= 256.
 // Bytes: reads the row and R[h] (L2-resident across rows), writes one row.
 #define RS_SLICES 8
 template <int DTI, int DTO, class RT>
@@ -269,9 +271,11 @@ __global__ void __launch_bounds__(32 * RS_SLICES)
 //   each of the row's D / 32 blocks merges it: its partials are read from L2 D / 32 times, but the
 //   rotation's products are spread as rotate_heads_f64 spreads them: one block holding all D channels
 //   took 8.1 us at 1 x 64K, against 3.4 + 3.4 for the two kernels), then thread (jj, sl) the products
-//   i = sl, sl + RS_SLICES, ... of output channel 32 blockIdx.y + jj. D = 128.
+//   i = sl, sl + RS_SLICES, ... of output channel 32 blockIdx.y + jj (its R entries loaded before the merge,
+//   their latency hidden behind it). D = 128.
 // Bytes: reads S * (D + 1) fp32 per row and block, R[h]'s 32 columns (L2-resident across rows); writes
-//   D outputs + 1 lse per row.
+//   D outputs + 1 lse per row. (oscar_decode.decode takes it while its blocks are at most one per SM:
+//   beyond, the redundant merges' reads cost more than the second launch.)
 template <int DTO, class RT>
 __global__ void __launch_bounds__(32 * RS_SLICES)
     oscar_merge_rotate(const float* __restrict__ o_part, const float* __restrict__ lse_part,
@@ -284,6 +288,12 @@ __global__ void __launch_bounds__(32 * RS_SLICES)
     __shared__ double part[RS_SLICES][32];
     const int jj = threadIdx.x, sl = threadIdx.y;
     const i64 row = blockIdx.x;
+    const int h = (int)((row / T) % Hq);
+    const RT* Rh = R + (i64)(h / (Hq / HR)) * D * D;
+    const int j = 32 * blockIdx.y + jj;
+    double rv[D / RS_SLICES];                      // this thread's R column entries, loaded during the merge
+#pragma unroll
+    for (int n = 0; n < D / RS_SLICES; ++n) rv[n] = (double)Rh[(i64)(sl + RS_SLICES * n) * D + j];
     float A[NDL], M, L;
     if (merge_row<NDL>(o_part, lse_part, rows, D, S, row, sl < wpr, sl % wpr, wpr, sl, jj, jj, &s_a[0][0], s_l, A,
                        M, L)) {
@@ -292,12 +302,9 @@ __global__ void __launch_bounds__(32 * RS_SLICES)
         if (jj == 0 && blockIdx.y == 0) lse_out[row] = L > 0.0f ? M + logf(L) : -KVQ_INF;
     }
     __syncthreads();
-    const int h = (int)((row / T) % Hq);
-    const RT* Rh = R + (i64)(h / (Hq / HR)) * D * D;
-    const int j = 32 * blockIdx.y + jj;
     double acc = 0.0;
-#pragma unroll 8
-    for (int i = sl; i < D; i += RS_SLICES) acc = fma(xs[i], (double)Rh[(i64)i * D + j], acc);
+#pragma unroll
+    for (int n = 0; n < D / RS_SLICES; ++n) acc = fma(xs[sl + RS_SLICES * n], rv[n], acc);
     part[sl][jj] = acc;
     __syncthreads();
     if (sl == 0) {

@@ -61,8 +61,11 @@ def _kernel(nr: int, smem: int, device_index: int):
 #: then holds every slot, and the tail's blocks take the slots its first blocks free (H100, ms, first /
 #: after: 1 x 32K 0.0324 / 0.0287, 1 x 128K 0.0617 / 0.0585, 8 x 32K 0.0994 / 0.0957, 8 x 64K 0.1576 /
 #: 0.1571, but 32 x 64K 0.5325 / 0.5456; 1 x 64K 0.0462 / 0.0465). Both kernels sharing the SMs cost:
-#: alone (one stream) the tail takes 11 us at 1 x 64K, the page kernel 31 us (see benchmarks/results)
-TUNE = {"tail_prec": 2, "tail_first": None}
+#: alone (one stream) the tail takes 11 us at 1 x 64K, the page kernel 31 us (see benchmarks/results);
+#: merge_rotate: the output rotated back in the merge's launch (True), by the merge and then
+#: rotate_heads (False), or None (auto): in the merge's launch while its blocks are at most one per SM
+#: (see decode)
+TUNE = {"tail_prec": 2, "tail_first": None, "merge_rotate": None}
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,9 +78,13 @@ def _tail_kernel(qt: int, nw: int, prec: int):
 def decode(cfg, st, q_rot, *, scale=None, out_dtype=torch.float32, R_out=None):
     """Attention of the rotated fp32 query over the whole cache: ``(out, lse fp32)``, out in ``out_dtype``
     (float32, or a half type: rounded once). ``R_out`` None: out in the rotated frame (the merge writes
-    it); else out times ``R_out`` (as :func:`rotate_heads` takes it: the caller's R_V^T) in the merge's
-    launch (``oscar_merge_rotate``: the same bits as the merge to fp32 and then ``rotate_heads``).
-    Requires ``supported(cfg, st, q_rot)``."""
+    it); else out times ``R_out`` (as :func:`rotate_heads` takes it: the caller's R_V^T), the same bits
+    either way as the merge to fp32 and then ``rotate_heads``: in the merge's launch
+    (``oscar_merge_rotate``, whose D / 32 blocks per query row each merge the row) while those blocks
+    are at most one per SM (batch 1 at 32 query heads), else by the merge and then ``rotate_heads``: the
+    redundant merges' reads are free only while the launch is latency-bound (H100, OSCAR steps, ms, one
+    launch / two: 1 x 64K 0.0374 / 0.0402; 8 x 64K 0.1615 / 0.1589, 32 x 32K 0.3273 / 0.3213; 32 x 128K
+    1.022 / 1.040, within its run-to-run spread). Requires ``supported(cfg, st, q_rot)``."""
     B, H, D = st.shape
     _, H_q, T_q, _ = q_rot.shape
     R3, rt = _heads_R(R_out, q_rot) if R_out is not None else (None, None)
@@ -153,10 +160,16 @@ def decode(cfg, st, q_rot, *, scale=None, out_dtype=torch.float32, R_out=None):
     lse = torch.empty((B, H_q, T_q), dtype=torch.float32, device=dev)
     if R3 is None:
         A._merge_launch(o_part, lse_part, out, lse, rows, S_TOTAL, D)
-    else:
+    elif TUNE["merge_rotate"] if TUNE["merge_rotate"] is not None else rows * (D // 32) <= sms:
+        # one wave of merge-rotate blocks (each merges its row again: free while the launch is latency-bound)
         L.run(L.kernel(_SRC, f"oscar_merge_rotate<{L.DT[out_dtype]}, {rt}>"), (rows, D // 32), (32, _ROT_SLICES),
               (o_part, lse_part, R3, out, lse, np.int64(rows), np.int32(S_TOTAL),
                np.int32(A.merge_warps_per_row(S_TOTAL)), np.int32(H_q), np.int32(T_q), np.int32(R3.shape[0])), dev)
+    else:
+        # more rows: the redundant merges would read the partials D / 32 times over; merge, then rotate
+        o32 = torch.empty((B, H_q, T_q, D), dtype=torch.float32, device=dev)
+        A._merge_launch(o_part, lse_part, o32, lse, rows, S_TOTAL, D)
+        out = rotate_heads(o32, R3, out_dtype)
     return out, lse
 
 
