@@ -95,30 +95,38 @@ def fused_ceilings_table(fc) -> str:
     return "\n".join(rows)
 
 
+def _shape_table(o, header: list, cells) -> str:
+    """A Markdown table over ``o["shapes"]``: the column names ``header`` (the first is the shape's), then
+    per shape its "B x TK" label and the strings ``cells(shape)``."""
+    rows = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    rows += [f"| {s['B']} x {s['T'] // 1024}K | " + " | ".join(cells(s)) + " |" for s in o["shapes"]]
+    return "\n".join(rows)
+
+
 def oscar_table(o) -> str:
     """``oscar.json`` as a Markdown table: per shape, SDPA FP16, the Triton and CuPy OSCAR decode times,
     their speedups over SDPA and the CuPy kernel's percent of copy bandwidth."""
-    rows = ["| batch x context | SDPA FP16 (ms) | OSCAR Triton (ms) | OSCAR CuPy (ms) | vs SDPA (Triton / CuPy) "
-            "| % copy (CuPy) |", "| --- | --- | --- | --- | --- | --- |"]
-    for s in o["shapes"]:
+    def cells(s):
         sd, tr, cu = _sdpa_ms(s), s["oscar"], s["oscar [cupy]"]
-        rows.append(f"| {s['B']} x {s['T'] // 1024}K | {sd:.3f} | {tr['ms']:.3f} | {cu['ms']:.3f} | "
-                    f"{sd / tr['ms']:.2f}x / {sd / cu['ms']:.2f}x | {cu['pct_copy']:.1f}% |")
-    return "\n".join(rows)
+        return [f"{sd:.3f}", f"{tr['ms']:.3f}", f"{cu['ms']:.3f}", f"{sd / tr['ms']:.2f}x / {sd / cu['ms']:.2f}x",
+                f"{cu['pct_copy']:.1f}%"]
+
+    return _shape_table(o, ["batch x context", "SDPA FP16 (ms)", "OSCAR Triton (ms)", "OSCAR CuPy (ms)",
+                            "vs SDPA (Triton / CuPy)", "% copy (CuPy)"], cells)
 
 
 def oscar_folded_table(o, method: str = "oscar [cupy]") -> str:
     """One backend's OSCAR rows of ``oscar.json`` with the decode for a W_O with R_V^T folded in
     (``rv_folded``: the call with ``rotate_back=False``): per shape SDPA FP16, the whole decode and the
     folded one (ms, speedup over SDPA) and the whole decode's percent of copy bandwidth."""
-    rows = ["| batch x context | SDPA FP16 (ms) | OSCAR (ms) | vs SDPA | R_V folded (ms) | vs SDPA | % copy |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
-    for s in o["shapes"]:
+    def cells(s):
         sd, r = _sdpa_ms(s), s[method]
         f = r["rv_folded"]["ms"]
-        rows.append(f"| {s['B']} x {s['T'] // 1024}K | {sd:.3f} | {r['ms']:.3f} | {sd / r['ms']:.2f}x | {f:.3f} | "
-                    f"{sd / f:.2f}x | {r['pct_copy']:.1f}% |")
-    return "\n".join(rows)
+        return [f"{sd:.3f}", f"{r['ms']:.3f}", f"{sd / r['ms']:.2f}x", f"{f:.3f}", f"{sd / f:.2f}x",
+                f"{r['pct_copy']:.1f}%"]
+
+    return _shape_table(o, ["batch x context", "SDPA FP16 (ms)", "OSCAR (ms)", "vs SDPA", "R_V folded (ms)",
+                            "vs SDPA", "% copy"], cells)
 
 
 def decode_table(dec) -> str:
