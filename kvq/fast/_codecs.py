@@ -79,8 +79,16 @@ def check_key_flush(pages, pool: dict, first: int, bits: int, d_boost: int, kitt
         shapes_ok = shapes_ok and pool["high"].shape[1:] == (H, d_boost, G // 4) and pool["idx"].shape == scale.shape
     if not shapes_ok:
         raise ValueError("the pool arrays do not match the pages (or too few slots are left)")
+    _check_meta(scale, mn)
     if not all(t.is_contiguous() for t in pool.values()):
         raise ValueError("the pool arrays must be contiguous")
+
+
+def _check_meta(scale, mn) -> None:
+    """The writers' metadata: float16 or float32 (the configurations' ``meta_dtype``), both alike."""
+    if scale.dtype not in (torch.float16, torch.float32) or mn.dtype != scale.dtype:
+        raise ValueError(f"the metadata must be float16 or float32 (scale and mn alike), got {scale.dtype} / "
+                         f"{mn.dtype}")
 
 
 def key_flush_operands(pages, pool: dict, d_boost: int, kitty: bool) -> tuple:
@@ -108,6 +116,7 @@ def check_value_evict(toks, v_codes, v_scale, v_mn, v_table, q0: int, bits: int,
             or v_table.ndim != 2 or v_table.shape[0] != B or v_table.dtype != torch.int32
             or (e and (q0 + e - 1) // G >= v_table.shape[1])):
         raise ValueError("the value pool, its page table and the tokens do not match")
+    _check_meta(v_scale, v_mn)
     if not all(t.is_contiguous() for t in (v_codes, v_scale, v_mn, v_table)):
         raise ValueError("the value pool and page table must be contiguous")
 

@@ -177,7 +177,7 @@ def _kpool(Pn, H, D, G, Db, kitty=True, bits=2):
 
 
 KEY_BAD = ["dtype", "ndim", "group", "bits", "kitty-bits", "d_boost", "kivi-d_boost", "names", "pool", "slots",
-           "contiguous"]
+           "meta-bf16", "meta-mixed", "contiguous"]
 
 
 @pytest.mark.parametrize("writers", [W, CW], ids=["triton", "cupy"])
@@ -206,16 +206,21 @@ def test_flush_key_pages_rejects_bad_arguments(what, writers):
         pool["high"] = torch.zeros((4, H, Db + 1, G // 4), dtype=torch.uint8)
     elif what == "slots":
         first = 3
+    elif what == "meta-bf16":                                         # the configurations allow fp16 / fp32
+        pool["scale"], pool["mn"] = (torch.zeros((4, H, D), dtype=torch.bfloat16) for _ in range(2))
+    elif what == "meta-mixed":
+        pool["mn"] = pool["mn"].float()
     else:
         pool["low"] = torch.zeros((4, H, G // 4, D), dtype=torch.uint8).transpose(-1, -2)
     before = {k: t.clone() for k, t in pool.items()}
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="metadata" if what.startswith("meta") else None):
         writers.flush_key_pages(pages, pool, first, bits, Db, kitty)
     for k, t in pool.items():
         assert torch.equal(t, before[k]), k
 
 
-VALUE_BAD = ["dtype", "ndim", "bits", "group", "pool", "table-dtype", "table-rows", "past-table", "contiguous"]
+VALUE_BAD = ["dtype", "ndim", "bits", "group", "pool", "table-dtype", "table-rows", "past-table", "meta-bf16",
+             "meta-mixed", "contiguous"]
 
 
 @pytest.mark.parametrize("writers", [W, CW], ids=["triton", "cupy"])
@@ -243,17 +248,22 @@ def test_evict_values_rejects_bad_arguments(what, writers):
         table = torch.zeros((B + 1, 2), dtype=torch.int32)
     elif what == "past-table":
         q0 = 2 * G - 1                                              # its last token lies past the table
+    elif what == "meta-bf16":
+        scale, mn = scale.bfloat16(), mn.bfloat16()
+    elif what == "meta-mixed":
+        mn = mn.float()
     else:
         codes = torch.zeros((4, H, D * bits // 8, G), dtype=torch.uint8).transpose(-1, -2)
     before = [t.clone() for t in (codes, scale, mn)]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="metadata" if what.startswith("meta") else None):
         writers.evict_values(toks, codes, scale, mn, table, q0, bits, Gv)
     for t, t0 in zip((codes, scale, mn), before):
         assert torch.equal(t, t0)
 
 
 def test_cupy_writers_reject_host_tensors_and_other_metadata():
-    """The CUDA writers take CUDA tensors and fp16 / fp32 metadata: anything else raises before a launch."""
+    """The CUDA writers take CUDA tensors and fp16 / fp32 metadata (the shared check, as the Triton
+    writers: test_*_rejects_bad_arguments): anything else raises before a launch."""
     pages = torch.zeros((1, 2, 1, 16, 16), dtype=torch.float16)
     with pytest.raises(ValueError, match="CUDA tensors"):
         CW.flush_key_pages(pages, _kpool(1, 2, 16, 16, 2), 0, 2, 2, True)
