@@ -42,7 +42,9 @@ class Ops:
     allow_cpu: Callable[[], bool]
     #: (pages, pool, first slot, bits, d_boost, kitty) -> None: full key pages into the pool, one kernel
     key_flush: Callable | None = None
-    #: (toks, v_codes, v_scale, v_mn, v_table, q0, bits, Gv) -> None: evicted values into their page slots
+    #: (toks, v_codes, v_scale, v_mn, v_table, q0, bits, Gv) -> bool: evicted values into their page slots,
+    #: one kernel (True), or False where the backend declines this eviction (the caller then quantizes
+    #: and scatters: the same bits)
     value_evict: Callable | None = None
 
 

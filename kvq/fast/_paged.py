@@ -186,12 +186,6 @@ def append(cfg, codec, st: PagedState, k, v) -> PagedState:
     return st
 
 
-#: under the Triton interpreter (CPU), evictions of more (token, head) programs than this take the value
-#: quantizer (a few programs of many rows), not the one-program-per-token writer: the same bits (the
-#: writer tests check it), minutes less of CI
-INTERP_EVICT_PROGRAMS = 16
-
-
 def _evict_values(cfg, codec, st: PagedState, evicted: torch.Tensor, c0: dict) -> None:
     G = cfg.group_size
     B = evicted.shape[0]
@@ -234,14 +228,10 @@ def write_key_pages(cfg, codec, st: PagedState, pages: torch.Tensor, first: int,
 def write_values(cfg, codec, st: PagedState, toks: torch.Tensor, q0: int) -> bool:
     """Values (B, H, e, D) fp16, quantized-history tokens q0 .. q0 + e - 1 whose pages ``st.v_table``
     already names, quantized per token into their page slots: the backend's single-kernel writer where it
-    has one (True; under the interpreter only up to INTERP_EVICT_PROGRAMS (token, head) programs), else
-    the value quantizer and scatters."""
+    has one and takes this eviction (True), else the value quantizer and scatters."""
     B, H, e, D = toks.shape
     evict = _codecs.writer(codec.ops, "value_evict")
-    if evict is not None and C.interpreting() and B * H * e > INTERP_EVICT_PROGRAMS:
-        evict = None                    # the interpreter runs one program (token, head) at a time in Python
-    if evict is not None:                                              # one kernel: codes into their slots
-        evict(toks, st.v_codes, st.v_scale, st.v_mn, st.v_table, q0, cfg.v_bits, cfg.v_group(D))
+    if evict is not None and evict(toks, st.v_codes, st.v_scale, st.v_mn, st.v_table, q0, cfg.v_bits, cfg.v_group(D)):
         return True
     G = cfg.group_size
     packed, scale, mn = quantize_values(cfg, codec, toks)                    # (B, H, e, ...)

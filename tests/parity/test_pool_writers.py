@@ -11,8 +11,9 @@ appends. Kitty uses keys with an unambiguous channel ranking (contract rule 7:
 ``test_kivi_kitty_parity.test_kitty_near_ties`` covers near-ties, through the same kernel). The appends
 use the writers (no page arrays, no separate value quantization); Kitty's random selection (host RNG)
 and a backend without writers take the torch path; bad arguments raise before any launch and leave the
-pool as it was. Under the interpreter, large evictions take the value quantizer (``_paged.
-INTERP_EVICT_PROGRAMS``: one program per token and head is slow there); the parity tests lift the limit.
+pool as it was. Under the interpreter the Triton writer declines large evictions, which take the value
+quantizer (``kvq.fast.triton._flush.INTERP_EVICT_PROGRAMS``: one program per token and head is slow
+there); the parity tests lift the limit.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def test_writers_equal_reference_and_torch_path(target, monkeypatch, name, kind,
     rs = ref.init(cfg, B, H, D)
     ref.append(cfg, rs, k, v)
     states = {}
-    monkeypatch.setattr(_paged, "INTERP_EVICT_PROGRAMS", 1 << 30)      # the writer for every eviction
+    monkeypatch.setattr(W, "INTERP_EVICT_PROGRAMS", 1 << 30)           # the writer for every eviction
     for fused in (True, False):
         monkeypatch.setattr(_codecs, "FUSED_FLUSH", fused)
         fs = fast.init(cfg, B, H, D)
@@ -118,7 +119,7 @@ def test_appends_take_the_writers(target, monkeypatch, kind, cfg):
         raise AssertionError("the torch path was taken")
 
     codec = type(fast.KeyCodec)
-    monkeypatch.setattr(_paged, "INTERP_EVICT_PROGRAMS", 1 << 30)
+    monkeypatch.setattr(W, "INTERP_EVICT_PROGRAMS", 1 << 30)
     monkeypatch.setattr(codec, "encode_pages", forbidden)
     monkeypatch.setattr(_paged, "quantize_values", forbidden)
     k, v = _kv(1, 2, 64, 16, 16, seed=3, start=2)
@@ -132,8 +133,9 @@ def test_appends_take_the_writers(target, monkeypatch, kind, cfg):
 
 
 def test_interpreter_takes_the_quantizer_for_large_evictions(monkeypatch):
-    """Under the interpreter an eviction of more (token, head) programs than INTERP_EVICT_PROGRAMS takes the
-    value quantizer (the same bits); on the GPU the writer takes every eviction."""
+    """Under the interpreter the Triton writer declines an eviction of more (token, head) programs than
+    INTERP_EVICT_PROGRAMS (it returns False, nothing written) and the value quantizer takes it (the same
+    bits); it writes the smaller ones (True); on the GPU it takes every eviction."""
     if torch.cuda.is_available():
         pytest.skip("the interpreter rule is exercised on the CPU (CI)")
     cfg = RK.KIVIConfig(2, 2, group_size=16, residual=4, max_tokens=64)
@@ -146,6 +148,13 @@ def test_interpreter_takes_the_quantizer_for_large_evictions(monkeypatch):
     TV.append(cfg, fs, torch.from_numpy(k[:, :, :30]), torch.from_numpy(v[:, :, :30]))    # 26 x 2 programs
     TV.append(cfg, fs, torch.from_numpy(k[:, :, 30:33]), torch.from_numpy(v[:, :, 30:33]))  # 3 x 2 programs
     assert calls == [26]
+    toks = torch.zeros((1, 2, 9, 16), dtype=torch.float16)                      # 18 programs: declined
+    pool = (torch.zeros((2, 2, 16, 4), dtype=torch.uint8), torch.zeros((2, 2, 16, 2), dtype=torch.float16),
+            torch.zeros((2, 2, 16, 2), dtype=torch.float16))
+    table = torch.zeros((1, 1), dtype=torch.int32)
+    assert W.evict_values(toks, *pool, table, 0, 2, 8) is False and not pool[0].any()
+    ramp = torch.arange(16, dtype=torch.float16).expand(1, 2, 8, 16)           # 16 programs: written
+    assert W.evict_values(ramp, *pool, table, 0, 2, 8) is True and pool[0].any() and pool[1].any()
     rs = RK.init(cfg, 1, 2, 16)
     RK.append(cfg, rs, k[:, :, :33], v[:, :, :33])
     assert_same_state(fs, rs)

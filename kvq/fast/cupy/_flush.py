@@ -68,18 +68,20 @@ def flush_key_pages(pages: torch.Tensor, pool: dict, first: int, bits: int, d_bo
 
 
 def evict_values(toks: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor, v_mn: torch.Tensor,
-                 v_table: torch.Tensor, q0: int, bits: int, Gv: int) -> None:
+                 v_table: torch.Tensor, q0: int, bits: int, Gv: int) -> bool:
     """``kvq.fast.triton._flush.evict_values`` as one CUDA kernel (``flush.cu`` value_evict): the same
-    arguments, checks and pool bits; CUDA tensors, fp16 or fp32 metadata."""
+    arguments, checks and pool bits; CUDA tensors, fp16 or fp32 metadata. Returns True (it takes every
+    eviction)."""
     check_value_evict(toks, v_codes, v_scale, v_mn, v_table, q0, bits, Gv)
     B, H, e, D = toks.shape
     mh = _meta_half(v_scale)
     threads = _threads(D)
     _on_cuda(toks, v_codes, v_scale, v_mn, v_table)
     if B * H * e == 0:
-        return
+        return True
     x = toks if toks.stride(-1) == 1 else toks.contiguous()
     fn = L.kernel(_SRC, L.value_evict_name(bits, mh, Gv & (Gv - 1) == 0))
     args = (x, np.int64(x.stride(0)), np.int64(x.stride(1)), np.int64(x.stride(2)), v_codes, v_scale, v_mn, v_table,
             np.int32(q0), np.int32(v_codes.shape[2]), np.int32(D), np.int32(Gv), np.int32(v_table.shape[1]))
     L.run(fn, (e, H, B), (threads,), args, x.device)
+    return True

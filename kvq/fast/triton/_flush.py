@@ -164,20 +164,30 @@ def _value_evict_kernel(x_ptr, c_ptr, s_ptr, m_ptr, tab_ptr, sx_b, sx_h, sx_t, q
     tl.store(m_ptr + row * NGV + gg, m_st, mask=gvalid)
 
 
+#: under the interpreter (CPU) ``evict_values`` declines evictions of more (token, head) programs than
+#: this: the interpreter runs one program at a time in Python, and the caller's value quantizer (a few
+#: programs of many rows) writes the same bits (the writer tests check it) in minutes less of CI
+INTERP_EVICT_PROGRAMS = 16
+
+
 def evict_values(toks: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor, v_mn: torch.Tensor,
-                 v_table: torch.Tensor, q0: int, bits: int, Gv: int) -> None:
+                 v_table: torch.Tensor, q0: int, bits: int, Gv: int) -> bool:
     """Quantize the values ``toks`` (B, H, e, D) fp16, tokens q0 .. q0 + e - 1 of the quantized history,
     per token in groups of ``Gv`` channels at ``bits`` bits, into their page slots: ``v_codes`` (slots, H,
     G, D * bits / 8), ``v_scale`` / ``v_mn`` (slots, H, G, D / Gv), pages from ``v_table`` (B, pages),
-    whose entries for these tokens the caller has set.
+    whose entries for these tokens the caller has set. Returns True, or False (nothing written) for an
+    eviction of more than ``INTERP_EVICT_PROGRAMS`` (token, head) programs under the interpreter.
     """
     check_value_evict(toks, v_codes, v_scale, v_mn, v_table, q0, bits, Gv)
     B, H, e, D = toks.shape
     G = v_codes.shape[2]
+    if C.interpreting() and B * H * e > INTERP_EVICT_PROGRAMS:
+        return False
     if B * H * e == 0:
-        return
+        return True
     x = toks if toks.stride(-1) == 1 else toks.contiguous()
     _value_evict_kernel[(e, H, B)](x, v_codes, v_scale, v_mn, v_table, x.stride(0), x.stride(1), x.stride(2), q0, G,
                                    D, Gv, D // Gv, v_table.shape[1], BITS=bits, QMAX=float(2 ** bits - 1),
                                    FASTDIV=not C.interpreting(), BLOCK_J=triton.next_power_of_2(D * bits // 8),
                                    BLOCK_G=triton.next_power_of_2(D // Gv), num_warps=1, enable_fp_fusion=False)
+    return True
