@@ -156,20 +156,21 @@ def decode(cfg, st, q_rot, *, scale=None, out_dtype=torch.float32, R_out=None):
             launch()
     if side is not main:
         main.wait_stream(side)
-    out = torch.empty((B, H_q, T_q, D), dtype=out_dtype, device=dev)
     lse = torch.empty((B, H_q, T_q), dtype=torch.float32, device=dev)
+    one_launch = TUNE["merge_rotate"] if TUNE["merge_rotate"] is not None else rows * (D // 32) <= sms
+    if R3 is not None and not one_launch:
+        # more rows: the redundant merges would read the partials D / 32 times over; merge, then rotate
+        o32 = torch.empty((B, H_q, T_q, D), dtype=torch.float32, device=dev)
+        A._merge_launch(o_part, lse_part, o32, lse, rows, S_TOTAL, D)
+        return rotate_heads(o32, R3, out_dtype), lse
+    out = torch.empty((B, H_q, T_q, D), dtype=out_dtype, device=dev)
     if R3 is None:
         A._merge_launch(o_part, lse_part, out, lse, rows, S_TOTAL, D)
-    elif TUNE["merge_rotate"] if TUNE["merge_rotate"] is not None else rows * (D // 32) <= sms:
+    else:
         # one wave of merge-rotate blocks (each merges its row again: free while the launch is latency-bound)
         L.run(L.kernel(_SRC, f"oscar_merge_rotate<{L.DT[out_dtype]}, {rt}>"), (rows, D // 32), (32, _ROT_SLICES),
               (o_part, lse_part, R3, out, lse, np.int64(rows), np.int32(S_TOTAL),
                np.int32(A.merge_warps_per_row(S_TOTAL)), np.int32(H_q), np.int32(T_q), np.int32(R3.shape[0])), dev)
-    else:
-        # more rows: the redundant merges would read the partials D / 32 times over; merge, then rotate
-        o32 = torch.empty((B, H_q, T_q, D), dtype=torch.float32, device=dev)
-        A._merge_launch(o_part, lse_part, o32, lse, rows, S_TOTAL, D)
-        out = rotate_heads(o32, R3, out_dtype)
     return out, lse
 
 
