@@ -227,6 +227,24 @@ __global__ void __launch_bounds__(NW * 32)
 //   in shared memory. D <= 256.
 // Bytes: reads the row and R[h] (L2-resident across rows), writes one row.
 #define RS_SLICES 8
+
+// The rotations' last step (rotate_heads_f64, oscar_merge_rotate: one code, the same bits): thread (jj, sl)
+// holds its slice's float64 sum `acc` of output channel j; the RS_SLICES sums meet in `part`, are added in
+// slice order and rounded to fp32, then to DTO, into *dst (where `ok`). Has a barrier: call it from every
+// thread of the block.
+template <int DTO>
+__device__ __forceinline__ void rotation_store(double (*part)[32], double acc, int sl, int jj,
+                                               typename Ty<DTO>::S* dst, bool ok) {
+    part[sl][jj] = acc;
+    __syncthreads();
+    if (sl == 0 && ok) {
+        double y = part[0][jj];
+#pragma unroll
+        for (int k = 1; k < RS_SLICES; ++k) y += part[k][jj];
+        *dst = Ty<DTO>::st((float)y);
+    }
+}
+
 template <int DTI, int DTO, class RT>
 __global__ void __launch_bounds__(32 * RS_SLICES)
     rotate_heads_f64(const typename Ty<DTI>::S* __restrict__ x, const RT* __restrict__ R,
@@ -249,14 +267,7 @@ __global__ void __launch_bounds__(32 * RS_SLICES)
 #pragma unroll 8
         for (int i = sl; i < D; i += RS_SLICES) acc = fma(xs[i], (double)Rh[(i64)i * D + j], acc);
     }
-    part[sl][jj] = acc;
-    __syncthreads();
-    if (sl == 0 && j < D) {
-        double y = part[0][jj];
-#pragma unroll
-        for (int k = 1; k < RS_SLICES; ++k) y += part[k][jj];
-        out[row * D + j] = Ty<DTO>::st((float)y);
-    }
+    rotation_store<DTO>(part, acc, sl, jj, out + row * D + j, j < D);
 }
 
 // ---- the merge with the output rotation -----------------------------------------------------------
@@ -305,12 +316,5 @@ __global__ void __launch_bounds__(32 * RS_SLICES)
     double acc = 0.0;
 #pragma unroll
     for (int n = 0; n < D / RS_SLICES; ++n) acc = fma(xs[sl + RS_SLICES * n], rv[n], acc);
-    part[sl][jj] = acc;
-    __syncthreads();
-    if (sl == 0) {
-        double y = part[0][jj];
-#pragma unroll
-        for (int k = 1; k < RS_SLICES; ++k) y += part[k][jj];
-        out[row * D + j] = Ty<DTO>::st((float)y);
-    }
+    rotation_store<DTO>(part, acc, sl, jj, out + row * D + j, true);
 }
