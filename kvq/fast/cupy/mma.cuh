@@ -103,6 +103,18 @@ __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// d += a b: mma.sync m16n8k32, u8 a (4 registers of 4 bytes), s8 b (2 registers), s32 accumulators: exact
+// integer products and sums. Fragments (thread (g, t) = (lane / 4, lane % 4)): a[0] row g, columns 4t ..
+// 4t + 3 (byte i: column 4t + i), a[1] row g + 8, same columns, a[2] row g, columns 16 + 4t .. 19 + 4t, a[3]
+// row g + 8 likewise; b[0] rows (k) 4t .. 4t + 3 of column g, b[1] rows 16 + 4t ..; c as mma16816's.
+__device__ __forceinline__ void imma16832(int* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // byte BB of w0 to byte 0 and byte BB of w1 to byte 2 (bytes 1 and 3: don't care)
 template <int BB>
 __device__ __forceinline__ u32 byte_pair(u32 w0, u32 w1) {

@@ -108,8 +108,8 @@ def decode_attention(cfg: OSCARConfig, calib: OSCARCalibration, state: OSCARTens
     q is rotated by R_K (one float64 batched matmul; query head h uses the R_K of KV head h // (H_q / H_kv)).
     fp16 / bf16 q over a 2-bit cache with one group per token (G = D = 128), pages of 128 tokens, fp16
     metadata and at most 8 query rows per KV head: the tensor-core kernel ``oscar_decode_mma`` reads the
-    packed pages (codes exact in fp16, the rotated query as fp16 hi + lo, scale and min per token in
-    fp32), the FP16 sink and window go through ``attention.cu``'s split kernel beside it, one
+    packed pages (key scores on the s8 tensor cores: the codes times the rotated query's base-256 digits,
+    exact integer sums; scale and min per token in fp32), the FP16 sink and window go through ``attention.cu``'s split kernel beside it, one
     log-sum-exp merge. Otherwise (and for float32 q, the precise path) the history is unpacked and
     dequantized into fp32 (bit-exact, ``packing.unpack_dequantize``) and the three segments are attended
     in fp32 by ``kvq.fast.cupy.attention.decode_attention``. The output is rotated back by R_V^T unless

@@ -13,37 +13,37 @@
 #include "mma.cuh"
 #include "attn_split.cuh"
 
-// The 2-bit field I of bytes 0 and 2 of x as a half2 of exact codes, I known only at run time (as
-// codes_field_h2<2, I>): mask and magic, then the fma by 4^-I with addend -1024 4^-I (m, sc, bi per thread).
-__device__ __forceinline__ u32 codes_h2_rt(u32 x, u32 m, u32 sc, u32 bi) {
-    u32 h;
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(h) : "r"(x), "r"(m), "n"(0x64006400u));      // (x & m) | magic
-    return hfma2(h, sc, bi);
-}
-
 // Computes: the partials of the INT2 history of the OSCAR cache for the (at most 8) query rows of kv head
 //   (b, hk) (row r -> query head hk * G_q + r / T_q, token r % T_q) over the pages [split * pps,
 //   min(split * pps + pps, NP)) (history tokens >= NH masked): s = (q_rot . k) * scale * log2(e) with
 //   k = code * scale_k + mn_k per token, online softmax in base 2, o = sum 2^(s - m) v / l with v = code *
 //   scale_v + mn_v; writes partial `split` in attention.cu's layout (o_part / lse_part, natural log).
 //   q is the rotated query, fp32 (B, H_q, T_q, D) with strides.
-// Scores: S^T (tokens x rows) = codes_K . q~^T on the tensor cores (q~ = q / max|q_row| as fp16 hi +
-//   2^-11 lo: NR = 4 hi in columns 0-3, lo in 4-7 of one mma; NR = 8 two mma), then s = max|q_row|
-//   (scale_k (S_hi + 2^-11 S_lo) + mn_k sum_c q~_c) per token (scale and min per token: they multiply
-//   the product, not the operand). Fragment orders: m-tile mt, row g <-> token 16 g + 2 mt, row g + 8 <->
-//   token 16 g + 2 mt + 1 (their 32-byte rows are adjacent in shared memory); k-step kk <-> word kk of a
-//   token row, columns 2t, 2t + 1, 2t + 8, 2t + 9 <-> channels 16 kk + t, 16 kk + 8 + t, 16 kk + 4 + t,
-//   16 kk + 12 + t: field t of bytes 0 and 2 (of bytes 1 and 3 after a shift by 8) is one half2.
+// Scores: S^T (tokens x rows) = codes_K . q~^T on the s8 tensor cores (mma m16n8k32: the codes as u8,
+//   exact; q~ = q / max|q_row| as Q = rint(2^30 q~), |Q| <= 2^30 + 2^7, in four signed base-256 digits d0
+//   (the top) .. d3, one digit per column: NR = 4 d0 / d1 of rows 0-3 in columns 0-3 / 4-7 of one n-tile,
+//   d2 / d3 in a second; NR = 8 one n-tile per digit), so the digit sums Dn = sum_c code_c dn_c are exact
+//   s32 and sum_c code_c q~_c = 2^-22 (2^16 D0 + D2) + 2^-30 (2^16 D1 + D3), each bracket exact in s32,
+//   rounded once to fp32 ("hi" and 2^11 times "lo": the operands page_softmax_pv takes, hi + 2^-11 lo);
+//   then s = max|q_row| (scale_k (hi + 2^-11 lo) + mn_k sum_c q~_c) per token (scale and min per token:
+//   they multiply the product, not the operand). Fragment orders: m-tile mt, row g <-> token 16 g + 2 mt,
+//   row g + 8 <-> token 16 g + 2 mt + 1 (their 32-byte rows are adjacent in shared memory); k-step kq <->
+//   field kq (bits 2 kq, 2 kq + 1) of bytes 8 t .. 8 t + 7 of a token row (one 8-byte load per token and
+//   m-tile; the 4 fields of a word are 4 registers by a shift and a mask), k 4t + i <-> channel 32 t + 4 i +
+//   kq, k 16 + 4t + i <-> channel 32 t + 16 + 4 i + kq. (On fp16 tensor cores, the codes as exact fp16 by a
+//   lop3 and a fma.f16x2 per two codes and q~ as fp16 hi + 2^-11 lo, the decode took 12% longer at 8 x
+//   64K and 9% at 1 x 128K: benchmarks/results/h100-imma-ab.)
 // Softmax and P . V: page_softmax_pv (mma.cuh), the value page has the layout of a KIVI value page.
 // Grid: (num_splits, H_kv, B); block NW * 32 threads, each warp its own pages with a key and a value
 //   slot in shared memory (cp.async: the next page's keys load during this page's softmax and P . V,
 //   its values during the next scores; the key codes XOR-swizzled in 16-byte chunks, warp_copy_c<...,
 //   true>, so that the lanes' row reads are free of bank conflicts); warps combined at the end.
-// Dynamic shared memory: 8 * D * 8 (queries: fp32, fp16 hi, fp16 lo) + NW * 2 * (Pg * 32 + 4 * Pg).
+// Dynamic shared memory: 8 * D * 8 (queries: fp32, and the fp16 hi / lo that mma_load_queries writes for
+//   the KIVI kernels, unused here) + NW * 2 * (Pg * 32 + 4 * Pg).
 // Bytes: reads each packed K / V page of the split and its metadata once, the page-table entries and
 //   the queries; writes (D + 1) fp32 per query row and split.
 template <int NR>
-__global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
+__global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, 3)
     oscar_decode_mma(const float* __restrict__ q, i64 sq_b, i64 sq_h, i64 sq_t, const u8* __restrict__ kc,
                      const u16* __restrict__ ks, const u16* __restrict__ km, const u8* __restrict__ vc,
                      const u16* __restrict__ vs, const u16* __restrict__ vm, const int* __restrict__ table,
@@ -55,8 +55,8 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
     __shared__ float s_m[KVQ_MMA_MAXW][QT], s_l[KVQ_MMA_MAXW][QT], s_qmax[QT], s_qsum[QT];
     u8* dsmem = reinterpret_cast<u8*>(dsmem4);
     float* s_q = reinterpret_cast<float*>(dsmem);                     // [QT][D] q * qk_scale, fp32
-    u16* s_qh = reinterpret_cast<u16*>(dsmem + QT * D * 4);           // [QT][D] fp16(q~)
-    u16* s_ql = s_qh + QT * D;                                        // [QT][D] fp16(2^11 (q~ - hi))
+    u16* s_qh = reinterpret_cast<u16*>(dsmem + QT * D * 4);           // [QT][D] fp16(q~) (unused here)
+    u16* s_ql = s_qh + QT * D;                                        // [QT][D] its lo (unused here)
 
     const int tid = threadIdx.x;
     const int warp = tid >> 5;
@@ -85,24 +85,44 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
     const int p0 = split * pps;
     const int p1 = kvq_min(p0 + pps, NP);
 
-    // the B fragments of the 8 k-steps (constant: q~ hi / lo of row rb at this thread's channels)
-    constexpr int NB = NR == 8 ? 4 : 2;
+    // the B fragments (constant) of the 4 k-steps kq (32 channels each: c = 32 t + 16 jr + 4 i + kq for
+    // register jr, byte i) and the NT n-tiles: column g <-> digit nt (NR = 8) or 2 nt + (g >= 4) (NR = 4) of
+    // row rb; Q = rint(2^30 q~) = 2^24 d0 + 2^16 d1 + 2^8 d2 + d3 with d1 .. d3 in [-128, 127], |d0| <= 65
+    constexpr int NT = NR == 8 ? 4 : 2;
     const int rb = NR == 4 ? (g & 3) : g;
-    const bool blo = NR == 4 && g >= 4;            // NR = 4: columns 4-7 hold the lo halves
-    u32 bq[8][NB];
+    const bool odd_digit = NR == 4 && g >= 4;
+    u32 bq[4][2 * NT];
+    {
+        const float mx = s_qmax[rb];
+        const float r = mx > 0.0f ? 1.0f / mx : 0.0f;
 #pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
-        const int c = 16 * kk + t;
+        for (int kq = 0; kq < 4; ++kq)
 #pragma unroll
-        for (int part = 0; part < NB / 2; ++part) {
-            const u16* src = (NR == 8 ? part == 1 : blo) ? s_ql + rb * D : s_qh + rb * D;
-            bq[kk][2 * part] = (u32)src[c] | ((u32)src[c + 8] << 16);
-            bq[kk][2 * part + 1] = (u32)src[c + 4] | ((u32)src[c + 12] << 16);
-        }
+            for (int jr = 0; jr < 2; ++jr) {
+                u32 wd[NT];
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) wd[nt] = 0u;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int c = 32 * t + 16 * jr + 4 * i + kq;
+                    const int Q = __float2int_rn(s_q[rb * D + c] * r * 1073741824.0f);
+                    int d[4];
+                    d[3] = (int)(signed char)(Q & 0xff);
+                    const int Q1 = (Q - d[3]) >> 8;
+                    d[2] = (int)(signed char)(Q1 & 0xff);
+                    const int Q2 = (Q1 - d[2]) >> 8;
+                    d[1] = (int)(signed char)(Q2 & 0xff);
+                    d[0] = (Q2 - d[1]) >> 8;
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        const int dg = NR == 8 ? d[nt] : (odd_digit ? d[2 * nt + 1] : d[2 * nt]);
+                        wd[nt] |= ((u32)dg & 0xffu) << (8 * i);
+                    }
+                }
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) bq[kq][2 * nt + jr] = wd[nt];
+            }
     }
-    const u32 cm = 0x00030003u << (2 * t);          // field t of each half: mask, 4^-t, -1024 4^-t
-    const u32 csc = t == 0 ? 0x3C003C00u : t == 1 ? 0x34003400u : t == 2 ? 0x2C002C00u : 0x24002400u;
-    const u32 cbi = t == 0 ? 0xE400E400u : t == 1 ? 0xDC00DC00u : t == 2 ? 0xD400D400u : 0xCC00CC00u;
     // the query rows of this thread's scores: NR = 8: 2t, 2t + 1; NR = 4: 2 (t % 2) + {0, 1}
     const int r0 = NR == 4 ? 2 * (t & 1) : 2 * t;
     const float qmax0 = s_qmax[r0], qmax1 = s_qmax[r0 + 1];
@@ -140,28 +160,33 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
 
         // ---- S^T = codes_K . q~^T (hi / lo)
         float S[8][4], SL[NR == 8 ? 8 : 1][4];
+        // k-step kq: field kq of bytes 8 t .. 8 t + 7 of the token rows; hi / lo as the header says
 #pragma unroll
         for (int mt = 0; mt < 8; ++mt) {
+            int acc[NT][4];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[nt][e] = 0;
+            const u8* rows = kslot + 512 * g + 8 * (t & 1);
+            const uint2 xa = *reinterpret_cast<const uint2*>(rows + 16 * ((4 * mt + (t >> 1)) ^ g));
+            const uint2 xb = *reinterpret_cast<const uint2*>(rows + 16 * ((4 * mt + 2 + (t >> 1)) ^ g));
+#pragma unroll
+            for (int kq = 0; kq < 4; ++kq) {
+                const u32 a[4] = {(xa.x >> (2 * kq)) & 0x03030303u, (xb.x >> (2 * kq)) & 0x03030303u,
+                                  (xa.y >> (2 * kq)) & 0x03030303u, (xb.y >> (2 * kq)) & 0x03030303u};
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) imma16832(acc[nt], a, bq[kq][2 * nt], bq[kq][2 * nt + 1]);
+            }
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                S[mt][e] = 0.0f;
-                if constexpr (NR == 8) SL[mt][e] = 0.0f;
-            }
-            // tokens 16 g + 2 mt and + 1: 16-byte chunks 32 g + 4 mt + v, stored at 32 g + ((4 mt + v) ^ g)
-            const u32x4* rows = reinterpret_cast<const u32x4*>(kslot) + 32 * g;
-            u32 w[16];
-#pragma unroll
-            for (int v = 0; v < 4; ++v) {
-                const u32x4 x = rows[(4 * mt + v) ^ g];
-                w[4 * v] = x.x, w[4 * v + 1] = x.y, w[4 * v + 2] = x.z, w[4 * v + 3] = x.w;
-            }
-#pragma unroll
-            for (int kk = 0; kk < 8; ++kk) {
-                const u32 wa = w[kk], wb = w[8 + kk];
-                const u32 a[4] = {codes_h2_rt(wa, cm, csc, cbi), codes_h2_rt(wb, cm, csc, cbi),
-                                  codes_h2_rt(wa >> 8, cm, csc, cbi), codes_h2_rt(wb >> 8, cm, csc, cbi)};
-                mma16816(S[mt], a, bq[kk][0], bq[kk][1]);
-                if constexpr (NR == 8) mma16816(SL[mt], a, bq[kk][2], bq[kk][3]);
+                if constexpr (NR == 8) {
+                    S[mt][e] = (float)(acc[0][e] * 65536 + acc[2][e]) * (1.0f / 4194304.0f);
+                    SL[mt][e] = (float)(acc[1][e] * 65536 + acc[3][e]) * (1.0f / 524288.0f);
+                } else {                           // t < 2: D0, D2 (hi); t >= 2: D1, D3 (2^11 lo)
+                    S[mt][e] = (float)(acc[0][e] * 65536 + acc[1][e]) * (t >= 2 ? 1.0f / 524288.0f
+                                                                                 : 1.0f / 4194304.0f);
+                }
             }
         }
         __syncwarp();

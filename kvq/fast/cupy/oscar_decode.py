@@ -8,8 +8,9 @@ log-sum-exp.
 
 It takes 2-bit codes, D = 128, one quantization group per token (G = 128), pages of 128 tokens, fp16
 metadata and at most 8 query rows per KV head (``supported``); ``kvq.fast.cupy.oscar`` falls back to
-dequantizing the history otherwise, and for float32 queries (the precise path: scores here carry about
-22 bits, probabilities times value scales are rounded once to fp16).
+dequantizing the history otherwise, and for float32 queries (the precise path: here the key scores are
+exact integer sums on the s8 tensor cores, of the codes and q / max|q_row| rounded to 2^-30, rounded once
+to fp32, but probabilities times value scales are rounded once to fp16).
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ def supported(cfg, st, q_rot) -> bool:
 
 
 def smem_bytes(nw: int) -> int:
-    """Dynamic shared memory of oscar_decode_mma: the queries (8 x 128: fp32, fp16 hi, fp16 lo) and per
-    warp a key slot and a value slot (codes 128 x 32 bytes, scale and mn 128 fp16 each)."""
+    """Dynamic shared memory of oscar_decode_mma: the queries (8 x 128: fp32, and fp16 hi / lo, which the
+    shared query loader writes) and per warp a key slot and a value slot (codes 128 x 32 bytes, scale and
+    mn 128 fp16 each)."""
     return 8 * HEAD_DIM * 8 + nw * 2 * (PAGE * 32 + 4 * PAGE)
 
 
