@@ -2,11 +2,11 @@
 
 The CuPy twin of ``kvq.fast.triton.oscar``: the same state (``OSCARTensorState``) and the same routing
 (sink, window ring, pages allocated page-major then batch), written once in ``kvq.fast._oscar``, run
-with the raw CUDA kernels of this backend: the fixed-order rotation ``kvq.fast.cupy.rotate`` (the reference's operations in its order,
-so the same bits), the fused clip + quantize + pack of ``kvq.fast.cupy.oscar_quant``, and decode by the
-tensor-core kernel of ``kvq.fast.cupy.oscar_decode`` over the packed pages (2-bit codes, G = D = 128,
-fp16 / bf16 q; otherwise the history is read back by ``packing.unpack_dequantize`` and attended by
-``attention.decode_attention``).
+with the raw CUDA kernels of this backend: the fixed-order rotation ``kvq.fast.cupy.rotate`` (the
+reference's operations in its order, so the same bits), the fused clip + quantize + pack of
+``kvq.fast.cupy.oscar_quant``, and decode by the tensor-core kernel of ``kvq.fast.cupy.oscar_decode`` over
+the packed pages (2-bit codes, G = D = 128, fp16 / bf16 q; otherwise the history is read back by
+``packing.unpack_dequantize`` and attended by ``attention.decode_attention``).
 
     from kvq.fast.cupy import oscar
     cfg = oscar.CONFIGS["OSCAR"]; st = oscar.init(cfg, batch=1, kv_heads=8, head_dim=128)
@@ -109,10 +109,11 @@ def decode_attention(cfg: OSCARConfig, calib: OSCARCalibration, state: OSCARTens
     fp16 / bf16 q over a 2-bit cache with one group per token (G = D = 128), pages of 128 tokens, fp16
     metadata and at most 8 query rows per KV head: the tensor-core kernel ``oscar_decode_mma`` reads the
     packed pages (key scores on the s8 tensor cores: the codes times the rotated query's base-256 digits,
-    exact integer sums; scale and min per token in fp32), the FP16 sink and window go through ``attention.cu``'s split kernel beside it, one
-    log-sum-exp merge. Otherwise (and for float32 q, the precise path) the history is unpacked and
-    dequantized into fp32 (bit-exact, ``packing.unpack_dequantize``) and the three segments are attended
-    in fp32 by ``kvq.fast.cupy.attention.decode_attention``. The output is rotated back by R_V^T unless
+    exact integer sums; scale and min per token in fp32), the FP16 sink and window go through
+    ``attention.cu``'s split kernel beside it, one log-sum-exp merge. Otherwise (and for float32 q, the
+    precise path) the history is unpacked and dequantized into fp32 (bit-exact,
+    ``packing.unpack_dequantize``) and the three segments are attended in fp32 by
+    ``kvq.fast.cupy.attention.decode_attention``. The output is rotated back by R_V^T unless
     ``rotate_back=False``.
     Differences: torch CUDA tensors; q float16 / bfloat16 / float32 (float64 is refused: the reference
     computes the float64 truth); out comes back in q's dtype (fp32 inside; the reference returns
