@@ -165,6 +165,7 @@ def main() -> None:
         st = step = states = None
         torch.cuda.empty_cache()
     res = {"meta": C.meta(torch.device("cuda")), "backend": a.backend, "B": a.B, "T": a.T, "rows": rows}
+    os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, f"fused_sweep_{a.backend}_B{a.B}_T{a.T}.json"), "w") as f:
         json.dump(res, f, indent=1)
 

@@ -275,17 +275,18 @@ __device__ __forceinline__ void two_prod_h2(u32 qh, u32 ql, u32 s, u32& hi, u32&
 #define KVQ_MMA_MAXW 4                             // warps per block of the tensor-core decode kernels at most
 
 // The block's 8 query rows (row qi < nq -> query head hk * Gq + qi / Tq, token qi % Tq; rows >= nq are
-// zero) times qk_scale: s_q [8][D] fp32, s_qmax[8] = max |row|, and q~ = row / max |row| as fp16 hi
-// (s_qh) + 2^-11 lo (s_ql), [8][D] each. q_dt: 0 fp16, 2 fp32. A thread's loads of q are all in flight
-// at once (a loop of one load per element waited out one round trip per element: 8 in a row at every
-// block's start with 128 threads). Ends with __syncthreads.
-template <int D>
-__device__ __forceinline__ void mma_load_queries(float* s_q, u16* s_qh, u16* s_ql, float* s_qmax,
+// zero) times qk_scale: s_q [8][D] fp32, s_qmax[8] = max |row|, s_qrcp[8] = 1 / max |row| (0 for a zero
+// row) and, with HILO, q~ = row / max |row| as fp16 hi (s_qh) + 2^-11 lo (s_ql), [8][D] each (the KIVI /
+// Kitty kernels; OSCAR's takes q~ as integer digits and passes HILO = false, s_qh = s_ql = nullptr).
+// q_dt: 0 fp16, 2 fp32. A thread's loads of q are all in flight at once (a loop of one load per element
+// waited out one round trip per element: 8 in a row at every block's start with 128 threads). Ends with
+// __syncthreads.
+template <int D, bool HILO = true>
+__device__ __forceinline__ void mma_load_queries(float* s_q, u16* s_qh, u16* s_ql, float* s_qmax, float* s_qrcp,
                                                  const void* __restrict__ q, int q_dt, i64 sq_b, i64 sq_h, i64 sq_t,
                                                  int b, int hk, int Gq, int Tq, int nq, float qk_scale) {
     constexpr int QT = 8, DL = D / 32;
     static_assert(D % 32 == 0, "D / 32 channels per lane");
-    __shared__ float s_qrcp[QT];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
     // warp w loads rows w, w + nw, ..., lane l channels DL l .. DL l + DL - 1: every load of a thread is
     // issued before the first is used (one round trip, not one per element), one row address per row
@@ -331,14 +332,16 @@ __device__ __forceinline__ void mma_load_queries(float* s_q, u16* s_qh, u16* s_q
         }
     }
     __syncthreads();
-    for (int idx = 2 * tid; idx < QT * D; idx += 2 * blockDim.x) {   // q~ as hi + 2^-11 lo, pairs
-        const float r = s_qrcp[idx / D];
-        u32 hi, lo;
-        split2(s_q[idx] * r, s_q[idx + 1] * r, hi, lo);
-        *reinterpret_cast<u32*>(s_qh + idx) = hi;
-        *reinterpret_cast<u32*>(s_ql + idx) = lo;
+    if constexpr (HILO) {
+        for (int idx = 2 * tid; idx < QT * D; idx += 2 * blockDim.x) {   // q~ as hi + 2^-11 lo, pairs
+            const float r = s_qrcp[idx / D];
+            u32 hi, lo;
+            split2(s_q[idx] * r, s_q[idx + 1] * r, hi, lo);
+            *reinterpret_cast<u32*>(s_qh + idx) = hi;
+            *reinterpret_cast<u32*>(s_ql + idx) = lo;
+        }
+        __syncthreads();
     }
-    __syncthreads();
 }
 
 // One page's softmax and P . V for a warp of a tensor-core decode kernel (thread (g, t) = (lane / 4,

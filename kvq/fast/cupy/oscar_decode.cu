@@ -38,8 +38,9 @@
 //   slot in shared memory (cp.async: the next page's keys load during this page's softmax and P . V,
 //   its values during the next scores; the key codes XOR-swizzled in 16-byte chunks, warp_copy_c<...,
 //   true>, so that the lanes' row reads are free of bank conflicts); warps combined at the end.
-// Dynamic shared memory: 8 * D * 8 (queries: fp32, and the fp16 hi / lo that mma_load_queries writes for
-//   the KIVI kernels, unused here) + NW * 2 * (Pg * 32 + 4 * Pg).
+// Dynamic shared memory: 8 * D * 4 (the queries, fp32) + NW * 2 * (Pg * 32 + 4 * Pg).
+// Prologue: each warp sends its first page's copies before the queries load (the round trip overlaps the
+//   prologue), then builds its q~ digit fragments.
 // Bytes: reads each packed K / V page of the split and its metadata once, the page-table entries and
 //   the queries; writes (D + 1) fp32 per query row and split.
 // Registers at NR = 4: 161 from nvcc for sm_90, 155 in the H100 run (ncu), so at most 3 blocks per SM (a
@@ -54,11 +55,9 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, 3)
     constexpr int D = 128, PG = 128, ROW = 32, QT = 8;
     constexpr int S_OFF = PG * ROW, M_OFF = S_OFF + 2 * PG, SLOT = M_OFF + 2 * PG;
     extern __shared__ u32x4 dsmem4[];
-    __shared__ float s_m[KVQ_MMA_MAXW][QT], s_l[KVQ_MMA_MAXW][QT], s_qmax[QT], s_qsum[QT];
+    __shared__ float s_m[KVQ_MMA_MAXW][QT], s_l[KVQ_MMA_MAXW][QT], s_qmax[QT], s_qrcp[QT], s_qsum[QT];
     u8* dsmem = reinterpret_cast<u8*>(dsmem4);
     float* s_q = reinterpret_cast<float*>(dsmem);                     // [QT][D] q * qk_scale, fp32
-    u16* s_qh = reinterpret_cast<u16*>(dsmem + QT * D * 4);           // [QT][D] fp16(q~) (unused here)
-    u16* s_ql = s_qh + QT * D;                                        // [QT][D] its lo (unused here)
 
     const int tid = threadIdx.x;
     const int warp = tid >> 5;
@@ -71,21 +70,40 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, 3)
     const int b = blockIdx.z;
     const int Gq = Hq / Hkv;
     const int nq = kvq_min(QT, Gq * Tq);
-    mma_load_queries<D>(s_q, s_qh, s_ql, s_qmax, q, 2, sq_b, sq_h, sq_t, b, hk, Gq, Tq, nq, qk_scale);
+    u8* kslot = dsmem + QT * D * 4 + warp * 2 * SLOT;
+    u8* vslot = kslot + SLOT;
+    const int p0 = split * pps;
+    const int p1 = kvq_min(p0 + pps, NP);
+
+    // stage the key (SWZ: codes XOR-swizzled) or value half of pool page `page` (its table entry, read
+    // ahead: the copies wait on no global load) into a slot
+    auto stage = [&](auto swz, u8* slot, const u8* codes, const u16* sc, const u16* mn, int page) {
+        const i64 ph = (i64)kvq_max_i(page, 0) * Hkv + hk;
+        warp_copy_c<PG * ROW, decltype(swz)::value>(slot, codes + ph * (PG * ROW), lane);
+        warp_copy_c<PG * 2>(slot + S_OFF, reinterpret_cast<const u8*>(sc + ph * PG), lane);
+        warp_copy_c<PG * 2>(slot + M_OFF, reinterpret_cast<const u8*>(mn + ph * PG), lane);
+    };
+    const KvqBool<true> KEYS;
+    const KvqBool<false> VALUES;
+    const int* tab = table + (i64)b * n_tab;
+    // the first page's copies go out before the queries load: its round trip overlaps the prologue
+    int j = p0 + warp;
+    if (j < p1) stage(KEYS, kslot, kc, ks, km, tab[j]);
+    p_commit();
+    if (j < p1) stage(VALUES, vslot, vc, vs, vm, tab[j]);
+    p_commit();
+
+    mma_load_queries<D, false>(s_q, nullptr, nullptr, s_qmax, s_qrcp, q, 2, sq_b, sq_h, sq_t, b, hk, Gq, Tq, nq,
+                               qk_scale);
     if (tid < 32) {                                // sum_c q~_c per row (fp32): the factor of mn_k
         float sm = 0.0f;
-        const float mx = s_qmax[lane & 7];
-        const float r = mx > 0.0f ? 1.0f / mx : 0.0f;
+        const float r = s_qrcp[lane & 7];
         for (int c = 32 * (lane >> 3); c < 32 * (lane >> 3) + 32; ++c) sm += s_q[(lane & 7) * D + c] * r;
         sm += __shfl_xor_sync(KVQ_FULL_MASK, sm, 8);
         sm += __shfl_xor_sync(KVQ_FULL_MASK, sm, 16);
         if (lane < QT) s_qsum[lane] = sm;
     }
     __syncthreads();
-    u8* kslot = dsmem + QT * D * 8 + warp * 2 * SLOT;
-    u8* vslot = kslot + SLOT;
-    const int p0 = split * pps;
-    const int p1 = kvq_min(p0 + pps, NP);
 
     // the B fragments (constant) of the 4 k-steps kq (32 channels each: c = 32 t + 16 jr + 4 i + kq for
     // register jr, byte i) and the NT n-tiles: column g <-> digit nt (NR = 8) or 2 nt + (g >= 4) (NR = 4) of
@@ -93,36 +111,32 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, 3)
     constexpr int NT = NR == 8 ? 4 : 2;
     const int rb = NR == 4 ? (g & 3) : g;
     const bool odd_digit = NR == 4 && g >= 4;
+    // The digits of a channel in one word: W = (Q + 0x808080) ^ 0x808080 holds d3, d2, d1 in bytes 0, 1, 2
+    // as s8 (byte k of Q + 0x808080 is d + 128 in [0, 255]; the bias carries nothing) and d0 in byte 3 (the
+    // top of the sum, |d0| <= 65); digit dk is byte 3 - k, and three byte permutes gather it from the words
+    // of the register's 4 channels (the same digits as a shift-and-subtract chain, in 2 + 3 / 4 operations
+    // a channel, not ~20: this runs in every warp's prologue)
     u32 bq[4][2 * NT];
     {
-        const float mx = s_qmax[rb];
-        const float r = mx > 0.0f ? 1.0f / mx : 0.0f;
+        const float r = s_qrcp[rb];
 #pragma unroll
         for (int kq = 0; kq < 4; ++kq)
 #pragma unroll
             for (int jr = 0; jr < 2; ++jr) {
-                u32 wd[NT];
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) wd[nt] = 0u;
+                u32 w[4];
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const int c = 32 * t + 16 * jr + 4 * i + kq;
                     const int Q = __float2int_rn(s_q[rb * D + c] * r * 1073741824.0f);
-                    int d[4];
-                    d[3] = (int)(signed char)(Q & 0xff);
-                    const int Q1 = (Q - d[3]) >> 8;
-                    d[2] = (int)(signed char)(Q1 & 0xff);
-                    const int Q2 = (Q1 - d[2]) >> 8;
-                    d[1] = (int)(signed char)(Q2 & 0xff);
-                    d[0] = (Q2 - d[1]) >> 8;
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-                        const int dg = NR == 8 ? d[nt] : (odd_digit ? d[2 * nt + 1] : d[2 * nt]);
-                        wd[nt] |= ((u32)dg & 0xffu) << (8 * i);
-                    }
+                    w[i] = ((u32)Q + 0x00808080u) ^ 0x00808080u;
                 }
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) bq[kq][2 * nt + jr] = wd[nt];
+                for (int nt = 0; nt < NT; ++nt) {
+                    const u32 k = NR == 8 ? (u32)nt : (u32)(2 * nt + odd_digit);   // the digit
+                    const u32 sel = (3u - k) | ((7u - k) << 4);                     // byte 3 - k of a, of b
+                    const u32 lo2 = __byte_perm(w[0], w[1], sel), hi2 = __byte_perm(w[2], w[3], sel);
+                    bq[kq][2 * nt + jr] = __byte_perm(lo2, hi2, 0x5410);
+                }
             }
     }
     // the query rows of this thread's scores: NR = 8: 2t, 2t + 1; NR = 4: 2 (t % 2) + {0, 1}
@@ -137,22 +151,6 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, 3)
 #pragma unroll
         for (int e = 0; e < 4; ++e) O[i][e] = 0.0f;
 
-    // stage the key (SWZ: codes XOR-swizzled) or value half of pool page `page` (its table entry, read
-    // ahead: the copies wait on no global load) into a slot
-    auto stage = [&](auto swz, u8* slot, const u8* codes, const u16* sc, const u16* mn, int page) {
-        const i64 ph = (i64)kvq_max_i(page, 0) * Hkv + hk;
-        warp_copy_c<PG * ROW, decltype(swz)::value>(slot, codes + ph * (PG * ROW), lane);
-        warp_copy_c<PG * 2>(slot + S_OFF, reinterpret_cast<const u8*>(sc + ph * PG), lane);
-        warp_copy_c<PG * 2>(slot + M_OFF, reinterpret_cast<const u8*>(mn + ph * PG), lane);
-    };
-    const KvqBool<true> KEYS;
-    const KvqBool<false> VALUES;
-    const int* tab = table + (i64)b * n_tab;
-    int j = p0 + warp;
-    if (j < p1) stage(KEYS, kslot, kc, ks, km, tab[j]);
-    p_commit();
-    if (j < p1) stage(VALUES, vslot, vc, vs, vm, tab[j]);
-    p_commit();
     for (; j < p1; j += NW) {                      // uniform across the warp
         const bool more = j + NW < p1;
         const int pn = more ? tab[j + NW] : 0;     // the next page's table entry, loaded now
@@ -216,7 +214,7 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, 3)
         p_commit();
     }
     p_wait<0>();                                   // no copy may be in flight at exit / reuse
-    mma_finish<NR, D>(dsmem + QT * D * 8, &s_m[0][0], &s_l[0][0], m0, m1, l0, l1, bs0, bs1, O, nq, hk, Gq, Tq, B, Hq,
+    mma_finish<NR, D>(dsmem + QT * D * 4, &s_m[0][0], &s_l[0][0], m0, m1, l0, l1, bs0, bs1, O, nq, hk, Gq, Tq, B, Hq,
                       b, split, o_part, lse_part);
 }
 

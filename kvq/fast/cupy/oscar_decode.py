@@ -43,10 +43,9 @@ def supported(cfg, st, q_rot) -> bool:
 
 
 def smem_bytes(nw: int) -> int:
-    """Dynamic shared memory of oscar_decode_mma: the queries (8 x 128: fp32, and fp16 hi / lo, which the
-    shared query loader writes) and per warp a key slot and a value slot (codes 128 x 32 bytes, scale and
-    mn 128 fp16 each)."""
-    return 8 * HEAD_DIM * 8 + nw * 2 * (PAGE * 32 + 4 * PAGE)
+    """Dynamic shared memory of oscar_decode_mma: the queries (8 x 128 fp32) and per warp a key slot and a
+    value slot (codes 128 x 32 bytes, scale and mn 128 fp16 each)."""
+    return 8 * HEAD_DIM * 4 + nw * 2 * (PAGE * 32 + 4 * PAGE)
 
 
 @functools.lru_cache(maxsize=None)

@@ -467,7 +467,7 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
     constexpr int KS_OFF = D * GB, KM_OFF = KS_OFF + 2 * D, KH_OFF = KM_OFF + 2 * D + (KITTY ? D : 0);
     constexpr int VS_OFF = G * VBY, VM_OFF = VS_OFF + 2 * G, VSLOT = VM_OFF + 2 * G;
     extern __shared__ u32x4 dsmem4[];
-    __shared__ float s_m[KVQ_MMA_MAXW][QT], s_l[KVQ_MMA_MAXW][QT], s_qmax[QT];
+    __shared__ float s_m[KVQ_MMA_MAXW][QT], s_l[KVQ_MMA_MAXW][QT], s_qmax[QT], s_qrcp[QT];
     __shared__ u8 s_inv[KVQ_MMA_MAXW][KITTY != 0 ? D : 1];
     u8* dsmem = reinterpret_cast<u8*>(dsmem4);
     float* s_q = reinterpret_cast<float*>(dsmem);                     // [QT][D] q * qk_scale, fp32
@@ -486,11 +486,19 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
     const int b = blockIdx.z;
     const int Gq = Hq / Hkv;
     const int nq = kvq_min(QT, Gq * Tq);
-    mma_load_queries<D>(s_q, s_qh, s_ql, s_qmax, q, q_dt, sq_b, sq_h, sq_t, b, hk, Gq, Tq, nq, qk_scale);
     u8* kslot = dsmem + QT * D * 8 + warp * (kslot_b + VSLOT);
     u8* vslot = kslot + kslot_b;
     const int p0 = split * pps;
     const int p1 = kvq_min(p0 + pps, NP);
+    // the first page's copies go out before the queries load: its round trip overlaps the prologue
+    int j = p0 + warp;
+    const int* ktab = k_table + (i64)b * n_tab;
+    const int* vtab = v_table + (i64)b * n_tab;
+    if (j < p1) stage_k2<KITTY, KB>(kslot, ktab[j], hk, Hkv, kc, kh, ki, ks, km, db, lane);
+    p_commit();
+    if (j < p1) stage_v2<VB>(vslot, vtab[j], hk, Hkv, vc, vs, vm, lane);
+    p_commit();
+    mma_load_queries<D>(s_q, s_qh, s_ql, s_qmax, s_qrcp, q, q_dt, sq_b, sq_h, sq_t, b, hk, Gq, Tq, nq, qk_scale);
 
     const int rb = NR == 4 ? (g & 3) : g;          // the query row of this thread's B columns
     const bool blo = NR == 4 && g >= 4;            // NR = 4: columns 4-7 hold the lo halves
@@ -502,7 +510,7 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
     // {0, 1}, of the page's tokens 16 g + 2 mt (t < 2) or 16 g + 2 mt + 1 (t >= 2)
     const int r0 = NR == 4 ? 2 * (t & 1) : 2 * t;
     const float qmax0 = s_qmax[r0], qmax1 = s_qmax[r0 + 1];
-    const float rqmax_b = qmax_b > 0.0f ? 1.0f / qmax_b : 0.0f;
+    const float rqmax_b = s_qrcp[rb];
 
     float m0 = -KVQ_INF, m1 = -KVQ_INF, l0 = 0.0f, l1 = 0.0f, bs0 = 0.0f, bs1 = 0.0f;
     float O[8][4];
@@ -511,13 +519,6 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
 #pragma unroll
         for (int e = 0; e < 4; ++e) O[i][e] = 0.0f;
 
-    int j = p0 + warp;
-    const int* ktab = k_table + (i64)b * n_tab;
-    const int* vtab = v_table + (i64)b * n_tab;
-    if (j < p1) stage_k2<KITTY, KB>(kslot, ktab[j], hk, Hkv, kc, kh, ki, ks, km, db, lane);
-    p_commit();
-    if (j < p1) stage_v2<VB>(vslot, vtab[j], hk, Hkv, vc, vs, vm, lane);
-    p_commit();
     for (; j < p1; j += NW) {                      // uniform across the warp
         // the next page's key-table entry, loaded now (its value entry once its keys are staged): the
         // copies after this page's scores and after its P . V then wait on no global load
