@@ -210,8 +210,8 @@ def test_fused_splits_small_grids_at_two_blocks_per_sm(monkeypatch, NP, n_base, 
     """_fused_splits on 132 SMs x 4 blocks: a plan that leaves each warp at most FEW_PAGES_PER_WARP (8) pages
     (batch 1; batch 8 up to 32K; batch 32 at 8K) is re-planned on 2 blocks per SM (1 x 32K: 64 splits of 1
     page per warp -> 32 of 2, measured 34 -> 27 us on the H100; 8 x 32K: 8 splits of 8 pages per warp -> 4
-    of 16); a long grid (32 pages per warp: 8 x 128K, 32 x 32K) keeps the kernel's occupancy. OSCAR's
-    decode plans by the same rule (1 x 64K: 2 pages per warp at 4 blocks per SM -> 4 at 2)."""
+    of 16); a long grid (32 pages per warp: 8 x 128K, 32 x 32K) keeps the kernel's occupancy (OSCAR's
+    decode adds few_bases: test_fused_splits_few_bases)."""
     from kvq.fast.cupy import paged
 
     monkeypatch.setitem(paged.TUNE, "max_blocks_per_sm", None)
@@ -221,6 +221,27 @@ def test_fused_splits_small_grids_at_two_blocks_per_sm(monkeypatch, NP, n_base, 
     small = old_pps // 4 <= paged.FEW_PAGES_PER_WARP
     assert (sp, pps) == (paged._n_splits(NP, n_base, 4, 264) if small else (old_sp, old_pps))
     assert n_base * sp <= (264 if small else 528)                  # one wave in either case
+
+
+@pytest.mark.parametrize("NP,n_base", [(253, 8), (509, 64), (1021, 64), (253, 256), (1021, 128)])
+def test_fused_splits_few_bases(monkeypatch, NP, n_base):
+    """few_bases (OSCAR's page kernel, 3 blocks per SM, 396 slots on 132 SMs): a split of fewer than 132
+    (batch x KV head) blocks is planned on 2 blocks per SM however many pages each warp gets (8 x 64K: 22
+    pages per warp at 3 blocks per SM, measured 0.136 -> 0.130 ms); a split of 132 or more (32 x 32K: 256
+    blocks, measured 0.277 at 3 blocks per SM, 0.339 at 2) keeps the plain rule; without few_bases nothing
+    changes."""
+    from kvq.fast.cupy import paged
+
+    monkeypatch.setitem(paged.TUNE, "max_blocks_per_sm", None)
+    got = paged._fused_splits(NP, n_base, 4, 396, 132, few_bases=True)
+    plain = paged._fused_splits(NP, n_base, 4, 396, 132)
+    if n_base < 132:
+        assert got == paged._n_splits(NP, n_base, 4, 264)
+        assert n_base * got[0] <= 264                               # one wave at 2 blocks per SM
+    else:
+        assert got == plain
+    if n_base == 64:                                                # 22 / 43 pages per warp: the rule keeps 3
+        assert plain == paged._n_splits(NP, n_base, 4, 396) != got
 
 
 def test_fused_splits_cap_from_tune(monkeypatch):

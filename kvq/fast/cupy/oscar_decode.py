@@ -114,13 +114,14 @@ def decode(cfg, st, q_rot, *, scale=None, out_dtype=torch.float32, R_out=None):
         smem = smem_bytes(nw)
         fn = _kernel(nr, smem, dev_index)
         slots = PD.resident_slots(fn, 32 * nw, smem, dev_index)
-        # the paged decode's rule: up to 8 pages per warp at full occupancy (batch 1, 8 x 32K), re-planned at
-        # 2 blocks per SM; the tail's blocks then find room beside the page grid at once, and fewer blocks
-        # mean fewer prologues and partials (H100, R_V folded, ms, 2 / 3 / 4 blocks per SM: 1 x 32K 0.0277 /
-        # 0.0278 / 0.0352, 1 x 64K 0.0364 / 0.0396 / 0.0462, 1 x 128K 0.0520 / 0.0559 / 0.0578, 8 x 32K
-        # 0.0906 / 0.0947 / 0.0943, 8 x 64K (16 pages per warp, kept at 4) 0.1515 / 0.1540 / 0.1516;
-        # benchmarks/results/h100-d55ca86)
-        n_split, pps = PD._fused_splits(NP, B * H, nw, slots, sms)
+        # at most 2 blocks per SM while a split's B H blocks are fewer than the SMs (few_bases), else the
+        # paged decode's rule (up to 8 pages per warp at full occupancy: 2 blocks per SM): the tail's blocks
+        # then find room beside the page grid at once, and fewer blocks mean fewer prologues and partials
+        # (H100, R_V folded, ms, auto (3 blocks per SM) / 2: 8 x 32K 0.0842 / 0.0798, 8 x 64K 0.1362 / 0.1302,
+        # 8 x 128K 0.2337 / 0.2322; but 32 x 32K, 256 blocks a split, 0.2770 / 0.3388, kept at 3; batch 1
+        # already at 2: 2 / 3 blocks per SM 1 x 64K 0.0343 / 0.0353, 1 x 128K 0.0475 / 0.0496;
+        # benchmarks/results/h100-oscar-plan)
+        n_split, pps = PD._fused_splits(NP, B * H, nw, slots, sms, few_bases=True)
     S_TOTAL = n_split + nt
     rows = B * H_q * T_q
     o_part = torch.empty((S_TOTAL, rows, D), dtype=torch.float32, device=dev)

@@ -235,19 +235,21 @@ def _n_splits(NP: int, n_base: int, nw: int, slots: int) -> tuple:
 FEW_PAGES_PER_WARP = 8
 
 
-def _fused_splits(NP: int, n_base: int, nw: int, slots: int, sms: int) -> tuple:
+def _fused_splits(NP: int, n_base: int, nw: int, slots: int, sms: int, few_bases: bool = False) -> tuple:
     """(splits, pages per split) of a fused decode kernel: ``_n_splits`` on the kernel's ``slots`` resident
     blocks, or on at most ``TUNE["max_blocks_per_sm"]`` blocks per SM. None (auto): where the plan at full
     occupancy leaves each warp at most ``FEW_PAGES_PER_WARP`` pages (a small grid: batch 1, or 8K
     context), at most 2 blocks per SM, each warp then twice the pages: fewer partials to merge and fewer
     block prologues, while 2 blocks of 4 warps already reach most of the SM's issue rate (the KIVI /
-    Kitty and the OSCAR page kernels alike)."""
+    Kitty and the OSCAR page kernels alike). ``few_bases``: also at most 2 blocks per SM whenever the
+    n_base (batch x KV head) blocks of one split are fewer than the SMs, however many pages (the OSCAR
+    kernel: see ``oscar_decode.decode``)."""
     cap = TUNE["max_blocks_per_sm"]
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
         raise ValueError(f"TUNE['max_blocks_per_sm'] = {cap!r}: a positive int or None")
     if cap is None:
         sp, pps = _n_splits(NP, n_base, nw, slots)
-        if pps // nw > FEW_PAGES_PER_WARP or slots <= 2 * sms:
+        if slots <= 2 * sms or (pps // nw > FEW_PAGES_PER_WARP and not (few_bases and n_base < sms)):
             return sp, pps
         cap = 2
     return _n_splits(NP, n_base, nw, min(slots, cap * sms))
