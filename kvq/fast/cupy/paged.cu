@@ -505,7 +505,6 @@ __global__ void __launch_bounds__(KVQ_MMA_MAXW * 32, NR == 4 ? 4 : 3)
     const float* qrow = s_q + rb * D;
     const u16* qhr = s_qh + rb * D;
     const u16* qlr = s_ql + rb * D;
-    const float qmax_b = s_qmax[rb];
     // the query rows of this thread's scores: NR = 8: 2t, 2t + 1 (its columns); NR = 4: rows 2 (t % 2) +
     // {0, 1}, of the page's tokens 16 g + 2 mt (t < 2) or 16 g + 2 mt + 1 (t >= 2)
     const int r0 = NR == 4 ? 2 * (t & 1) : 2 * t;
