@@ -814,12 +814,14 @@ __global__ void __launch_bounds__(256)
 }
 
 // The tile source of paged_tail_attn (attn_split.cuh's Tiles contract; fp32 tiles, plain stores): the
-// tail rows [kb, kb + nk) of (b, hk). Lane r works out where row r lives (once per row); fp16 rows are
-// read as 16-byte vectors (all of a lane's loads issued before any is used; the row's address from
-// lane r by a shuffle) and widened; page rows (the mixed tokens: a key without its value quantized, or
-// the reverse) are dequantized in place, lanes on channels: key rows by key_rows (each page's metadata
-// loaded once per channel, the codes a 32-bit word at a time), value rows a row at a time. Rows past nk
-// are left as they are (the body masks them).
+// tail rows [kb, kb + nk) of (b, hk). Lane r works out where row r lives (once per row: the key and value
+// page-table entries load together); fp16 rows are read as 16-byte vectors (all of a lane's loads issued
+// before any is used; the row's address from lane r by a shuffle) and widened, values first; page rows
+// (the mixed tokens: a key without its value quantized, or the reverse) are dequantized in place, lanes
+// on channels: key rows by key_rows (each page's metadata and all the code words the tile needs loaded
+// once per channel, in one round trip), value rows a row at a time. Rows past nk are left as they are
+// (the body masks them). H100, 1 x 32K: 2-3% faster steps than one round trip per table entry and per
+// word (benchmarks/results/h100-d93e357).
 template <int D>
 struct PagedTailTiles {
     TailRows rows;
@@ -854,29 +856,43 @@ struct PagedTailTiles {
             o[1] = u32x4{__float_as_uint(f[4]), __float_as_uint(f[5]), __float_as_uint(f[6]), __float_as_uint(f[7])};
         }
     }
-    // tile rows [r0, re) from page-head ph's slots s0, s0 + 1, ..., KB-bit keys (Kitty: 2-bit low plane and
-    // the high plane's rows), lanes on channels lane + 32 j: each channel's metadata loaded once, its codes
-    // read a 32-bit word at a time (32 / KB slots; the high plane 16) and shifted out, then code * scale
-    // + mn as two rounded fp32 operations (key_code_meta's bits)
+    // tile rows [r0, re) (at most 32) from page-head ph's slots s0, s0 + 1, ..., KB-bit keys (Kitty: 2-bit low
+    // plane and the high plane's rows), lanes on channels lane + 32 j: each channel's metadata and every
+    // code word the rows need (NW words of 32 / KB slots, the high plane NWH of 16) loaded up front, all
+    // in flight together; the codes shifted out of them, then code * scale + mn as two rounded fp32
+    // operations (key_code_meta's bits)
     template <int KB>
     __device__ __forceinline__ void key_rows(float* ks, i64 ph, int s0, int r0, int re, int lane) const {
         constexpr int J = D / 32, PER = 32 / KB, RW = KVQ_G * KB / 32;    // slots a word, words a channel row
+        constexpr int NW = 32 / PER + 1, NWH = 32 / 16 + 1;               // words 32 consecutive slots touch
         constexpr u32 MASK = (1u << KB) - 1u;
         float sc[J], mn[J];
-        int ix[J];
-        const u32* w[J];
-        const u32* hw[J];
-        u32 cur[J], hcur[J];
+        u32 wd[J][NW], hwd[J][NWH];
+        const int w0 = s0 / PER, h0 = s0 / 16;
 #pragma unroll
         for (int j = 0; j < J; ++j) {
             const int d = lane + 32 * j;
-            rows.key_meta(ph, d, kitty, sc[j], mn[j], ix[j]);
-            w[j] = reinterpret_cast<const u32*>(rows.kc) + (ph * D + d) * RW;
-            const bool hi = ix[j] < rows.db;                               // Kitty: a boosted channel
-            hw[j] = hi ? reinterpret_cast<const u32*>(rows.kh) + (ph * rows.db + ix[j]) * (KVQ_G / 16) : nullptr;
-            cur[j] = w[j][s0 / PER] >> (KB * (s0 % PER));
-            hcur[j] = hi ? hw[j][s0 / 16] >> (2 * (s0 % 16)) : 0u;
+            int ix;
+            rows.key_meta(ph, d, kitty, sc[j], mn[j], ix);
+            const u32* w = reinterpret_cast<const u32*>(rows.kc) + (ph * D + d) * RW;
+#pragma unroll
+            for (int k = 0; k < NW; ++k) wd[j][k] = w[kvq_min(w0 + k, RW - 1)];   // past the row: unused
+            const bool hi = ix < rows.db;                                  // Kitty: a boosted channel
+            const i64 hrow = (ph * rows.db + ix) * (KVQ_G / 16);           // (used only when hi)
+#pragma unroll
+            for (int k = 0; k < NWH; ++k)
+                hwd[j][k] = hi ? reinterpret_cast<const u32*>(rows.kh)[hrow + kvq_min(h0 + k, KVQ_G / 16 - 1)] : 0u;
         }
+        // the codes shifted out of the current words; at a word boundary (warp-uniform) the next word,
+        // picked from the registers by an unrolled select (a register array indexed at run time would
+        // live in local memory)
+        u32 cur[J], hcur[J];
+#pragma unroll
+        for (int j = 0; j < J; ++j) {
+            cur[j] = wd[j][0] >> (KB * (s0 % PER));
+            hcur[j] = hwd[j][0] >> (2 * (s0 % 16));
+        }
+#pragma unroll 1
         for (int r = r0, slot = s0; r < re; ++r) {                         // slot: warp-uniform
 #pragma unroll
             for (int j = 0; j < J; ++j) {
@@ -886,27 +902,44 @@ struct PagedTailTiles {
                 hcur[j] >>= 2;
             }
             ++slot;
-            if (slot % PER == 0 && r + 1 < re) {
+            if (slot % PER == 0) {
+                const int k = slot / PER - w0;
 #pragma unroll
-                for (int j = 0; j < J; ++j) cur[j] = w[j][slot / PER];
+                for (int j = 0; j < J; ++j) {
+                    u32 x = wd[j][NW - 1];
+#pragma unroll
+                    for (int i = NW - 2; i >= 1; --i) x = k == i ? wd[j][i] : x;
+                    cur[j] = x;
+                }
             }
-            if (slot % 16 == 0 && r + 1 < re) {
+            if (slot % 16 == 0) {
+                const int k = slot / 16 - h0;
 #pragma unroll
-                for (int j = 0; j < J; ++j) hcur[j] = hw[j] ? hw[j][slot / 16] : 0u;
+                for (int j = 0; j < J; ++j) {
+                    u32 x = hwd[j][NWH - 1];
+#pragma unroll
+                    for (int i = NWH - 2; i >= 1; --i) x = k == i ? hwd[j][i] : x;
+                    hcur[j] = x;
+                }
             }
         }
     }
     __device__ __forceinline__ void stage(float* ks, float* vs, int b, int hk, i64 kb, int nk, int lane) const {
         const int u = u0 + (int)kb + lane;            // lane r: row r
         const bool live = lane < nk;
-        // keys
+        // where every row's key and value live (the page-table loads of both issued together)
         const u16* k16 = live ? rows.key_row16(b, hk, u) : nullptr;
+        const u16* v16 = live ? rows.value_row16(b, hk, u) : nullptr;
         i64 kph = 0;
         int slot = 0;
         if (live && !k16) rows.key_page_row(b, hk, u, kph, slot);
+        const i64 vrow = live && !v16 ? rows.value_page_row(b, hk, u) : 0;
+        // the fp16 rows first (their loads wait on no table entry: in flight with the table loads'), then
+        // the key page rows (one round trip: the table entry, then their metadata and code words)
+        fill16(vs, D, v16, lane);
         fill16(ks, KROW, k16, lane);
-        // key page rows (contiguous: [r0, r1)), lanes on channels lane + 32 j, each page's metadata
-        // loaded once, 4 rows in flight
+        // key page rows (contiguous: [r0, r1)), lanes on channels lane + 32 j, each page's metadata and
+        // code words loaded once
         const u32 pm = __ballot_sync(KVQ_FULL_MASK, live && !k16);
         if (pm) {
             const int r1 = 32 - __clz(pm);
@@ -920,10 +953,7 @@ struct PagedTailTiles {
                 r0 = re;
             }
         }
-        // values
-        const u16* v16 = live ? rows.value_row16(b, hk, u) : nullptr;
-        const i64 vrow = live && !v16 ? rows.value_page_row(b, hk, u) : 0;
-        fill16(vs, D, v16, lane);
+        // value page rows
         for (u32 m = __ballot_sync(KVQ_FULL_MASK, live && !v16); m; m &= m - 1u) {
             const int r = __ffs(m) - 1;
             const i64 vr = (i64)__shfl_sync(KVQ_FULL_MASK, (long long)vrow, r);
