@@ -310,13 +310,14 @@ def _check_layer_codes(bb, x, pref, pdev, parts, codes_f, what) -> int:
         return 0
     pf = _np(_A.predict(pdev, parts) + pdev.bias)                       # what the fast flush computed
     parts_np = [_np(p) for p in parts]
-    pr = pref(np.concatenate(parts_np, -1))
+    x_in = np.concatenate(parts_np, -1)
+    pr = pref(x_in)
     truth = _pred64(pref, parts_np)
     # rule 7 against the median float32 error over 15 summation orders: the stored order alone is a
     # lucky yardstick with this machine's BLAS (scipy-openblas 0.3.31, AVX-512), e.g. chunk 0 layer 2 V
     # of the uniform rank-8 case: 2.5e-7 in stored order, 5.1e-7 to 6.6e-7 (median 5.8e-7) in random ones,
     # the fast prediction 7.8e-7
-    ref_err = float(np.median(_ref32_errors(pref, np.concatenate(parts_np, -1), truth)))
+    ref_err = float(np.median(_ref32_errors(pref, x_in, truth)))
     check_within(pf, truth, ref_err, torch.float32, f"{what} prediction")
     # |pf - pr| <= |pf - truth| + |pr - truth|: the rule's bound on the first, the reference's own error
     bound_p = 2 * ref_err + float(np.abs(pr - truth).max()) + step_at(float(np.abs(truth).max()), torch.float32)

@@ -934,7 +934,7 @@ struct PagedTailTiles {
         int slot = 0;
         if (live && !k16) rows.key_page_row(b, hk, u, kph, slot);
         const i64 vrow = live && !v16 ? rows.value_page_row(b, hk, u) : 0;
-        // the fp16 rows first (their loads wait on no table entry: in flight with the table loads'), then
+        // the fp16 rows first (their loads wait on no table entry: in flight with the table loads), then
         // the key page rows (one round trip: the table entry, then their metadata and code words)
         fill16(vs, D, v16, lane);
         fill16(ks, KROW, k16, lane);
