@@ -142,6 +142,18 @@ def tail_mma_warp_bytes() -> int:
     return 2 * 32 * TAIL_MMA_ROW * 2
 
 
+def paged_mixed_mma_name(nw: int) -> str:
+    """paged_mixed_mma with nw warps (nw in PAGED_TAIL_WARPS): the mixed tail rows whose key is in a page
+    and whose value is fp16, on the tensor cores (fp16 q, D = 128)."""
+    return f"paged_mixed_mma<{nw}>"
+
+
+def mixed_mma_warp_bytes() -> int:
+    """One warp's tiles of paged_mixed_mma in dynamic shared memory: the keys' hi, the values, the keys' lo
+    (32 rows of TAIL_MMA_ROW fp16 each)."""
+    return 3 * 32 * TAIL_MMA_ROW * 2
+
+
 def _paged_names():
     names = [paged_decode_name(D, kb, vb, kitty, qt) for D in PAGED_DIMS for kb, kitty in PAGED_KEYS
              for vb in PAGED_VBITS for qt in PAGED_QT]
@@ -151,6 +163,7 @@ def _paged_names():
     names += [paged_tail_name(D, qt, qdt, f16, nw, sd) for D in PAGED_DIMS for qt in PAGED_QT for qdt in (0, 1)
               for f16 in (True, False) for nw in PAGED_TAIL_WARPS for sd in TAIL_SUMS]
     names += [paged_tail_mma_name(nw) for nw in PAGED_TAIL_WARPS]
+    names += [paged_mixed_mma_name(nw) for nw in PAGED_TAIL_WARPS]
     return tuple(names)
 
 

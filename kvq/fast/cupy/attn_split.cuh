@@ -75,27 +75,30 @@ __device__ __forceinline__ void cp_async_tiles(typename Ty<DT>::S* ks, typename 
 // and value rows of tile row r (kmine, vmine), every copy takes its row's address by a shuffle (a tile
 // source whose row addresses cost many instructions: paged.cu's fp16 tail rows); rows past nk
 // zero-filled (lane 0's row as their address). Value rows VROW elements apart in shared memory (D, or
-// padded: paged_tail_mma's ldmatrix), key rows AttnCfg::KROW.
+// padded: paged_tail_mma's ldmatrix), key rows AttnCfg::KROW. cp_async_row_group: one such group (32
+// rows ld elements apart).
+template <int DT, int D>
+__device__ __forceinline__ void cp_async_row_group(typename Ty<DT>::S* dst, int ld, int nk, int lane,
+                                                   const typename Ty<DT>::S* mine) {
+    typedef AttnCfg<DT, D> Cfg;
+    typedef typename Ty<DT>::S S;
+    constexpr int VE = Cfg::VE, NVEC = Cfg::NVEC;
+#pragma unroll
+    for (int i = 0; i < NVEC; ++i) {               // one cp.async group: 32 rows of NVEC vectors
+        const int idx = lane + 32 * i;
+        const int r = idx / NVEC;
+        const int col = idx - r * NVEC;
+        const S* p = reinterpret_cast<const S*>(__shfl_sync(KVQ_FULL_MASK, (unsigned long long)mine, r < nk ? r : 0));
+        cp_async16(dst + r * ld + col * VE, p + col * VE, r < nk ? 16 : 0);
+    }
+    cp_async_commit();
+}
+
 template <int DT, int D, int VROW = D>
 __device__ __forceinline__ void cp_async_rows(typename Ty<DT>::S* ks, typename Ty<DT>::S* vs, int nk, int lane,
                                               const typename Ty<DT>::S* kmine, const typename Ty<DT>::S* vmine) {
-    typedef AttnCfg<DT, D> Cfg;
-    typedef typename Ty<DT>::S S;
-    constexpr int VE = Cfg::VE, NVEC = Cfg::NVEC, KROW = Cfg::KROW;
-    const auto group = [&](S* dst, int ld, const S* mine) {       // one cp.async group: 32 rows of NVEC vectors
-#pragma unroll
-        for (int i = 0; i < NVEC; ++i) {
-            const int idx = lane + 32 * i;
-            const int r = idx / NVEC;
-            const int col = idx - r * NVEC;
-            const S* p = reinterpret_cast<const S*>(
-                __shfl_sync(KVQ_FULL_MASK, (unsigned long long)mine, r < nk ? r : 0));
-            cp_async16(dst + r * ld + col * VE, p + col * VE, r < nk ? 16 : 0);
-        }
-        cp_async_commit();
-    };
-    group(ks, KROW, kmine);
-    group(vs, VROW, vmine);
+    cp_async_row_group<DT, D>(ks, AttnCfg<DT, D>::KROW, nk, lane, kmine);
+    cp_async_row_group<DT, D>(vs, VROW, nk, lane, vmine);
 }
 
 // The tile source of attn_split: K / V rows of (B, H_kv, T, D) tensors with strides (elements), the

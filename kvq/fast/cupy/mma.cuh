@@ -510,6 +510,8 @@ __device__ __forceinline__ void ldsm_x4(u32* a, const void* p) {
 // fp16 elements per row of paged_tail_mma's K and V tiles in shared memory (D = 128 padded by 16 bytes:
 // the 8 rows an ldmatrix matrix reads fall in 8 different bank groups)
 #define KVQ_TMMA_ROW 136
+// paged_mixed_mma's key tiles hold k 2^-KVQ_KLO_E (attn_mma_body KLO)
+#define KVQ_KLO_E 1
 
 // Computes: attn_split_body's partials (its grid (num_splits * n_qtiles, H_kv, B), partial layout, base-2
 //   softmax and natural-log lse) for fp16 q, D = 128 and fp16 K / V tiles, query tiles of QT = 8 rows,
@@ -524,8 +526,14 @@ __device__ __forceinline__ void ldsm_x4(u32* a, const void* p) {
 //   warps take tiles w, w + NW, ... of the split and are combined as attn_split_body's.
 // Thread (g, t) = (lane / 4, lane % 4): S^T m-tile mt rows g, g + 8 <-> keys 16 mt + g, + 8; columns
 //   2t, 2t + 1 <-> query rows; O^T m-tile mc rows g, g + 8 <-> channels 16 mc + g, + 8.
-// Dynamic shared memory: NW * 2 * 32 * KVQ_TMMA_ROW * 2 bytes (the combine area [NW][8][128] fp32 reuses it).
-template <int NW, class Tiles>
+// KLO: keys that fp16 does not hold (paged_mixed_mma: dequantized in fp32) come as two fp16 tiles, hi =
+//   fp16(k 2^-KVQ_KLO_E) and lo = fp16(2^11 (k 2^-KVQ_KLO_E - hi)), k to 22 bits or more (the 2^-1 keeps
+//   the largest dequantized fp16 key finite), lo [32][KVQ_TMMA_ROW] after the warp's V tile: each k-step
+//   pair's sum is (hi sums) + 2^-11 (lo sums), the score times 2^KVQ_KLO_E. (A third tile, holding k
+//   exactly, moved no error the H100 parity tests measure: benchmarks/results/h100-mixed-mma.)
+// Dynamic shared memory: NW * (KLO ? 3 : 2) * 32 * KVQ_TMMA_ROW * 2 bytes (the combine area [NW][8][128]
+//   fp32 reuses it).
+template <int NW, bool KLO, class Tiles>
 __device__ __forceinline__ void attn_mma_body(const u16* __restrict__ q, const Tiles& tiles,
                                               float* __restrict__ o_part, float* __restrict__ lse_part, i64 sq_b,
                                               i64 sq_h, i64 sq_t, int B, int Hq, int Hkv, int Tq, i64 T, i64 chunk,
@@ -558,8 +566,8 @@ __device__ __forceinline__ void attn_mma_body(const u16* __restrict__ q, const T
             }
     }
 
-    u16* ks = reinterpret_cast<u16*>(kvq_tmma_tiles) + warp * (64 * ROW);   // [32][ROW]
-    u16* vs = ks + 32 * ROW;                                                  // [32][ROW]
+    u16* ks = reinterpret_cast<u16*>(kvq_tmma_tiles) + warp * ((KLO ? 96 : 64) * ROW);   // [32][ROW]
+    u16* vs = ks + 32 * ROW;                                    // [32][ROW]; KLO: lo at ks + 64 ROW
     float m0 = -KVQ_INF, m1 = -KVQ_INF, l0 = 0.0f, l1 = 0.0f;               // query rows 2t, 2t + 1
     float O[8][4];
 #pragma unroll
@@ -589,12 +597,23 @@ __device__ __forceinline__ void attn_mma_body(const u16* __restrict__ q, const T
                 mma16816(x, a, bq[2 * kp][0], bq[2 * kp][1]);
                 ldsm_x4<false>(a, ka + 16 * mt * ROW + 32 * kp + 16);
                 mma16816(y, a, bq[2 * kp + 1][0], bq[2 * kp + 1][1]);
+                if constexpr (KLO) {
+                    float xl[4] = {0.0f, 0.0f, 0.0f, 0.0f}, yl[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    ldsm_x4<false>(a, ka + 64 * ROW + 16 * mt * ROW + 32 * kp);
+                    mma16816(xl, a, bq[2 * kp][0], bq[2 * kp][1]);
+                    ldsm_x4<false>(a, ka + 64 * ROW + 16 * mt * ROW + 32 * kp + 16);
+                    mma16816(yl, a, bq[2 * kp + 1][0], bq[2 * kp + 1][1]);
 #pragma unroll
-                for (int e = 0; e < 4; ++e) pr[kp][e] = x[e] + y[e];
+                    for (int e = 0; e < 4; ++e) pr[kp][e] = fmaf(xl[e] + yl[e], 1.0f / 2048.0f, x[e] + y[e]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) pr[kp][e] = x[e] + y[e];
+                }
             }
+            constexpr float KS = KLO ? (float)(1 << KVQ_KLO_E) : 1.0f;   // exact
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float sv = __fmul_rn((pr[0][e] + pr[1][e]) + (pr[2][e] + pr[3][e]), qk_scale);
+                const float sv = __fmul_rn((pr[0][e] + pr[1][e]) + (pr[2][e] + pr[3][e]), qk_scale * KS);
                 S[mt][e] = 16 * mt + g + 8 * (e >> 1) < nk ? sv : -KVQ_INF;
             }
         }

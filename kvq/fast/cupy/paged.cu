@@ -860,9 +860,9 @@ struct PagedTailTiles {
     // plane and the high plane's rows), lanes on channels lane + 32 j: each channel's metadata and every
     // code word the rows need (NW words of 32 / KB slots, the high plane NWH of 16) loaded up front, all
     // in flight together; the codes shifted out of them, then code * scale + mn as two rounded fp32
-    // operations (key_code_meta's bits)
-    template <int KB>
-    __device__ __forceinline__ void key_rows(float* ks, i64 ph, int s0, int r0, int re, int lane) const {
+    // operations (key_code_meta's bits), handed to put(tile row, channel, value)
+    template <int KB, class Put>
+    __device__ __forceinline__ void key_rows(i64 ph, int s0, int r0, int re, int lane, Put put) const {
         constexpr int J = D / 32, PER = 32 / KB, RW = KVQ_G * KB / 32;    // slots a word, words a channel row
         constexpr int NW = 32 / PER + 1, NWH = 32 / 16 + 1;               // words 32 consecutive slots touch
         constexpr u32 MASK = (1u << KB) - 1u;
@@ -897,7 +897,7 @@ struct PagedTailTiles {
 #pragma unroll
             for (int j = 0; j < J; ++j) {
                 const u32 code = (cur[j] & MASK) | ((hcur[j] & 3u) << 2);
-                ks[r * KROW + lane + 32 * j] = ieee_add(ieee_mul(exact_f32(code), sc[j]), mn[j]);
+                put(r, lane + 32 * j, ieee_add(ieee_mul(exact_f32(code), sc[j]), mn[j]));
                 cur[j] >>= KB;
                 hcur[j] >>= 2;
             }
@@ -924,6 +924,23 @@ struct PagedTailTiles {
             }
         }
     }
+    // the tile's key page rows (lane r: `mine` when row r's key is in a page, at (kph, slot); such rows are
+    // contiguous), lanes on channels lane + 32 j, each page's metadata and code words loaded once
+    template <class Put>
+    __device__ __forceinline__ void key_page_rows(bool mine, i64 kph, int slot, int lane, Put put) const {
+        const u32 pm = __ballot_sync(KVQ_FULL_MASK, mine);
+        if (!pm) return;
+        const int r1 = 32 - __clz(pm);
+        for (int r0 = __ffs(pm) - 1; r0 < r1;) {                    // one page per pass (at most two)
+            const i64 ph = (i64)__shfl_sync(KVQ_FULL_MASK, (long long)kph, r0);
+            const int s0 = __shfl_sync(KVQ_FULL_MASK, slot, r0);
+            const int re = kvq_min(r1, r0 + KVQ_G - s0);
+            if (kbits == 2) key_rows<2>(ph, s0, r0, re, lane, put);
+            else if (kbits == 4) key_rows<4>(ph, s0, r0, re, lane, put);
+            else key_rows<8>(ph, s0, r0, re, lane, put);
+            r0 = re;
+        }
+    }
     __device__ __forceinline__ void stage(float* ks, float* vs, int b, int hk, i64 kb, int nk, int lane) const {
         const int u = u0 + (int)kb + lane;            // lane r: row r
         const bool live = lane < nk;
@@ -938,21 +955,7 @@ struct PagedTailTiles {
         // the key page rows (one round trip: the table entry, then their metadata and code words)
         fill16(vs, D, v16, lane);
         fill16(ks, KROW, k16, lane);
-        // key page rows (contiguous: [r0, r1)), lanes on channels lane + 32 j, each page's metadata and
-        // code words loaded once
-        const u32 pm = __ballot_sync(KVQ_FULL_MASK, live && !k16);
-        if (pm) {
-            const int r1 = 32 - __clz(pm);
-            for (int r0 = __ffs(pm) - 1; r0 < r1;) {                // one page per pass (at most two)
-                const i64 ph = (i64)__shfl_sync(KVQ_FULL_MASK, (long long)kph, r0);
-                const int s0 = __shfl_sync(KVQ_FULL_MASK, slot, r0);
-                const int re = kvq_min(r1, r0 + KVQ_G - s0);
-                if (kbits == 2) key_rows<2>(ks, ph, s0, r0, re, lane);
-                else if (kbits == 4) key_rows<4>(ks, ph, s0, r0, re, lane);
-                else key_rows<8>(ks, ph, s0, r0, re, lane);
-                r0 = re;
-            }
-        }
+        key_page_rows(live && !k16, kph, slot, lane, [&](int r, int c, float x) { ks[r * KROW + c] = x; });
         // value page rows
         for (u32 m = __ballot_sync(KVQ_FULL_MASK, live && !v16); m; m &= m - 1u) {
             const int r = __ffs(m) - 1;
@@ -1030,6 +1033,53 @@ __global__ void __launch_bounds__(NW * 32)
                    i64 chunk, int num_splits, int split0, float qk_scale, KVQ_TAIL_INTS) {
     constexpr int D = 128;
     const PagedTail16Tiles<D, KVQ_TMMA_ROW> tiles{KVQ_TAIL_ROWS, gap_at, gap};
-    attn_mma_body<NW>(q, tiles, o_part, lse_part, sq_b, sq_h, sq_t, B, Hq, H, Tq, T, chunk, num_splits, split0,
+    attn_mma_body<NW, false>(q, tiles, o_part, lse_part, sq_b, sq_h, sq_t, B, Hq, H, Tq, T, chunk, num_splits, split0,
                       qk_scale);
+}
+
+// The tile source of paged_mixed_mma (attn_mma_body's KLO tiles): mixed tail rows u0 + kb + r whose key
+// is in a page and whose value is fp16 (the value Q-buffer or window: the decode sends only such rows).
+// The value rows go by cp.async (lane r works out row r's address, cp_async_row_group) after an empty group
+// in the key group's place; the keys are dequantized as paged_tail_attn's (PagedTailTiles::key_page_rows:
+// the same fp32 values), halved (exact) and stored as hi = fp16(k / 2), lo = fp16(2^11 (k / 2 - hi)) by
+// plain stores.
+// Rows past nk: values zero-filled, keys left as they are (attn_mma_body masks their scores).
+struct PagedMixedTiles {
+    PagedTailTiles<128> src;
+
+    __device__ __forceinline__ void stage(u16* ks, u16* vs, int b, int hk, i64 kb, int nk, int lane) const {
+        constexpr int ROW = KVQ_TMMA_ROW;
+        const TailRows& rows = src.rows;
+        const int u = src.u0 + (int)kb + lane;
+        const bool live = lane < nk;
+        i64 kph = 0;
+        int slot = 0;
+        if (live) rows.key_page_row(b, hk, u, kph, slot);
+        p_commit();                                // the key group's place: empty (keys by plain stores)
+        cp_async_row_group<0, 128>(vs, ROW, nk, lane, live ? rows.value_row16(b, hk, u) : nullptr);
+        src.key_page_rows(live, kph, slot, lane, [&](int r, int c, float x) {
+            const float h = __fmul_rn(x, 1.0f / (float)(1 << KVQ_KLO_E));   // exact
+            const u16 hi = f32_to_f16_rn(h);
+            ks[r * ROW + c] = hi;
+            ks[64 * ROW + r * ROW + c] = f32_to_f16_rn(__fmul_rn(__fsub_rn(h, f16_to_f32(hi)), 2048.0f));
+        });
+    }
+};
+
+// Computes: paged_tail_attn's partials (grid and partial layout) for the mixed rows [u0, u0 + T) whose
+//   key is in a page and whose value is fp16, fp16 q and D = 128, on the tensor cores: attn_mma_body with
+//   each key as hi + 2^-11 lo fp16 tiles (PagedMixedTiles), each score's k-step sums added pairwise in
+//   fp32, P in fp16. The half-precision-q decode's mixed rows where all of them are such rows
+//   (TUNE["mixed_mma"]; H100, KIVI-K2V2 1 x 32K: steps 0.0252 -> 0.0231 ms, benchmarks/results/h100-mixed-mma).
+// Grid: (num_splits * ceil(G_q T_q / 8), H_kv, B); block NW * 32 threads; NW * 3 * 32 * KVQ_TMMA_ROW * 2
+//   bytes of dynamic shared memory.
+template <int NW>
+__global__ void __launch_bounds__(NW * 32)
+    paged_mixed_mma(const u16* __restrict__ q, KVQ_TAIL_PARAMS, int kbits, int kitty, int u0,
+                    float* __restrict__ o_part, float* __restrict__ lse_part, i64 sq_b, i64 sq_h, i64 sq_t, int B,
+                    int Hq, int Tq, i64 T, i64 chunk, int num_splits, int split0, float qk_scale, KVQ_TAIL_INTS) {
+    constexpr int D = 128;
+    const PagedMixedTiles tiles{PagedTailTiles<D>{KVQ_TAIL_ROWS, kbits, 16, kitty, u0}};
+    attn_mma_body<NW, true>(q, tiles, o_part, lse_part, sq_b, sq_h, sq_t, B, Hq, H, Tq, T, chunk, num_splits, split0,
+                            qk_scale);
 }

@@ -102,10 +102,16 @@ MMA_BITS = (2, 4)                   # key / value code bits of paged_decode_mma2
 #: beside a longer or a latency-bound step costs more than the tail's 128 fp16 rows save);
 #: tail_mma_warps: its warps per block (1, 2 or 4; None: 4, 17 KiB of tiles each, or 2 where the fused
 #: grid holds at most two blocks per SM, so that a 2-warp mixed-row block fits beside them too; fewer
-#: where the device cannot hold them)
+#: where the device cannot hold them);
+#: mixed_mma: the mixed tail rows on the tensor cores (paged_mixed_mma: fp16 q, D = 128, every mixed row's
+#: key in a page and its value fp16, the keys dequantized as paged_tail_attn's and held as hi + 2^-11 lo
+#: fp16 tiles) instead of paged_tail_attn's fp32 tiles (True: wherever it applies; None, auto: there
+#: unless it costs the fp16 rows a launch of their own beside a long fused grid, _mixed_mma_ok; False:
+#: never; tail16 = False also keeps the mixed rows in paged_tail_attn); the fp16 rows then go beside it by
+#: their own kernel (tail_mma's rule, else paged_tail16_attn)
 TUNE = {"num_warps": None, "waves": None, "mma": True, "side_stream": True, "fused_tail": True, "tail_tiles": 1,
         "tail_first": False, "tail16": None, "tail_warps": None, "tail16_warps": None, "max_blocks_per_sm": None,
-        "tail_sums": 2, "tail_mma": None, "tail_mma_warps": None}
+        "tail_sums": 2, "tail_mma": None, "tail_mma_warps": None, "mixed_mma": None}
 
 
 def _buf_bytes(D: int, k_bits: int, v_bits: int, kitty: bool, ngv: int, db: int) -> int:
@@ -315,6 +321,29 @@ def _tail_mma_ok(q, D: int, in_place: bool, fp16_rows: int, fused_rows: int, blo
     return able and (want or (want is None and auto))
 
 
+@functools.lru_cache(maxsize=None)
+def _mixed_mma_kernel(nw: int, device_index: int):
+    """paged_mixed_mma with nw warps, allowed the dynamic shared memory of its tiles on that device."""
+    return _allow_smem(L.kernel(_SRC, L.paged_mixed_mma_name(nw)), nw * L.mixed_mma_warp_bytes(), device_index)
+
+
+def _mixed_mma_ok(q, D: int, in_place: bool, key_page_rows: int, value_page_rows: int,
+                  costly_launch: bool = False) -> bool:
+    """Whether decode puts the mixed tail rows on the tensor cores (paged_mixed_mma): TUNE["mixed_mma"]
+    True where it applies, False never, None (auto) where it applies unless ``costly_launch``: the tail's
+    fp16 rows would then take a launch of their own beside a long fused grid, where they otherwise share
+    one with the mixed rows (H100, Kitty 1 x 128K, ms with / without: 0.0551 / 0.0497; at 1 x 32K, whose
+    fused grid is short, 0.0255 / 0.0263). It applies to fp16 q, D = 128, the tail read in place, and
+    mixed rows that all have their key in a page and their value in fp16: the key pages reach past the
+    quantized values (``key_page_rows`` > ``value_page_rows``: KIVI's and Kitty's value window or Q-buffer
+    beside full key pages)."""
+    want = TUNE["mixed_mma"]
+    if want is not None and not isinstance(want, bool):
+        raise ValueError(f"TUNE['mixed_mma'] = {want!r}: None (auto), True or False")
+    able = in_place and q.dtype == torch.float16 and D == 128 and key_page_rows > value_page_rows
+    return able and (want is True or (want is None and not costly_launch))
+
+
 def _tail_mma_warps(device_index: int, fused_per_sm: int = 0) -> int:
     """Warps per block of paged_tail_mma: TUNE["tail_mma_warps"] (one of _loader.PAGED_TAIL_WARPS) or, None,
     4, or 2 beside a fused grid of at most two blocks per SM (``fused_per_sm``, 0: no fused kernel), whose
@@ -340,7 +369,8 @@ SHORT_PAGES_PER_WARP = 2
 
 
 def _tail_warps(D: int, device_index: int, fused_block: int = 0, fp16: bool = False, tail_static=None,
-                fused_per_sm: int = 2, fused_resident: int = 2, fused_pages_per_warp: int = 0, other: int = 0) -> int:
+                fused_per_sm: int = 2, fused_resident: int = 2, fused_pages_per_warp: int = 0, other: int = 0,
+                warp_bytes: int = 0) -> int:
     """Warps per block of paged_tail_attn, or with ``fp16`` of paged_tail16_attn (one warp always fits:
     33 / 16.5 KiB of fp32 / fp16 tiles at D = 128).
 
@@ -356,7 +386,9 @@ def _tail_warps(D: int, device_index: int, fused_block: int = 0, fp16: bool = Fa
     costs the driver's reserve (_device_limits). ``other``: the dynamic shared memory of a paged_tail_mma
     block that shares the SMs (0: none); beside a fused grid of at most two blocks per SM the tail block
     must fit next to both (H100, Kitty 8 x 8K with the tensor-core tail: 0.0446 ms at 2 warps, 0.0499 at
-    4). H100 (profile_fused, Kitty, tail warps 2 / 4, ms): 1 x 32K
+    4). ``warp_bytes``: one warp's dynamic shared memory where the kernel is not paged_tail_attn /
+    paged_tail16_attn (paged_mixed_mma: _loader.mixed_mma_warp_bytes; 0: theirs). H100 (profile_fused, Kitty,
+    tail warps 2 / 4, ms): 1 x 32K
     0.0298 / 0.0351 (a 4-warp tail, 140.4 KiB, does not fit beside two 49.4 KiB Kitty blocks), 1 x 128K
     0.0611 / 0.0589, 8 x 8K 0.0580 / 0.0519, 8 x 32K 0.118 / 0.110, 32 x 32K 0.365 / 0.352; KIVI-K4V4 8 x
     32K 0.120 / 0.129 (2 blocks per SM all along)."""
@@ -370,7 +402,7 @@ def _tail_warps(D: int, device_index: int, fused_block: int = 0, fp16: bool = Fa
     if beside:
         _, shm, _, reserved = _device_limits(device_index)
     for n in sorted((n for n in L.PAGED_TAIL_WARPS if n > 1 and n <= (want or n)), reverse=True):
-        tb = n * _tail_warp_bytes(D, fp16)
+        tb = n * (warp_bytes or _tail_warp_bytes(D, fp16))
         if tb > optin:
             continue
         if not beside:
@@ -509,26 +541,37 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     sums = _tail_sums()
     if not in_place:
         parts = [("gather", NT, 0)]
-    elif _tail_mma_ok(q, D, in_place, NT - n_mixed, NF, B * H * -(-M // 8), sms, c["n_sink"]):
-        parts = [("mma", NT - n_mixed, 0), ("mixed", n_mixed, c["n_sink"])]
-    elif TUNE["tail16"] if TUNE["tail16"] is not None else B * H * tqtiles >= sms:
-        parts = [("fp16", NT - n_mixed, 0), ("mixed", n_mixed, c["n_sink"])]
     else:
-        parts = [("mixed", NT, 0)]
+        tmma = _tail_mma_ok(q, D, in_place, NT - n_mixed, NF, B * H * -(-M // 8), sms, c["n_sink"])
+        split16 = TUNE["tail16"] if TUNE["tail16"] is not None else B * H * tqtiles >= sms
+        # paged_mixed_mma: the fp16 rows then launch apart, which costs where they would share the mixed
+        # rows' launch beside a long fused grid; TUNE["tail16"] = False keeps every tail row in one
+        # paged_tail_attn launch
+        costly = NT > n_mixed and not (tmma or split16) and NP and pps // nw > SHORT_PAGES_PER_WARP
+        mixed = ("mixed_mma" if TUNE["tail16"] is not False and n_mixed
+                 and _mixed_mma_ok(q, D, in_place, c["n_kpages"] * G, c["n_vq"], bool(costly)) else "mixed")
+        if tmma:
+            parts = [("mma", NT - n_mixed, 0), (mixed, n_mixed, c["n_sink"])]
+        elif mixed == "mixed_mma" or split16:
+            parts = [("fp16", NT - n_mixed, 0), (mixed, n_mixed, c["n_sink"])]
+        else:
+            parts = [("mixed", NT, 0)]
     def tail_warps(kind):
         if kind == "gather":
             return L.attn_warps(L.DT[torch.float32], D)
         if kind == "mma":
             return _tail_mma_warps(dev_index, per_sm)
         f16 = kind == "fp16"
+        mm = kind == "mixed_mma"
         other = (_tail_mma_warps(dev_index, per_sm) * L.tail_mma_warp_bytes()
                  if any(p[0] == "mma" and p[1] > 0 for p in parts) else 0)
-        return _tail_warps(D, dev_index, fused_block, f16,
-                           lambda n: int(_tail_kernel(D, tqt, L.DT[q.dtype], f16, n, dev_index, sums).shared_size_bytes),
-                           per_sm, resident, pps // nw if NP else 0, other)
+        static = ((lambda n: int(_mixed_mma_kernel(n, dev_index).shared_size_bytes)) if mm else
+                  (lambda n: int(_tail_kernel(D, tqt, L.DT[q.dtype], f16, n, dev_index, sums).shared_size_bytes)))
+        return _tail_warps(D, dev_index, fused_block, f16, static, per_sm, resident, pps // nw if NP else 0, other,
+                           L.mixed_mma_warp_bytes() if mm else 0)
 
     # query tiles of each kind's kernel: attention.cu's QT rows, paged_tail_mma's 8
-    qtiles_of = {"mma": -(-M // 8)}
+    qtiles_of = {"mma": -(-M // 8), "mixed_mma": -(-M // 8)}
     # (kind, rows, first tail row or skipped rows, warps per block, keys per split, splits)
     parts = [(kind, rows, u, nw_t, *A._splits(rows, B * H * qtiles_of.get(kind, tqtiles), 32 * nw_t, sms,
                                               TUNE["tail_tiles"]))
@@ -558,6 +601,11 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
                     L.run(_tail_mma_kernel(nw_t, dev_index), grid, (32 * nw_t,),
                           (qf, *ptrs, np.int32(c["n_sink"]), np.int32(n_mixed), o_part, lse_part, *qs, *dims,
                            np.int32(T_q), *common, *ints), dev, shared_mem=nw_t * L.tail_mma_warp_bytes())
+                elif kind == "mixed_mma":
+                    ptrs, ints = rows_args
+                    L.run(_mixed_mma_kernel(nw_t, dev_index), grid, (32 * nw_t,),
+                          (qf, *ptrs, np.int32(k_bits), np.int32(kitty), np.int32(u), o_part, lse_part, *qs, *dims,
+                           np.int32(T_q), *common, *ints), dev, shared_mem=nw_t * L.mixed_mma_warp_bytes())
                 elif kind == "gather":
                     tk, tv = gather_tail(cfg, codec, st, NF)
                     fn_t = (A._split_kernel(L.DT[torch.float32], D, tqt, nw_t) if precise else
