@@ -358,8 +358,8 @@ def test_decode_tells_tail_warps_the_fused_blocks_per_sm(monkeypatch, sms, per_s
     real = PD._tail_warps
 
     def spy(D, dev, fused_block=0, fp16=False, tail_static=None, fused_per_sm=2, fused_resident=2,
-            fused_pages_per_warp=0, other=0):
-        assert other == 0                      # no tensor-core tail beside (TUNE["tail_mma"] = False)
+            fused_pages_per_warp=0, other=0, warp_bytes=0):
+        assert other == 0 and warp_bytes == 0  # no tensor-core tail beside (TUNE["tail_mma"], ["mixed_mma"] False)
         n = real(D, dev, fused_block, fp16, tail_static, fused_per_sm, fused_resident, fused_pages_per_warp)
         asked.append((fused_block, fused_per_sm, fused_resident, fused_pages_per_warp,
                       tail_static(n) if tail_static else None, n))
@@ -367,6 +367,7 @@ def test_decode_tells_tail_warps_the_fused_blocks_per_sm(monkeypatch, sms, per_s
 
     monkeypatch.setattr(PD, "_tail_warps", spy)
     monkeypatch.setitem(PD.TUNE, "tail_mma", False)  # the fp16 rows too through paged_tail_attn / tail16
+    monkeypatch.setitem(PD.TUNE, "mixed_mma", False)  # ... and the mixed rows
     cfg = RK.KIVIConfig(2, 2, group_size=128, residual=128, max_tokens=4096)
     B, H, D, T = 1, 4, 128, 1100
     st = _kivi_cache(cfg, B, H, D, T)
@@ -439,7 +440,7 @@ def _patch_decode_glue(monkeypatch, sms=132, per_sm_max=4):
     orig = C.check_decode_q
     monkeypatch.setattr(C, "check_decode_q", lambda q, shape, device, length, allow_cpu=False:
                         orig(q, shape, device, length, allow_cpu=True))
-    for f in (PD._tail_kernel, PD._tail_mma_kernel):
+    for f in (PD._tail_kernel, PD._tail_mma_kernel, PD._mixed_mma_kernel):
         f.cache_clear()
     return rec
 
@@ -471,7 +472,8 @@ def test_decode_puts_fp16_tail_rows_on_tensor_cores(monkeypatch, ratio):
     value are both fp16 (sink, key buffer) go to paged_tail_mma (``TUNE["tail_mma"]`` None / True: 2 warps
     beside a small fused grid, else 4, their tiles in dynamic shared memory, query tiles of 8 rows, the mixed
     rows skipped by (gap_at, gap) =
-    (sink, mixed rows)) and the mixed rows to paged_tail_attn, their partials numbered after the fused
+    (sink, mixed rows)) and the mixed rows (``TUNE["mixed_mma"] = False``) to paged_tail_attn, their partials
+    numbered after the fused
     kernel's and each other's; bf16 q, or ``TUNE["tail_mma"] = False``, keep the tail off the tensor cores;
     the merge sees every partial."""
     import kvq.fast.cupy._loader as L
@@ -479,6 +481,7 @@ def test_decode_puts_fp16_tail_rows_on_tensor_cores(monkeypatch, ratio):
 
     sms = 16                                   # B x H_kv = 8 (sequence, kv head) blocks fill a quarter of them
     cfg, c, decode = _record_decode_launches(monkeypatch, sms)
+    monkeypatch.setitem(PD.TUNE, "mixed_mma", False)   # the mixed rows: test_decode_puts_mixed_rows_on_tensor_cores
     NF = min(c["n_kpages"] * 128, c["n_vq"])
     n_mixed = max(c["n_kpages"] * 128, c["n_vq"]) - NF
     NT = c["n_sink"] + c["post"] - NF
@@ -514,6 +517,99 @@ def test_decode_puts_fp16_tail_rows_on_tensor_cores(monkeypatch, ratio):
         rec = decode(dtype, ratio)
         assert not [r for r in rec if r[0].startswith("paged_tail_mma")]
         assert [r for r in rec if r[0].startswith("paged_tail")]
+
+
+@pytest.mark.parametrize("ratio", [4, 12])
+def test_decode_puts_mixed_rows_on_tensor_cores(monkeypatch, ratio):
+    """decode_attention's glue (CPU, launches recorded): with fp16 q and D = 128 the mixed tail rows (key in a
+    page, value fp16) go to paged_mixed_mma by default (``TUNE["mixed_mma"]`` None / True): one launch of
+    query tiles of 8 rows, u0 = the sink, T = the mixed rows, the key bits and Kitty flag, its warps' three
+    tiles in dynamic shared memory, the fp16 rows beside it (paged_tail_mma, or paged_tail16_attn with
+    ``TUNE["tail_mma"] = False``), every partial numbered once and merged; False, bf16 q, or
+    ``TUNE["tail16"] = False`` keep them on paged_tail_attn."""
+    import kvq.fast.cupy._loader as L
+    from kvq.fast.cupy import paged as PD
+
+    sms = 16
+    cfg, c, decode = _record_decode_launches(monkeypatch, sms)
+    NF = min(c["n_kpages"] * 128, c["n_vq"])
+    n_mixed = max(c["n_kpages"] * 128, c["n_vq"]) - NF
+    NT = c["n_sink"] + c["post"] - NF
+    assert c["n_kpages"] * 128 > c["n_vq"] and n_mixed > 0 and NT - n_mixed > 32
+    for tmma, fp16_kernel in ((None, "paged_tail_mma"), (False, "paged_tail16_attn")):
+        monkeypatch.setitem(PD.TUNE, "tail_mma", tmma)
+        for want in (None, True):
+            monkeypatch.setitem(PD.TUNE, "mixed_mma", want)
+            rec = decode(ratio=ratio)
+            fused = [r for r in rec if r[0] == "mma2"]
+            mixed = [r for r in rec if r[0].startswith("paged_mixed_mma")]
+            fp16 = [r for r in rec if r[0].startswith(fp16_kernel)]
+            assert len(fused) == len(mixed) == len(fp16) == 1 and not [r for r in rec if "tail_attn" in r[0]]
+            name, grid, block, smem, args = mixed[0]
+            nw = block[0] // 32
+            assert name == L.paged_mixed_mma_name(nw) and smem == nw * L.mixed_mma_warp_bytes()
+            # (q, 15 TailRows pointers, kbits, kitty, u0, o_part, lse_part, 3 q strides, B, Hq, Tq, T, chunk,
+            # splits, split0, qk)
+            kbits, kitty, u0, T_rows, chunk, n, split0 = (int(args[16]), int(args[17]), int(args[18]),
+                                                          int(args[27]), int(args[28]), int(args[29]), int(args[30]))
+            assert (kbits, kitty, u0, T_rows) == (2, 0, 32, n_mixed)
+            assert grid == (n * -(-ratio // 8), 4, 2) and n * chunk >= T_rows and chunk % 32 == 0
+            n_fused = fused[0][1][0]
+            # paged_tail_mma and paged_tail16_attn: (q, 15 pointers, gap_at, gap, o_part, lse_part, 3 q
+            # strides, B, Hq, Tq, T, chunk, splits, split0, qk)
+            f_args = fp16[0][4]
+            f_n, f_split0 = int(f_args[28]), int(f_args[29])
+            assert sorted([(split0, n), (f_split0, f_n)]) in ([(n_fused, n), (n_fused + n, f_n)],
+                                                              [(n_fused, f_n), (n_fused + f_n, n)])
+            merge = [r for r in rec if r[0] == "merge"][0]
+            assert merge[6] == n_fused + n + f_n
+    monkeypatch.setitem(PD.TUNE, "tail_mma", None)
+    for dtype, key, val in ((torch.float16, "mixed_mma", False), (torch.bfloat16, "mixed_mma", None),
+                            (torch.float16, "tail16", False)):
+        monkeypatch.setitem(PD.TUNE, key, val)
+        rec = decode(dtype, ratio)
+        assert not [r for r in rec if r[0].startswith("paged_mixed_mma")]
+        assert [r for r in rec if r[0].startswith("paged_tail_attn")]
+        monkeypatch.setitem(PD.TUNE, key, None)
+
+
+def test_mixed_mma_rule_keeps_one_tail_launch_beside_a_long_grid(monkeypatch):
+    """The automatic rule (``TUNE["mixed_mma"]`` None) leaves the mixed rows on paged_tail_attn where
+    paged_mixed_mma would cost the fp16 rows a launch of their own beside a long fused grid (more than
+    SHORT_PAGES_PER_WARP pages a warp, no other rule splitting the fp16 rows off): the whole tail in one
+    launch; True puts them on the tensor cores there too (H100, Kitty 1 x 128K: 0.0497 ms with the one
+    launch, 0.0551 without)."""
+    from kvq.fast.cupy import paged as PD
+    from kvq.fast.triton import kivi as TK
+    from kvq.reference import kivi as RK
+
+    rec = _patch_decode_glue(monkeypatch, sms=8, per_sm_max=1)
+    cfg = RK.KIVIConfig(2, 2, group_size=128, residual=128, max_tokens=4096, sink=32)
+    B, H, D, T = 1, 4, 128, 4050
+    st = _kivi_cache(cfg, B, H, D, T)
+    monkeypatch.setitem(PD.TUNE, "tail_mma", False)
+    for want, on in ((None, False), (True, True)):
+        monkeypatch.setitem(PD.TUNE, "mixed_mma", want)
+        rec.clear()
+        PD.decode_attention(cfg, TK.KeyCodec, st, torch.zeros((B, 4 * H, 1, D), dtype=torch.float16))
+        fused = [r for r in rec if r[0] == "mma2"][0]
+        assert int(fused[4][24]) // (fused[2][0] // 32) > PD.SHORT_PAGES_PER_WARP    # a long fused grid
+        names = [r[0] for r in rec if r[0].startswith("paged_")]
+        if on:
+            assert len(names) == 2 and any(n.startswith("paged_mixed_mma") for n in names)
+        else:
+            assert len(names) == 1 and names[0].startswith("paged_tail_attn")
+
+
+@pytest.mark.parametrize("bad", [1, "yes", 0])
+def test_mixed_mma_knob_rejects_bad_values(monkeypatch, bad):
+    """``TUNE["mixed_mma"]`` is None, True or False: anything else is a clear error before any launch."""
+    from kvq.fast.cupy import paged as PD
+
+    _, _, decode = _record_decode_launches(monkeypatch, 16)
+    monkeypatch.setitem(PD.TUNE, "mixed_mma", bad)
+    with pytest.raises(ValueError, match="mixed_mma"):
+        decode()
 
 
 @pytest.mark.parametrize("key, bad", [("tail_mma", 1), ("tail_mma", "yes"), ("tail_mma_warps", 3),
