@@ -354,14 +354,15 @@ def test_decode_tail_in_place(cupy_target, a, monkeypatch):
 
 
 # caches whose mixed tail rows have their key in a page and their value in fp16 (paged_mixed_mma): config,
-# T, GQA ratio, T_q. R = G: up to 127 mixed rows; R > G: mixed rows over two key pages; 4-bit keys;
-# Kitty (the high plane) with its sink; 8 query rows; a mixed run starting mid-tile. (8-bit keys: a K8V4
-# cache at T = 1100 put the lse at 1.27x the bound on the H100 with the mixed rows on either kernel, so
-# the error is not theirs: 8-bit keys take the CUDA-core page kernel; benchmarks/results/h100-mixed-mma)
+# T, GQA ratio, T_q. R = G: up to 127 mixed rows; R > G: mixed rows over two key pages; 4- and 8-bit keys
+# (8-bit: the CUDA-core page kernel beside them, whose one fp32 chain per score put this cache's lse at
+# 1.27x the bound on the H100 before its scores took interleaved chains; benchmarks/results/h100-mixed-mma);
+# Kitty (the high plane) with its sink; 8 query rows; a mixed run starting mid-tile
 MIXED = [
     ("K2V2-T3001", lambda: RK.KIVIConfig(2, 2, **CUDA), 3001, 4, 1),
     ("K2V2-R200-T1030", lambda: RK.KIVIConfig(2, 2, group_size=128, residual=200, max_tokens=4096), 1030, 4, 1),
     ("K4V2*-T2100", lambda: RK.KIVIConfig(4, 2, sink=32, **CUDA), 2100, 4, 1),
+    ("K8V4-T1100", lambda: RK.KIVIConfig(8, 4, **CUDA), 1100, 4, 1),
     ("Kitty-T2500", lambda: RT.KittyConfig(0.125, sink=32, **CUDA), 2500, 4, 1),
     ("Kitty-Pro-gqa8-T1777", lambda: RT.KittyConfig(0.25, sink=32, **CUDA), 1777, 8, 1),
     ("K2V4-gqa4-tq2-T1333", lambda: RK.KIVIConfig(2, 4, **CUDA), 1333, 4, 2),

@@ -244,17 +244,26 @@ __global__ void __launch_bounds__(128, 2)
         const u8* buf = bufs + cur * bufb;
         const int nvalid = kvq_min(G, NF - j * G);  // >= 1 (j < NP = ceil(NF / G))
 
-        // ---- scores: lane owns tokens 4*lane .. 4*lane + 3
-        float s[QT][4];
+        // ---- scores: lane owns tokens 4*lane .. 4*lane + 3; each score as NCH interleaved fp32 fma
+        // chains (channel d in chain d % NCH) added pairwise at the end: one 128-term chain put a K8V4
+        // cache's lse at 1.27x the tolerance bound on the H100 (benchmarks/results/h100-mixed-mma), as
+        // it did the FP16 tail's (attn_split.cuh SD); QT = 8 takes 2 chains (registers)
+        constexpr int NCH = QT == 4 ? 4 : 2;
+        float sch[QT][4][NCH];
 #pragma unroll
         for (int qi = 0; qi < QT; ++qi)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[qi][e] = 0.0f;
+            for (int e = 0; e < 4; ++e)
+#pragma unroll
+                for (int h = 0; h < NCH; ++h) sch[qi][e][h] = 0.0f;
         const u8* kcs = buf + PB::KC + lane * (KB / 2);
         const u16* kss = reinterpret_cast<const u16*>(buf + PB::KS);
         const u16* kms = reinterpret_cast<const u16*>(buf + PB::KM);
-#pragma unroll 4
-        for (int d = 0; d < D; ++d) {
+#pragma unroll 1
+        for (int d0 = 0; d0 < D; d0 += 4)
+#pragma unroll
+        for (int dd = 0; dd < 4; ++dd) {
+            const int d = d0 + dd;
             float c[4];
             four_codes<KB>(load_quad<KB>(kcs + d * GB), c);
             if constexpr (KITTY != 0) {
@@ -276,8 +285,15 @@ __global__ void __launch_bounds__(128, 2)
 #pragma unroll
             for (int qi = 0; qi < QT; ++qi)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) s[qi][e] = fmaf(qv[qi], k[e], s[qi][e]);
+                for (int e = 0; e < 4; ++e) sch[qi][e][dd % NCH] = fmaf(qv[qi], k[e], sch[qi][e][dd % NCH]);
         }
+        float s[QT][4];
+#pragma unroll
+        for (int qi = 0; qi < QT; ++qi)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                s[qi][e] = NCH == 4 ? (sch[qi][e][0] + sch[qi][e][1]) + (sch[qi][e][2] + sch[qi][e][3])
+                                    : sch[qi][e][0] + sch[qi][e][NCH - 1];
 
         // ---- online softmax (base 2); p to shared memory
 #pragma unroll

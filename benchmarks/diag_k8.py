@@ -1,0 +1,37 @@
+"""The lse error / bound of the caches that showed the CUDA-core page kernel's one-chain scores
+(benchmarks/results/h100-mixed-mma/diag_k8.log), per tail launch choice: python benchmarks/diag_k8.py (GPU)."""
+import numpy as np
+import torch
+
+import kvq.fast.cupy.kivi as FK
+import kvq.fast.cupy.paged as FP
+from kvq.reference import kivi as RK
+from tests.parity.test_kivi_kitty_parity import CUDA, _kv, _truth_ref32
+from tests.parity.tolerance import check_close
+
+
+def main() -> None:
+    for kbits, vbits, T in ((8, 4, 1100), (8, 2, 1100), (8, 4, 2100), (4, 4, 1100), (2, 2, 1100)):
+        cfg = RK.KIVIConfig(kbits, vbits, **CUDA)
+        B, H, D, ratio = 1, 4, 128, 4
+        k, v = _kv(B, H, T, D, cfg.group_size, seed=T + B, start=cfg.sink, distinct=False)
+        rs, fs = RK.init(cfg, B, H, D), FK.init(cfg, B, H, D)
+        RK.append(cfg, rs, k, v)
+        FK.append(cfg, fs, torch.from_numpy(k).cuda(), torch.from_numpy(v).cuda())
+        rng = np.random.default_rng(T + B)
+        q = torch.from_numpy(rng.standard_normal((B, H * ratio, 1, D)).astype(np.float32)).half().cuda()
+        (o64, l64), (o32, l32) = _truth_ref32(RK, cfg, rs, q)
+        for t16, mm, tm in ((None, True, False), (True, False, False), (None, False, False), (None, True, True)):
+            FP.TUNE.update(tail16=t16, mixed_mma=mm, tail_mma=tm)
+            out, lse = FK.decode_attention(cfg, fs, q)
+            try:
+                r = check_close(lse, l64, l32, torch.float32, "lse")
+            except AssertionError as e:
+                print(f"K{kbits}V{vbits} T={T} tail16={t16} mixed_mma={mm} tail_mma={tm}: FAIL {e}", flush=True)
+                continue
+            print(f"K{kbits}V{vbits} T={T} tail16={t16} mixed_mma={mm} tail_mma={tm}: "
+                  f"lse error / bound {r['err'] / r['bound']:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
