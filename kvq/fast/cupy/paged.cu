@@ -158,7 +158,8 @@ __device__ __forceinline__ void load_queries(float* s_q, const void* __restrict_
 //   coalesced), the next page's copy in flight while the current one is computed (double buffer).
 //   Scores: lane l owns tokens 4l .. 4l+3 (one byte / u16 / u32 of each key row), loops over the D
 //   channels: unpack (mask + OR into a float significand + one subtraction, no int->float
-//   conversion), dequantize, QT x 4 fp32 FMAs (q from shared memory, broadcast). P . V: lane owns 4
+//   conversion), dequantize, QT x 4 fp32 FMAs (q from shared memory, broadcast) into interleaved
+//   chains per score (4, or 2 at QT = 8), added pairwise. P . V: lane owns 4
 //   consecutive channels (D = 64: two token phases of 16 lanes), loops over the page's tokens with
 //   p from shared memory. The NW warp states are merged through shared memory at the end.
 // Dynamic shared memory: QT*D*4 (queries) + NW * (G*QT*4 (p) + 2 * PageBuf::bytes) bytes.
