@@ -839,6 +839,16 @@ __global__ void __launch_bounds__(256)
 // once per channel, in one round trip), value rows a row at a time. Rows past nk are left as they are
 // (the body masks them). H100, 1 x 32K: 2-3% faster steps than one round trip per table entry and per
 // word (benchmarks/results/h100-d93e357).
+// w[k] for 1 <= k < N (a run-time k, the registers picked by an unrolled select: a register array
+// indexed at run time would live in local memory; k >= N - 1 gives w[N - 1])
+template <int N>
+__device__ __forceinline__ u32 word_after0(const u32 (&w)[N], int k) {
+    u32 x = w[N - 1];
+#pragma unroll
+    for (int i = N - 2; i >= 1; --i) x = k == i ? w[i] : x;
+    return x;
+}
+
 template <int D>
 struct PagedTailTiles {
     TailRows rows;
@@ -900,9 +910,8 @@ struct PagedTailTiles {
             for (int k = 0; k < NWH; ++k)
                 hwd[j][k] = hi ? reinterpret_cast<const u32*>(rows.kh)[hrow + kvq_min(h0 + k, KVQ_G / 16 - 1)] : 0u;
         }
-        // the codes shifted out of the current words; at a word boundary (warp-uniform) the next word,
-        // picked from the registers by an unrolled select (a register array indexed at run time would
-        // live in local memory)
+        // the codes shifted out of the current words; at a word boundary (warp-uniform) the next word
+        // (word_after0)
         u32 cur[J], hcur[J];
 #pragma unroll
         for (int j = 0; j < J; ++j) {
@@ -920,24 +929,12 @@ struct PagedTailTiles {
             }
             ++slot;
             if (slot % PER == 0) {
-                const int k = slot / PER - w0;
 #pragma unroll
-                for (int j = 0; j < J; ++j) {
-                    u32 x = wd[j][NW - 1];
-#pragma unroll
-                    for (int i = NW - 2; i >= 1; --i) x = k == i ? wd[j][i] : x;
-                    cur[j] = x;
-                }
+                for (int j = 0; j < J; ++j) cur[j] = word_after0(wd[j], slot / PER - w0);
             }
             if (slot % 16 == 0) {
-                const int k = slot / 16 - h0;
 #pragma unroll
-                for (int j = 0; j < J; ++j) {
-                    u32 x = hwd[j][NWH - 1];
-#pragma unroll
-                    for (int i = NWH - 2; i >= 1; --i) x = k == i ? hwd[j][i] : x;
-                    hcur[j] = x;
-                }
+                for (int j = 0; j < J; ++j) hcur[j] = word_after0(hwd[j], slot / 16 - h0);
             }
         }
     }

@@ -336,11 +336,13 @@ def _mixed_mma_ok(q, D: int, in_place: bool, key_page_rows: int, value_page_rows
     fused grid is short, 0.0255 / 0.0263). It applies to fp16 q, D = 128, the tail read in place, and
     mixed rows that all have their key in a page and their value in fp16: the key pages reach past the
     quantized values (``key_page_rows`` > ``value_page_rows``: KIVI's and Kitty's value window or Q-buffer
-    beside full key pages)."""
+    beside full key pages), unless ``TUNE["tail16"] = False`` keeps every tail row in one paged_tail_attn
+    launch."""
     want = TUNE["mixed_mma"]
     if want is not None and not isinstance(want, bool):
         raise ValueError(f"TUNE['mixed_mma'] = {want!r}: None (auto), True or False")
-    able = in_place and q.dtype == torch.float16 and D == 128 and key_page_rows > value_page_rows
+    able = (in_place and q.dtype == torch.float16 and D == 128 and key_page_rows > value_page_rows
+            and TUNE["tail16"] is not False)
     return able and (want is True or (want is None and not costly_launch))
 
 
@@ -545,11 +547,10 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
         tmma = _tail_mma_ok(q, D, in_place, NT - n_mixed, NF, B * H * -(-M // 8), sms, c["n_sink"])
         split16 = TUNE["tail16"] if TUNE["tail16"] is not None else B * H * tqtiles >= sms
         # paged_mixed_mma: the fp16 rows then launch apart, which costs where they would share the mixed
-        # rows' launch beside a long fused grid; TUNE["tail16"] = False keeps every tail row in one
-        # paged_tail_attn launch
+        # rows' launch beside a long fused grid
         costly = NT > n_mixed and not (tmma or split16) and NP and pps // nw > SHORT_PAGES_PER_WARP
-        mixed = ("mixed_mma" if TUNE["tail16"] is not False and n_mixed
-                 and _mixed_mma_ok(q, D, in_place, c["n_kpages"] * G, c["n_vq"], bool(costly)) else "mixed")
+        page_keys = _mixed_mma_ok(q, D, in_place, c["n_kpages"] * G, c["n_vq"], bool(costly))
+        mixed = "mixed_mma" if n_mixed and page_keys else "mixed"
         if tmma:
             parts = [("mma", NT - n_mixed, 0), (mixed, n_mixed, c["n_sink"])]
         elif mixed == "mixed_mma" or split16:
