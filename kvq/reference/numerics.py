@@ -33,6 +33,8 @@ value in [0, 256).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 F32 = np.float32
@@ -50,6 +52,14 @@ _FP16_MAX = 65504.0
 
 def dtype_name(dtype) -> str:
     """Normalize a dtype given as NumPy dtype, torch dtype or string to 'float16' / 'bfloat16' / 'float32'."""
+    try:
+        return _dtype_name_of(dtype)                # dtype objects and strings are hashable: once each
+    except TypeError:                               # an unhashable argument: the same rule, uncached
+        return _dtype_name_of.__wrapped__(dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype_name_of(dtype) -> str:
     s = str(dtype).replace("torch.", "").replace("<class 'numpy.", "").replace("'>", "")
     aliases = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                "fp32": "float32", "f2": "float16", "f4": "float32"}

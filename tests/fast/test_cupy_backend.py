@@ -108,6 +108,43 @@ def test_outputs_are_torch_allocations(L):
     assert torch.equal(s2, scale) and torch.equal(m2, mn)
 
 
+def test_pack_args_lays_out_arguments_as_c_does():
+    """The packed launcher's parameter buffer (CPU, no CuPy): each argument at the offset a C struct of the
+    kernel's parameter types gives it (ctypes computes that layout independently), torch tensors as their
+    data pointers, NumPy scalars as their C types, Python ints / floats as CuPy passes them (int64, double),
+    then the array of the arguments' addresses that cuLaunchKernel takes."""
+    import ctypes
+    import struct
+
+    from kvq.fast.cupy import _loader as L
+
+    t = torch.zeros(3, dtype=torch.float16)
+    args = (np.int32(-7), t, np.float32(1.5), np.uint8(200), np.int64(-(2 ** 40)), 3, 0.25, np.uint64(2 ** 63 + 5),
+            np.int16(-3), np.float64(-2.5), np.bool_(True), np.float16(0.5), np.uint32(2 ** 32 - 1))
+    ctypes_of = [ctypes.c_int32, ctypes.c_uint64, ctypes.c_float, ctypes.c_uint8, ctypes.c_int64, ctypes.c_int64,
+                 ctypes.c_double, ctypes.c_uint64, ctypes.c_int16, ctypes.c_double, ctypes.c_bool, ctypes.c_uint16,
+                 ctypes.c_uint32]
+    S = type("S", (ctypes.Structure,), {"_fields_": [(f"a{i}", c) for i, c in enumerate(ctypes_of)]})
+    buf, params = L.pack_args(args)
+    base = ctypes.addressof(buf)
+    addrs = struct.unpack(f"<{len(args)}Q", ctypes.string_at(params, 8 * len(args)))
+    assert params == base + ctypes.sizeof(S)                    # the values, padded to 8 bytes, then the addresses
+    assert [a - base for a in addrs] == [getattr(S, f"a{i}").offset for i in range(len(args))]
+    s = S.from_buffer_copy(ctypes.string_at(base, ctypes.sizeof(S)))
+    want = [-7, t.data_ptr(), 1.5, 200, -(2 ** 40), 3, 0.25, 2 ** 63 + 5, -3, -2.5, True,
+            int(np.float16(0.5).view(np.uint16)), 2 ** 32 - 1]
+    assert [getattr(s, f"a{i}") for i in range(len(args))] == want
+
+
+def test_pack_args_leaves_other_types_to_cupy():
+    """An argument of a type the packed launcher does not know (here a string) sends the launch to CuPy's
+    own launcher (None), whatever came before it."""
+    from kvq.fast.cupy import _loader as L
+
+    assert L.pack_args((np.int32(1), "x")) is None
+    assert L.pack_args(()) is not None
+
+
 @pytest.mark.gpu
 def test_pointer_and_dlpack_modes_agree(L, monkeypatch):
     """Kernels get the same bits whether tensors travel as raw pointers (default) or DLPack views."""
@@ -403,11 +440,16 @@ def _kivi_cache(cfg, B, H, D, T):
     return st
 
 
+#: the raw stream handles the CPU glue tests give torch's current stream and side stream k (SIDE_STREAM + k)
+MAIN_STREAM, SIDE_STREAM = 7, 100
+
+
 def _patch_decode_glue(monkeypatch, sms=132, per_sm_max=4):
     """decode_attention's CuPy glue made to run on the CPU: kernels are names (static shared memory 288 bytes),
     launches are recorded instead of run, the device has ``sms`` SMs holding ``per_sm_max`` fused blocks each,
-    streams are no-ops. Returns the list of launch records: (kernel name, grid, block, dynamic shared
-    memory, arguments), and ("merge", ...) for the merge."""
+    streams are raw handles (MAIN_STREAM, SIDE_STREAM + k). Returns the list of launch records: (kernel name,
+    grid, block, dynamic shared memory, arguments), and ("merge", ...) for the merge; its ``.streams``: each
+    launch's stream, its ``.waits``: the stream waits (launches before it, waiting stream, waited stream)."""
     import contextlib
 
     import kvq.fast.cupy._loader as L
@@ -418,9 +460,27 @@ def _patch_decode_glue(monkeypatch, sms=132, per_sm_max=4):
     class K(str):
         shared_size_bytes = 288
 
-    rec = []
-    monkeypatch.setattr(L, "run", lambda fn, grid, block, args, dev, shared_mem=0: rec.append((fn, grid, block,
-                                                                                                shared_mem, args)))
+    class Rec(list):
+        """the launch records, and beside them each launch's stream and the stream waits, in call order"""
+
+        def __init__(self):
+            super().__init__()
+            self.streams, self.waits = [], []
+
+        def clear(self):
+            super().clear()
+            self.streams.clear()
+            self.waits.clear()
+
+    rec = Rec()
+
+    def run(fn, grid, block, args, dev, shared_mem=0, stream=None):
+        rec.append((fn, grid, block, shared_mem, args))
+        rec.streams.append(MAIN_STREAM if stream is None else stream)
+
+    monkeypatch.setattr(L, "run", run)
+    monkeypatch.setattr(L, "raw_stream", lambda d: MAIN_STREAM)
+    monkeypatch.setattr(L, "stream_wait", lambda waiter, waited, d, k=0: rec.waits.append((len(rec), waiter, waited)))
     monkeypatch.setattr(L, "kernel", lambda src, name: K(name))
     monkeypatch.setattr(L, "sm_count", lambda d: sms)
     monkeypatch.setattr(PD, "resident_slots", lambda *a, **k: per_sm_max * sms)
@@ -428,7 +488,7 @@ def _patch_decode_glue(monkeypatch, sms=132, per_sm_max=4):
     monkeypatch.setattr(PD, "_device_limits", lambda i: (65536, 233472, 2048, 1024))
     monkeypatch.setattr(PD, "_allow_smem", lambda fn, smem, dev: fn)
     monkeypatch.setattr(PD, "_mma_kernel", lambda *a: K("mma2"))
-    monkeypatch.setattr(PD, "_side_stream", lambda d, k=0: torch.cuda.current_stream(d))
+    monkeypatch.setattr(PD, "_side_stream", lambda d, k=0: type("Side", (), {"cuda_stream": SIDE_STREAM + k})())
     monkeypatch.setattr(PD, "mma_ok", lambda *a: True)
     monkeypatch.setattr(PD, "fused_ok", lambda cfg, D: True)
     monkeypatch.setattr(PD, "_aligned", lambda *t: True)
@@ -599,6 +659,35 @@ def test_mixed_mma_rule_keeps_one_tail_launch_beside_a_long_grid(monkeypatch):
             assert len(names) == 2 and any(n.startswith("paged_mixed_mma") for n in names)
         else:
             assert len(names) == 1 and names[0].startswith("paged_tail_attn")
+
+
+@pytest.mark.parametrize("side", [True, False])
+def test_decode_forks_and_joins_side_streams(monkeypatch, side):
+    """decode_attention's glue (CPU, launches recorded): the fused kernel launches on the caller's stream and
+    each tail part on a side stream of its own (raw handles, no torch stream context), every side stream
+    waits for the caller's stream before the first launch and the caller's stream waits for every side
+    stream after the last one, before the merge; ``TUNE["side_stream"] = False``: everything on the
+    caller's stream, no waits."""
+    from kvq.fast.cupy import paged as PD
+
+    _, _, decode = _record_decode_launches(monkeypatch, 16)
+    monkeypatch.setitem(PD.TUNE, "side_stream", side)
+    rec = decode()
+    launches = [r for r in rec if r[0] != "merge"]
+    merge_at = [i for i, r in enumerate(rec) if r[0] == "merge"]
+    assert merge_at == [len(rec) - 1] and len(launches) >= 3           # fused, fp16 rows, mixed rows
+    fused = [s for r, s in zip(launches, rec.streams) if r[0] == "mma2"]
+    tails = [s for r, s in zip(launches, rec.streams) if r[0] != "mma2"]
+    assert fused == [MAIN_STREAM]
+    if not side:
+        assert set(tails) == {MAIN_STREAM} and rec.waits == []
+        return
+    assert sorted(tails) == [SIDE_STREAM + k for k in range(len(tails))]   # one side stream a part
+    forks = [(w, d) for n, w, d in rec.waits if n == 0]
+    joins = [(w, d) for n, w, d in rec.waits if n == len(launches)]
+    assert len(forks) + len(joins) == len(rec.waits)
+    assert sorted(forks) == [(s, MAIN_STREAM) for s in sorted(tails)]
+    assert sorted(joins) == [(MAIN_STREAM, s) for s in sorted(tails)]
 
 
 @pytest.mark.parametrize("bad", [1, "yes", 0])

@@ -274,6 +274,48 @@ def test_decode_one_stream(cupy_target, a, monkeypatch):
     test_decode_attention(cupy_target, a)
 
 
+@pytest.mark.parametrize("ci, dtype", [(0, torch.float16), (3, torch.float16), (4, torch.float32)],
+                         ids=["KIVI-K2V2-fp16", "Kitty-fp16", "Kitty-Pro-fp32"])
+def test_decode_launches_packed_cupy_and_graph(cupy_target, ci, dtype, monkeypatch):
+    """CuPy: the decode's launches with their arguments packed by kvq (``_loader.LAUNCH_MODE = "packed"``,
+    the default: one struct, cuLaunchKernel) and by CuPy's launcher ("cupy") give the same bits, the
+    packed path really launches, and the decode replayed from a CUDA graph (raw side streams, fork and
+    join by events) gives the eager call's bits; fp32 q (the gather tail on a side stream) too."""
+    import kvq.fast.cupy._loader as L
+
+    cfg, ref, fast, (B, H, D) = _setup(CASES[ci], cupy_target)
+    k, v = _kv(B, H, 2048 + 77, D, cfg.group_size, seed=ci + 5, start=cfg.sink)
+    fs = fast.init(cfg, B, H, D)
+    fast.append(cfg, fs, torch.from_numpy(k).cuda(), torch.from_numpy(v).cuda())
+    q = torch.randn((B, 4 * H, 1, D), generator=torch.Generator().manual_seed(ci), dtype=torch.float32)
+    q = q.to(dtype).cuda()
+    packed = []
+    real = L._launch_packed
+    monkeypatch.setattr(L, "_launch_packed", lambda *a: packed.append(real(*a)) or packed[-1])
+    want = fast.decode_attention(cfg, fs, q)
+    assert packed and all(packed)
+    monkeypatch.setattr(L, "LAUNCH_MODE", "cupy")
+    n = len(packed)
+    got = fast.decode_attention(cfg, fs, q)
+    assert len(packed) == n                                    # CuPy's launcher: no packed launch
+    monkeypatch.setattr(L, "LAUNCH_MODE", "packed")
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                              # warm-up off the capture, as torch asks
+        fast.decode_attention(cfg, fs, q)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = fast.decode_attention(cfg, fs, q)
+    g.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(want, outs):
+        assert torch.equal(a, b)
+
+
 # (case index or a config, T, q dtype, GQA ratio, head dim): tails with quantized keys and fp16 values
 # (R = G), fp16 keys and quantized values (R < G), a sink, bf16 q (CUDA-core kernel), D = 64, no page,
 # 8-bit keys, mixed key rows over two pages (R > G)

@@ -10,14 +10,18 @@ machine without CuPy; only a launch needs it.
 
 Kernel arguments: torch tensors are passed as device pointers (:data:`ARG_MODE`; :func:`arg` gives the
 DLPack view instead); scalars must be NumPy scalars of the kernel's C type (``np.int64`` for
-``long long``, ``np.int32`` for ``int``, ``np.float32`` for ``float``): CuPy passes a Python int as
-8 bytes and a Python float as a double.
+``long long``, ``np.int32`` for ``int``, ``np.float32`` for ``float``): a Python int goes as 8 bytes
+and a Python float as a double, as CuPy passes them. :func:`run` packs them into one parameter buffer
+and calls ``cuLaunchKernel`` (:data:`LAUNCH_MODE`), on torch's current stream or a raw stream handle
+it is given; :func:`stream_wait` orders two raw streams.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+import struct
+import threading
 import warnings
 from pathlib import Path
 
@@ -282,7 +286,8 @@ def _external_stream(ptr: int, device: int):
             return cupy.cuda.ExternalStream(ptr)
 
 
-def _raw_stream(dev: int) -> int:
+def raw_stream(dev: int) -> int:
+    """torch's current CUDA stream of device ``dev`` as a raw handle."""
     try:
         return int(torch._C._cuda_getCurrentRawStream(dev))     # what Triton uses: no Python overhead
     except AttributeError:
@@ -292,7 +297,7 @@ def _raw_stream(dev: int) -> int:
 def stream(device: torch.device | None = None):
     """torch's current CUDA stream (of ``device``) as a CuPy stream object."""
     dev = torch.cuda.current_device() if device is None or device.index is None else device.index
-    return _external_stream(_raw_stream(dev), int(dev))
+    return _external_stream(raw_stream(dev), int(dev))
 
 
 def arg(t: torch.Tensor):
@@ -314,24 +319,147 @@ def arg(t: torch.Tensor):
 #: CuPy 14.2: 4 to 9 tensors a call cost more than a small decode step). Both give the same bits.
 ARG_MODE = "pointer"
 
+#: "packed" (default): :func:`run` packs the arguments into one buffer with ``struct`` and calls
+#: ``cuLaunchKernel`` itself; "cupy": the RawKernel call, which converts every argument to a CuPy
+#: object one by one. Both launch the same kernel with the same bytes. Host time of a whole decode call,
+#: medians on the H100 machine's host (``benchmarks/profile_host.py --ab-launch``, results in
+#: benchmarks/results/h100-host-overhead): KIVI-K2V2 1 x 32K 206 -> 188 us, 8 x 32K 242 -> 196 us,
+#: Kitty 1 x 32K 520 -> 403 us, OSCAR 300 -> 239 us (cupy -> packed).
+LAUNCH_MODE = "packed"
+
 
 def _pointer(t: torch.Tensor):
     return np.uint64(t.data_ptr())
 
 
-def run(fn, grid, block, args, device: torch.device, shared_mem: int = 0) -> None:
-    """Launch ``fn`` on torch's current stream of ``device`` with ``shared_mem`` bytes of dynamic shared
-    memory: torch tensors in ``args`` become device pointers (see :data:`ARG_MODE`; the tensors stay
-    alive until the call returns, and torch's caching allocator orders any reuse of their memory after
-    this launch on the same stream); other values are passed as they are (NumPy scalars of the
-    kernel's C types)."""
+# struct codes of the argument types :func:`run` packs itself (little-endian, standard sizes): NumPy
+# scalars as their C type, Python ints / floats / bools as CuPy passes them (8-byte int, double, bool)
+_CODE = {np.int8: "b", np.uint8: "B", np.int16: "h", np.uint16: "H", np.int32: "i", np.uint32: "I",
+         np.int64: "q", np.uint64: "Q", np.float16: "e", np.float32: "f", np.float64: "d", np.bool_: "?",
+         int: "q", float: "d", bool: "?"}
+
+
+@functools.lru_cache(maxsize=None)
+def _layout(types: tuple):
+    """(struct of the arguments at their C offsets followed by the array of their addresses, the
+    offsets, the byte offset of that array) for arguments of Python types ``types`` (torch tensors:
+    their 8-byte device address), or None if one of them is not packable: each value at its natural
+    alignment, as CUDA lays out a kernel's parameters; the address array (``kernelParams`` of
+    cuLaunchKernel) after them, 8-byte aligned."""
+    fmt, offsets, off = "<", [], 0
+    for t in types:
+        c = "Q" if issubclass(t, torch.Tensor) else _CODE.get(t)
+        if c is None:
+            return None
+        size = struct.calcsize("<" + c)
+        pad = -off % size
+        fmt += "x" * pad + c
+        offsets.append(off + pad)
+        off += pad + size
+    pad = -off % 8
+    fmt += "x" * pad + "Q" * len(types)
+    return struct.Struct(fmt), tuple(offsets), off + pad
+
+
+def pack_args(args) -> tuple | None:
+    """(ctypes buffer, address of its kernelParams array) holding ``args`` as :func:`run` launches them
+    (torch tensors as their device addresses), or None when an argument is of a type only CuPy's
+    launcher takes."""
+    import ctypes
+
+    lay = _layout(tuple(map(type, args)))
+    if lay is None:
+        return None
+    st, offsets, ptr_off = lay
+    buf = ctypes.create_string_buffer(st.size)
+    base = ctypes.addressof(buf)
+    st.pack_into(buf, 0, *[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args],
+                 *[base + o for o in offsets])
+    return buf, base + ptr_off
+
+
+@functools.lru_cache(maxsize=None)
+def static_smem(fn) -> int:
+    """Bytes of static shared memory of kernel ``fn`` (a driver query, asked once per kernel)."""
+    return int(fn.shared_size_bytes)
+
+
+@functools.lru_cache(maxsize=None)
+def _function_ptr(fn, dev: int) -> int:
+    """The CUfunction of RawKernel ``fn`` on device ``dev`` (which must be current)."""
+    return int(fn.kernel.ptr)
+
+
+def _launch_packed(fn, grid, block, args, dev: int, shared_mem: int, stream_ptr: int) -> bool:
+    """cuLaunchKernel of ``fn`` with ``args`` packed by :func:`pack_args` on device ``dev`` (current);
+    False (nothing launched) when an argument needs CuPy's launcher."""
+    from cupy.cuda import driver
+
+    packed = pack_args(args) if hasattr(driver, "launchKernel") else None
+    if packed is None:
+        return False
+    buf, params = packed
+    g = (tuple(int(x) for x in grid) + (1, 1))[:3]
+    b = (tuple(int(x) for x in block) + (1, 1))[:3]
+    driver.launchKernel(_function_ptr(fn, dev), max(1, g[0]), max(1, g[1]), max(1, g[2]), max(1, b[0]),
+                        max(1, b[1]), max(1, b[2]), int(shared_mem), stream_ptr, params, 0)
+    del buf                                             # the driver copied the parameters at the call
+    return True
+
+
+def run(fn, grid, block, args, device: torch.device, shared_mem: int = 0, stream: int | None = None) -> None:
+    """Launch ``fn`` with ``shared_mem`` bytes of dynamic shared memory on ``stream`` (a raw CUDA stream
+    handle; None: torch's current stream of ``device``): torch tensors in ``args`` become device pointers
+    (see :data:`ARG_MODE`; the tensors stay alive until the call returns, and torch's caching allocator
+    orders any reuse of their memory after this launch on the same stream); other values are passed as
+    they are (NumPy scalars of the kernel's C types). :data:`LAUNCH_MODE` says who packs them."""
     import cupy
 
     dev = device.index if device.index is not None else torch.cuda.current_device()
+    sp = raw_stream(dev) if stream is None else int(stream)
+    if LAUNCH_MODE == "packed" and ARG_MODE == "pointer":
+        if cupy.cuda.runtime.getDevice() == dev:
+            if _launch_packed(fn, grid, block, args, dev, shared_mem, sp):
+                return
+        else:
+            with cupy.cuda.Device(dev):
+                if _launch_packed(fn, grid, block, args, dev, shared_mem, sp):
+                    return
     conv = _pointer if ARG_MODE == "pointer" else arg
-    with cupy.cuda.Device(dev), _external_stream(_raw_stream(dev), dev):
+    with cupy.cuda.Device(dev), _external_stream(sp, dev):
         cargs = tuple(conv(a) if isinstance(a, torch.Tensor) else a for a in args)
         fn(tuple(int(g) for g in grid), tuple(int(b) for b in block), cargs, shared_mem=int(shared_mem))
+
+
+_EVENTS = threading.local()
+
+
+def _event(dev: int, k: int) -> int:
+    """Event ``k`` of device ``dev`` (no timing) for :func:`stream_wait`, created once per thread (a
+    thread's record and wait then never interleave with another thread's; the events live as long as
+    the process)."""
+    import cupy
+
+    d = _EVENTS.__dict__.setdefault("by_key", {})
+    ev = d.get((dev, k))
+    if ev is None:
+        with cupy.cuda.Device(dev):
+            ev = d[(dev, k)] = int(cupy.cuda.runtime.eventCreateWithFlags(2))       # cudaEventDisableTiming
+    return ev
+
+
+def stream_wait(waiter: int, waited: int, dev: int, k: int = 0) -> None:
+    """Make raw stream ``waiter`` wait for the work enqueued on raw stream ``waited`` so far (an event
+    recorded on ``waited``, waited for on ``waiter``: torch's ``Stream.wait_stream`` without a new event
+    per call; CUDA-graph capture records it as a dependency). ``k`` picks one of the thread's reusable
+    events of the device: a wait takes the event's state when it is enqueued, so the event may be
+    recorded again right after."""
+    import cupy
+
+    rt = cupy.cuda.runtime
+    ev = _event(dev, k)
+    rt.eventRecord(ev, waited)
+    rt.streamWaitEvent(waiter, ev, 0)
 
 
 def grid_1d(work: int, per_block: int, cap: int = 1 << 20) -> int:

@@ -126,29 +126,28 @@ def decode(cfg, st, q_rot, *, scale=None, out_dtype=torch.float32, R_out=None):
     rows = B * H_q * T_q
     o_part = torch.empty((S_TOTAL, rows, D), dtype=torch.float32, device=dev)
     lse_part = torch.empty((S_TOTAL, rows), dtype=torch.float32, device=dev)
-    main = torch.cuda.current_stream(dev)
-    side = PD._side_stream(dev_index) if side_ok else main
+    main = L.raw_stream(dev_index)                 # raw handles: the launches name their stream
+    side = PD._side_stream(dev_index).cuda_stream if side_ok else main
     tail_fn = _tail_kernel(tqt, tnw, TUNE["tail_prec"]) if nt else None   # (a bad knob raises before any launch)
 
     def launch_tail():
-        with torch.cuda.stream(side):
-            sk, sv, wk, wv = st.sink_k, st.sink_v, st.win_k, st.win_v
-            L.run(tail_fn, (nt * tqtiles, H, B), (32 * tnw,),
-                  (qq, sk, sv, wk, wv, np.int64(sk.stride(0)), np.int64(sk.stride(1)), np.int64(wk.stride(0)),
-                   np.int64(wk.stride(1)), np.int64(D), np.int64(n1), o_part, lse_part,
-                   *(np.int64(s) for s in qq.stride()[:3]), np.int32(B), np.int32(H_q), np.int32(H),
-                   np.int32(T_q), np.int64(NT), np.int64(chunk), np.int32(nt), np.int32(n_split),
-                   np.float32(sc)), dev)                                   # natural units
+        sk, sv, wk, wv = st.sink_k, st.sink_v, st.win_k, st.win_v
+        L.run(tail_fn, (nt * tqtiles, H, B), (32 * tnw,),
+              (qq, sk, sv, wk, wv, np.int64(sk.stride(0)), np.int64(sk.stride(1)), np.int64(wk.stride(0)),
+               np.int64(wk.stride(1)), np.int64(D), np.int64(n1), o_part, lse_part,
+               *(np.int64(s) for s in qq.stride()[:3]), np.int32(B), np.int32(H_q), np.int32(H),
+               np.int32(T_q), np.int64(NT), np.int64(chunk), np.int32(nt), np.int32(n_split),
+               np.float32(sc)), dev, stream=side)                       # natural units
 
     def launch_pages():
         L.run(fn, (n_split, H, B), (32 * nw,),
               (qq, *(np.int64(s) for s in qq.stride()[:3]), st.k_codes, st.k_scale, st.k_mn, st.v_codes,
                st.v_scale, st.v_mn, st.table, np.int32(st.table.shape[1]), o_part, lse_part,
                np.int32(B), np.int32(H_q), np.int32(H), np.int32(T_q), np.int32(NH), np.int32(NP),
-               np.int32(pps), np.int32(n_split), np.float32(sc * LOG2E)), dev, shared_mem=smem)
+               np.int32(pps), np.int32(n_split), np.float32(sc * LOG2E)), dev, shared_mem=smem, stream=main)
 
-    if side is not main:
-        side.wait_stream(main)                     # fork before either launch: they run side by side
+    if side != main:
+        L.stream_wait(side, main, dev_index)       # fork before either launch: they run side by side
     first = TUNE["tail_first"]
     if first is None:
         first = B * H * tqtiles >= sms
@@ -156,8 +155,8 @@ def decode(cfg, st, q_rot, *, scale=None, out_dtype=torch.float32, R_out=None):
     for needed, launch in (launches if first else launches[::-1]):
         if needed:
             launch()
-    if side is not main:
-        main.wait_stream(side)
+    if side != main:
+        L.stream_wait(main, side, dev_index)
     lse = torch.empty((B, H_q, T_q), dtype=torch.float32, device=dev)
     one_launch = TUNE["merge_rotate"] if TUNE["merge_rotate"] is not None else rows * (D // 32) <= sms
     if R3 is not None and not one_launch:

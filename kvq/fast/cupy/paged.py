@@ -527,7 +527,7 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
         # (_tail_warps: whether the tail fits beside them)
         resident = slots // sms
         per_sm = min(resident, -(-(n_split * qtiles * H * B) // sms))
-        fused_block = smem + int(fn.shared_size_bytes)
+        fused_block = smem + L.static_smem(fn)
     # the rest (the tail): sink + tokens [S + NF, T), on a side stream beside the fused kernel. Half-
     # precision q reads it in place: the rows whose key and value are both fp16 as fp16 tiles
     # (paged_tail16_attn), the mixed rows [NS, NS + n_mixed) (a key or a value from a page) as fp32 tiles
@@ -566,8 +566,8 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
         mm = kind == "mixed_mma"
         other = (_tail_mma_warps(dev_index, per_sm) * L.tail_mma_warp_bytes()
                  if any(p[0] == "mma" and p[1] > 0 for p in parts) else 0)
-        static = ((lambda n: int(_mixed_mma_kernel(n, dev_index).shared_size_bytes)) if mm else
-                  (lambda n: int(_tail_kernel(D, tqt, L.DT[q.dtype], f16, n, dev_index, sums).shared_size_bytes)))
+        static = ((lambda n: L.static_smem(_mixed_mma_kernel(n, dev_index))) if mm else
+                  (lambda n: L.static_smem(_tail_kernel(D, tqt, L.DT[q.dtype], f16, n, dev_index, sums))))
         return _tail_warps(D, dev_index, fused_block, f16, static, per_sm, resident, pps // nw if NP else 0, other,
                            L.mixed_mma_warp_bytes() if mm else 0)
 
@@ -582,9 +582,11 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     rows = B * H_q * T_q
     o_part = torch.empty((S_TOTAL, rows, D), dtype=torch.float32, device=dev)
     lse_part = torch.empty((S_TOTAL, rows), dtype=torch.float32, device=dev)
-    main = torch.cuda.current_stream(dev)
-    # the tail's parts each on their own side stream (side by side with the fused kernel and each other)
-    sides = [_side_stream(dev_index, k) if n_split and TUNE["side_stream"] else main for k in range(len(parts))]
+    main = L.raw_stream(dev_index)
+    # the tail's parts each on their own side stream (side by side with the fused kernel and each other),
+    # as raw stream handles: the launches name their stream (no torch stream context per launch)
+    side_objs = [_side_stream(dev_index, k) if n_split and TUNE["side_stream"] else None for k in range(len(parts))]
+    sides = [main if so is None else so.cuda_stream for so in side_objs]
 
     rows_args = _tail_rows(cfg, codec, st, NF, kp)[1:] if in_place and nt else None   # paged_tail*_attn's TailRows
     qf = q if q.stride(-1) == 1 else q.contiguous()   # the kernels read q rows with a unit last stride
@@ -593,36 +595,39 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
         qs = tuple(np.int64(s) for s in qf.stride()[:3])
         qk = np.float32(sc if precise else sc * LOG2E)
         split0 = n_split
-        for side, (kind, n_rows, u, nw_t, chunk, n) in zip(sides, parts):
-            with torch.cuda.stream(side):
-                grid, dims = (n * qtiles_of.get(kind, tqtiles), H, B), (np.int32(B), np.int32(H_q))
-                common = (np.int64(n_rows), np.int64(chunk), np.int32(n), np.int32(split0), qk)
-                if kind == "mma":
-                    ptrs, ints = rows_args
-                    L.run(_tail_mma_kernel(nw_t, dev_index), grid, (32 * nw_t,),
-                          (qf, *ptrs, np.int32(c["n_sink"]), np.int32(n_mixed), o_part, lse_part, *qs, *dims,
-                           np.int32(T_q), *common, *ints), dev, shared_mem=nw_t * L.tail_mma_warp_bytes())
-                elif kind == "mixed_mma":
-                    ptrs, ints = rows_args
-                    L.run(_mixed_mma_kernel(nw_t, dev_index), grid, (32 * nw_t,),
-                          (qf, *ptrs, np.int32(k_bits), np.int32(kitty), np.int32(u), o_part, lse_part, *qs, *dims,
-                           np.int32(T_q), *common, *ints), dev, shared_mem=nw_t * L.mixed_mma_warp_bytes())
-                elif kind == "gather":
+        for side, side_obj, (kind, n_rows, u, nw_t, chunk, n) in zip(sides, side_objs, parts):
+            grid, dims = (n * qtiles_of.get(kind, tqtiles), H, B), (np.int32(B), np.int32(H_q))
+            common = (np.int64(n_rows), np.int64(chunk), np.int32(n), np.int32(split0), qk)
+            if kind == "mma":
+                ptrs, ints = rows_args
+                L.run(_tail_mma_kernel(nw_t, dev_index), grid, (32 * nw_t,),
+                      (qf, *ptrs, np.int32(c["n_sink"]), np.int32(n_mixed), o_part, lse_part, *qs, *dims,
+                       np.int32(T_q), *common, *ints), dev, shared_mem=nw_t * L.tail_mma_warp_bytes(), stream=side)
+            elif kind == "mixed_mma":
+                ptrs, ints = rows_args
+                L.run(_mixed_mma_kernel(nw_t, dev_index), grid, (32 * nw_t,),
+                      (qf, *ptrs, np.int32(k_bits), np.int32(kitty), np.int32(u), o_part, lse_part, *qs, *dims,
+                       np.int32(T_q), *common, *ints), dev, shared_mem=nw_t * L.mixed_mma_warp_bytes(), stream=side)
+            elif kind == "gather":
+                # the gather allocates its fp32 copy: on the side stream, so that the allocator orders its
+                # reuse after the attention that reads it
+                with torch.cuda.stream(side_obj if side_obj is not None else torch.cuda.current_stream(dev)):
                     tk, tv = gather_tail(cfg, codec, st, NF)
                     fn_t = (A._split_kernel(L.DT[torch.float32], D, tqt, nw_t) if precise else
                             A._split_kernel(L.DT[torch.float32], D, tqt, nw_t, L.DT[q.dtype], sums=sums))
                     L.run(fn_t, grid, (32 * nw_t,),
                           (qf, tk, tv, o_part, lse_part, *qs, *(np.int64(s) for s in tk.stride()[:3]),
-                           *(np.int64(s) for s in tv.stride()[:3]), *dims, np.int32(H), np.int32(T_q), *common), dev)
-                else:
-                    ptrs, ints = rows_args
-                    f16 = kind == "fp16"
-                    fn_t = _tail_kernel(D, tqt, L.DT[q.dtype], f16, nw_t, dev_index, sums)
-                    where = ((np.int32(c["n_sink"]), np.int32(n_mixed)) if f16 else
-                             (np.int32(k_bits), np.int32(cfg.v_bits), np.int32(kitty), np.int32(u)))
-                    L.run(fn_t, grid, (32 * nw_t,),
-                          (qf, *ptrs, *where, o_part, lse_part, *qs, *dims, np.int32(T_q), *common, *ints), dev,
-                          shared_mem=nw_t * _tail_warp_bytes(D, f16))         # dynamic: the tiles
+                           *(np.int64(s) for s in tv.stride()[:3]), *dims, np.int32(H), np.int32(T_q), *common),
+                          dev)
+            else:
+                ptrs, ints = rows_args
+                f16 = kind == "fp16"
+                fn_t = _tail_kernel(D, tqt, L.DT[q.dtype], f16, nw_t, dev_index, sums)
+                where = ((np.int32(c["n_sink"]), np.int32(n_mixed)) if f16 else
+                         (np.int32(k_bits), np.int32(cfg.v_bits), np.int32(kitty), np.int32(u)))
+                L.run(fn_t, grid, (32 * nw_t,),
+                      (qf, *ptrs, *where, o_part, lse_part, *qs, *dims, np.int32(T_q), *common, *ints), dev,
+                      shared_mem=nw_t * _tail_warp_bytes(D, f16), stream=side)         # dynamic: the tiles
             split0 += n
 
     def launch_fused():
@@ -632,17 +637,18 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
                st.k_table, st.v_table, np.int32(st.k_table.shape[1]), o_part, lse_part,
                np.int32(B), np.int32(H_q), np.int32(H), np.int32(T_q), np.int32(NF), np.int32(NP),
                np.int32(pps), np.int32(n_split), np.int32(db), np.int32(ngv), np.float32(sc * LOG2E)),
-              dev, shared_mem=smem)
+              dev, shared_mem=smem, stream=main)
 
-    for side in set(sides) - {main}:
-        side.wait_stream(main)                        # fork before any launch: they run side by side
+    forked = sorted(set(sides) - {main})
+    for k, side in enumerate(forked):
+        L.stream_wait(side, main, dev_index, k)       # fork before any launch: they run side by side
     # the tail's blocks first (they take SM slots before the fused grid fills them: the latency of a
     # small step) or the fused grid first (TUNE["tail_first"] = False: its makespan model sees every slot)
     launches = [(nt, launch_tail), (n_split, launch_fused)]
     for needed, launch in (launches if TUNE["tail_first"] else launches[::-1]):
         if needed:
             launch()
-    for side in set(sides) - {main}:
-        main.wait_stream(side)                        # the tail's partials are written
+    for k, side in enumerate(forked):
+        L.stream_wait(main, side, dev_index, k)       # the tail's partials are written
     A._merge_launch(o_part, lse_part, out, lse, rows, S_TOTAL, D)
     return out, lse
