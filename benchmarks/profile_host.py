@@ -93,15 +93,14 @@ def breakdown(fn, calls: int) -> dict:
     import kvq.fast.cupy._loader as L
 
     real_run, real_wait = L.run, L.stream_wait
-    seen = []
-    L.run = lambda fn_, grid, block, args, dev, shared_mem=0, stream=None: seen.append(args)
+    per = []
+    L.run = lambda *a, **k: None
     try:
         out = {"no_launch_us": host_rounds(fn, calls)[0]}
         L.stream_wait = lambda *a, **k: None
         out["no_launch_no_wait_us"] = host_rounds(fn, calls)[0]
-        seen.clear()
+        L.run = lambda fn_, grid, block, args, dev, shared_mem=0, stream=None: per.append(args)
         fn()                                       # one call: its launches' arguments
-        per = list(seen)
     finally:
         L.run, L.stream_wait = real_run, real_wait
     out["launches_per_call"] = len(per)

@@ -18,6 +18,7 @@ it is given; :func:`stream_wait` orders two raw streams.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import struct
@@ -390,18 +391,25 @@ def _function_ptr(fn, dev: int) -> int:
     return int(fn.kernel.ptr)
 
 
+@functools.lru_cache(maxsize=None)
+def _driver_launch():
+    """CuPy's binding of cuLaunchKernel, or None where this CuPy has none (then CuPy's launcher runs)."""
+    from cupy.cuda import driver
+
+    return getattr(driver, "launchKernel", None)
+
+
 def _launch_packed(fn, grid, block, args, dev: int, shared_mem: int, stream_ptr: int) -> bool:
     """cuLaunchKernel of ``fn`` with ``args`` packed by :func:`pack_args` on device ``dev`` (current);
     False (nothing launched) when an argument needs CuPy's launcher."""
-    from cupy.cuda import driver
-
-    packed = pack_args(args) if hasattr(driver, "launchKernel") else None
+    launch = _driver_launch()
+    packed = pack_args(args) if launch is not None else None
     if packed is None:
         return False
     buf, params = packed
     g = (tuple(int(x) for x in grid) + (1, 1))[:3]
     b = (tuple(int(x) for x in block) + (1, 1))[:3]
-    driver.launchKernel(_function_ptr(fn, dev), max(1, g[0]), max(1, g[1]), max(1, g[2]), max(1, b[0]),
+    launch(_function_ptr(fn, dev), max(1, g[0]), max(1, g[1]), max(1, g[2]), max(1, b[0]),
                         max(1, b[1]), max(1, b[2]), int(shared_mem), stream_ptr, params, 0)
     del buf                                             # the driver copied the parameters at the call
     return True
@@ -418,13 +426,9 @@ def run(fn, grid, block, args, device: torch.device, shared_mem: int = 0, stream
     dev = device.index if device.index is not None else torch.cuda.current_device()
     sp = raw_stream(dev) if stream is None else int(stream)
     if LAUNCH_MODE == "packed" and ARG_MODE == "pointer":
-        if cupy.cuda.runtime.getDevice() == dev:
+        with contextlib.nullcontext() if cupy.cuda.runtime.getDevice() == dev else cupy.cuda.Device(dev):
             if _launch_packed(fn, grid, block, args, dev, shared_mem, sp):
                 return
-        else:
-            with cupy.cuda.Device(dev):
-                if _launch_packed(fn, grid, block, args, dev, shared_mem, sp):
-                    return
     conv = _pointer if ARG_MODE == "pointer" else arg
     with cupy.cuda.Device(dev), _external_stream(sp, dev):
         cargs = tuple(conv(a) if isinstance(a, torch.Tensor) else a for a in args)
