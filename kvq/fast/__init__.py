@@ -42,6 +42,9 @@ MIRRORED = {
              "fit_reduced_rank", "to_tokens", "from_tokens", "calibration_tokens", "calibrate", "encode",
              "decode"),
     "aqua_cache": ("AquaState", "init", "append", "dequantize", "forward", "bits_per_value", "state_bytes"),
+    "bitdecoding": ("BitDecodingConfig", "CONFIGS", "residual_block_size", "partition", "pack_keys", "pack_values",
+                    "unpack_keys", "unpack_values", "dequantize_page", "query_transform", "query_untransform",
+                    "BitDecodingState", "init", "append", "dequantize", "decode_attention"),
 }
 
 #: backend -> module -> reference functions that have no fast version yet, and the issue that adds it
@@ -70,6 +73,14 @@ for _backend in BACKENDS:
         "forward": "Algorithm 4 runs a model layer by layer: kvq has no torch model behind the KVModel interface "
                    "yet; its cache steps are aqua_cache.append, decode_layer and decode_attention",
     }
+for _backend in BACKENDS:
+    NOT_YET_IMPLEMENTED[_backend]["bitdecoding"] = {
+        name: "issue 6: the fast BitDecoding cache and its tensor-core fused decode are not built yet"
+        for name in ("BitDecodingState", "init", "append", "dequantize", "decode_attention")}
+NOT_YET_IMPLEMENTED["triton"]["bitdecoding"].update({
+    name: "issue 6: the Triton BitDecoding kernels are not built yet (the CuPy backend has them)"
+    for name in ("BitDecodingConfig", "CONFIGS", "residual_block_size", "partition", "pack_keys", "pack_values",
+                 "unpack_keys", "unpack_values", "dequantize_page", "query_transform", "query_untransform")})
 del _backend
 
 

@@ -224,6 +224,18 @@ def _flush_names():
             + tuple(value_evict_name(b, mh, p2) for b in PAGED_VBITS for mh in (False, True) for p2 in (False, True)))
 
 
+#: BitDecoding's warps along N (W_n of eq. 1) that bitdecoding.cu is built for
+BITDECODING_WARPS = (1, 2, 4, 8)
+
+
+def _bitdecoding_names():
+    """bitdecoding.cu: the Residual Kernel's key / value packing per input dtype (fp16, fp32), bits and
+    W_n, and the page dequantization per bits and W_n."""
+    return (tuple(f"bd_pack_{kv}<{dt}, {b}, {nw}>" for kv in ("keys", "values") for dt in (0, 2) for b in (2, 4)
+                  for nw in BITDECODING_WARPS)
+            + tuple(f"bd_dequantize<{b}, {nw}>" for b in (2, 4) for nw in BITDECODING_WARPS))
+
+
 #: source file -> every kernel name expression the Python side may request (tests compile them all)
 KERNELS = {
     "quant.cu": _quant_names(),
@@ -234,6 +246,7 @@ KERNELS = {
     "oscar.cu": _oscar_names(),
     "oscar_decode.cu": OSCAR_DECODE_NAMES,
     "aqua.cu": _aqua_names(),
+    "bitdecoding.cu": _bitdecoding_names(),
 }
 
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.MULTILINE)

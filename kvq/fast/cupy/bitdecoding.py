@@ -1,0 +1,178 @@
+"""CuPy BitDecoding: the Residual Kernel (quantize and pack pages into the induced layout) and the page's
+dequantization as raw CUDA kernels (``bitdecoding.cu``); mirrors ``kvq.reference.bitdecoding``.
+
+    from kvq.fast.cupy import bitdecoding as bd
+    cfg = bd.CONFIGS["BitDecoding-KC2"]                       # the reference's objects
+    k_words, k_params = bd.pack_keys(cfg, k)                  # k: (..., N_r, D) fp16 / fp32 CUDA tensor
+
+The words (torch.uint16) and the half2 params (torch.float16, last axis (scale, min)) are the reference's
+bytes, bit for bit. The cache (``init`` / ``append`` / ``dequantize`` / ``decode_attention``) and the
+tensor-core decode kernel are not built yet (``kvq.fast.NOT_YET_IMPLEMENTED``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvq.fast import _common as C
+from kvq.reference import bitdecoding as _R
+from kvq.reference.bitdecoding import CONFIGS, P_N, BitDecodingConfig  # noqa: F401  (the reference's objects)
+
+from . import _loader as L
+
+__all__ = ["BitDecodingConfig", "CONFIGS", "residual_block_size", "partition", "pack_keys", "pack_values",
+           "unpack_keys", "unpack_values", "dequantize_page", "query_transform", "query_untransform"]
+
+_SRC = "bitdecoding.cu"
+_DT = {torch.float16: 0, torch.float32: 2}
+
+
+def residual_block_size(bits: int, warps_n: int = 4, word_bits: int = _R.WORD_BITS, p_n: int = P_N) -> int:
+    """Mirrors `kvq.reference.bitdecoding.residual_block_size` (eq. 1; plain integers, no kernel)."""
+    return _R.residual_block_size(bits, warps_n, word_bits, p_n)
+
+
+def partition(length: int, n_r: int) -> tuple[int, int]:
+    """Mirrors `kvq.reference.bitdecoding.partition` (plain integers, no kernel)."""
+    return _R.partition(length, n_r)
+
+
+def _check_cfg(cfg) -> None:
+    if not isinstance(cfg, BitDecodingConfig):
+        raise TypeError(f"cfg must be a BitDecodingConfig, got {type(cfg).__name__}")
+    if cfg.warps_n not in L.BITDECODING_WARPS:
+        raise ValueError(f"warps_n={cfg.warps_n}: the CUDA kernels are built for W_n in {L.BITDECODING_WARPS}")
+
+
+def _check_block(cfg, x, name: str) -> torch.Tensor:
+    """The reference's page checks (same errors) on a CUDA tensor; returns it contiguous and 8-byte aligned."""
+    _check_cfg(cfg)
+    C.check_tensor(x, name)
+    if x.dtype not in _DT:
+        raise TypeError(f"{name} has dtype {x.dtype}; expected float16 or float32")
+    if x.ndim < 2 or x.shape[-2] != cfg.n_r:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}; a page is (..., N_r={cfg.n_r}, D)")
+    cfg.check_head_dim(x.shape[-1])
+    C.check_finite(x, name)
+    xc = x.contiguous()
+    return xc if xc.data_ptr() % 8 == 0 else xc.clone()
+
+
+def _check_params(p, name: str) -> None:
+    """Rule 8 for float32 input: a page whose range overflows the fp16 params raises, as the reference."""
+    if C.validation_enabled() and p.numel() and not bool(torch.isfinite(p).all()):
+        raise ValueError(f"{name}: the group's scale or min overflows float16 (the half2 params); "
+                         f"the page's range is too large for BitDecoding's fp16 metadata")
+
+
+def pack_keys(cfg: BitDecodingConfig, k):
+    """Mirrors `kvq.reference.bitdecoding.pack_keys`: ``(k_words (..., 8 W_n, D) torch.uint16, k_params
+    (..., groups, 2) torch.float16)``, one block per page (bd_pack_keys), bit-exact.
+
+    Differences: k is a float16 / float32 CUDA tensor; the NaN / inf check runs while
+    ``kvq.fast.validation`` is on."""
+    xc = _check_block(cfg, k, "k")
+    lead, D = tuple(xc.shape[:-2]), xc.shape[-1]
+    n = int(np.prod(lead, dtype=np.int64))
+    chan = cfg.k_mode == "channel"
+    kp_shape = (cfg.n_r // cfg.k_group, D) if chan else (cfg.n_r, D // cfg.k_group)
+    words = torch.empty((*lead, P_N * cfg.warps_n, D), dtype=torch.uint16, device=xc.device)
+    params = torch.empty((*lead, *kp_shape, 2), dtype=torch.float16, device=xc.device)
+    if n:
+        smem = 2 * cfg.warps_n * D * 4 if chan and cfg.k_group > P_N * cfg.per_word else 0
+        fn = L.kernel(_SRC, f"bd_pack_keys<{_DT[xc.dtype]}, {cfg.bits}, {cfg.warps_n}>")
+        L.run(fn, (n,), (32 * cfg.warps_n,),
+              (xc, np.int64(cfg.n_r * D), np.int32(D), np.int32(chan), np.int32(cfg.k_group), words, params),
+              xc.device, shared_mem=smem)
+    _check_params(params, "k")
+    return words, params
+
+
+def pack_values(cfg: BitDecodingConfig, v):
+    """Mirrors `kvq.reference.bitdecoding.pack_values`: ``(v_words (..., N_r, D / R) torch.uint16,
+    v_params (..., N_r, D / v_group, 2) torch.float16)``, one block per page (bd_pack_values), bit-exact.
+
+    Differences: as :func:`pack_keys`."""
+    xc = _check_block(cfg, v, "v")
+    lead, D = tuple(xc.shape[:-2]), xc.shape[-1]
+    n = int(np.prod(lead, dtype=np.int64))
+    words = torch.empty((*lead, cfg.n_r, D // cfg.per_word), dtype=torch.uint16, device=xc.device)
+    params = torch.empty((*lead, cfg.n_r, D // cfg.v_group, 2), dtype=torch.float16, device=xc.device)
+    if n:
+        fn = L.kernel(_SRC, f"bd_pack_values<{_DT[xc.dtype]}, {cfg.bits}, {cfg.warps_n}>")
+        L.run(fn, (n,), (32 * cfg.warps_n,),
+              (xc, np.int64(cfg.n_r * D), np.int32(D), np.int32(cfg.v_group), words, params), xc.device)
+    _check_params(params, "v")
+    return words, params
+
+
+def _check_words(x, name: str, dim: int, want: int, what: str):
+    C.check_tensor(x, name)
+    if x.dtype != torch.uint16 or x.ndim < 2 or (want and x.shape[dim] != want) or (not want and x.shape[-1] % P_N):
+        raise ValueError(f"{name} has dtype {x.dtype}, shape {tuple(x.shape)}; expected uint16 {what}")
+
+
+def unpack_keys(cfg: BitDecodingConfig, k_words) -> torch.Tensor:
+    """Mirrors `kvq.reference.bitdecoding.unpack_keys`: codes (..., N_r, D) torch.uint8 (torch ops on the
+    words: shifts and masks, the layout's index map)."""
+    _check_cfg(cfg)
+    _check_words(k_words, "k_words", -2, P_N * cfg.warps_n, f"(..., {P_N * cfg.warps_n}, D)")
+    lead, D, R = tuple(k_words.shape[:-2]), k_words.shape[-1], cfg.per_word
+    w = k_words.to(torch.int32).reshape(*lead, cfg.warps_n, P_N, D)
+    shifts = torch.arange(R, device=w.device, dtype=torch.int32) * cfg.bits
+    c = (w[..., None] >> shifts) & ((1 << cfg.bits) - 1)                       # [w, g, c, i]
+    return c.movedim(-1, -3).reshape(*lead, cfg.n_r, D).to(torch.uint8)
+
+
+def unpack_values(cfg: BitDecodingConfig, v_words) -> torch.Tensor:
+    """Mirrors `kvq.reference.bitdecoding.unpack_values`: codes (..., N_r, D) torch.uint8."""
+    _check_cfg(cfg)
+    _check_words(v_words, "v_words", -1, 0, f"(..., N_r, D / {cfg.per_word}) with D / {cfg.per_word} a "
+                                            f"multiple of {P_N}")
+    lead, W, R = tuple(v_words.shape[:-1]), v_words.shape[-1], cfg.per_word
+    w = v_words.to(torch.int32).reshape(*lead, W // P_N, P_N)
+    shifts = torch.arange(R, device=w.device, dtype=torch.int32) * cfg.bits
+    c = (w[..., None] >> shifts) & ((1 << cfg.bits) - 1)                       # [t, u, g, i]
+    return c.transpose(-1, -2).reshape(*lead, W * R).to(torch.uint8)
+
+
+def dequantize_page(cfg: BitDecodingConfig, k_words, k_params, v_words, v_params):
+    """Mirrors `kvq.reference.bitdecoding.dequantize_page`: (K, V) torch.float16 (..., N_r, D), one thread
+    per element (bd_dequantize), bit-exact."""
+    _check_cfg(cfg)
+    _check_words(k_words, "k_words", -2, P_N * cfg.warps_n, f"(..., {P_N * cfg.warps_n}, D)")
+    lead, D = tuple(k_words.shape[:-2]), k_words.shape[-1]
+    cfg.check_head_dim(D)
+    chan = cfg.k_mode == "channel"
+    want = {"k_params": (*lead, *((cfg.n_r // cfg.k_group, D) if chan else (cfg.n_r, D // cfg.k_group)), 2),
+            "v_words": (*lead, cfg.n_r, D // cfg.per_word), "v_params": (*lead, cfg.n_r, D // cfg.v_group, 2)}
+    for name, x in (("k_params", k_params), ("v_words", v_words), ("v_params", v_params)):
+        C.check_tensor(x, name)
+        dt = torch.uint16 if name == "v_words" else torch.float16
+        if tuple(x.shape) != want[name] or x.dtype != dt:
+            raise ValueError(f"{name} has dtype {x.dtype}, shape {tuple(x.shape)}; expected {dt} {want[name]}")
+    n = int(np.prod(lead, dtype=np.int64))
+    ko = torch.empty((*lead, cfg.n_r, D), dtype=torch.float16, device=k_words.device)
+    vo = torch.empty_like(ko)
+    if n:
+        total = 2 * n * cfg.n_r * D
+        fn = L.kernel(_SRC, f"bd_dequantize<{cfg.bits}, {cfg.warps_n}>")
+        L.run(fn, (L.grid_1d(total, 256),), (256,),
+              (k_words.contiguous(), k_params.contiguous(), v_words.contiguous(), v_params.contiguous(),
+               np.int64(n), np.int32(D), np.int32(chan), np.int32(cfg.k_group), np.int32(cfg.v_group), ko, vo),
+              k_words.device)
+    return ko, vo
+
+
+def query_transform(q, kv_heads: int) -> torch.Tensor:
+    """Mirrors `kvq.reference.bitdecoding.query_transform`: (B, H_q, T_q, D) -> (B, H_kv, g_q T_q, D), a view
+    where q is contiguous (torch ``reshape``)."""
+    C.check_tensor(q, "q", allow_cpu=True)
+    return q.reshape(_R.transformed_shape(tuple(q.shape), kv_heads))
+
+
+def query_untransform(o, q_heads: int) -> torch.Tensor:
+    """Mirrors `kvq.reference.bitdecoding.query_untransform`: (B, H_kv, g_q T_q, ...) -> (B, H_q, T_q, ...)."""
+    C.check_tensor(o, "o", allow_cpu=True)
+    return o.reshape(_R.untransformed_shape(tuple(o.shape), q_heads))
