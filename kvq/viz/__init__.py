@@ -11,11 +11,15 @@ torch. matplotlib itself is imported only when a function is called.
 Modules: ``channels`` (Kitty section 3.2, Figures 2a/2b, boost-rate curves), ``page_layout`` (Kitty
 section 4.1, Figure 3a), ``groups`` (per-token vs per-channel group ranges, KIVI section 3.1), ``aqua`` (AQUA-KV Fig. 2
 probes, HIGGS grids, residual variance per layer), ``oscar`` (OSCAR Table 10 / Figs. 1, 2, 3, 7: group
-ranges under each rotation, spectra, alignment, KL versus context, the error table).
+ranges under each rotation, spectra, alignment, KL versus context, the error table), ``fragments``
+(BitDecoding Fig. 3a: the mma.m16n8k16 register fragment layouts), ``bitdecoding`` (BitDecoding Fig. 5:
+the induced low-bit packing of one lane; Fig. 6: the warp partition along N with sTMP and sAcc).
 """
 
 from .aqua import plot_explained_variance, plot_higgs_grid, plot_residual_variance
+from .bitdecoding import plot_induced_packing, plot_warp_partition
 from .channels import plot_channel_magnitudes, plot_channel_sensitivity, plot_error_vs_boost
+from .fragments import plot_fragment_layout
 from .groups import group_ranges, plot_group_ranges
 from .oscar import plot_alignment, plot_error_table, plot_kl_vs_context, plot_spectra, plot_token_groups
 from .page_layout import plot_page_layout
@@ -35,4 +39,7 @@ __all__ = [
     "plot_alignment",
     "plot_kl_vs_context",
     "plot_error_table",
+    "plot_fragment_layout",
+    "plot_induced_packing",
+    "plot_warp_partition",
 ]
