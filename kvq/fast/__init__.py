@@ -77,10 +77,6 @@ for _backend in BACKENDS:
     NOT_YET_IMPLEMENTED[_backend]["bitdecoding"] = {
         name: "issue 6: the fast BitDecoding cache and its tensor-core fused decode are not built yet"
         for name in ("BitDecodingState", "init", "append", "dequantize", "decode_attention")}
-NOT_YET_IMPLEMENTED["triton"]["bitdecoding"].update({
-    name: "issue 6: the Triton BitDecoding kernels are not built yet (the CuPy backend has them)"
-    for name in ("BitDecodingConfig", "CONFIGS", "residual_block_size", "partition", "pack_keys", "pack_values",
-                 "unpack_keys", "unpack_values", "dequantize_page", "query_transform", "query_untransform")})
 del _backend
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvq.fast import _bitdecoding as B
 from kvq.fast import _common as C
 from kvq.reference import bitdecoding as _R
 from kvq.reference.bitdecoding import CONFIGS, P_N, BitDecodingConfig  # noqa: F401  (the reference's objects)
@@ -107,52 +108,27 @@ def pack_values(cfg: BitDecodingConfig, v):
     return words, params
 
 
-def _check_words(x, name: str, dim: int, want: int, what: str):
-    C.check_tensor(x, name)
-    if x.dtype != torch.uint16 or x.ndim < 2 or (want and x.shape[dim] != want) or (not want and x.shape[-1] % P_N):
-        raise ValueError(f"{name} has dtype {x.dtype}, shape {tuple(x.shape)}; expected uint16 {what}")
-
-
 def unpack_keys(cfg: BitDecodingConfig, k_words) -> torch.Tensor:
     """Mirrors `kvq.reference.bitdecoding.unpack_keys`: codes (..., N_r, D) torch.uint8 (torch ops on the
-    words: shifts and masks, the layout's index map)."""
+    words: shifts and masks, the layout's index map; ``kvq.fast._bitdecoding``)."""
     _check_cfg(cfg)
-    _check_words(k_words, "k_words", -2, P_N * cfg.warps_n, f"(..., {P_N * cfg.warps_n}, D)")
-    lead, D, R = tuple(k_words.shape[:-2]), k_words.shape[-1], cfg.per_word
-    w = k_words.to(torch.int32).reshape(*lead, cfg.warps_n, P_N, D)
-    shifts = torch.arange(R, device=w.device, dtype=torch.int32) * cfg.bits
-    c = (w[..., None] >> shifts) & ((1 << cfg.bits) - 1)                       # [w, g, c, i]
-    return c.movedim(-1, -3).reshape(*lead, cfg.n_r, D).to(torch.uint8)
+    B.check_key_words(cfg, k_words, allow_cpu=False)
+    return B.unpack_keys(cfg, k_words)
 
 
 def unpack_values(cfg: BitDecodingConfig, v_words) -> torch.Tensor:
     """Mirrors `kvq.reference.bitdecoding.unpack_values`: codes (..., N_r, D) torch.uint8."""
     _check_cfg(cfg)
-    _check_words(v_words, "v_words", -1, 0, f"(..., N_r, D / {cfg.per_word}) with D / {cfg.per_word} a "
-                                            f"multiple of {P_N}")
-    lead, W, R = tuple(v_words.shape[:-1]), v_words.shape[-1], cfg.per_word
-    w = v_words.to(torch.int32).reshape(*lead, W // P_N, P_N)
-    shifts = torch.arange(R, device=w.device, dtype=torch.int32) * cfg.bits
-    c = (w[..., None] >> shifts) & ((1 << cfg.bits) - 1)                       # [t, u, g, i]
-    return c.transpose(-1, -2).reshape(*lead, W * R).to(torch.uint8)
+    B.check_value_words(cfg, v_words, allow_cpu=False)
+    return B.unpack_values(cfg, v_words)
 
 
 def dequantize_page(cfg: BitDecodingConfig, k_words, k_params, v_words, v_params):
     """Mirrors `kvq.reference.bitdecoding.dequantize_page`: (K, V) torch.float16 (..., N_r, D), one thread
     per element (bd_dequantize), bit-exact."""
     _check_cfg(cfg)
-    _check_words(k_words, "k_words", -2, P_N * cfg.warps_n, f"(..., {P_N * cfg.warps_n}, D)")
-    lead, D = tuple(k_words.shape[:-2]), k_words.shape[-1]
-    cfg.check_head_dim(D)
+    lead, D, n = B.check_page(cfg, k_words, k_params, v_words, v_params, allow_cpu=False)
     chan = cfg.k_mode == "channel"
-    want = {"k_params": (*lead, *((cfg.n_r // cfg.k_group, D) if chan else (cfg.n_r, D // cfg.k_group)), 2),
-            "v_words": (*lead, cfg.n_r, D // cfg.per_word), "v_params": (*lead, cfg.n_r, D // cfg.v_group, 2)}
-    for name, x in (("k_params", k_params), ("v_words", v_words), ("v_params", v_params)):
-        C.check_tensor(x, name)
-        dt = torch.uint16 if name == "v_words" else torch.float16
-        if tuple(x.shape) != want[name] or x.dtype != dt:
-            raise ValueError(f"{name} has dtype {x.dtype}, shape {tuple(x.shape)}; expected {dt} {want[name]}")
-    n = int(np.prod(lead, dtype=np.int64))
     ko = torch.empty((*lead, cfg.n_r, D), dtype=torch.float16, device=k_words.device)
     vo = torch.empty_like(ko)
     if n:
@@ -168,11 +144,9 @@ def dequantize_page(cfg: BitDecodingConfig, k_words, k_params, v_words, v_params
 def query_transform(q, kv_heads: int) -> torch.Tensor:
     """Mirrors `kvq.reference.bitdecoding.query_transform`: (B, H_q, T_q, D) -> (B, H_kv, g_q T_q, D), a view
     where q is contiguous (torch ``reshape``)."""
-    C.check_tensor(q, "q", allow_cpu=True)
-    return q.reshape(_R.transformed_shape(tuple(q.shape), kv_heads))
+    return B.query_transform(q, kv_heads)
 
 
 def query_untransform(o, q_heads: int) -> torch.Tensor:
     """Mirrors `kvq.reference.bitdecoding.query_untransform`: (B, H_kv, g_q T_q, ...) -> (B, H_q, T_q, ...)."""
-    C.check_tensor(o, "o", allow_cpu=True)
-    return o.reshape(_R.untransformed_shape(tuple(o.shape), q_heads))
+    return B.query_untransform(o, q_heads)
