@@ -33,6 +33,15 @@ FAST_TARGETS = [
 ]
 
 
+@pytest.fixture(params=[pytest.param(p.values[0][1], id=p.id, marks=p.marks) for p in FAST_TARGETS
+                        if p.values[0][0] == "triton"])
+def triton_device(request):
+    """The Triton targets of ``fast_target`` as a device name ("cpu": the interpreter, only without a GPU)."""
+    if request.param == "cpu" and _HAS_CUDA:
+        pytest.skip("the Triton interpreter target runs only on machines without a GPU (CI)")
+    return request.param
+
+
 def pytest_collection_modifyitems(config, items):
     """Without CUDA, gpu tests are skipped with a reason (CI deselects them with ``-m "not gpu"``)."""
     if _HAS_CUDA:

@@ -19,6 +19,24 @@ def dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def check_cfg(cfg) -> None:
+    if not isinstance(cfg, _R.BitDecodingConfig):
+        raise TypeError(f"cfg must be a BitDecodingConfig, got {type(cfg).__name__}")
+
+
+def check_page_input(cfg, x, name: str, *, allow_cpu: bool) -> torch.Tensor:
+    """The reference's page checks (same errors) on a torch tensor of pages (..., N_r, D); returns it contiguous."""
+    check_cfg(cfg)
+    C.check_tensor(x, name, allow_cpu=allow_cpu)
+    if x.dtype not in (torch.float16, torch.float32):
+        raise TypeError(f"{name} has dtype {dtype_name(x.dtype)}; expected float16 or float32")
+    if x.ndim < 2 or x.shape[-2] != cfg.n_r:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}; a page is (..., N_r={cfg.n_r}, D)")
+    cfg.check_head_dim(x.shape[-1])
+    C.check_finite(x, name)
+    return x.contiguous()
+
+
 def check_words(x, name: str, dim: int, want: int, what: str, *, allow_cpu: bool) -> None:
     """x: uint16 words with ``x.shape[dim] == want`` (or, with ``want == 0``, a last axis of whole 8-word blocks)."""
     C.check_tensor(x, name, allow_cpu=allow_cpu)

@@ -34,13 +34,13 @@ per token); values tensor-wise ``(N_r, D / v_group, 2)``.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import attention as attn
 from . import numerics as nx
+from .state import FlatArrays
 from .quant import dequantize as _dequantize
 from .quant import quantize as _quantize
 
@@ -269,7 +269,7 @@ def query_untransform(o, q_heads: int) -> np.ndarray:
 
 
 @dataclass
-class BitDecodingState:
+class BitDecodingState(FlatArrays):
     """The bytes of one layer's cache (B batch, H KV heads, D head dim, P pool pages, N pages per
     sequence, N_r tokens per page), plus counters. Keys and values of a page share its page id."""
 
@@ -284,12 +284,6 @@ class BitDecodingState:
     next_page: int = 0          # next free page of the pool
     shape: tuple = field(default=(0, 0, 0))   # (B, H, D)
 
-    def arrays(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if isinstance(getattr(self, f.name), np.ndarray)}
-
-    def copy(self) -> "BitDecodingState":
-        return dataclasses.replace(self, **{n: a.copy() for n, a in self.arrays().items()})
 
 
 def init(cfg: BitDecodingConfig, batch: int, kv_heads: int, head_dim: int) -> BitDecodingState:

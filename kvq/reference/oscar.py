@@ -33,6 +33,7 @@ import numpy as np
 
 from . import attention as attn
 from . import numerics as nx
+from .state import FlatArrays
 from .packing import pack, unpack
 from .quant import dequantize as _dequantize
 from .rotations import _heads, _mat, compose, eig_desc, quantize_tokens, rotate, target_covariances
@@ -203,7 +204,7 @@ CONFIGS = {"OSCAR": OSCARConfig(), "OSCAR-G64": OSCARConfig(group_size=64, name=
 
 
 @dataclass
-class OSCARState:
+class OSCARState(FlatArrays):
     """The bytes of one layer's OSCAR cache, all in the rotated frame (B batch, H KV heads, D head dim,
     P pool pages, N pages per sequence, Pg = page_size), plus counters."""
 
@@ -222,12 +223,6 @@ class OSCARState:
     next_page: int = 0          # next free page in the pool
     shape: tuple = field(default=(0, 0, 0))   # (B, H, D)
 
-    def arrays(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if isinstance(getattr(self, f.name), np.ndarray)}
-
-    def copy(self) -> "OSCARState":
-        return dataclasses.replace(self, **{n: a.copy() for n, a in self.arrays().items()})
 
 
 def counts(cfg: OSCARConfig, T: int) -> dict:

@@ -28,15 +28,10 @@ from .cases import assert_same_error
 
 F = pytest.importorskip("kvq.fast.triton.bitdecoding")
 
-TARGETS = [pytest.param("cpu", id="triton-interp"),
-           pytest.param("cuda", id="triton-cuda", marks=pytest.mark.gpu)]
-
-
-@pytest.fixture(params=TARGETS)
-def device(request):
-    if request.param == "cpu" and torch.cuda.is_available():
-        pytest.skip("the Triton interpreter target runs only on machines without a GPU (CI)")
-    return request.param
+@pytest.fixture
+def device(triton_device):
+    """tests/conftest.py's Triton targets (same ids and skip rules)."""
+    return triton_device
 
 
 def small(bits, k_mode, warps_n=1, k_group=32, v_group=32):

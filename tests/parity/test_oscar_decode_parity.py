@@ -37,16 +37,10 @@ from kvq.reference import oscar as RO
 
 from .tolerance import check_close
 
-TARGETS = [pytest.param("cpu", id="triton-interp"),
-           pytest.param("cuda", id="triton-cuda", marks=pytest.mark.gpu)]
-
-
-@pytest.fixture(params=TARGETS)
-def device(request):
-    """The Triton targets of tests/conftest.py's ``fast_target`` (same skip rules; the page kernel is Triton's)."""
-    if request.param == "cpu" and torch.cuda.is_available():
-        pytest.skip("the Triton interpreter target runs only on machines without a GPU (CI)")
-    return request.param
+@pytest.fixture
+def device(triton_device):
+    """tests/conftest.py's Triton targets (same ids and skip rules)."""
+    return triton_device
 
 
 def _mods():

@@ -4,11 +4,7 @@ schematic (Fig. 6) has one slice per warp; both draw into given Axes, refuse bad
 import matplotlib.pyplot (checked in a fresh interpreter)."""
 
 import io
-import os
 import re
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -23,6 +19,8 @@ from kvq.reference import fragments as fr  # noqa: E402
 from kvq.viz import plot_fragment_layout, plot_induced_packing, plot_warp_partition  # noqa: E402
 from kvq.viz._common import new_figure  # noqa: E402
 from kvq.viz.bitdecoding import lane_cells  # noqa: E402
+
+from ._fresh import run_fresh  # noqa: E402
 
 EMPTY = np.array([0xEE, 0xEE, 0xEE]) / 255
 
@@ -188,7 +186,7 @@ def test_fragment_layout_exported():
 
 
 def test_no_pyplot_imported():
-    code = textwrap.dedent("""
+    run_fresh("""
         import sys, io
         import kvq.viz.bitdecoding as v
         assert "matplotlib" not in sys.modules, "kvq.viz.bitdecoding imports matplotlib eagerly"
@@ -199,8 +197,3 @@ def test_no_pyplot_imported():
         assert not bad, bad
         print("ok")
     """)
-    env = dict(os.environ)
-    env.pop("MPLBACKEND", None)
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == "ok"

@@ -2,11 +2,7 @@
 refuses bad operands; never imports matplotlib.pyplot (checked in a fresh interpreter)."""
 
 import io
-import os
 import re
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
@@ -17,6 +13,8 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from kvq.viz._common import new_figure  # noqa: E402
 from kvq.viz.fragments import plot_fragment_layout  # noqa: E402
+
+from ._fresh import run_fresh  # noqa: E402
 
 CELL = re.compile(r"T(\d+)\n([abc])(\d)")
 
@@ -76,7 +74,7 @@ def test_bad_operand(bad):
 
 
 def test_no_pyplot_imported():
-    code = textwrap.dedent("""
+    run_fresh("""
         import sys, io
         import kvq.viz.fragments as v
         assert "matplotlib" not in sys.modules, "kvq.viz.fragments imports matplotlib eagerly"
@@ -86,8 +84,3 @@ def test_no_pyplot_imported():
         assert not bad, bad
         print("ok")
     """)
-    env = dict(os.environ)
-    env.pop("MPLBACKEND", None)
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == "ok"

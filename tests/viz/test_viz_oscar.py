@@ -2,10 +2,6 @@
 and never imports matplotlib.pyplot (checked in a fresh interpreter)."""
 
 import io
-import os
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -23,6 +19,8 @@ from kvq.viz.oscar import (  # noqa: E402
     plot_spectra,
     plot_token_groups,
 )
+
+from ._fresh import run_fresh  # noqa: E402
 
 RNG = np.random.default_rng(0)
 
@@ -101,7 +99,7 @@ def test_kl_vs_context_and_error_table():
 
 
 def test_no_pyplot_imported():
-    code = textwrap.dedent("""
+    run_fresh("""
         import sys, io
         import numpy as np
         import kvq.viz.oscar as v
@@ -115,8 +113,3 @@ def test_no_pyplot_imported():
         assert not bad, bad
         print("ok")
     """)
-    env = dict(os.environ)
-    env.pop("MPLBACKEND", None)
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == "ok"

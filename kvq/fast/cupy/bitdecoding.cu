@@ -63,6 +63,13 @@ __device__ __forceinline__ void bd_shfl_merge(GroupAcc& a, int lane_mask) {
     acc_merge(a, __shfl_xor_sync(KVQ_FULL_MASK, a.lo, lane_mask), __shfl_xor_sync(KVQ_FULL_MASK, a.hi, lane_mask));
 }
 
+// min / max across the 8 lanes of a fragment column (g = lane / 4 varies, t = lane % 4 fixed)
+__device__ __forceinline__ void bd_merge_over_g(GroupAcc& a) {
+    bd_shfl_merge(a, 4);
+    bd_shfl_merge(a, 8);
+    bd_shfl_merge(a, 16);
+}
+
 // x: pages (n, N_r, D) with page stride `pstride` elements (rows contiguous); words (n, 8 NW, D);
 // params (n, N_r / kg, D, 2) if channel else (n, N_r, D / kg, 2). Dynamic shared memory: 2 NW D floats
 // when a channel group spans warps (kg > 8R), else none.
@@ -87,12 +94,8 @@ __global__ void __launch_bounds__(32 * NW) bd_pack_keys(const typename Ty<DT>::S
                 for (int i0 = 0; i0 < R; i0 += tiles) {
                     GroupAcc a[2];
                     bd_acc_tiles<DT>(a, xp, tok0, i0, i0 + tiles, D, c2);
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        bd_shfl_merge(a[h], 4);
-                        bd_shfl_merge(a[h], 8);
-                        bd_shfl_merge(a[h], 16);
-                    }
+                    bd_merge_over_g(a[0]);
+                    bd_merge_over_g(a[1]);
                     if (g == 0) {
                         const int grp = (w * 8 * R + 8 * i0) / kg;
 #pragma unroll
@@ -104,9 +107,7 @@ __global__ void __launch_bounds__(32 * NW) bd_pack_keys(const typename Ty<DT>::S
                 bd_acc_tiles<DT>(a, xp, tok0, 0, R, D, c2);
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    bd_shfl_merge(a[h], 4);
-                    bd_shfl_merge(a[h], 8);
-                    bd_shfl_merge(a[h], 16);
+                    bd_merge_over_g(a[h]);
                     if (g == 0) {
                         s_part[w * D + c2 + h] = a[h].lo;
                         s_part[(NW + w) * D + c2 + h] = a[h].hi;
@@ -189,9 +190,7 @@ __global__ void __launch_bounds__(32 * NW) bd_pack_values(const typename Ty<DT>:
                 GroupAcc a;
                 acc_init(a);
                 for (int j = grp * vg / 8; j < (grp + 1) * vg / 8; ++j) acc_add(a, Ty<DT>::ld(row[8 * j + g]));
-                bd_shfl_merge(a, 4);
-                bd_shfl_merge(a, 8);
-                bd_shfl_merge(a, 16);
+                bd_merge_over_g(a);
                 if (g == 0) bd_store_params(pp + ((i64)tok * ng + grp) * 2, a, BITS);
             }
         }

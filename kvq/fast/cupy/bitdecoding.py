@@ -40,23 +40,15 @@ def partition(length: int, n_r: int) -> tuple[int, int]:
 
 
 def _check_cfg(cfg) -> None:
-    if not isinstance(cfg, BitDecodingConfig):
-        raise TypeError(f"cfg must be a BitDecodingConfig, got {type(cfg).__name__}")
+    B.check_cfg(cfg)
     if cfg.warps_n not in L.BITDECODING_WARPS:
         raise ValueError(f"warps_n={cfg.warps_n}: the CUDA kernels are built for W_n in {L.BITDECODING_WARPS}")
 
 
 def _check_block(cfg, x, name: str) -> torch.Tensor:
-    """The reference's page checks (same errors) on a CUDA tensor; returns it contiguous and 8-byte aligned."""
+    """The reference's page checks on a CUDA tensor; returns it contiguous and 8-byte aligned."""
     _check_cfg(cfg)
-    C.check_tensor(x, name)
-    if x.dtype not in _DT:
-        raise TypeError(f"{name} has dtype {x.dtype}; expected float16 or float32")
-    if x.ndim < 2 or x.shape[-2] != cfg.n_r:
-        raise ValueError(f"{name} has shape {tuple(x.shape)}; a page is (..., N_r={cfg.n_r}, D)")
-    cfg.check_head_dim(x.shape[-1])
-    C.check_finite(x, name)
-    xc = x.contiguous()
+    xc = B.check_page_input(cfg, x, name, allow_cpu=False)
     return xc if xc.data_ptr() % 8 == 0 else xc.clone()
 
 

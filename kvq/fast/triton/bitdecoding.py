@@ -198,22 +198,11 @@ def _p2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
-def _check_cfg(cfg) -> None:
-    if not isinstance(cfg, BitDecodingConfig):
-        raise TypeError(f"cfg must be a BitDecodingConfig, got {type(cfg).__name__}")
+_check_cfg = B.check_cfg
 
 
 def _check_block(cfg, x, name: str) -> torch.Tensor:
-    """The reference's page checks (same errors, same messages) on a torch tensor; returns it contiguous."""
-    _check_cfg(cfg)
-    C.check_tensor(x, name, allow_cpu=C.interpreting())
-    if x.dtype not in (torch.float16, torch.float32):
-        raise TypeError(f"{name} has dtype {_dt(x.dtype)}; expected float16 or float32")
-    if x.ndim < 2 or x.shape[-2] != cfg.n_r:
-        raise ValueError(f"{name} has shape {tuple(x.shape)}; a page is (..., N_r={cfg.n_r}, D)")
-    cfg.check_head_dim(x.shape[-1])
-    C.check_finite(x, name)
-    return x.contiguous()
+    return B.check_page_input(cfg, x, name, allow_cpu=C.interpreting())
 
 
 def _check_params(params, x, cfg, name: str) -> None:
