@@ -75,8 +75,10 @@ for _backend in BACKENDS:
     }
 for _backend in BACKENDS:
     NOT_YET_IMPLEMENTED[_backend]["bitdecoding"] = {
-        name: "issue 6: the fast BitDecoding cache and its tensor-core fused decode are not built yet"
-        for name in ("BitDecodingState", "init", "append", "dequantize", "decode_attention")}
+        "BitDecodingState": "the reference's class holds NumPy arrays; the fast state is "
+                            f"kvq.fast.{_backend}.bitdecoding.BitDecodingTensorState (the same fields as torch "
+                            "tensors)",
+    }
 del _backend
 
 

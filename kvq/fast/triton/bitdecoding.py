@@ -17,8 +17,17 @@ Both are a reshape of the natural order: token ``w 8R + 8 i + g`` is row-major (
 quantizes it in place and packs by reshaping the codes to (..., R, 8, ...) and OR-ing (summing disjoint
 bit fields) over the R axis: no shared-memory shuffles of its own. Quantization is the contract's
 (``kvq.fast.triton.quant``'s helpers: ``_load_f32``, ``_meta``, ``_codes_f`` with ``tl.div_rn``), launched
-with ``enable_fp_fusion=False``. The cache (``init`` / ``append`` / ``dequantize`` / ``decode_attention``)
-and the tensor-core decode are not built yet (``kvq.fast.NOT_YET_IMPLEMENTED``).
+with ``enable_fp_fusion=False``.
+
+The cache (``init`` / ``append`` / ``dequantize`` / ``decode_attention`` on a
+:class:`BitDecodingTensorState`, the reference's fields as torch tensors) is written once for both
+backends in ``kvq.fast._bitdecoding_cache`` and runs these page kernels: after the same appends every
+tensor of the state equals the reference's array bit for bit. Decode dequantizes the history pages and
+attends them with the residual through ``kvq.fast.triton.attention``; the fused tensor-core decode
+kernel over the packed pages is not wired in yet (``OPS.fused_decode`` is None).
+
+    st = bd.init(cfg, batch=1, kv_heads=8, head_dim=128); bd.append(cfg, st, k, v)
+    out, lse = bd.decode_attention(cfg, st, q)                # q: (B, H_q, T_q, D)
 """
 
 from __future__ import annotations
@@ -29,14 +38,18 @@ import triton
 import triton.language as tl
 
 from kvq.fast import _bitdecoding as B
+from kvq.fast import _bitdecoding_cache as _BC
 from kvq.fast import _common as C
+from kvq.fast._bitdecoding_cache import BitDecodingTensorState  # noqa: F401  (the fast state)
 from kvq.reference import bitdecoding as _R
 from kvq.reference.bitdecoding import CONFIGS, P_N, BitDecodingConfig  # noqa: F401  (the reference's objects)
 
+from . import attention as A
 from .quant import _codes_f, _load_f32, _meta
 
 __all__ = ["BitDecodingConfig", "CONFIGS", "residual_block_size", "partition", "pack_keys", "pack_values",
-           "unpack_keys", "unpack_values", "dequantize_page", "query_transform", "query_untransform"]
+           "unpack_keys", "unpack_values", "dequantize_page", "query_transform", "query_untransform",
+           "BitDecodingTensorState", "init", "append", "dequantize", "decode_attention"]
 
 DEQ_TILE = 4096           # elements per program of the dequantization (GPU; the interpreter takes a page)
 
@@ -312,3 +325,67 @@ def query_transform(q, kv_heads: int) -> torch.Tensor:
 def query_untransform(o, q_heads: int) -> torch.Tensor:
     """Mirrors `kvq.reference.bitdecoding.query_untransform`: (B, H_kv, g_q T_q, ...) -> (B, H_q, T_q, ...)."""
     return B.query_untransform(o, q_heads)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the cache (kvq.fast._bitdecoding_cache, written once for both backends, run with this module's kernels)
+
+
+#: this backend's kernels for the shared BitDecoding cache code (``kvq.fast._bitdecoding_cache``); the
+#: fused tensor-core decode is not wired in yet (None: decode dequantizes the history, then attends)
+OPS = _BC.BitDecodingOps("triton", pack_keys, pack_values, dequantize_page, A, C.interpreting, fused_decode=None)
+
+
+def init(cfg: BitDecodingConfig, batch: int, kv_heads: int, head_dim: int) -> BitDecodingTensorState:
+    """Mirrors `kvq.reference.bitdecoding.init`: an empty cache with the FP16 residual and the page pool
+    preallocated (zeros; the page table -1).
+
+    Differences: returns a :class:`BitDecodingTensorState` (the reference's fields as torch tensors: words
+    torch.uint16, params and residual torch.float16, table torch.int32) on the current CUDA device (the
+    CPU under ``TRITON_INTERPRET=1``).
+    """
+    return _BC.init(OPS, cfg, batch, kv_heads, head_dim)
+
+
+def append(cfg: BitDecodingConfig, state: BitDecodingTensorState, k, v) -> BitDecodingTensorState:
+    """Mirrors `kvq.reference.bitdecoding.append`: append (B, H_kv, T_new, D) tokens; the state is bit-identical.
+
+    Tokens (rounded to fp16) fill the residual block; every N_r-token page they complete is quantized and
+    packed into the induced layout by the Residual Kernel (:func:`pack_keys` / :func:`pack_values`), ONE
+    launch each per append for all the pages it completes (the page that starts in the residual and the
+    pages that come whole from the input, stacked in allocation order), written into one contiguous slice
+    of the pool; pages are allocated page-major then batch as the reference, and the residual keeps the
+    last ``length mod N_r`` tokens, zero beyond. So after any sequence of appends every tensor of the
+    state equals the reference's array bit for bit (streaming equals bulk).
+    Differences: k, v are float16 / float32 torch tensors on the cache's device; the NaN / inf and
+    float16-overflow checks run while ``kvq.fast.validation`` is on. Validation (and the packing) come
+    before any write, so bad input leaves the state unchanged.
+    """
+    return _BC.append(OPS, cfg, state, k, v)
+
+
+def dequantize(cfg: BitDecodingConfig, state: BitDecodingTensorState):
+    """Mirrors `kvq.reference.bitdecoding.dequantize`: (K, V) fp32 (B, H_kv, T, D) in token order, bit-identical:
+    the packed pages dequantized to fp16 by :func:`dequantize_page` (gathered through the page table, one
+    launch), then the FP16 residual.
+
+    Differences: torch tensors on the cache's device.
+    """
+    return _BC.dequantize(OPS, cfg, state)
+
+
+def decode_attention(cfg: BitDecodingConfig, state: BitDecodingTensorState, q, *, scale=None):
+    """Mirrors `kvq.reference.bitdecoding.decode_attention`: ``(out, lse)`` of q (B, H_q, T_q, D) over the
+    cache, every cached token visible.
+
+    The packed history pages are dequantized to fp16 (:func:`dequantize_page`, bit-exact) and attended with
+    the FP16 residual rows as two segments by the flash-decoding kernel of ``kvq.fast.triton.attention``,
+    merged by log-sum-exp (the Packing and Residual Kernels of Fig. 7, here unfused: the fused tensor-core
+    decode over the packed pages is not wired in yet). fp16 q attends the fp16 segments; bf16 / fp32 q
+    attend in fp32 (the fp16 values are exact there).
+    Differences: torch tensors; q float16 / bfloat16 / float32 (float64 is refused: the reference computes
+    the float64 truth); out comes back in q's dtype (the reference returns float32), lse float32;
+    attention is an order-dependent reduction (tolerance rule, contract rule 7); D must be a power of two
+    in [16, 256] (the attention kernel's).
+    """
+    return _BC.decode_attention(OPS, cfg, state, q, scale=scale)
