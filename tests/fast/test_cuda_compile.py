@@ -49,7 +49,7 @@ def _compile(cu: Path, out: Path, extra=()):
 def test_loader_imports_without_cupy():
     """The loader is importable without CuPy (it imports CuPy inside its functions)."""
     assert set(SOURCES) == {"quant.cu", "attention.cu", "paged.cu", "flush.cu", "higgs.cu", "oscar.cu", "oscar_decode.cu",
-                            "aqua.cu", "bitdecoding.cu"}
+                            "aqua.cu", "bitdecoding.cu", "bitdecoding_decode.cu"}
     assert all(_loader.KERNELS[s] for s in SOURCES)
 
 

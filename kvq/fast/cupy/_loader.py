@@ -236,6 +236,17 @@ def _bitdecoding_names():
             + tuple(f"bd_dequantize<{b}, {nw}>" for b in (2, 4) for nw in BITDECODING_WARPS))
 
 
+def bd_decode_name(bits: int, chan: bool, nw: int, m16: bool) -> str:
+    """bitdecoding_decode.cu's fused decode: key / value bits, channel-wise (KC) or tensor-wise (KT) keys,
+    W_n warps, 16 query rows per tile (m16) or at most 8."""
+    return f"bd_decode<{bits}, {'true' if chan else 'false'}, {nw}, {'true' if m16 else 'false'}>"
+
+
+def _bitdecoding_decode_names():
+    return tuple(bd_decode_name(b, c, nw, m) for b in (2, 4) for c in (True, False) for nw in BITDECODING_WARPS
+                 for m in (False, True))
+
+
 #: source file -> every kernel name expression the Python side may request (tests compile them all)
 KERNELS = {
     "quant.cu": _quant_names(),
@@ -247,6 +258,7 @@ KERNELS = {
     "oscar_decode.cu": OSCAR_DECODE_NAMES,
     "aqua.cu": _aqua_names(),
     "bitdecoding.cu": _bitdecoding_names(),
+    "bitdecoding_decode.cu": _bitdecoding_decode_names(),
 }
 
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.MULTILINE)

@@ -158,20 +158,7 @@ def decode_attention(q, segments, *, scale=None):
     lse = torch.empty((B, H_q, T_q), dtype=torch.float32, device=dev)
     if out.numel() == 0:
         return out, lse
-    dt = L.DT[q.dtype]
-    G_q = H_q // H_kv
-    QT = 4 if G_q * T_q <= 4 else 8
-    qtiles = -(-(G_q * T_q) // QT)
-    nw = L.attn_warps(dt, D)
-    sms = L.sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
-    plan, S = [], 0
-    for k, v in segments:
-        T = k.shape[2]
-        if T == 0:
-            continue                                   # an empty segment contributes lse = -inf
-        chunk, n = _splits(T, B * H_kv * qtiles, 32 * nw, sms)
-        plan.append((k, v, T, chunk, n, S))
-        S += n
+    plan, S = split_plan(q, segments)
     if S == 0:
         out.zero_()
         lse.fill_(float("-inf"))
@@ -179,8 +166,50 @@ def decode_attention(q, segments, *, scale=None):
     rows = B * H_q * T_q
     o_part = torch.empty((S, B, H_q, T_q, D), dtype=torch.float32, device=dev)
     lse_part = torch.empty((S, B, H_q, T_q), dtype=torch.float32, device=dev)
+    split_launch(q, plan, o_part, lse_part, sc)
+    _merge_launch(o_part, lse_part, out, lse, rows, S, D)
+    return out, lse
+
+
+def split_plan(q, segments, s0: int = 0):
+    """attn_split's launches for q over the non-empty (k, v) segments (checked by the caller: in q's dtype,
+    or fp16 segments for fp32 q, see :func:`split_launch`), their partials numbered from slot s0:
+    ``(plan, end slot)``, one ``(k, v, T, keys per split, splits, first slot)`` per segment (an empty
+    segment contributes nothing: lse = -inf)."""
+    B, H_q, T_q, D = q.shape
+    H_kv = segments[0][0].shape[1]
+    G_q = H_q // H_kv
+    qtiles = -(-(G_q * T_q) // (4 if G_q * T_q <= 4 else 8))
+    nw = L.attn_warps(L.DT[segments[0][0].dtype], D)
+    sms = L.sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    plan, S = [], s0
+    for k, v in segments:
+        T = k.shape[2]
+        if T == 0:
+            continue
+        chunk, n = _splits(T, B * H_kv * qtiles, 32 * nw, sms)
+        plan.append((k, v, T, chunk, n, S))
+        S += n
+    return plan, S
+
+
+def split_launch(q, plan, o_part, lse_part, sc: float, stream: int | None = None) -> None:
+    """Launch attn_split for every segment of ``split_plan``'s plan: fp32 partials (natural-log lse) into
+    o_part (S, B, H_q, T_q, D) / lse_part (S, B, H_q, T_q) (or (S, rows, D) / (S, rows)) at the plan's
+    slots; softmax scale ``sc``. Segments in q's dtype, or fp16 segments for fp32 q: then the kernel of
+    OSCAR's FP16 segments (double sums, natural units: its lse carries no base-2 rounding)."""
+    B, H_q, T_q, D = q.shape
+    dt = L.DT[plan[0][0].dtype]
+    H_kv = plan[0][0].shape[1]
+    QT = 4 if (H_q // H_kv) * T_q <= 4 else 8
+    qtiles = -(-((H_q // H_kv) * T_q) // QT)
+    nw = L.attn_warps(dt, D)
     qq = q if q.stride(-1) == 1 else q.contiguous()
-    fn = _split_kernel(dt, D, QT, nw)
+    mixed = q.dtype != plan[0][0].dtype
+    if mixed and not (q.dtype == torch.float32 and plan[0][0].dtype == torch.float16):
+        raise ValueError(f"split_launch takes segments in q's dtype or fp16 segments for fp32 q; got q "
+                         f"{q.dtype}, segments {plan[0][0].dtype}")
+    fn = _split_kernel(dt, D, QT, nw, L.DT[torch.float32], precise=True) if mixed else _split_kernel(dt, D, QT, nw)
     qk_scale = np.float32(sc if q.dtype == torch.float32 else sc * LOG2E)     # attn_split: fp32 in natural units
     for k, v, T, chunk, n, s0 in plan:
         kk, vv = _kv_operand(k), _kv_operand(v)
@@ -189,9 +218,7 @@ def decode_attention(q, segments, *, scale=None):
                *(np.int64(s) for s in qq.stride()[:3]), *(np.int64(s) for s in kk.stride()[:3]),
                *(np.int64(s) for s in vv.stride()[:3]),
                np.int32(B), np.int32(H_q), np.int32(H_kv), np.int32(T_q), np.int64(T), np.int64(chunk),
-               np.int32(n), np.int32(s0), qk_scale), dev)
-    _merge_launch(o_part, lse_part, out, lse, rows, S, D)
-    return out, lse
+               np.int32(n), np.int32(s0), qk_scale), q.device, stream=stream)
 
 
 def partial_attention(q, k, v, *, scale=None):

@@ -6,8 +6,18 @@ dequantization as raw CUDA kernels (``bitdecoding.cu``); mirrors ``kvq.reference
     k_words, k_params = bd.pack_keys(cfg, k)                  # k: (..., N_r, D) fp16 / fp32 CUDA tensor
 
 The words (torch.uint16) and the half2 params (torch.float16, last axis (scale, min)) are the reference's
-bytes, bit for bit. The cache (``init`` / ``append`` / ``dequantize`` / ``decode_attention``) and the
-tensor-core decode kernel are not built yet (``kvq.fast.NOT_YET_IMPLEMENTED``).
+bytes, bit for bit.
+
+The cache (``init`` / ``append`` / ``dequantize`` / ``decode_attention`` on a
+:class:`BitDecodingTensorState`, the reference's fields as torch tensors) is written once for both
+backends in ``kvq.fast._bitdecoding_cache`` and runs these kernels: after the same appends every tensor
+of the state equals the reference's array bit for bit. Decode runs the fused tensor-core kernel of
+``kvq.fast.cupy.bitdecoding_decode`` over the packed pages where it applies (fp16 q, D = 128, the paper's
+group layouts: its ``supported``), else dequantizes the history pages and attends them with the residual
+through ``kvq.fast.cupy.attention``.
+
+    st = bd.init(cfg, batch=1, kv_heads=8, head_dim=128); bd.append(cfg, st, k, v)
+    out, lse = bd.decode_attention(cfg, st, q)                # q: (B, H_q, T_q, D)
 """
 
 from __future__ import annotations
@@ -16,14 +26,19 @@ import numpy as np
 import torch
 
 from kvq.fast import _bitdecoding as B
+from kvq.fast import _bitdecoding_cache as _BC
 from kvq.fast import _common as C
+from kvq.fast._bitdecoding_cache import BitDecodingTensorState  # noqa: F401  (the fast state)
 from kvq.reference import bitdecoding as _R
 from kvq.reference.bitdecoding import CONFIGS, P_N, BitDecodingConfig  # noqa: F401  (the reference's objects)
 
 from . import _loader as L
+from . import bitdecoding_decode as BD
+from . import attention as A
 
 __all__ = ["BitDecodingConfig", "CONFIGS", "residual_block_size", "partition", "pack_keys", "pack_values",
-           "unpack_keys", "unpack_values", "dequantize_page", "query_transform", "query_untransform"]
+           "unpack_keys", "unpack_values", "dequantize_page", "query_transform", "query_untransform",
+           "BitDecodingTensorState", "init", "append", "dequantize", "decode_attention"]
 
 _SRC = "bitdecoding.cu"
 _DT = {torch.float16: 0, torch.float32: 2}
@@ -142,3 +157,77 @@ def query_transform(q, kv_heads: int) -> torch.Tensor:
 def query_untransform(o, q_heads: int) -> torch.Tensor:
     """Mirrors `kvq.reference.bitdecoding.query_untransform`: (B, H_kv, g_q T_q, ...) -> (B, H_q, T_q, ...)."""
     return B.query_untransform(o, q_heads)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the cache (kvq.fast._bitdecoding_cache, written once for both backends, run with this module's kernels)
+
+
+def _fused_decode(cfg, st, q, *, scale=None):
+    """``OPS.fused_decode``: the tensor-core decode (``bitdecoding_decode.decode``) where it takes this cache
+    and query, else None (the cache code then dequantizes the history and attends)."""
+    return BD.decode(cfg, st, q, scale=scale) if BD.supported(cfg, st, q) else None
+
+
+#: this backend's kernels for the shared BitDecoding cache code (``kvq.fast._bitdecoding_cache``)
+OPS = _BC.BitDecodingOps("cupy", pack_keys, pack_values, dequantize_page, A, lambda: False,
+                         fused_decode=_fused_decode)
+
+
+def init(cfg: BitDecodingConfig, batch: int, kv_heads: int, head_dim: int) -> BitDecodingTensorState:
+    """Mirrors `kvq.reference.bitdecoding.init`: an empty cache with the FP16 residual and the page pool
+    preallocated (zeros; the page table -1).
+
+    Differences: returns a :class:`BitDecodingTensorState` (the reference's fields as torch tensors: words
+    torch.uint16, params and residual torch.float16, table torch.int32) on the current CUDA device;
+    W_n must be one the CUDA kernels are built for (checked here, before the reference's checks).
+    """
+    _check_cfg(cfg)
+    return _BC.init(OPS, cfg, batch, kv_heads, head_dim)
+
+
+def append(cfg: BitDecodingConfig, state: BitDecodingTensorState, k, v) -> BitDecodingTensorState:
+    """Mirrors `kvq.reference.bitdecoding.append`: append (B, H_kv, T_new, D) tokens; the state is bit-identical.
+
+    Tokens (rounded to fp16) fill the residual block; every N_r-token page they complete is quantized and
+    packed into the induced layout by the Residual Kernel (:func:`pack_keys` / :func:`pack_values`), ONE
+    launch each per append for all the pages it completes (the page that starts in the residual and the
+    pages that come whole from the input, stacked in allocation order), written into one contiguous slice
+    of the pool; pages are allocated page-major then batch as the reference, and the residual keeps the
+    last ``length mod N_r`` tokens, zero beyond. So after any sequence of appends every tensor of the
+    state equals the reference's array bit for bit (streaming equals bulk).
+    Differences: k, v are float16 / float32 torch CUDA tensors on the cache's device; the NaN / inf and
+    float16-overflow checks run while ``kvq.fast.validation`` is on. Validation (and the packing) come
+    before any write, so bad input leaves the state unchanged.
+    """
+    return _BC.append(OPS, cfg, state, k, v)
+
+
+def dequantize(cfg: BitDecodingConfig, state: BitDecodingTensorState):
+    """Mirrors `kvq.reference.bitdecoding.dequantize`: (K, V) fp32 (B, H_kv, T, D) in token order, bit-identical:
+    the packed pages dequantized to fp16 by :func:`dequantize_page` (gathered through the page table, one
+    launch), then the FP16 residual.
+
+    Differences: torch CUDA tensors on the cache's device.
+    """
+    return _BC.dequantize(OPS, cfg, state)
+
+
+def decode_attention(cfg: BitDecodingConfig, state: BitDecodingTensorState, q, *, scale=None):
+    """Mirrors `kvq.reference.bitdecoding.decode_attention`: ``(out, lse)`` of q (B, H_q, T_q, D) over the
+    cache, every cached token visible.
+
+    fp16 q with D = 128 and the paper's group layouts (``bitdecoding_decode.supported``): the fused
+    tensor-core kernel ``bd_decode`` reads the packed pages in place (``ldmatrix``, ``lop3`` unpacking,
+    dequantization in the registers to the reference's fp16 bits, ``mma.sync``, split-KV, the cooperative
+    softmax) and the FP16 residual is attended beside it, all merged by log-sum-exp (the Packing and
+    Residual Kernels of Fig. 7). Otherwise the history pages are dequantized to fp16
+    (:func:`dequantize_page`, bit-exact) and attended with the residual rows as two segments by the split
+    kernel of ``kvq.fast.cupy.attention``; fp16 q attends the fp16 segments, bf16 / fp32 q in fp32 (the
+    fp16 values are exact there).
+    Differences: torch CUDA tensors; q float16 / bfloat16 / float32 (float64 is refused: the reference
+    computes the float64 truth); out comes back in q's dtype (the reference returns float32), lse float32;
+    attention is an order-dependent reduction (tolerance rule, contract rule 7); D must be one of the CuPy
+    attention kernel's head dims (16, 32, 64, 128, 256; bf16 / fp32 q, attended in fp32: up to 128).
+    """
+    return _BC.decode_attention(OPS, cfg, state, q, scale=scale)
