@@ -97,7 +97,7 @@ def decode(cfg, st, q, *, scale=None):
     qq = q if q.stride(-1) == 1 else q.contiguous()
     # the residual's FP16 tokens with q in fp32 (exact): attn_split's double sums in natural units, whose lse
     # meets the tolerance rule where the fp16 kernel's base-2 lse missed it by an ulp or two at |lse| ~ 5
-    q32 = qq.float()
+    q32 = qq.float() if res else None
     tail, S = A.split_plan(q32, [(st.res_k[:, :, :res], st.res_v[:, :, :res])], s0=n_split) if res else ([], n_split)
     rows = B * H_q * T_q
     o_part = torch.empty((S, rows, D), dtype=torch.float32, device=dev)
