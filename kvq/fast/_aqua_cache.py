@@ -27,7 +27,7 @@ import torch
 
 from kvq.fast import _common as C
 from kvq.fast._aqua import check_backbone, decode, encode, to_tokens
-from kvq.fast._oscar import _device, _dtype_name
+from kvq.fast._oscar import _dtype_name
 from kvq.reference import aqua_cache as RAC
 from kvq.reference.model import rope_tables
 
@@ -119,7 +119,7 @@ def init(ops, cfg, n_layers: int, batch: int, kv_heads: int, head_dim: int) -> A
     check_backbone(cfg.backbone, "backbone")
     check_backbone(cfg.first_layer, "first_layer")
     F, Cn = H * D, max(cfg.max_tokens - S, 0) // R
-    dev = _device(ops)
+    dev = C.cache_device(ops)
     z = lambda T: torch.zeros((L, B, H, T, D), dtype=F16, device=dev)             # noqa: E731
     return AquaTensorState(z(S), z(S), z(R), z(R), _empty_codes(cfg.first_layer, (B, Cn), R, F, dev),
                            _empty_codes(cfg.first_layer, (B, Cn), R, F, dev),

@@ -19,7 +19,6 @@ The packed bytes are the reference's (the page kernels are bit-exact), so the st
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Callable
@@ -61,17 +60,10 @@ class BitDecodingOps:
     fused_decode: Callable | None = None
 
 
-def _device(ops: BitDecodingOps) -> torch.device:
-    if ops.allow_cpu():
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise RuntimeError(f"kvq.fast.{ops.name} caches live on a CUDA device"
-                           + (" (or the CPU under TRITON_INTERPRET=1)" if ops.name == "triton" else ""))
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 @dataclass
-class BitDecodingTensorState:
+class BitDecodingTensorState(C.TensorFields):
     """The fast tier's BitDecoding cache: the fields of ``kvq.reference.bitdecoding.BitDecodingState`` as
     torch tensors on one device (same shapes, dtypes and meaning), plus the host counters."""
 
@@ -89,14 +81,6 @@ class BitDecodingTensorState:
     @property
     def device(self) -> torch.device:
         return self.res_k.device
-
-    def arrays(self) -> dict:
-        """Every tensor of the state by name (the reference state's ``arrays()`` keys)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if isinstance(getattr(self, f.name), torch.Tensor)}
-
-    def copy(self) -> "BitDecodingTensorState":
-        return dataclasses.replace(self, **{n: a.clone() for n, a in self.arrays().items()})
 
 
 def _check_state(st) -> None:
@@ -117,7 +101,7 @@ def init(ops: BitDecodingOps, cfg, batch: int, kv_heads: int, head_dim: int) -> 
     N = cfg.max_tokens // Nr
     P = Bt * N
     kp = (Nr // cfg.k_group, D) if cfg.k_mode == "channel" else (Nr, D // cfg.k_group)
-    dev = _device(ops)
+    dev = C.cache_device(ops)
     z = lambda *s, dt=F16: torch.zeros(s, dtype=dt, device=dev)                    # noqa: E731
     return BitDecodingTensorState(z(Bt, H, Nr, D), z(Bt, H, Nr, D), z(P, H, P_N * cfg.warps_n, D, dt=U16),
                                   z(P, H, *kp, 2), z(P, H, Nr, D // R, dt=U16), z(P, H, Nr, D // cfg.v_group, 2),

@@ -11,6 +11,7 @@ as the reference tier (which owns the shape rules: ``kvq.reference.quant.check_g
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import numbers
 import os
@@ -339,3 +340,27 @@ def rotation_operands(x, R, *, allow_cpu: bool = False):
     B, H, T, _ = x4.shape
     out = torch.empty((B, H, T, D), dtype=torch.float32, device=x.device)
     return x4, R.contiguous(), out, ratio, r_sh, shape
+
+
+def cache_device(ops) -> torch.device:
+    """Where a backend's cache lives: the CPU where ``ops.allow_cpu()`` (Triton under the interpreter), else
+    the current CUDA device (RuntimeError without one); ``ops.name`` is the backend's name."""
+    if ops.allow_cpu():
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"kvq.fast.{ops.name} caches live on a CUDA device"
+                           + (" (or the CPU under TRITON_INTERPRET=1)" if ops.name == "triton" else ""))
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+class TensorFields:
+    """``arrays()`` and ``copy()`` of a dataclass cache state whose arrays are torch tensors (the fast
+    twins of kvq.reference.state.FlatArrays)."""
+
+    def arrays(self) -> dict:
+        """Every tensor of the state by name (the reference state's ``arrays()`` keys)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)}
+
+    def copy(self):
+        return dataclasses.replace(self, **{n: a.clone() for n, a in self.arrays().items()})

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Callable
@@ -64,17 +63,10 @@ class OscarOps:
     rotate_heads: Callable | None = None
 
 
-def _device(ops) -> torch.device:
-    if ops.allow_cpu():
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise RuntimeError(f"kvq.fast.{ops.name} caches live on a CUDA device"
-                           + (" (or the CPU under TRITON_INTERPRET=1)" if ops.name == "triton" else ""))
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 @dataclass
-class OSCARTensorState:
+class OSCARTensorState(C.TensorFields):
     """The fast tier's OSCAR cache: the fields of ``kvq.reference.oscar.OSCARState`` as torch tensors on
     one device (same shapes, dtypes and meaning, all in the rotated frame), plus the host counters."""
 
@@ -97,14 +89,6 @@ class OSCARTensorState:
     def device(self) -> torch.device:
         return self.sink_k.device
 
-    def arrays(self) -> dict:
-        """Every tensor of the state by name (the reference state's ``arrays()`` keys)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if isinstance(getattr(self, f.name), torch.Tensor)}
-
-    def copy(self) -> "OSCARTensorState":
-        return dataclasses.replace(self, **{n: a.clone() for n, a in self.arrays().items()})
-
 
 def init(ops: "OscarOps", cfg, batch: int, kv_heads: int, head_dim: int) -> OSCARTensorState:
     """An empty cache, every buffer and the page pool preallocated, on the backend's device."""
@@ -115,7 +99,7 @@ def init(ops: "OscarOps", cfg, batch: int, kv_heads: int, head_dim: int) -> OSCA
     B, H, D, Pg = int(batch), int(kv_heads), int(head_dim), cfg.page_size
     N = -(-max(cfg.max_tokens - cfg.sink - cfg.window, 0) // Pg)
     meta = C.torch_dtype(nx.dtype_name(cfg.meta_dtype))
-    dev = _device(ops)
+    dev = C.cache_device(ops)
     z = lambda *s, dt=F16: torch.zeros(s, dtype=dt, device=dev)                    # noqa: E731
     cb, mg = D * cfg.bits // 8, D // cfg.group_size
     return OSCARTensorState(z(B, H, cfg.sink, D), z(B, H, cfg.sink, D), z(B, H, cfg.window, D),

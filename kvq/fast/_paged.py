@@ -76,15 +76,6 @@ class PagedState:
         return new
 
 
-def _device(codec) -> torch.device:
-    if codec.ops.allow_cpu():
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise RuntimeError(f"kvq.fast.{codec.ops.name} caches live on a CUDA device"
-                           + (" (or the CPU under TRITON_INTERPRET=1)" if codec.ops.name == "triton" else ""))
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 def meta_dtype(cfg) -> torch.dtype:
     return C.torch_dtype(nx.dtype_name(cfg.meta_dtype))
 
@@ -101,7 +92,7 @@ def init(cfg, codec, batch: int, kv_heads: int, head_dim: int) -> PagedState:
     Pn = B * N
     meta = meta_dtype(cfg)
     Gv = cfg.v_group(D)
-    dev = _device(codec)
+    dev = C.cache_device(codec.ops)
     z = lambda *s, dt=F16: torch.zeros(s, dtype=dt, device=dev)                          # noqa: E731
     return PagedState(
         sink_k=z(B, H, cfg.sink, D), sink_v=z(B, H, cfg.sink, D), k_buf=z(B, H, G, D),
