@@ -299,6 +299,29 @@ def test_fused_decode_hook(target):
     assert got is sentinel
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["float16", "float32"])
+def test_decode_takes_the_backends_fused_kernel(target, dtype, monkeypatch):
+    """Both backends' caches hand a supported query to their own fused decode kernel (Triton:
+    ``bitdecoding_decode``, the tl.dot decode, any float q; CuPy: ``bitdecoding_decode``, the tensor-core
+    decode, fp16 q at D = 128, else the fallback), and its result is what decode_attention returns."""
+    backend, device = target
+    F = _fast(target)
+    BDD = importlib.import_module(f"kvq.fast.{backend}.bitdecoding_decode")
+    cfg, D = (small(2, "channel"), 64) if backend == "triton" else (R.CONFIGS["BitDecoding-KC2"], 128)
+    rs, fs = _filled(F, cfg, D, device, cfg.n_r + 5, outlier=ATTN_OUTLIER)
+    q = _t(np.random.default_rng(2).standard_normal((B, 2 * H, 1, D)).astype(np.float32), device).to(dtype)
+    calls = []
+    real = BDD.decode
+    monkeypatch.setattr(BDD, "decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    out, lse = F.decode_attention(cfg, fs, q)
+    takes = backend == "triton" or dtype == torch.float16
+    assert len(calls) == int(takes)
+    o64, l64 = R.decode_attention(cfg, rs, q.cpu().double().numpy())
+    o32, l32 = R.decode_attention(cfg, rs, q.cpu().float().numpy())
+    check_close(out, o64, o32, dtype, "out")
+    check_close(lse, l64, l32, torch.float32, "lse")
+
+
 # ---------------------------------------------------------------------------------------------------
 # bad input
 

@@ -22,9 +22,10 @@ with ``enable_fp_fusion=False``.
 The cache (``init`` / ``append`` / ``dequantize`` / ``decode_attention`` on a
 :class:`BitDecodingTensorState`, the reference's fields as torch tensors) is written once for both
 backends in ``kvq.fast._bitdecoding_cache`` and runs these page kernels: after the same appends every
-tensor of the state equals the reference's array bit for bit. Decode dequantizes the history pages and
-attends them with the residual through ``kvq.fast.triton.attention``; the fused tensor-core decode
-kernel over the packed pages is not wired in yet (``OPS.fused_decode`` is None).
+tensor of the state equals the reference's array bit for bit. Decode runs the fused ``tl.dot`` kernel of
+``kvq.fast.triton.bitdecoding_decode`` over the packed pages and the residual rows (``OPS.fused_decode``)
+where it takes the configuration; otherwise it dequantizes the history pages and attends them with the
+residual through ``kvq.fast.triton.attention``.
 
     st = bd.init(cfg, batch=1, kv_heads=8, head_dim=128); bd.append(cfg, st, k, v)
     out, lse = bd.decode_attention(cfg, st, q)                # q: (B, H_q, T_q, D)
@@ -331,9 +332,17 @@ def query_untransform(o, q_heads: int) -> torch.Tensor:
 # the cache (kvq.fast._bitdecoding_cache, written once for both backends, run with this module's kernels)
 
 
-#: this backend's kernels for the shared BitDecoding cache code (``kvq.fast._bitdecoding_cache``); the
-#: fused tensor-core decode is not wired in yet (None: decode dequantizes the history, then attends)
-OPS = _BC.BitDecodingOps("triton", pack_keys, pack_values, dequantize_page, A, C.interpreting, fused_decode=None)
+def _fused_decode(cfg, st, q, *, scale=None):
+    """``OPS.fused_decode``: the ``tl.dot`` decode (``bitdecoding_decode.decode``) where it takes this cache
+    and query, else None (the cache code then dequantizes the history and attends)."""
+    from . import bitdecoding_decode as BDD                    # its kernel compiles on first use only
+
+    return BDD.decode(cfg, st, q, scale=scale) if BDD.supported(cfg, st, q) else None
+
+
+#: this backend's kernels for the shared BitDecoding cache code (``kvq.fast._bitdecoding_cache``)
+OPS = _BC.BitDecodingOps("triton", pack_keys, pack_values, dequantize_page, A, C.interpreting,
+                         fused_decode=_fused_decode)
 
 
 def init(cfg: BitDecodingConfig, batch: int, kv_heads: int, head_dim: int) -> BitDecodingTensorState:
@@ -378,11 +387,13 @@ def decode_attention(cfg: BitDecodingConfig, state: BitDecodingTensorState, q, *
     """Mirrors `kvq.reference.bitdecoding.decode_attention`: ``(out, lse)`` of q (B, H_q, T_q, D) over the
     cache, every cached token visible.
 
-    The packed history pages are dequantized to fp16 (:func:`dequantize_page`, bit-exact) and attended with
-    the FP16 residual rows as two segments by the flash-decoding kernel of ``kvq.fast.triton.attention``,
-    merged by log-sum-exp (the Packing and Residual Kernels of Fig. 7, here unfused: the fused tensor-core
-    decode over the packed pages is not wired in yet). fp16 q attends the fp16 segments; bf16 / fp32 q
-    attend in fp32 (the fp16 values are exact there).
+    One fused kernel (``kvq.fast.triton.bitdecoding_decode``) reads the packed words in the induced layout,
+    dequantizes them in registers to the reference's fp16 values, attends them and the FP16 residual rows
+    with ``tl.dot`` after the query transformation, and one log-sum-exp merge joins its splits. Where that
+    kernel does not take the configuration (``bitdecoding_decode.supported``), the history pages are
+    dequantized to fp16 (:func:`dequantize_page`, bit-exact) and attended with the residual rows as two
+    segments by ``kvq.fast.triton.attention``'s flash decoding (fp16 q on the fp16 segments; bf16 / fp32 q
+    in fp32, the fp16 values exact there).
     Differences: torch tensors; q float16 / bfloat16 / float32 (float64 is refused: the reference computes
     the float64 truth); out comes back in q's dtype (the reference returns float32), lse float32;
     attention is an order-dependent reduction (tolerance rule, contract rule 7); D must be a power of two
