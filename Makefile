@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.kvq-setup
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[fast,viz,book,test]"
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[fast,viz,book,hf,test]"
 	touch $(STAMP)
 
 setup: $(STAMP)                        ## virtualenv .venv with kvq and its CPU dependencies

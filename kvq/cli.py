@@ -1,6 +1,9 @@
-"""The `kvq` command line. Subcommands: `demo` (more arrive with the evaluation issue).
+"""The `kvq` command line: `demo`, `eval`, `calibrate`, `bench`, `figures` (each takes `--help`).
 
     kvq demo
+    kvq calibrate oscar --model runs/tiny-lm --out oscar.safetensors
+    kvq eval ppl --model runs/tiny-lm --calib-oscar oscar.safetensors --json
+    kvq eval attention                                  # the packaged MiniLM, real English text
     python -m kvq demo --tokens 1024
 """
 
@@ -10,6 +13,10 @@ import sys
 
 COMMANDS = {
     "demo": ("kvq.demo", "quantize a synthetic KV cache per-channel / per-token at 2 and 4 bits"),
+    "eval": ("kvq.commands.eval", "perplexity / attention errors of the methods on a real model"),
+    "calibrate": ("kvq.commands.calibrate", "fit OSCAR / AQUA-KV calibrations on a model, write a checked file"),
+    "bench": ("kvq.commands.bench", "time quantize+pack and decode attention per method on this machine"),
+    "figures": ("kvq.commands.figures", "draw the library's figures (synthetic or real MiniLM activations)"),
 }
 
 

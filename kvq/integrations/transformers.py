@@ -1,0 +1,362 @@
+"""kvq's compressed KV caches as Hugging Face ``transformers`` (5.x) Cache objects.
+
+A ``KVQCache`` is what a user passes as ``past_key_values=`` to ``model(...)`` or ``model.generate(...)``
+of a decoder with RoPE and (grouped-query) full attention: Llama, Mistral, Qwen2, Qwen3 and alike.
+Each attention layer calls ``cache.update(key_states, value_states, layer_idx, ...)`` with its new
+post-RoPE keys and values and attends over what it returns: here, everything the layer has cached,
+dequantized by the method (``kvq.integrations.methods.KVStore``), in the model's dtype and device, the
+new tokens included. The layout of ``transformers.cache_utils.QuantizedCache`` is followed: a ``Cache``
+of one ``CacheLayerMixin`` per model layer (:class:`KVQLayer`), all sharing one store.
+
+    from kvq.integrations.transformers import make_cache
+    cache = make_cache("Kitty", model)                                   # or KittyCache(model)
+    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=64, do_sample=False)
+    cache.bits_per_element(), cache.memory_bytes()
+
+Limits: the batch size is fixed at the first update; beam search (``reorder_cache``), cache cropping
+(assisted decoding) and batch re-indexing raise NotImplementedError (a compressed state cannot be
+re-indexed without re-quantizing); sliding-window layers are refused unless their window covers the
+cache's capacity; ``torch.compile`` of the forward is not supported (``is_compileable = False``).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from . import methods as M
+
+__all__ = ["DEFAULT_MAX_TOKENS", "KVQLayer", "KVQCache", "KIVICache", "KittyCache", "OSCARCache", "AquaKVCache",
+           "BitDecodingCache", "FP16Cache", "make_cache", "model_dims"]
+
+#: the default capacity per sequence: the model's max_position_embeddings, capped here (the page pools of
+#: every layer are preallocated for it; pass ``max_tokens=`` for longer contexts)
+DEFAULT_MAX_TOKENS = 4096
+
+_BEAM = ("kvq caches do not support beam search or batch re-indexing: the compressed pages of a sequence "
+         "cannot be reordered without re-quantizing; use greedy or sampling decoding (num_beams=1)")
+
+
+def _text_config(model_or_config):
+    config = getattr(model_or_config, "config", model_or_config)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    for name in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
+        if not hasattr(config, name):
+            raise TypeError(f"expected a transformers model or config of a decoder (with {name}), got "
+                            f"{type(model_or_config).__name__}")
+    return config
+
+
+def model_dims(model_or_config) -> dict:
+    """``n_layers``, ``kv_heads``, ``head_dim``, ``max_position_embeddings``, ``rope_theta`` (or None) of a
+    transformers model or config: ``head_dim`` is ``config.head_dim`` or ``hidden_size //
+    num_attention_heads``; ``kv_heads`` is ``num_key_value_heads`` (default: the attention heads)."""
+    c = _text_config(model_or_config)
+    H_q = int(c.num_attention_heads)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // H_q
+    kv = getattr(c, "num_key_value_heads", None) or H_q
+    rope = getattr(c, "rope_parameters", None)
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    theta = getattr(c, "rope_theta", None) if theta is None else theta
+    return dict(n_layers=int(c.num_hidden_layers), kv_heads=int(kv), head_dim=int(head_dim),
+                max_position_embeddings=getattr(c, "max_position_embeddings", None),
+                rope_theta=None if theta is None else float(theta))
+
+
+def _check_attention_layers(config, max_tokens: int) -> None:
+    """Refuse layers that are not plain full attention over the whole cache (sliding windows shorter
+    than the capacity, chunked / linear attention)."""
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    use_sw = getattr(config, "use_sliding_window", True)
+    if types is not None:
+        bad = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if bad:
+            raise ValueError(f"kvq caches serve full-attention layers only; this model has {bad}")
+        if "sliding_attention" in types and window is not None and window < max_tokens:
+            raise ValueError(f"this model has sliding-window layers (window {window} < max_tokens={max_tokens}); "
+                             f"kvq caches attend over the whole cache: pass max_tokens <= {window}")
+    elif window is not None and use_sw and window < max_tokens:
+        raise ValueError(f"this model uses a sliding window of {window} tokens < max_tokens={max_tokens}; kvq "
+                         f"caches attend over the whole cache: pass max_tokens <= {window}")
+
+
+class KVQLayer(CacheLayerMixin):
+    """One model layer's view of a :class:`KVQCache` (the cache's shared ``KVStore`` holds the data)."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+    supports_early_init = False
+
+    def __init__(self, cache: "KVQCache", layer_idx: int):
+        super().__init__()
+        self._cache = cache
+        self.layer_idx = layer_idx
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Record the model's dtype and device and create the cache's store (batch size fixed here)."""
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self._cache._ensure_store(key_states)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append the new post-RoPE (B, H_kv, T_new, D) states and return (K, V) of every cached token,
+        dequantized, in the states' dtype and device."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return self._cache._update(self.layer_idx, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset) = (cached tokens + query_length, 0): the layer attends over everything."""
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        """Tokens cached in this layer."""
+        store = self._cache._store
+        return 0 if store is None else store.length(self.layer_idx)
+
+    def get_max_length(self) -> int:
+        """The capacity per sequence (``max_tokens``)."""
+        return self._cache.max_tokens
+
+    def offload(self):
+        """Offloading is not supported (the compressed state stays where the backend keeps it): no-op."""
+
+    def prefetch(self):
+        """See :meth:`offload`: no-op."""
+
+    def reset(self) -> None:
+        """Forget the layer's dtype / device; the cache's :meth:`KVQCache.reset` drops the store."""
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search is not supported: NotImplementedError."""
+        raise NotImplementedError(_BEAM)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Cropping (assisted / speculative decoding) is not supported: NotImplementedError."""
+        raise NotImplementedError("kvq caches cannot be cropped: tokens already quantized into pages cannot be "
+                                  "removed (assisted / speculative decoding and cache rollback are not supported)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Not supported: NotImplementedError."""
+        raise NotImplementedError(_BEAM)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Not supported: NotImplementedError."""
+        raise NotImplementedError(_BEAM)
+
+
+class KVQCache(Cache):
+    """A transformers Cache backed by a kvq method (``kvq.integrations.methods.METHODS``).
+
+    Args:
+        model_or_config: a transformers causal-LM model (its config, dtype-independent; its device picks
+            the backend under ``backend="auto"``) or its config.
+        method: a method name, e.g. "KIVI-K2V2", "Kitty", "OSCAR", "AQUA-KV", "BitDecoding-4", "FP16".
+        backend: "auto" (the reference on CPU tensors, Triton on CUDA), "reference", "triton", "cupy".
+        calibration: OSCAR: one ``OSCARCalibration`` per layer or "identity"; AQUA-KV:
+            ``AquaPredictors`` or "identity" (see ``methods.resolve_calibration``).
+        max_tokens: capacity per sequence (default ``min(max_position_embeddings, DEFAULT_MAX_TOKENS)``).
+        overrides: method config fields (``methods.configure``), e.g. ``sink=4, residual=16``.
+            AQUA-KV gets the model's ``rope_theta`` unless given.
+
+    The method, config and calibration are validated here; the store is created at the first
+    ``update`` (its batch size and device are the states'). ``bits_per_element`` / ``memory_bytes``
+    report the compressed state.
+    """
+
+    family: str | None = None
+    default_method: str | None = None
+
+    def __init__(self, model_or_config, method: str | None = None, *, backend: str = "auto", calibration=None,
+                 max_tokens: int | None = None, **overrides):
+        method = method if method is not None else self.default_method
+        if method is None:
+            raise ValueError(f"name a kvq method; known methods: {', '.join(M.METHODS)}")
+        spec = M.get_method(method)
+        if self.family is not None and spec.family != self.family:
+            fam = [n for n, s in M.METHODS.items() if s.family == self.family]
+            raise ValueError(f"{type(self).__name__} serves {', '.join(fam)}; got {method!r} (use make_cache)")
+        config = _text_config(model_or_config)
+        dims = model_dims(config)
+        if max_tokens is None:
+            mpe = dims["max_position_embeddings"]
+            max_tokens = min(int(mpe), DEFAULT_MAX_TOKENS) if mpe else DEFAULT_MAX_TOKENS
+        max_tokens = M._check_pos_int("max_tokens", max_tokens)
+        _check_attention_layers(config, max_tokens)
+        if spec.family == "aqua" and "rope_theta" not in overrides and dims["rope_theta"] is not None:
+            overrides = {**overrides, "rope_theta": dims["rope_theta"]}
+        if spec.family == "aqua" and isinstance(calibration, str) and calibration == "identity":
+            overrides = {"predict_keys": False, "predict_values": False, **overrides}
+        self.method = method
+        self.backend = backend
+        self.max_tokens = max_tokens
+        self.n_layers, self.kv_heads, self.head_dim = dims["n_layers"], dims["kv_heads"], dims["head_dim"]
+        self.config = M.configure(method, head_dim=self.head_dim, max_tokens=max_tokens, kv_heads=self.kv_heads,
+                                  **overrides)
+        M.resolve_calibration(method, calibration, n_layers=self.n_layers, kv_heads=self.kv_heads,
+                              head_dim=self.head_dim)
+        if backend not in M.BACKENDS:
+            raise ValueError(f"backend={backend!r} is unknown; choose one of {M.BACKENDS}")
+        self._calibration = calibration
+        self._overrides = overrides
+        self._device = getattr(model_or_config, "device", None) if not hasattr(model_or_config, "to_dict") else None
+        self._store: M.KVStore | None = None
+        super().__init__(layers=[KVQLayer(self, i) for i in range(self.n_layers)])
+
+    # ------------------------------------------------------------------ the store
+
+    def _ensure_store(self, key_states: torch.Tensor) -> M.KVStore:
+        if self._store is None:
+            if key_states.ndim != 4 or key_states.shape[1] != self.kv_heads or key_states.shape[3] != self.head_dim:
+                raise ValueError(f"key_states have shape {tuple(key_states.shape)}; this cache was built for "
+                                 f"(B, H_kv={self.kv_heads}, T, D={self.head_dim})")
+            self._store = M.KVStore(self.method, n_layers=self.n_layers, batch=int(key_states.shape[0]),
+                                    kv_heads=self.kv_heads, head_dim=self.head_dim, max_tokens=self.max_tokens,
+                                    backend=self.backend, calibration=self._calibration,
+                                    device=key_states.device, **self._overrides)
+        return self._store
+
+    def _update(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        store = self._ensure_store(key_states)
+        if key_states.shape[0] != store.batch:
+            raise ValueError(f"the batch size of a kvq cache is fixed at its first update (B={store.batch}); got "
+                             f"{key_states.shape[0]}. " + _BEAM)
+        K, V = store.update(layer_idx, key_states, value_states, dtype=key_states.dtype)
+        if K.device != key_states.device:
+            K, V = K.to(key_states.device), V.to(key_states.device)
+        return K, V
+
+    @property
+    def store(self) -> M.KVStore | None:
+        """The ``KVStore`` behind the cache (None before the first update)."""
+        return self._store
+
+    def state(self, layer_idx: int):
+        """The kvq state of layer ``layer_idx`` (``KVStore.state``); ValueError before the first update."""
+        if self._store is None:
+            raise ValueError("the cache is empty: no update has created its state yet")
+        return self._store.state(layer_idx)
+
+    # ------------------------------------------------------------------ transformers API
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Append layer ``layer_idx``'s new states; return (K, V): its whole cache, dequantized, new tokens
+        included, in the states' dtype and device."""
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.n_layers:
+            raise IndexError(f"layer_idx={layer_idx!r} is out of range for {self.n_layers} layers")
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
+    def reset(self) -> None:
+        """Drop every cached token (the next update starts a fresh store, possibly of another batch size)."""
+        self._store = None
+        for layer in self.layers:
+            layer.reset()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        """Beam search is not supported: NotImplementedError."""
+        raise NotImplementedError(_BEAM)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Not supported: NotImplementedError (see :meth:`KVQLayer.crop`)."""
+        self.layers[0].crop(tokens_to_remove)
+
+    def batch_repeat_interleave(self, repeats: int):
+        """Not supported: NotImplementedError."""
+        raise NotImplementedError(_BEAM)
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        """Not supported: NotImplementedError."""
+        raise NotImplementedError(_BEAM)
+
+    @property
+    def is_compileable(self) -> bool:
+        """False: the cache runs host-side routing (and NumPy on the reference backend)."""
+        return False
+
+    @property
+    def max_batch_size(self) -> int:
+        """The batch size fixed at the first update (-1 before it)."""
+        return -1 if self._store is None else self._store.batch
+
+    @property
+    def batch_size(self) -> int:
+        """Same as :attr:`max_batch_size`."""
+        return self.max_batch_size
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        """The capacity per sequence, ``max_tokens``."""
+        return self.max_tokens
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        """The capacity per sequence, ``max_tokens``."""
+        return self.max_tokens
+
+    # ------------------------------------------------------------------ memory
+
+    def bits_per_element(self, accounting: str = "state", context: int | None = None) -> float:
+        """Bits per cached element (``methods.bits_per_element``) at ``context`` tokens (default: the tokens
+        cached now). ``accounting="state"``: where the tokens actually are; "paper": the papers' accounting."""
+        if context is None:
+            if self._store is None or self._store.length(0) == 0:
+                raise ValueError("the cache is empty: pass context= to get the bits at a given context length")
+            context = self._store.length(0)
+        return M.bits_per_element(self.method, self.config, context=context, head_dim=self.head_dim,
+                                  kv_heads=self.kv_heads, n_layers=self.n_layers, accounting=accounting)
+
+    def memory_bytes(self, accounting: str = "state") -> int:
+        """Bytes the cached tokens occupy in the compressed state, all layers, K and V (0 when empty);
+        ``store.allocated_bytes()`` gives the preallocated capacity."""
+        return 0 if self._store is None else self._store.memory_bytes(accounting)
+
+    def __repr__(self):
+        n = 0 if self._store is None else self._store.length(0)
+        return f"{type(self).__name__}(method={self.method!r}, backend={self.backend!r}, tokens={n})"
+
+
+class FP16Cache(KVQCache):
+    """The uncompressed baseline through the same machinery (method "FP16"): a DynamicCache's results."""
+
+    family, default_method = "fp16", "FP16"
+
+
+class KIVICache(KVQCache):
+    """KIVI ("KIVI-K2V2" by default; "KIVI-K2V2*", "KIVI-K4V4")."""
+
+    family, default_method = "kivi", "KIVI-K2V2"
+
+
+class KittyCache(KVQCache):
+    """Kitty ("Kitty" by default; "Kitty-Pro")."""
+
+    family, default_method = "kitty", "Kitty"
+
+
+class OSCARCache(KVQCache):
+    """OSCAR: needs ``calibration=`` (one OSCARCalibration per layer, or "identity")."""
+
+    family, default_method = "oscar", "OSCAR"
+
+
+class AquaKVCache(KVQCache):
+    """AQUA-KV ("AQUA-KV" HIGGS by default; "AQUA-KV-uniform"): needs ``calibration=`` (AquaPredictors)."""
+
+    family, default_method = "aqua", "AQUA-KV"
+
+
+class BitDecodingCache(KVQCache):
+    """BitDecoding ("BitDecoding-4" by default; "BitDecoding-2")."""
+
+    family, default_method = "bitdecoding", "BitDecoding-4"
+
+
+_BY_FAMILY = {c.family: c for c in (FP16Cache, KIVICache, KittyCache, OSCARCache, AquaKVCache, BitDecodingCache)}
+
+
+def make_cache(method_name: str, model_or_config, **kwargs) -> KVQCache:
+    """The cache of ``method_name`` for ``model_or_config`` (the family's class; kwargs as :class:`KVQCache`)."""
+    spec = M.get_method(method_name)
+    return _BY_FAMILY[spec.family](model_or_config, method_name, **kwargs)
