@@ -129,21 +129,23 @@ def perplexity(model, windows, methods, *, chunk: int = 128, batch_size: int = 8
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     calibrations = dict(calibrations or {})
     overrides = dict(overrides or {})
-    from kvq.integrations.methods import get_method
+    from kvq.integrations.methods import configure, get_method
+    from kvq.integrations.transformers import model_dims
+    N, S = windows.shape
+    geo = model_dims(model)
     for m in methods:
         spec = get_method(m)                                     # unknown names fail here, before any work
         if spec.calibration and m not in calibrations:
+            try:
+                configure(m, head_dim=geo["head_dim"], max_tokens=S, kv_heads=geo["kv_heads"], **overrides.get(m, {}))
+            except ValueError:
+                continue                                         # cannot serve this model: skipped below
             raise ValueError(f"{m} needs a calibration (kvq calibrate {spec.calibration}); none was given")
-    N, S = windows.shape
     dev = next(model.parameters()).device
     rows = []
     todo = ([None] if no_cache_row else []) + list(methods)
-    geo = None
     for m in _bar(todo, progress, desc="methods"):
         if m is not None:                                        # a layout this model cannot take: say so
-            from kvq.integrations.methods import configure
-            from kvq.integrations.transformers import model_dims
-            geo = geo or model_dims(model)
             try:
                 configure(m, head_dim=geo["head_dim"], max_tokens=S, kv_heads=geo["kv_heads"], **overrides.get(m, {}))
             except ValueError as e:
@@ -192,12 +194,17 @@ def attention_errors(layers, methods, *, calibrations: dict | None = None, causa
         if np.shape(d["k"]) != (B, H_kv, T, D) or np.shape(d["v"]) != (B, H_kv, T, D):
             raise ValueError(f"layer {l}: k / v shapes {np.shape(d['k'])} / {np.shape(d['v'])} differ from "
                              f"layer 0's {(B, H_kv, T, D)}")
-    for m in methods:
-        spec = get_method(m)
-        if spec.calibration and m not in calibrations:
-            raise ValueError(f"{m} needs a calibration (kvq calibrate {spec.calibration}); none was given")
     rows = []
     for m in _bar(list(methods), progress, desc="methods"):
+        spec = get_method(m)
+        if spec.calibration and m not in calibrations:
+            try:                                             # a method that cannot serve is skipped below
+                KVStore(m, n_layers=L, batch=B, kv_heads=H_kv, head_dim=D, max_tokens=T, backend=backend,
+                        calibration="identity", **overrides.get(m, {}))
+            except ValueError as e:
+                rows.append({"method": m, "skipped": str(e)})
+                continue
+            raise ValueError(f"{m} needs a calibration (kvq calibrate {spec.calibration}); none was given")
         try:
             store = KVStore(m, n_layers=L, batch=B, kv_heads=H_kv, head_dim=D, max_tokens=T, backend=backend,
                             calibration=calibrations.get(m), **overrides.get(m, {}))

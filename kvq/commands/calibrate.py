@@ -267,14 +267,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _aqua_cfg(args, model):
+    """The AQUA-KV configuration ``kvq.integrations.methods.configure`` gives this model (HIGGS / uniform
+    groups adapted to its head_dim and KV heads, so small models pad nothing), with the options asked."""
+    from kvq.integrations.methods import configure
     from kvq.integrations.models import attention_geometry
-    from kvq.reference import aqua, higgs
+    from kvq.reference import aqua
 
-    theta = attention_geometry(model)["rope_theta"]
-    backbone = aqua.Higgs() if args.backbone == "higgs" else aqua.Uniform()
-    first = aqua.Higgs(higgs.HiggsConfig(d=2, n=256)) if args.first_layer == "higgs" else aqua.KeepFP16()
+    geo = attention_geometry(model)
+    theta = geo["rope_theta"]
     pre = not args.post_rope and theta is not None
-    return aqua.AquaConfig(backbone=backbone, first_layer=first, pre_rope=pre, rope_theta=theta)
+    name = "AQUA-KV" if args.backbone == "higgs" else "AQUA-KV-uniform"
+    extra = {} if args.first_layer == "higgs" else {"first_layer": aqua.KeepFP16()}
+    return configure(name, head_dim=geo["head_dim"], kv_heads=geo["kv_heads"], max_tokens=4096, pre_rope=pre,
+                     rope_theta=theta, **extra)
 
 
 def _run(args) -> dict:

@@ -82,25 +82,38 @@ def _load_calibrations(args, methods, geometry) -> tuple[dict, dict, dict]:
 def _calibrate_here(model, batches, methods, cal, ovr, src, data, progress) -> None:
     """Calibrate what is still missing on ``batches`` (calibration text, disjoint from the evaluation's)."""
     from kvq.commands.calibrate import calibrate_aqua_model, calibrate_oscar_model
+    from kvq.integrations.methods import configure
     from kvq.integrations.models import attention_geometry
-    from kvq.reference import aqua, higgs
     if "OSCAR" in methods and "OSCAR" not in cal:
         cal["OSCAR"] = calibrate_oscar_model(model, batches, progress=progress)
         src["OSCAR"] = {"calibrated_here": data}
-    theta = attention_geometry(model)["rope_theta"]
+    geo = attention_geometry(model)
+    theta = geo["rope_theta"]
     for m in AQUA_METHODS:
         if m in methods and m not in cal:
-            backbone = aqua.Uniform() if m == "AQUA-KV-uniform" else aqua.Higgs()
-            cfg = aqua.AquaConfig(backbone=backbone, first_layer=aqua.Higgs(higgs.HiggsConfig(d=2, n=256)),
-                                  pre_rope=theta is not None, rope_theta=theta)
+            # the method's own configuration for this model (groups adapted to its head_dim / kv_heads)
+            try:
+                cfg = configure(m, head_dim=geo["head_dim"], kv_heads=geo["kv_heads"], max_tokens=4096,
+                                pre_rope=theta is not None, rope_theta=theta)
+            except ValueError:
+                continue                                     # it cannot serve this model: reported as skipped
             P, cfg = calibrate_aqua_model(model, batches, cfg=cfg, progress=progress)
             cal[m], ovr[m] = P, _aqua_overrides(cfg)
             src[m] = {"calibrated_here": data}
 
 
-def _missing(methods, cal) -> list:
-    from kvq.integrations.methods import get_method
-    return [m for m in methods if get_method(m).calibration and m not in cal]
+def _missing(methods, cal, geo) -> list:
+    """Methods that need a calibration, have none, and can serve this model (the others are reported as
+    skipped by the evaluation)."""
+    from kvq.integrations.methods import configure, get_method
+
+    def serves(m):
+        try:
+            configure(m, head_dim=geo["head_dim"], kv_heads=geo["kv_heads"], max_tokens=4096)
+            return True
+        except ValueError:
+            return False
+    return [m for m in methods if get_method(m).calibration and m not in cal and serves(m)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -145,12 +158,12 @@ def run_ppl(args) -> dict:
     geo = attention_geometry(model)
     methods = list(args.methods)
     cal, ovr, src = _load_calibrations(args, methods, geo)
-    if _missing(methods, cal) and args.calibrate:
+    if _missing(methods, cal, geo) and args.calibrate:
         batches, data = calibration_batches(tok, source="auto", tokens=args.calib_tokens, seq_len=args.calib_seq_len,
                                             batch_size=args.batch_size)
         _calibrate_here(model, batches, methods, cal, ovr, src, data, not args.quiet)
-    if _missing(methods, cal):
-        raise ValueError(f"{', '.join(_missing(methods, cal))} need calibration files (--calib-oscar / --calib-aqua"
+    if _missing(methods, cal, geo):
+        raise ValueError(f"{', '.join(_missing(methods, cal, geo))} need calibration files (--calib-oscar / --calib-aqua"
                          f" / --calib-aqua-uniform, from `kvq calibrate`) or --calibrate")
     ids, text_desc = _eval_ids(tok, args.source, args.windows * args.seq_len)
     windows = E.windows_from_ids(ids, args.seq_len, args.windows)
@@ -195,7 +208,7 @@ def run_attention(args) -> dict:
     windows = E.windows_from_ids(eval_ids, args.seq_len, args.windows)
     methods = list(args.methods)
     cal, ovr, src = _load_calibrations(args, methods, geo)
-    if _missing(methods, cal) and args.calibrate:
+    if _missing(methods, cal, geo) and args.calibrate:
         head = ids_of(full[:calib_chars])
         n = (len(head) // args.calib_seq_len)
         if n < 1:
@@ -204,8 +217,8 @@ def run_attention(args) -> dict:
         batches = [seqs[i:i + args.batch_size] for i in range(0, n, args.batch_size)]
         data = {"source": "english", "chars": [0, calib_chars], "tokens": int(n * args.calib_seq_len)}
         _calibrate_here(model, batches, methods, cal, ovr, src, data, not args.quiet)
-    if _missing(methods, cal):
-        raise ValueError(f"{', '.join(_missing(methods, cal))} need calibration files or --calibrate")
+    if _missing(methods, cal, geo):
+        raise ValueError(f"{', '.join(_missing(methods, cal, geo))} need calibration files or --calibrate")
     for m in AQUA_METHODS:                                   # a model without RoPE: predict post-"RoPE" keys
         if m in methods and geo["rope_theta"] is None:
             ovr.setdefault(m, {}).update(pre_rope=False, rope_theta=None)

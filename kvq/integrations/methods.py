@@ -405,15 +405,18 @@ class KVStore:
     read happens before the commit the append completes), the step of a transformer layer.
 
     Dequantized results are memoised per layer (and output dtype) and recomputed only after the layer's
-    state changed (``dequantize_calls`` counts the recomputations); the reference AQUA-KV decodes each
+    state changed (``dequantize_calls`` counts the recomputations). ``memoize=False`` keeps no dequantized
+    copy: a transformer's cache changes at every step, so a memo would only hold every layer's whole cache
+    decompressed between steps (the HF cache classes build their store so). The reference AQUA-KV decodes each
     chunk once (chunks are encoded and decoded independently), so a decode step costs only the
     chunks it completed.
     """
 
     def __init__(self, name: str, *, n_layers: int, batch: int, kv_heads: int, head_dim: int, max_tokens: int,
-                 backend: str = "auto", calibration=None, device=None, **overrides):
+                 backend: str = "auto", calibration=None, device=None, memoize: bool = True, **overrides):
         torch = _torch()
         self.spec = get_method(name)
+        self.memoize = bool(memoize)
         self.name = name
         self.n_layers = _check_pos_int("n_layers", n_layers)
         self.batch = _check_pos_int("batch", batch)
@@ -597,7 +600,7 @@ class KVStore:
         torch = _torch()
         layer = self._check_layer(layer)
         dtype = torch.float32 if dtype is None else dtype
-        memo = self._memo[layer]
+        memo = self._memo[layer] if self.memoize else {}
         if dtype in memo:
             return memo[dtype]
         fam = self.spec.family

@@ -217,7 +217,7 @@ class KVQCache(Cache):
             self._store = M.KVStore(self.method, n_layers=self.n_layers, batch=int(key_states.shape[0]),
                                     kv_heads=self.kv_heads, head_dim=self.head_dim, max_tokens=self.max_tokens,
                                     backend=self.backend, calibration=self._calibration,
-                                    device=key_states.device, **self._overrides)
+                                    device=key_states.device, memoize=False, **self._overrides)
         return self._store
 
     def _update(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):

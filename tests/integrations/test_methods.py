@@ -226,6 +226,29 @@ def test_memoisation_and_invalidation():
     assert np.array_equal(c[0].numpy(), ref[0])
 
 
+def test_memoize_off_keeps_no_copy():
+    """``memoize=False`` (the HF caches' store): every read dequantizes afresh, nothing is retained, and
+    the values are the memoised store's."""
+    kw = dict(n_layers=1, batch=B, kv_heads=H, head_dim=D, max_tokens=128, **SMALL["Kitty"])
+    on, off = M.KVStore("Kitty", **kw), M.KVStore("Kitty", memoize=False, **kw)
+    for st in (on, off):
+        st.append(0, *_tokens(30, 0))
+    a, b = off.keys_values(0), off.keys_values(0)
+    assert a[0] is not b[0] and off.dequantize_calls == 2 and off._memo[0] == {}
+    assert torch.equal(a[0], on.keys_values(0)[0]) and torch.equal(a[1], on.keys_values(0)[1])
+
+
+def test_hf_cache_store_is_not_memoised():
+    from kvq.integrations.transformers import make_cache
+    from transformers import LlamaConfig
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=D, max_position_embeddings=256)
+    cache = make_cache("Kitty", cfg, **SMALL["Kitty"])
+    k = torch.randn(B, 1, 5, D)
+    cache.update(k, k, 0)
+    assert cache.store.memoize is False and cache.store._memo[0] == {}
+
+
 # ---------------------------------------------------------------------------------------------------
 # AQUA-KV: cross-layer commits, waiting tokens, incremental chunk decode
 
