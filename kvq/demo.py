@@ -101,10 +101,18 @@ def main(argv=None) -> int:
     p.add_argument("--outliers", type=int, default=4, help="number of outlier key channels")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-gpu", action="store_true", help="skip the fast tier even if a GPU is present")
+    p.add_argument("--json", action="store_true", help="print the reference tier's table as JSON")
     a = p.parse_args(argv)
     if a.tokens <= 0 or a.tokens % 128:
         p.error(f"--tokens must be a positive multiple of 128 (the group size), got {a.tokens}")
     q, k, v, chans = synthetic_kv(tokens=a.tokens, outliers=a.outliers, seed=a.seed)
+    if a.json:
+        import json
+        keys = ("configuration", "bits", "k_rel_mse", "v_rel_mse", "logit_mse", "attention_kl", "output_rel_mse",
+                "bits_per_element")
+        print(json.dumps({"tokens": a.tokens, "outlier_channels": chans.tolist(),
+                          "rows": [dict(zip(keys, r)) for r in run_reference(q, k, v)]}, indent=1))
+        return 0
     print(f"kvq demo: synthetic cache, 1 x 2 KV heads x {a.tokens} tokens x 128 dims, 8 query heads; "
           f"outlier key channels {chans.tolist()}")
     print("quantization groups of 128; errors are relative MSE unless named; attention over the whole cache\n")

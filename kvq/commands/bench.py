@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
-import json
 import math
 import os
 import platform
@@ -38,6 +37,8 @@ import sys
 import time
 
 import numpy as np
+
+from kvq.commands import emit
 
 __all__ = ["DEFAULT_SHAPES", "DECODE_METHODS", "DEFAULT_DECODE_METHODS", "median", "bench_quant", "bench_decode",
            "environment", "git_commit", "build_parser", "main"]
@@ -483,14 +484,7 @@ def main(argv=None) -> int:
         print(f"kvq bench {args.what}: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     res["argv"] = argv
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
-    if args.json:
-        print(json.dumps(res, indent=1))
-    else:
-        _print_table(res)
+    emit(res, out=args.out, as_json=args.json, printer=_print_table)
     return 0
 
 

@@ -14,12 +14,13 @@ text: the Python standard library's bytes for the byte-level tiny LM, English pr
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 import numpy as np
+
+from kvq.commands import emit
 
 __all__ = ["calibrate_oscar_model", "calibrate_aqua_model", "calibration_batches", "model_shape", "build_parser",
            "main"]
@@ -346,10 +347,7 @@ def main(argv=None) -> int:
     except (OSError, ValueError, CalibrationFileError) as e:
         print(f"kvq calibrate {args.method}: error: {e}", file=sys.stderr)
         return 1
-    if args.json:
-        print(json.dumps(summary, indent=2))
-    else:
-        _print_summary(summary)
+    emit(summary, out=None, as_json=args.json, printer=_print_summary)
     return 0
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -24,6 +23,7 @@ import time
 import numpy as np
 
 from kvq import evaluation as E
+from kvq.commands import emit
 
 AQUA_METHODS = ("AQUA-KV", "AQUA-KV-uniform")
 
@@ -312,14 +312,7 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError, CalibrationFileError) as e:
         print(f"kvq eval {args.what}: error: {e}", file=sys.stderr)
         return 1
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
-    if args.json:
-        print(json.dumps(res, indent=1))
-    else:
-        _print(res)
+    emit(res, out=args.out, as_json=args.json, printer=_print)
     return 0
 
 

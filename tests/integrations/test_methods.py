@@ -7,24 +7,11 @@ import pytest
 import torch
 
 from kvq.integrations import methods as M
-from kvq.reference import aqua, aqua_cache, bitdecoding, kitty, kivi, memory, oscar
+from kvq.reference import aqua, aqua_cache, kitty, kivi, memory, oscar
 
 B, H, D, L = 2, 2, 64, 3
 
-#: small buffers so that quantization happens within a few dozen tokens
-SMALL = {
-    "KIVI-K2V2": dict(group_size=16, residual=8),
-    "KIVI-K2V2*": dict(group_size=16, residual=8, sink=4),
-    "KIVI-K4V4": dict(group_size=16, residual=8),
-    "Kitty": dict(group_size=16, residual=8, sink=4),
-    "Kitty-Pro": dict(group_size=16, residual=8, sink=4),
-    "OSCAR": dict(sink=4, window=8, page_size=16),
-    "BitDecoding-2": dict(warps_n=1, k_group=64),          # N_r = 64 tokens
-    "BitDecoding-4": dict(warps_n=1, k_group=32),          # N_r = 32 tokens
-    "AQUA-KV": dict(sink=4, buffer=16),
-    "AQUA-KV-uniform": dict(sink=4, buffer=16),
-}
-MODULES = {"kivi": kivi, "kitty": kitty, "oscar": oscar, "bitdecoding": bitdecoding}
+from .small import MODULES, SMALL  # noqa: E402
 
 
 def _tokens(T, seed, dtype=np.float32):

@@ -10,24 +10,10 @@ from transformers import DynamicCache  # noqa: E402
 from kvq.integrations import methods as M  # noqa: E402
 from kvq.integrations.transformers import (AquaKVCache, FP16Cache, KIVICache, KVQCache, make_cache,  # noqa: E402
                                            model_dims)
-from kvq.reference import aqua, aqua_cache, bitdecoding, kitty, kivi, oscar, paged  # noqa: E402
+from kvq.reference import aqua, aqua_cache, bitdecoding, oscar, paged  # noqa: E402
 from kvq.reference.model import apply_rope  # noqa: E402
 
-#: sizes small enough that every method quantizes within a 20-40 token prompt + 32 new tokens
-SMALL = {
-    "FP16": {},
-    "KIVI-K2V2": dict(group_size=16, residual=8),
-    "KIVI-K2V2*": dict(group_size=16, residual=8, sink=4),
-    "KIVI-K4V4": dict(group_size=16, residual=8),
-    "Kitty": dict(group_size=16, residual=8, sink=4),
-    "Kitty-Pro": dict(group_size=16, residual=8, sink=4),
-    "OSCAR": dict(sink=4, window=8, page_size=16),
-    "AQUA-KV": dict(sink=4, buffer=16),
-    "AQUA-KV-uniform": dict(sink=4, buffer=16),
-    "BitDecoding-2": dict(warps_n=1, k_group=64),           # N_r = 64 tokens; needs head_dim 64
-    "BitDecoding-4": dict(warps_n=1, k_group=32),           # N_r = 32 tokens
-}
-MODULES = {"kivi": kivi, "kitty": kitty, "oscar": oscar, "bitdecoding": bitdecoding}
+from .small import MODULES, SMALL  # noqa: E402
 
 
 def tiny(kind="llama", head_dim=32, dtype=torch.float32, seed=0):
