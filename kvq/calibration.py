@@ -152,7 +152,11 @@ def _sniff(path: str) -> None:
     if os.path.isdir(path):
         raise CalibrationFileError(f"{path}: is a directory, not a calibration file")
     with open(path, "rb") as f:
-        head = f.read(8)
+        head = f.read(9)
+    size = os.path.getsize(path)
+    if len(head) == 9 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") <= size - 8:
+        return                    # safetensors: an 8-byte little-endian header length, then JSON "{...}"
+    head = head[:8]
     what = None
     if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
         what = "a zip archive (a NumPy .npz or a torch .pt file?)"

@@ -475,3 +475,18 @@ def test_main_end_to_end_on_a_model_directory(tiny, tmp_path, capsys):
     assert isinstance(cfg.backbone, aqua.Uniform) and cfg.pre_rope and P.f_key[1].mats[0].shape == (64, 8)
     assert main(["oscar", "--model", str(tmp_path / "missing"), "--out", str(out), "--quiet"]) == 1
     assert "error" in capsys.readouterr().err
+
+
+def test_sniff_accepts_a_safetensors_header_that_starts_like_a_pickle(tmp_path):
+    """A safetensors header of 640-1535 bytes starts with 0x80 0x02..0x05, a pickle's first two bytes;
+    the safetensors layout (length, then '{') is recognised first, so such a file is not refused."""
+    from kvq.calibration import _sniff
+    p = tmp_path / "h.safetensors"
+    p.write_bytes((640).to_bytes(8, "little") + b"{" + b" " * 639)
+    assert p.read_bytes()[:2] == b"\x80\x02"
+    _sniff(str(p))                                   # no error: the parser decides from here on
+    q = tmp_path / "p.safetensors"
+    import pickle
+    q.write_bytes(pickle.dumps({"a": 1}, protocol=2))
+    with pytest.raises(CalibrationFileError, match="pickle"):
+        _sniff(str(q))

@@ -168,3 +168,18 @@ def test_cli_attention_on_minilm(capsys):
     rows = {r["method"]: r for r in res["rows"]}
     assert "skipped" in rows["BitDecoding-2"]
     assert rows["KIVI-K4V4"]["mean"]["attention_kl"] > rows["FP16"]["mean"]["attention_kl"]
+
+
+def test_cli_set_configures_a_method(saved, capsys):
+    """--set METHOD:KEY=VALUE reaches the method's cache: a longer KIVI residual keeps more tokens in
+    FP16, so its state bits rise; a malformed item is a clear error."""
+    assert cmd.parse_sets(["KIVI-K2V2:residual=32", "KIVI-K2V2:sink=4"]) == {"KIVI-K2V2": {"residual": 32, "sink": 4}}
+    with pytest.raises(ValueError, match="METHOD:KEY=VALUE"):
+        cmd.parse_sets(["KIVI-K2V2residual=32"])
+    bits = []
+    for r in ("32", "128"):
+        assert cmd.main(["ppl", "--model", saved, "--methods", "KIVI-K2V2", "--windows", "1", "--seq-len", "160",
+                         "--chunk", "80", "--device", "cpu", "--json", "--quiet",
+                         "--set", f"KIVI-K2V2:residual={r}"]) == 0
+        bits.append(json.loads(capsys.readouterr().out)["rows"][-1]["bits_per_element"])
+    assert bits[0] < bits[1]

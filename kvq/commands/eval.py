@@ -102,6 +102,31 @@ def _calibrate_here(model, batches, methods, cal, ovr, src, data, progress) -> N
             src[m] = {"calibrated_here": data}
 
 
+def parse_sets(items) -> dict:
+    """``--set METHOD:KEY=VALUE`` items -> {method: {key: value}} (values read as Python literals when they
+    parse, e.g. 16, 0.5, True; else kept as strings). Raises ValueError naming a malformed item."""
+    import ast
+    from kvq.integrations.methods import get_method
+    out: dict = {}
+    for item in items or ():
+        m, sep, kv = item.partition(":")
+        k, eq, v = kv.partition("=")
+        if not sep or not eq or not m or not k:
+            raise ValueError(f"--set {item!r}: expected METHOD:KEY=VALUE, e.g. KIVI-K2V2:residual=64")
+        get_method(m)
+        try:
+            val = ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            val = v
+        out.setdefault(m, {})[k] = val
+    return out
+
+
+def _apply_sets(ovr: dict, args) -> None:
+    for m, kv in parse_sets(args.set).items():
+        ovr.setdefault(m, {}).update(kv)
+
+
 def _missing(methods, cal, geo) -> list:
     """Methods that need a calibration, have none, and can serve this model (the others are reported as
     skipped by the evaluation)."""
@@ -165,6 +190,7 @@ def run_ppl(args) -> dict:
     if _missing(methods, cal, geo):
         raise ValueError(f"{', '.join(_missing(methods, cal, geo))} need calibration files (--calib-oscar / --calib-aqua"
                          f" / --calib-aqua-uniform, from `kvq calibrate`) or --calibrate")
+    _apply_sets(ovr, args)
     ids, text_desc = _eval_ids(tok, args.source, args.windows * args.seq_len)
     windows = E.windows_from_ids(ids, args.seq_len, args.windows)
     res = E.perplexity(model, windows, methods, chunk=args.chunk, batch_size=args.batch_size, backend=args.backend,
@@ -222,6 +248,7 @@ def run_attention(args) -> dict:
     for m in AQUA_METHODS:                                   # a model without RoPE: predict post-"RoPE" keys
         if m in methods and geo["rope_theta"] is None:
             ovr.setdefault(m, {}).update(pre_rope=False, rope_theta=None)
+    _apply_sets(ovr, args)
     layers = capture_qkv(model, torch.as_tensor(windows, device=device))
     res = E.attention_errors(layers, methods, calibrations=cal, causal=causal, backend=args.backend,
                              progress=not args.quiet, overrides=ovr)
@@ -245,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                                          if model_default else ""))
         sp.add_argument("--methods", nargs="+", default=list(E.COMPARISON),
                         help=f"method names (default: {' '.join(E.COMPARISON)})")
+        sp.add_argument("--set", action="append", default=[], metavar="METHOD:KEY=VALUE",
+                        help="a configuration field of one method, e.g. KIVI-K2V2:residual=64 (repeatable)")
         sp.add_argument("--calib-oscar", help="OSCAR calibration file (kvq calibrate oscar)")
         sp.add_argument("--calib-aqua", help="AQUA-KV calibration file, HIGGS backbone (kvq calibrate aqua)")
         sp.add_argument("--calib-aqua-uniform", help="AQUA-KV calibration file, uniform backbone")

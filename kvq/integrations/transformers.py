@@ -21,6 +21,9 @@ cache's capacity; ``torch.compile`` of the forward is not supported (``is_compil
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -80,6 +83,28 @@ def _check_attention_layers(config, max_tokens: int) -> None:
     elif window is not None and use_sw and window < max_tokens:
         raise ValueError(f"this model uses a sliding window of {window} tokens < max_tokens={max_tokens}; kvq "
                          f"caches attend over the whole cache: pass max_tokens <= {window}")
+
+
+def load_calibration_file(method: str, path, dims: dict):
+    """``(calibration, overrides)`` from a ``kvq calibrate`` file for ``method`` on a model of ``dims``
+    (``model_dims``): OSCAR files give the per-layer calibrations, AQUA-KV files the predictors and their
+    configuration's fields as overrides (the backbone must be the method's). A file of the wrong kind,
+    shape or backbone fails with ``kvq.calibration``'s clear error."""
+    from kvq import calibration as CF
+
+    kind = M.get_method(method).calibration
+    if kind is None:
+        raise ValueError(f"{method} takes no calibration file (got {str(path)!r})")
+    expect = {k: dims[k] for k in ("n_layers", "kv_heads", "head_dim")}
+    if kind == "oscar":
+        cal, _ = CF.load_oscar(path, expect=expect)
+        return cal, {}
+    P, cfg, _ = CF.load_aqua(path, expect=expect)
+    want = type(M.configure(method, head_dim=dims["head_dim"], kv_heads=dims["kv_heads"], max_tokens=8).backbone)
+    if type(cfg.backbone) is not want:
+        raise ValueError(f"{path} was calibrated with the {type(cfg.backbone).__name__} backbone; {method} uses "
+                         f"{want.__name__} (kvq calibrate aqua --backbone {want.__name__.lower()})")
+    return P, {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "max_tokens"}
 
 
 class KVQLayer(CacheLayerMixin):
@@ -158,7 +183,9 @@ class KVQCache(Cache):
         method: a method name, e.g. "KIVI-K2V2", "Kitty", "OSCAR", "AQUA-KV", "BitDecoding-4", "FP16".
         backend: "auto" (the reference on CPU tensors, Triton on CUDA), "reference", "triton", "cupy".
         calibration: OSCAR: one ``OSCARCalibration`` per layer or "identity"; AQUA-KV:
-            ``AquaPredictors`` or "identity" (see ``methods.resolve_calibration``).
+            ``AquaPredictors`` or "identity" (see ``methods.resolve_calibration``); or the path of a file
+            from ``kvq calibrate`` (checked against this model's shape; an AQUA-KV file also gives the
+            configuration its predictors were fit for, which explicit overrides still replace).
         max_tokens: capacity per sequence (default ``min(max_position_embeddings, DEFAULT_MAX_TOKENS)``).
         overrides: method config fields (``methods.configure``), e.g. ``sink=4, residual=16``.
             AQUA-KV gets the model's ``rope_theta`` unless given.
@@ -187,6 +214,9 @@ class KVQCache(Cache):
             max_tokens = min(int(mpe), DEFAULT_MAX_TOKENS) if mpe else DEFAULT_MAX_TOKENS
         max_tokens = M._check_pos_int("max_tokens", max_tokens)
         _check_attention_layers(config, max_tokens)
+        if isinstance(calibration, (str, os.PathLike)) and str(calibration) != "identity":
+            calibration, file_overrides = load_calibration_file(method, calibration, dims)
+            overrides = {**file_overrides, **overrides}
         if spec.family == "aqua" and "rope_theta" not in overrides and dims["rope_theta"] is not None:
             overrides = {**overrides, "rope_theta": dims["rope_theta"]}
         if spec.family == "aqua" and isinstance(calibration, str) and calibration == "identity":

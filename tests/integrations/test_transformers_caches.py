@@ -350,3 +350,47 @@ def test_fast_backend_in_model(backend, name):
         assert got.keys() == want.keys()
         for n in got:
             assert np.array_equal(got[n], want[n]), (l, n)
+
+
+# ---------------------------------------------------------------------------------------------------
+# calibration files from `kvq calibrate`
+
+
+def test_calibration_files_are_accepted_by_path(tmp_path):
+    """OSCAR and AQUA-KV caches take a `kvq calibrate` file by path: the same logits as the in-memory
+    calibration; a file for another shape, or of the other backbone, fails with a clear error."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvq import calibration as CF
+    from kvq.commands.calibrate import calibrate_aqua_model, calibrate_oscar_model
+    from kvq.integrations.methods import configure
+    from kvq.integrations.transformers import make_cache, model_dims
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=32, max_position_embeddings=256)
+    model = LlamaForCausalLM(cfg).eval()
+    batches = [np.random.default_rng(0).integers(0, 64, size=(2, 48))]
+    dims = model_dims(model)
+    shape = {k: dims[k] for k in ("n_layers", "kv_heads", "head_dim")} | {"rope_theta": dims["rope_theta"]}
+    osc = calibrate_oscar_model(model, batches, progress=False)
+    CF.save_oscar(tmp_path / "o.safetensors", osc, model_shape=shape)
+    acfg = configure("AQUA-KV", head_dim=32, kv_heads=1, max_tokens=4096, rope_theta=dims["rope_theta"], sink=4,
+                     buffer=16)
+    P, acfg = calibrate_aqua_model(model, batches, cfg=acfg, progress=False)
+    CF.save_aqua(tmp_path / "a.safetensors", P, acfg, model_shape=shape)
+    ids = torch.as_tensor(np.random.default_rng(1).integers(0, 64, size=(1, 40)))
+    for method, obj, path, kw in (("OSCAR", osc, tmp_path / "o.safetensors", dict(sink=4, window=8, page_size=16)),
+                                  ("AQUA-KV", P, tmp_path / "a.safetensors", dict(sink=4, buffer=16))):
+        with torch.no_grad():
+            a = model(ids, past_key_values=make_cache(method, model, calibration=obj, **kw)).logits
+            b = model(ids, past_key_values=make_cache(method, model, calibration=str(path), **kw)).logits
+        assert torch.equal(a, b), method
+    with pytest.raises(ValueError, match="backbone"):
+        make_cache("AQUA-KV-uniform", model, calibration=tmp_path / "a.safetensors")
+    other = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=256)
+    with pytest.raises(ValueError, match="head_dim"):
+        make_cache("OSCAR", other, calibration=tmp_path / "o.safetensors")
+    with pytest.raises(ValueError, match="takes no calibration file"):
+        make_cache("KIVI-K2V2", model, calibration=tmp_path / "o.safetensors")
