@@ -4,12 +4,12 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvq-setup
 
-.PHONY: setup demo test test-reference test-parity gpu-test book bench clean
+.PHONY: setup demo test test-reference test-parity gpu-test book browser-test bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[fast,viz,book,hf,test]"
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[fast,viz,book,hf,test,browser]"
 	touch $(STAMP)
 
 setup: $(STAMP)                        ## virtualenv .venv with kvq and its CPU dependencies
@@ -18,7 +18,7 @@ demo: $(STAMP)                         ## the main demo (CPU; uses the GPU too i
 	$(BIN)/kvq demo
 
 test: $(STAMP)                         ## CPU test suite: reference, Triton via interpreter, nvcc compile
-	$(BIN)/python -m pytest -m "not gpu" -q
+	$(BIN)/python -m pytest -m "not gpu and not browser" -q
 
 test-reference: $(STAMP)
 	$(BIN)/python -m pytest tests/reference -q
@@ -31,6 +31,9 @@ gpu-test:                              ## on a CUDA machine: every parity test o
 
 book: $(STAMP)                         ## build the Jupyter Book with execution (fails on a cell error)
 	$(BIN)/jupyter-book build book --warningiserror --keep-going
+
+browser-test: $(STAMP)                 ## headless Chromium over the built book (run `make book` first)
+	$(BIN)/python -m pytest -m browser tests/browser -v --tb=short
 
 bench:                                 ## on a CUDA machine: ceilings, quantize+pack, FP16 decode
 	$(PYTHON) benchmarks/run_all.py --out benchmarks/results/latest
