@@ -375,6 +375,19 @@ def resolve_calibration(name: str, calibration, *, n_layers: int, kv_heads: int,
     return calibration
 
 
+def _checked_half(t, dtype, name: str):
+    """Torch tensor ``t`` rounded to the 16-bit ``dtype``, refusing NaN / inf input and overflow (the
+    methods' rule for what enters an FP16 buffer)."""
+    torch = _torch()
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name} contains NaN or inf")
+    y = t.to(dtype)
+    if not bool(torch.isfinite(y).all()):
+        raise ValueError(f"{name} overflows {str(dtype).replace('torch.', '')} (|x| > 65504); the FP16 buffers "
+                         f"cannot hold it")
+    return y
+
+
 class KVStore:
     """All layers of one batch's compressed KV cache for method ``name``.
 
@@ -527,12 +540,7 @@ class KVStore:
         """x (converted) rounded to fp16, refusing NaN / inf and fp16 overflow (the methods' rule)."""
         torch = _torch()
         if isinstance(x, torch.Tensor):
-            if not bool(torch.isfinite(x).all()):
-                raise ValueError(f"{name} contains NaN or inf")
-            y = x.to(torch.float16)
-            if not bool(torch.isfinite(y).all()):
-                raise ValueError(f"{name} overflows float16 (|x| > 65504); the FP16 buffers cannot hold it")
-            return y
+            return _checked_half(x, torch.float16, name)
         if not np.isfinite(x).all():
             raise ValueError(f"{name} contains NaN or inf")
         with np.errstate(over="ignore"):
@@ -707,12 +715,7 @@ class KVStore:
         t = t.to(self.device)
         if t.dtype == self._fp_dtype:
             return t.clone()
-        if not bool(torch.isfinite(t).all()):
-            raise ValueError(f"{name} contains NaN or inf")
-        y = t.to(self._fp_dtype)
-        if not bool(torch.isfinite(y).all()):
-            raise ValueError(f"{name} overflows {self._fp_dtype} (|x| > 65504); the FP16 cache cannot hold it")
-        return y
+        return _checked_half(t, self._fp_dtype, name)
 
     def _commit(self) -> None:
         """AQUA-KV: append the tokens every layer has received (the common prefix) with one call."""
