@@ -15,9 +15,16 @@ else is JSON in its string metadata, one JSON document per key:
     meta_checksum   "sha256:..." over the other metadata (canonical JSON)
 
 Loading verifies all of it and fails with a :class:`CalibrationFileError` naming the problem: a missing
-file, bytes that are not safetensors (a pickle / ``.npz`` is refused, never unpickled), a truncated or
-corrupted file, a wrong schema or kind, a newer schema version, a model shape other than the expected
-one, missing or extra tensors. Arrays come back with the dtype and shape they were saved with.
+file, anything but a regular file (a named pipe, a directory, a device, a socket: refused before it is
+opened, so a pipe never blocks), bytes that are not safetensors (a pickle / ``.npz`` is refused, never
+unpickled), a truncated or corrupted file, a wrong schema or kind, a newer schema version, a model shape
+other than the expected one, missing or extra tensors. The contents are validated too, on load and on
+save (a file whose checksums were recomputed gets no further than a corrupted one): every tensor finite,
+AQUA-KV predictors within ``MAX_PREDICTOR_ABS``, integer fields within the documented limits
+(``MAX_MODEL_DIM``, ``MAX_TOKENS``, ``MAX_FP16_TOKENS``), metadata of the JSON types the writer writes and
+at most ``MAX_META_DEPTH`` levels deep, an AQUA-KV ``rope_theta`` equal to the model's. Arrays come back
+with the dtype and shape they were saved with. Files are written atomically (a temporary file in the
+same directory, then ``os.replace``) with the permissions the process umask gives a new file.
 
     save_oscar("llama.oscar.safetensors", calibs, model_shape=dict(n_layers=32, kv_heads=8, head_dim=128))
     calibs, meta = load_oscar("llama.oscar.safetensors", expect={"head_dim": 128, "n_layers": 32})
@@ -31,7 +38,8 @@ import hashlib
 import json
 import math
 import os
-import tempfile
+import secrets
+import stat
 
 import numpy as np
 
@@ -45,6 +53,25 @@ _META_KEYS = ("schema", "schema_version", "kind", "kvq_version", "model_shape", 
               "checksum", "meta_checksum")
 _SHAPE_INTS = ("n_layers", "kv_heads", "head_dim")
 
+#: largest ``n_layers``, ``kv_heads`` or ``head_dim`` a file may describe (65,536: far beyond any model;
+#: a larger value is corruption, and products of them size the arrays a loader checks)
+MAX_MODEL_DIM = 1 << 16
+#: largest AQUA-KV ``max_tokens`` (tokens per sequence) a file may describe: 2**24 = 16,777,216, beyond
+#: any released model's positions
+MAX_TOKENS = 1 << 24
+#: most tokens an AQUA-KV file may keep in FP16 (``sink``, ``buffer``): 65,536, 500x the paper's 4 + 128.
+#: Caches allocate these buffers up front (B x H_kv x tokens x D per layer), so a corrupted ``sink=1e9``
+#: must fail here rather than ask for hundreds of GiB at the first update.
+MAX_FP16_TOKENS = 1 << 16
+#: largest |weight| or |bias| of an AQUA-KV predictor: 1e6. Ridge fits on activations give weights of
+#: order one (a layer's keys from the previous layer's); a weight of 1e6 already maps any realistic
+#: activation (|x| ~ 1..100) to a prediction beyond fp16's 65504, whose residual's scale then overflows the
+#: fp16 metadata. Larger values (1e30, ...) are corruption, never calibration.
+MAX_PREDICTOR_ABS = 1e6
+#: deepest nesting of a metadata JSON value (the writer's deepest is 4: config.fields.backbone.type);
+#: deeper documents are refused instead of recursing (no RecursionError)
+MAX_META_DEPTH = 32
+
 
 class CalibrationFileError(ValueError):
     """A calibration file that cannot be used: missing, not safetensors, corrupted, or not the one expected."""
@@ -54,8 +81,11 @@ class CalibrationFileError(ValueError):
 # helpers: JSON, checksums, model shapes
 
 
-def _jsonable(x, where: str):
-    """``x`` with NumPy scalars turned into Python ones; raises unless it is plain JSON data."""
+def _jsonable(x, where: str, depth: int = 0):
+    """``x`` with NumPy scalars turned into Python ones; raises unless it is plain JSON data at most
+    ``MAX_META_DEPTH`` levels deep (a self-containing list is refused, not recursed into)."""
+    if depth > MAX_META_DEPTH:
+        raise ValueError(f"{where}: nested more than {MAX_META_DEPTH} levels deep")
     if isinstance(x, (bool, np.bool_)):
         return bool(x)
     if isinstance(x, (int, np.integer)):
@@ -67,15 +97,21 @@ def _jsonable(x, where: str):
     if x is None or isinstance(x, str):
         return x
     if isinstance(x, (list, tuple)):
-        return [_jsonable(v, f"{where}[{i}]") for i, v in enumerate(x)]
+        return [_jsonable(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(x)]
     if isinstance(x, dict):
         out = {}
         for k, v in x.items():
             if not isinstance(k, str):
                 raise ValueError(f"{where}: key {k!r} is not a string")
-            out[k] = _jsonable(v, f"{where}.{k}")
+            out[k] = _jsonable(v, f"{where}.{k}", depth + 1)
         return out
     raise ValueError(f"{where}: {type(x).__name__} {x!r} is not JSON data (str, number, bool, None, list, dict)")
+
+
+def _short(x, n: int = 200) -> str:
+    """``repr(x)`` cut to ``n`` characters (a corrupted value can be huge)."""
+    r = repr(x)
+    return r if len(r) <= n else r[:n] + "..."
 
 
 def _dumps(x) -> str:
@@ -93,6 +129,21 @@ def checksum(tensors: dict) -> str:
     return "sha256:" + h.hexdigest()
 
 
+def _positive_number(x) -> bool:
+    """True for a finite int / float > 0 (never a bool)."""
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def _check_finite_tensors(tensors: dict, where: str) -> None:
+    """ValueError naming the first floating-point tensor that holds NaN or inf."""
+    for n in sorted(tensors):
+        a = np.asarray(tensors[n])
+        if a.dtype.kind in "fc" and not np.all(np.isfinite(a)):
+            bad = int(np.size(a) - np.count_nonzero(np.isfinite(a)))
+            raise ValueError(f"{where}tensor {n!r} holds {bad} NaN or inf value{'s' if bad > 1 else ''}; "
+                             f"calibration arrays must be finite")
+
+
 def _meta_checksum(meta: dict) -> str:
     body = {k: v for k, v in meta.items() if k != "meta_checksum"}
     return "sha256:" + hashlib.sha256(_dumps(body).encode()).hexdigest()
@@ -106,9 +157,12 @@ def _check_model_shape(model_shape) -> dict:
         v = ms.get(k)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"model_shape[{k!r}] must be a positive int, got {v!r}")
+        if v > MAX_MODEL_DIM:
+            raise ValueError(f"model_shape[{k!r}]={v} exceeds kvq.calibration.MAX_MODEL_DIM={MAX_MODEL_DIM}")
     ms.setdefault("rope_theta", None)
-    if ms["rope_theta"] is not None and not isinstance(ms["rope_theta"], (int, float)):
-        raise ValueError(f"model_shape['rope_theta'] must be a number or None, got {ms['rope_theta']!r}")
+    if ms["rope_theta"] is not None and not _positive_number(ms["rope_theta"]):
+        raise ValueError(f"model_shape['rope_theta'] must be a finite positive number or None, got "
+                         f"{ms['rope_theta']!r}")
     if "model" in ms and ms["model"] is not None and not isinstance(ms["model"], str):
         raise ValueError(f"model_shape['model'] must be a name or path (str), got {ms['model']!r}")
     return ms
@@ -116,6 +170,50 @@ def _check_model_shape(model_shape) -> dict:
 
 # ---------------------------------------------------------------------------------------------------
 # writing and reading the container
+
+
+def _check_destination(path: str) -> None:
+    """Refuse a destination that cannot become a calibration file, before anything is written."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise CalibrationFileError(f"{path}: the directory {folder} does not exist")
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise CalibrationFileError(f"{path}: cannot be written ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CalibrationFileError(f"{path}: is {_file_kind(st.st_mode)}, not a regular file; it cannot be "
+                                   f"replaced by a calibration file")
+
+
+def _umask() -> int:
+    """The process umask, read without changing it where the kernel reports it (Linux >= 4.7); else by the
+    classic set-and-restore."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _new_temp(folder: str) -> str:
+    """The name of a new empty file in ``folder`` (created exclusively, so never another's)."""
+    for _ in range(100):
+        tmp = os.path.join(folder, f".kvq-calib-{secrets.token_hex(8)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            continue
+        os.close(fd)
+        return tmp
+    raise FileExistsError(f"no free temporary file name in {folder}")
 
 
 def _write(path, kind: str, tensors: dict, *, model_shape: dict, config, data, layout) -> dict:
@@ -127,17 +225,18 @@ def _write(path, kind: str, tensors: dict, *, model_shape: dict, config, data, l
     for n, a in tensors.items():
         if a.dtype.byteorder == ">":
             tensors[n] = a.astype(a.dtype.newbyteorder("<"))
+    _check_finite_tensors(tensors, "")
     meta = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "kind": kind, "kvq_version": __version__,
             "model_shape": model_shape, "config": _jsonable(config, "config"),
             "data": _jsonable({} if data is None else data, "data"), "layout": _jsonable(layout, "layout"),
             "checksum": checksum(tensors)}
     meta["meta_checksum"] = _meta_checksum(meta)
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".kvq-calib-", suffix=".tmp", dir=folder)
-    os.close(fd)
+    path = _fspath(path)
+    _check_destination(path)
+    tmp = _new_temp(os.path.dirname(os.path.abspath(path)))
     try:
         save_file(tensors, tmp, metadata={k: _dumps(v) for k, v in meta.items()})
+        os.chmod(tmp, 0o666 & ~_umask())                        # a new file's mode (safetensors writes 0o600)
         os.replace(tmp, path)                                   # atomic: never a half-written file
     finally:
         if os.path.exists(tmp):
@@ -145,15 +244,60 @@ def _write(path, kind: str, tensors: dict, *, model_shape: dict, config, data, l
     return meta
 
 
+def _fspath(path) -> str:
+    """``path`` as a str (TypeError naming what it is otherwise)."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    return os.fsdecode(os.fspath(path))
+
+
+def _file_kind(mode: int) -> str:
+    """What a non-regular ``st_mode`` is, in words."""
+    for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def _regular_file(path: str) -> os.stat_result:
+    """``os.stat(path)`` of a regular file; CalibrationFileError for a missing path or anything else (a
+    named pipe would block the first read forever, a device never ends), decided before any open."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise CalibrationFileError(f"{path}: no such calibration file") from None
+    except (OSError, ValueError) as e:                       # permission, ENOTDIR, ELOOP, embedded NUL, ...
+        raise CalibrationFileError(f"{path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CalibrationFileError(f"{path}: is {_file_kind(st.st_mode)}, not a regular file; a calibration file "
+                                   f"must be a regular file")
+    return st
+
+
+def _read_head(path: str, n: int) -> bytes:
+    """The first ``n`` bytes of the regular file ``path``. Opened non-blocking and checked again on the
+    open descriptor, so a path swapped for a pipe after the stat still cannot block."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise CalibrationFileError(f"{path}: cannot be read ({e.strerror or e})") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CalibrationFileError(f"{path}: is {_file_kind(mode)}, not a regular file; a calibration file "
+                                       f"must be a regular file")
+        return os.read(fd, n)
+    finally:
+        os.close(fd)
+
+
 def _sniff(path: str) -> None:
-    """Refuse files that are plainly something else, before any parser sees them (pickle is never loaded)."""
-    if not os.path.exists(path):
-        raise CalibrationFileError(f"{path}: no such calibration file")
-    if os.path.isdir(path):
-        raise CalibrationFileError(f"{path}: is a directory, not a calibration file")
-    with open(path, "rb") as f:
-        head = f.read(9)
-    size = os.path.getsize(path)
+    """Refuse files that are plainly something else, before any parser sees them (pickle is never loaded):
+    anything but a regular file first, by ``os.stat``, before any open."""
+    size = _regular_file(path).st_size
+    head = _read_head(path, 9)
     if len(head) == 9 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") <= size - 8:
         return                    # safetensors: an 8-byte little-endian header length, then JSON "{...}"
     head = head[:8]
@@ -171,17 +315,55 @@ def _sniff(path: str) -> None:
         raise CalibrationFileError(f"{path}: is {len(head)} bytes long: truncated, not a safetensors file")
 
 
+def _depth(x) -> int:
+    """Nesting depth of a JSON value (a scalar: 0), computed without recursion."""
+    deepest, todo = 0, [(x, 0)]
+    while todo:
+        v, d = todo.pop()
+        deepest = max(deepest, d)
+        if d > MAX_META_DEPTH:
+            break
+        if isinstance(v, dict):
+            todo.extend((w, d + 1) for w in v.values())
+        elif isinstance(v, list):
+            todo.extend((w, d + 1) for w in v)
+    return deepest
+
+
+def _loads(path: str, key: str, text) -> object:
+    """One metadata value: JSON of finite numbers at most ``MAX_META_DEPTH`` deep, else CalibrationFileError."""
+    def constant(name):
+        raise CalibrationFileError(f"{path}: metadata {key!r} holds {name}, not a finite number")
+
+    def finite(s):
+        v = float(s)
+        if not math.isfinite(v):
+            raise CalibrationFileError(f"{path}: metadata {key!r} holds {s}, which overflows a float")
+        return v
+
+    if not isinstance(text, str):
+        raise CalibrationFileError(f"{path}: metadata {key!r} is not a string")
+    try:
+        v = json.loads(text, parse_constant=constant, parse_float=finite)
+    except CalibrationFileError:
+        raise
+    except RecursionError:
+        raise CalibrationFileError(f"{path}: metadata {key!r} is nested more than {MAX_META_DEPTH} levels deep: "
+                                   f"corrupted file") from None
+    except ValueError as e:                                     # JSONDecodeError, an int of 5000 digits, ...
+        raise CalibrationFileError(f"{path}: metadata {key!r} is not valid JSON ({e}): corrupted file") from None
+    if _depth(v) > MAX_META_DEPTH:
+        raise CalibrationFileError(f"{path}: metadata {key!r} is nested more than {MAX_META_DEPTH} levels deep: "
+                                   f"corrupted file")
+    return v
+
+
 def _read_meta(path: str, f) -> dict:
     raw = f.metadata() or {}
     if "schema" not in raw:
         raise CalibrationFileError(f"{path}: a safetensors file without kvq calibration metadata "
                                    f"(no 'schema' key; metadata keys: {sorted(raw)})")
-    meta = {}
-    for k, v in raw.items():
-        try:
-            meta[k] = json.loads(v)
-        except json.JSONDecodeError as e:
-            raise CalibrationFileError(f"{path}: metadata {k!r} is not valid JSON ({e}): corrupted file") from None
+    meta = {k: _loads(path, k, v) for k, v in raw.items()}
     if meta["schema"] != SCHEMA:
         raise CalibrationFileError(f"{path}: schema is {meta['schema']!r}, expected {SCHEMA!r}")
     ver = meta.get("schema_version")
@@ -211,7 +393,7 @@ def _open(path, kind: str | None, *, tensors: bool = True):
     """``(meta, {name: array})`` of a calibration file, verified; ``tensors=False`` skips the arrays."""
     from safetensors import SafetensorError, safe_open
 
-    path = os.fspath(path)
+    path = _fspath(path)
     _sniff(path)
     try:
         with safe_open(path, framework="np") as f:
@@ -227,14 +409,28 @@ def _open(path, kind: str | None, *, tensors: bool = True):
         if got != meta["checksum"]:
             raise CalibrationFileError(f"{path}: tensor checksum mismatch (file says {meta['checksum']}, "
                                        f"bytes give {got}): the file is corrupted")
+        try:
+            _check_finite_tensors(arrays, "")
+        except ValueError as e:
+            raise CalibrationFileError(f"{path}: {e}") from None
     return meta, arrays
+
+
+def _expect_arg(expect) -> dict | None:
+    """``expect`` as a dict of model_shape fields (TypeError for anything else), checked before any read."""
+    if expect is None:
+        return None
+    if not isinstance(expect, dict) or not all(isinstance(k, str) for k in expect):
+        raise TypeError(f"expect must be a dict of model_shape fields (n_layers, kv_heads, head_dim, "
+                        f"rope_theta, ...), got {expect!r}")
+    return dict(expect)
 
 
 def _check_expect(path, meta: dict, expect) -> None:
     if expect is None:
         return
     ms = meta["model_shape"]
-    for k, want in dict(expect).items():
+    for k, want in expect.items():
         if k not in ms:
             raise CalibrationFileError(f"{path}: expect names {k!r}, which the file's model_shape lacks "
                                        f"(it has {sorted(ms)})")
@@ -273,6 +469,25 @@ def _config_json(config):
         fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
         return {"class": type(config).__name__, "fields": _jsonable(fields, f"config ({type(config).__name__})")}
     return _jsonable(config, "config")
+
+
+_LAYER_KEYS = {"clip_k": "a number", "clip_v": "a number", "rotation": "a str", "lam_K": "true or false",
+               "lam_V": "true or false"}
+
+
+def _check_layer_entry(e) -> None:
+    """ValueError unless ``e`` is an OSCAR layout entry of the writer's keys and JSON types (the values'
+    ranges are ``OSCARCalibration``'s to check)."""
+    if not isinstance(e, dict):
+        raise ValueError(f"{_short(e)} is not a dict")
+    if set(e) != set(_LAYER_KEYS):
+        raise ValueError(f"has keys {sorted(e)}, expected {sorted(_LAYER_KEYS)}")
+    for k, what in _LAYER_KEYS.items():
+        v = e[k]
+        ok = (isinstance(v, bool) if what == "true or false" else isinstance(v, str) if what == "a str"
+              else not isinstance(v, bool) and isinstance(v, (int, float)))
+        if not ok:
+            raise ValueError(f"{k} must be {what}, got {v!r}")
 
 
 def save_oscar(path, calibrations, *, model_shape: dict, config=None, data=None) -> dict:
@@ -315,6 +530,7 @@ def load_oscar(path, *, expect=None):
     """
     from kvq.reference.oscar import OSCARCalibration
 
+    expect = _expect_arg(expect)
     meta, arrays = _open(path, "oscar")
     _check_expect(path, meta, expect)
     layers = meta["layout"].get("layers") if isinstance(meta["layout"], dict) else None
@@ -324,9 +540,11 @@ def load_oscar(path, *, expect=None):
                                    f"model_shape n_layers is {ms['n_layers']}")
     names = set()
     for l, e in enumerate(layers):
-        if not isinstance(e, dict):
-            raise CalibrationFileError(f"{path}: layout entry of layer {l} is {e!r}, not a dict")
-        names |= {f"layers.{l}.R_K", f"layers.{l}.R_V"} | {f"layers.{l}.{n}" for n in ("lam_K", "lam_V") if e.get(n)}
+        try:
+            _check_layer_entry(e)
+        except ValueError as err:
+            raise CalibrationFileError(f"{path}: layout entry of layer {l}: {err}") from None
+        names |= {f"layers.{l}.R_K", f"layers.{l}.R_V"} | {f"layers.{l}.{n}" for n in ("lam_K", "lam_V") if e[n]}
     _check_names(path, arrays, names)
     out = []
     for l, e in enumerate(layers):
@@ -335,7 +553,7 @@ def load_oscar(path, *, expect=None):
         if R_K.shape not in ((D, D), (H, D, D)):
             raise CalibrationFileError(f"{path}: layers.{l}.R_K has shape {R_K.shape}; model_shape needs "
                                        f"({D}, {D}) or ({H}, {D}, {D})")
-        lam = {n: arrays[f"layers.{l}.{n}"] if e.get(n) else None for n in ("lam_K", "lam_V")}
+        lam = {n: arrays[f"layers.{l}.{n}"] if e[n] else None for n in ("lam_K", "lam_V")}
         try:
             out.append(OSCARCalibration(R_K, R_V, e["clip_k"], e["clip_v"], lam["lam_K"], lam["lam_V"],
                                         e["rotation"]))
@@ -367,23 +585,100 @@ def _backbone_json(b, name: str, tensors: dict) -> dict:
                     f"and KeepFP16 backbones")
 
 
-def _backbone_from_json(path, d: dict, name: str, arrays: dict):
+def _is_int(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int)
+
+
+def _check_backbone_json(d: dict, F: int) -> None:
+    """ValueError unless the backbone description ``d`` has the writer's keys and JSON types, and groups
+    that serve F = kv_heads * head_dim values per token: a uniform group divides F (quantization groups
+    tile the vector); a HIGGS group is at most max(1024, F) (the paper's 1024, or the whole vector: a
+    larger group only zero-pads every token)."""
+    from kvq.reference.numerics import META_DTYPES
+
+    if not isinstance(d, dict):
+        raise ValueError(f"is a {type(d).__name__}, not a dict")
+    kind = d.get("type")
+    layouts = {"uniform": {"type", "bits", "group_size", "meta_dtype"}, "fp16": {"type"},
+               "higgs": {"type", "d", "n", "group_size", "meta_dtype", "grid"}}
+    keys = layouts.get(kind) if isinstance(kind, str) else None
+    if keys is None:
+        raise ValueError(f"has unknown type {kind!r} (uniform, higgs, fp16)")
+    if set(d) != keys:
+        raise ValueError(f"has keys {sorted(d)}; a {kind} backbone has {sorted(keys)}")
+    if kind == "fp16":
+        return
+    if d["meta_dtype"] not in META_DTYPES:
+        raise ValueError(f"meta_dtype {d['meta_dtype']!r} is not one of {META_DTYPES}")
+    g = d["group_size"]
+    if kind == "uniform":
+        if not _is_int(d["bits"]):
+            raise ValueError(f"bits must be an int, got {d['bits']!r}")
+        if not _is_int(g) or not 1 <= g <= F or F % g:
+            raise ValueError(f"group_size {g!r} must be an int dividing F = kv_heads * head_dim = {F}")
+        return
+    for k in ("d", "n"):
+        if not _is_int(d[k]) or not 1 <= d[k] <= MAX_MODEL_DIM:
+            raise ValueError(f"{k} must be an int in [1, {MAX_MODEL_DIM}], got {d[k]!r}")
+    if not _is_int(g) or not 1 <= g <= max(1024, F):
+        raise ValueError(f"group_size {g!r} must be an int in [1, max(1024, F = {F})]")
+    if d["grid"] is not None and not isinstance(d["grid"], str):
+        raise ValueError(f"grid must be a tensor name or null, got {d['grid']!r}")
+
+
+def _backbone_from_json(path, d: dict, name: str, arrays: dict, F: int):
     from kvq.reference import higgs
     from kvq.reference.aqua import Higgs, KeepFP16, Uniform
 
     try:
+        _check_backbone_json(d, F)
         kind = d["type"]
         if kind == "uniform":
             return Uniform(bits=d["bits"], group_size=d["group_size"], meta_dtype=d["meta_dtype"])
         if kind == "fp16":
             return KeepFP16()
-        if kind == "higgs":
-            grid = None if d["grid"] is None else arrays[d["grid"]]
-            return Higgs(higgs.HiggsConfig(d=d["d"], n=d["n"], group_size=d["group_size"],
-                                           meta_dtype=d["meta_dtype"], grid=grid))
+        grid = None if d["grid"] is None else arrays[d["grid"]]
+        return Higgs(higgs.HiggsConfig(d=d["d"], n=d["n"], group_size=d["group_size"],
+                                       meta_dtype=d["meta_dtype"], grid=grid))
     except (KeyError, TypeError, ValueError) as e:
-        raise CalibrationFileError(f"{path}: config.{name} {d!r} cannot be rebuilt: {type(e).__name__}: {e}") from None
-    raise CalibrationFileError(f"{path}: config.{name} has unknown type {kind!r} (uniform, higgs, fp16)")
+        raise CalibrationFileError(f"{path}: config.{name} {_short(d)} cannot be rebuilt: "
+                                   f"{type(e).__name__}: {e}") from None
+
+
+_AQUA_BOOLS = ("pre_rope", "predict_keys", "predict_values")
+_AQUA_INTS = (("sink", 0, MAX_FP16_TOKENS, "MAX_FP16_TOKENS"), ("buffer", 1, MAX_FP16_TOKENS, "MAX_FP16_TOKENS"),
+              ("max_tokens", 1, MAX_TOKENS, "MAX_TOKENS"))
+
+
+def _check_aqua_fields(fields: dict, rope_theta) -> None:
+    """ValueError unless the JSON ``AquaConfig`` fields (backbones aside) have the writer's types and lie
+    within the documented limits: flags true / false, ``sink`` / ``buffer`` / ``max_tokens`` ints up to
+    ``MAX_FP16_TOKENS`` / ``MAX_TOKENS``, ``rope_theta`` a finite positive number or null, equal to the
+    model's ``rope_theta`` (when known) for keys predicted before RoPE."""
+    for k in _AQUA_BOOLS:
+        if k in fields and not isinstance(fields[k], bool):
+            raise ValueError(f"AquaConfig.{k} must be true or false, got {fields[k]!r}")
+    for k, lo, hi, limit in _AQUA_INTS:
+        if k in fields and (not _is_int(fields[k]) or not lo <= fields[k] <= hi):
+            raise ValueError(f"AquaConfig.{k}={fields[k]!r} must be an int in [{lo}, {hi}] "
+                             f"(kvq.calibration.{limit})")
+    theta = fields.get("rope_theta")
+    if theta is not None and not _positive_number(theta):
+        raise ValueError(f"AquaConfig.rope_theta must be a finite positive number or null, got {theta!r}")
+    pre_rope = fields.get("pre_rope", True)
+    if pre_rope and theta is not None and rope_theta is not None and float(theta) != float(rope_theta):
+        raise ValueError(f"cfg.rope_theta={theta} differs from the model's rope_theta={rope_theta} (keys are "
+                         f"predicted before RoPE, so the base must be the model's)")
+
+
+def _check_predictor_array(name: str, a: np.ndarray) -> None:
+    """ValueError unless every value of a predictor matrix / bias is finite with |w| <= MAX_PREDICTOR_ABS."""
+    if a.size and not np.all(np.isfinite(a)):
+        raise ValueError(f"{name} holds NaN or inf; predictors must be finite")
+    top = float(np.max(np.abs(a))) if a.size else 0.0
+    if top > MAX_PREDICTOR_ABS:
+        raise ValueError(f"{name} holds |w| = {top:.3g} > kvq.calibration.MAX_PREDICTOR_ABS = {MAX_PREDICTOR_ABS:g}: "
+                         f"no ridge fit gives such weights (its predictions would overflow fp16)")
 
 
 def _predictor_layout(preds, name: str, n_layers: int, F: int, F_in: int, tensors: dict) -> list:
@@ -404,11 +699,13 @@ def _predictor_layout(preds, name: str, n_layers: int, F: int, F_in: int, tensor
             if m.dtype != np.float32 or m.shape != (dims[i], dims[i + 1]):
                 raise ValueError(f"{name}[{l}].mats[{i}] is {m.dtype} {m.shape}; expected float32 "
                                  f"({dims[i]}, {dims[i + 1]}) (F = kv_heads * head_dim = {F})")
+            _check_predictor_array(f"{name}[{l}].mats[{i}]", m)
             tensors[f"{name}.{l}.mats.{i}"] = m
         b = np.asarray(p.bias)
         if dims[-1] != F or b.dtype != np.float32 or b.shape != (F,):
             raise ValueError(f"{name}[{l}] maps to {dims[-1]} values with bias {b.dtype} {b.shape}; "
                              f"expected F = {F} and a float32 ({F},) bias")
+        _check_predictor_array(f"{name}[{l}].bias", b)
         tensors[f"{name}.{l}.bias"] = b
         layout.append([int(d) for d in dims[1:-1]])           # inner (rank) dims; [] for one matrix
     return layout
@@ -418,7 +715,9 @@ def save_aqua(path, predictors, cfg, *, model_shape: dict, data=None) -> dict:
     """Write AQUA-KV predictors and the ``AquaConfig`` they were fit for to ``path``; returns the metadata.
 
     Predictors map F = kv_heads * head_dim values (keys) or 2F (values: ``[V_prev_hat; K_hat]``) to F,
-    in float32. With ``cfg.pre_rope`` the model's ``rope_theta`` must equal ``cfg.rope_theta``.
+    in float32, finite, with |w| <= ``MAX_PREDICTOR_ABS``. ``cfg`` must lie within the limits the loader
+    checks (``MAX_FP16_TOKENS``, ``MAX_TOKENS``; backbone groups that serve F); with ``cfg.pre_rope`` the
+    model's ``rope_theta`` must equal ``cfg.rope_theta``. Nothing is written unless all of it holds.
     """
     from kvq.reference.aqua import AquaConfig, AquaPredictors
 
@@ -427,14 +726,17 @@ def save_aqua(path, predictors, cfg, *, model_shape: dict, data=None) -> dict:
         raise TypeError(f"cfg must be an AquaConfig, got {type(cfg).__name__}")
     if not isinstance(predictors, AquaPredictors):
         raise TypeError(f"predictors must be AquaPredictors, got {type(predictors).__name__}")
-    if cfg.pre_rope and ms["rope_theta"] is not None and float(ms["rope_theta"]) != float(cfg.rope_theta):
-        raise ValueError(f"cfg.rope_theta={cfg.rope_theta} differs from the model's rope_theta={ms['rope_theta']}")
     F = ms["kv_heads"] * ms["head_dim"]
     tensors = {}
     conf = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("backbone", "first_layer")}
     conf = _jsonable(conf, "AquaConfig")
-    conf["backbone"] = _backbone_json(cfg.backbone, "backbone", tensors)
-    conf["first_layer"] = _backbone_json(cfg.first_layer, "first_layer", tensors)
+    _check_aqua_fields(conf, ms["rope_theta"])
+    for name in ("backbone", "first_layer"):
+        conf[name] = _backbone_json(getattr(cfg, name), name, tensors)
+        try:
+            _check_backbone_json(conf[name], F)
+        except ValueError as e:
+            raise ValueError(f"cfg.{name}: {e}") from None
     layout = {"f_key": _predictor_layout(predictors.f_key, "f_key", ms["n_layers"], F, F, tensors),
               "f_value": _predictor_layout(predictors.f_value, "f_value", ms["n_layers"], F, 2 * F, tensors)}
     return _write(path, "aqua", tensors, model_shape=ms, config={"class": "AquaConfig", "fields": conf},
@@ -442,37 +744,55 @@ def save_aqua(path, predictors, cfg, *, model_shape: dict, data=None) -> dict:
 
 
 def load_aqua(path, *, expect=None):
-    """``(predictors, cfg, meta)`` from a file written by :func:`save_aqua`, verified (see the module doc)."""
+    """``(predictors, cfg, meta)`` from a file written by :func:`save_aqua`, verified (see the module doc).
+
+    ``expect``: model-shape fields the file must match, as for :func:`load_oscar`; with ``rope_theta``
+    (the model's RoPE base, or None for a model without RoPE) a configuration that predicts keys before
+    RoPE must also use that base. Predictors must be finite with |w| <= ``MAX_PREDICTOR_ABS``; the
+    configuration within ``MAX_FP16_TOKENS`` / ``MAX_TOKENS``.
+    """
     from kvq.reference.aqua import AquaConfig, AquaPredictors, Predictor
 
+    expect = _expect_arg(expect)
     meta, arrays = _open(path, "aqua")
     _check_expect(path, meta, expect)
     ms = meta["model_shape"]
+    F = ms["kv_heads"] * ms["head_dim"]
     conf = meta["config"]
     if not isinstance(conf, dict) or conf.get("class") != "AquaConfig" or not isinstance(conf.get("fields"), dict):
-        raise CalibrationFileError(f"{path}: config is not an AquaConfig description: {conf!r}")
+        raise CalibrationFileError(f"{path}: config is not an AquaConfig description: {_short(conf)}")
     fields = dict(conf["fields"])
+    try:
+        _check_aqua_fields(fields, ms["rope_theta"])
+    except ValueError as e:
+        raise CalibrationFileError(f"{path}: {e}") from None
+    if expect is not None and "rope_theta" in expect and fields.get("pre_rope", True):
+        theta, want = fields.get("rope_theta"), expect["rope_theta"]
+        if (theta is None) != (want is None) or (theta is not None and float(theta) != float(want)):
+            raise CalibrationFileError(f"{path}: the predictors were fit before RoPE with rope_theta={theta!r}; "
+                                       f"the model's is {want!r}")
     lay = meta["layout"]
     if not isinstance(lay, dict) or sorted(lay) != ["f_key", "f_value"]:
-        raise CalibrationFileError(f"{path}: layout must hold f_key and f_value, got {lay!r}")
+        raise CalibrationFileError(f"{path}: layout must hold f_key and f_value, got {_short(lay)}")
     names = {d["grid"] for d in (fields.get("backbone"), fields.get("first_layer"))
-             if isinstance(d, dict) and d.get("type") == "higgs" and d.get("grid")}
-    for which in ("f_key", "f_value"):
+             if isinstance(d, dict) and d.get("type") == "higgs" and isinstance(d.get("grid"), str)}
+    for which, F_in in (("f_key", F), ("f_value", 2 * F)):
         if not isinstance(lay[which], list) or len(lay[which]) != ms["n_layers"]:
             raise CalibrationFileError(f"{path}: layout {which} does not list n_layers={ms['n_layers']} entries")
         for l, inner in enumerate(lay[which]):
-            if inner is not None:
-                names |= {f"{which}.{l}.bias"} | {f"{which}.{l}.mats.{i}" for i in range(len(inner) + 1)}
+            if inner is None:
+                continue
+            if not isinstance(inner, list) or not all(_is_int(r) and 1 <= r <= F_in for r in inner):
+                raise CalibrationFileError(f"{path}: layout {which}[{l}] must be null or a list of inner "
+                                           f"(rank) dims in [1, {F_in}], got {_short(inner)}")
+            names |= {f"{which}.{l}.bias"} | {f"{which}.{l}.mats.{i}" for i in range(len(inner) + 1)}
     _check_names(path, arrays, names)
+    fields["backbone"] = _backbone_from_json(path, fields.get("backbone", {}), "backbone", arrays, F)
+    fields["first_layer"] = _backbone_from_json(path, fields.get("first_layer", {}), "first_layer", arrays, F)
     try:
-        fields["backbone"] = _backbone_from_json(path, fields.get("backbone", {}), "backbone", arrays)
-        fields["first_layer"] = _backbone_from_json(path, fields.get("first_layer", {}), "first_layer", arrays)
         cfg = AquaConfig(**fields)
     except (TypeError, ValueError) as e:
-        if isinstance(e, CalibrationFileError):
-            raise
         raise CalibrationFileError(f"{path}: the AquaConfig cannot be rebuilt: {type(e).__name__}: {e}") from None
-    F = ms["kv_heads"] * ms["head_dim"]
     out = {}
     for which, F_in in (("f_key", F), ("f_value", 2 * F)):
         preds = []
@@ -487,6 +807,12 @@ def load_aqua(path, *, expect=None):
                 _check_array(path, n, arrays[n], (dims[i], dims[i + 1]))
                 mats.append(arrays[n])
             _check_array(path, f"{which}.{l}.bias", arrays[f"{which}.{l}.bias"], (F,))
+            for n, a in [(f"{which}.{l}.mats.{i}", m) for i, m in enumerate(mats)] + [(f"{which}.{l}.bias",
+                                                                                        arrays[f"{which}.{l}.bias"])]:
+                try:
+                    _check_predictor_array(f"tensor {n!r}", a)
+                except ValueError as e:
+                    raise CalibrationFileError(f"{path}: {e}") from None
             preds.append(Predictor(tuple(mats), arrays[f"{which}.{l}.bias"]))
         out[which] = tuple(preds)
     return AquaPredictors(out["f_key"], out["f_value"]), cfg, meta

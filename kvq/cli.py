@@ -5,6 +5,11 @@
     kvq eval ppl --model runs/tiny-lm --calib-oscar oscar.safetensors --json
     kvq eval attention                                  # the packaged MiniLM, real English text
     python -m kvq demo --tokens 1024
+
+A bad invocation (an unknown option, a number out of range, an output that cannot be written, a GPU
+asked of a machine without one, a calibration file that is not one) is refused before any work: one
+line ``<prog>: error: <message>`` on stderr and exit status 2 (``kvq.commands.CommandError``); errors
+of the work itself are reported by each command (exit status 1), and anything else keeps its traceback.
 """
 
 from __future__ import annotations
@@ -32,11 +37,16 @@ def main(argv=None) -> int:
         print(f"kvq {__version__}")
         return 0
     if argv[0] not in COMMANDS:
-        print(f"kvq: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        print(f"kvq: error: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     import importlib
 
-    return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])
+    from kvq.commands import CommandError, report
+
+    try:
+        return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])
+    except CommandError as e:                  # a bad invocation found before any work: one line, status 2
+        return report(e)
 
 
 if __name__ == "__main__":

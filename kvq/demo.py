@@ -22,6 +22,11 @@ from kvq.reference import attention, memory, metrics, packing
 
 def synthetic_kv(batch=1, kv_heads=2, q_heads=8, tokens=512, head_dim=128, outliers=4, seed=0):
     """Queries, keys, values (fp16) with ``outliers`` key channels 10-20x larger than the rest."""
+    for name, v, lo, hi in (("batch", batch, 1, None), ("kv_heads", kv_heads, 1, None), ("q_heads", q_heads, 1, None),
+                            ("tokens", tokens, 1, None), ("head_dim", head_dim, 1, None),
+                            ("outliers", outliers, 0, head_dim), ("seed", seed, 0, None)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo or (hi is not None and v > hi):
+            raise ValueError(f"{name} must be an int in [{lo}, {'inf' if hi is None else hi}], got {v!r}")
     rng = np.random.default_rng(seed)
     k = rng.standard_normal((batch, kv_heads, tokens, head_dim)).astype(np.float32)
     chans = rng.choice(head_dim, size=outliers, replace=False)
@@ -95,15 +100,30 @@ def run_fast(k, v, group=128):
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="kvq demo", description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=512, help="context length (a multiple of 128)")
-    p.add_argument("--outliers", type=int, default=4, help="number of outlier key channels")
-    p.add_argument("--seed", type=int, default=0)
+HEAD_DIM = 128
+#: the longest context the demo builds (it runs on the CPU in float64): 65,536 tokens, 512 groups
+MAX_TOKENS = 1 << 16
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvq demo`` argument parser (numbers checked as they are parsed: one-line errors)."""
+    from kvq.commands import Parser, int_in, non_negative_int
+
+    p = Parser(prog="kvq demo", description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int_in(1, MAX_TOKENS), default=512,
+                   help=f"context length (a multiple of 128, at most {MAX_TOKENS})")
+    p.add_argument("--outliers", type=int_in(0, HEAD_DIM, f" (the head has {HEAD_DIM} channels)"), default=4,
+                   help=f"number of outlier key channels (0..{HEAD_DIM})")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="random seed (a non-negative integer)")
     p.add_argument("--no-gpu", action="store_true", help="skip the fast tier even if a GPU is present")
     p.add_argument("--json", action="store_true", help="print the reference tier's table as JSON")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
-    if a.tokens <= 0 or a.tokens % 128:
+    if a.tokens % 128:
         p.error(f"--tokens must be a positive multiple of 128 (the group size), got {a.tokens}")
     q, k, v, chans = synthetic_kv(tokens=a.tokens, outliers=a.outliers, seed=a.seed)
     if a.json:

@@ -473,8 +473,10 @@ def test_main_end_to_end_on_a_model_directory(tiny, tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
     P, cfg, _ = cf.load_aqua(out, expect={"kv_heads": 2})
     assert isinstance(cfg.backbone, aqua.Uniform) and cfg.pre_rope and P.f_key[1].mats[0].shape == (64, 8)
-    assert main(["oscar", "--model", str(tmp_path / "missing"), "--out", str(out), "--quiet"]) == 1
-    assert "error" in capsys.readouterr().err
+    # a missing model directory is a bad invocation, refused before any work (exit status 2, one line)
+    assert main(["oscar", "--model", str(tmp_path / "missing"), "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "no such model directory" in err and len(err.strip().splitlines()) == 1
 
 
 def test_sniff_accepts_a_safetensors_header_that_starts_like_a_pickle(tmp_path):

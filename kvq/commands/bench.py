@@ -18,6 +18,8 @@ on the GPU (synchronized; inputs rotated over copies that together exceed 4x the
 copy is smaller), ``time.perf_counter`` on the CPU. GB/s = bytes / median. The fast tier's input
 validation is off while timing (production setting). On the CPU only the reference backend runs:
 Triton's interpreter and CuPy are not benchmarks. Timings are measurements, never assertions.
+Requests are checked before any tensor is allocated (:func:`validate`: device, shape, group size, methods,
+``--out``, inputs that fit the device); one that cannot be served ends in one line and exit status 2.
 
     kvq bench quant                                    # CPU, NumPy reference, small shape (seconds)
     kvq bench decode --device cuda --backend cupy --shape 8,32,8,32768,128 --json
@@ -41,7 +43,7 @@ import numpy as np
 from kvq.commands import emit
 
 __all__ = ["DEFAULT_SHAPES", "DECODE_METHODS", "DEFAULT_DECODE_METHODS", "median", "bench_quant", "bench_decode",
-           "environment", "git_commit", "build_parser", "main"]
+           "environment", "git_commit", "build_parser", "validate", "main"]
 
 #: default shapes per (command, device): quant (B, H, T, D); decode (B, H_q, H_kv, T, D)
 DEFAULT_SHAPES = {
@@ -198,14 +200,35 @@ def _random_fp16(shape, device: str, seed: int):
     return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32).astype(np.float16)
 
 
-def bench_quant(shape, *, device: str = "cpu", backend: str = "reference", bits=(2, 4), group_size: int = 128,
-                repeats: int = 10, warmup: int = 2, progress: bool = True) -> list:
-    """Rows {op, layout, axis, group_size, bits, median_ms, ..., bytes, gb_per_s} for quantize_pack and
-    unpack_dequantize of an fp16 (B, H, T, D) tensor in each KIVI layout at each bit width."""
+def _check_quant(shape, group_size) -> None:
+    """BenchError unless ``group_size`` is a positive int dividing D and T of ``shape`` (B, H, T, D)."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise BenchError(f"--group-size must be a positive integer, got {group_size!r}")
     B, H, T, D = shape
     for name, n in (("D (channels)", D), ("T (tokens)", T)):
         if n % group_size:
             raise BenchError(f"--group-size {group_size} must divide {name} = {n} of --shape {B},{H},{T},{D}")
+
+
+def _check_decode(shape, methods) -> None:
+    """BenchError unless H_q is a multiple of H_kv in ``shape`` (B, H_q, H_kv, T, D) and every method is one
+    ``kvq bench decode`` can time."""
+    B, Hq, Hkv, T, D = shape
+    if Hq % Hkv:
+        raise BenchError(f"H_q = {Hq} must be a multiple of H_kv = {Hkv} (grouped-query attention)")
+    bad = [m for m in methods if m not in DECODE_METHODS]
+    if bad:
+        raise BenchError(f"kvq bench decode cannot time {', '.join(map(repr, bad))}; methods: "
+                         f"{', '.join(DECODE_METHODS)} (AQUA-KV predicts across layers: time it with a model, "
+                         f"benchmarks/throughput_tiny_lm.py)")
+
+
+def bench_quant(shape, *, device: str = "cpu", backend: str = "reference", bits=(2, 4), group_size: int = 128,
+                repeats: int = 10, warmup: int = 2, progress: bool = True) -> list:
+    """Rows {op, layout, axis, group_size, bits, median_ms, ..., bytes, gb_per_s} for quantize_pack and
+    unpack_dequantize of an fp16 (B, H, T, D) tensor in each KIVI layout at each bit width."""
+    _check_quant(shape, group_size)
+    B, H, T, D = shape
     if backend == "reference":
         from kvq.reference import packing as P
 
@@ -325,14 +348,8 @@ def bench_decode(shape, *, device: str = "cpu", backend: str = "reference", meth
     Before timing, the call's output on batch element 0 is checked against float64 attention over what
     the cache holds (the method's ``dequantize``; FP16: the K / V themselves): ``check_rel_err`` =
     max |o - o_ref| / max |o_ref|, ``valid`` when it is at most ``CHECK_TOL`` (1e-2)."""
+    _check_decode(shape, methods)
     B, Hq, Hkv, T, D = shape
-    if Hq % Hkv:
-        raise BenchError(f"H_q = {Hq} must be a multiple of H_kv = {Hkv} (grouped-query attention)")
-    bad = [m for m in methods if m not in DECODE_METHODS]
-    if bad:
-        raise BenchError(f"kvq bench decode cannot time {', '.join(map(repr, bad))}; methods: "
-                         f"{', '.join(DECODE_METHODS)} (AQUA-KV predicts across layers: time it with a model, "
-                         f"benchmarks/throughput_tiny_lm.py)")
     q = _random_fp16((B, Hq, 1, D), device, 100)
     k = _random_fp16((B, Hkv, T, D), device, 101)
     v = _random_fp16((B, Hkv, T, D), device, 102)
@@ -369,8 +386,10 @@ def _parse_shape(text: str, n: int, what: str) -> tuple:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvq bench`` argument parser (subcommands ``quant`` and ``decode``)."""
-    p = argparse.ArgumentParser(prog="kvq bench", description="Time kvq's quantize / pack and decode-attention "
-                                "kernels on the CPU (NumPy reference) or a CUDA GPU (Triton / CuPy).")
+    from kvq.commands import Parser, non_negative_int, positive_int
+
+    p = Parser(prog="kvq bench", description="Time kvq's quantize / pack and decode-attention "
+               "kernels on the CPU (NumPy reference) or a CUDA GPU (Triton / CuPy).")
     sub = p.add_subparsers(dest="what", required=True, metavar="{quant,decode}")
 
     def common(sp, shape_help):
@@ -379,17 +398,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="reference (NumPy, CPU only) | triton | cupy (CUDA only); default: reference on "
                              "the CPU, triton on CUDA")
         sp.add_argument("--shape", default=None, help=shape_help)
-        sp.add_argument("--repeats", type=int, default=None, help="timed calls per case (default 10 CPU, 50 CUDA)")
-        sp.add_argument("--warmup", type=int, default=2, help="untimed calls first (default 2)")
+        sp.add_argument("--repeats", type=positive_int, default=None,
+                        help="timed calls per case (default 10 CPU, 50 CUDA)")
+        sp.add_argument("--warmup", type=non_negative_int, default=2, help="untimed calls first (default 2)")
         sp.add_argument("--json", action="store_true", help="print the result as JSON")
         sp.add_argument("--out", default=None, help="also write the JSON result to this file")
         sp.add_argument("--quiet", action="store_true", help="no progress bar")
 
     sq = sub.add_parser("quant", help="quantize+pack and unpack+dequantize in KIVI's two layouts")
     common(sq, "B,H,T,D (default 1,8,2048,128 on the CPU, 8,8,16384,128 on CUDA)")
-    sq.add_argument("--bits", type=int, nargs="+", default=[2, 4], choices=(1, 2, 4, 8),
+    sq.add_argument("--bits", type=int, nargs="+", default=[2, 4], choices=(2, 4, 8),
                     help="bit widths (default 2 4)")
-    sq.add_argument("--group-size", type=int, default=128,
+    sq.add_argument("--group-size", type=positive_int, default=128,
                     help="group size: channels per value group, tokens per key group (default 128)")
     sd = sub.add_parser("decode", help="one decode step of attention over each method's cache")
     common(sd, "B,H_q,H_kv,T,D (default 1,8,2,4096,128 on the CPU, 8,32,8,32768,128 on CUDA)")
@@ -437,8 +457,25 @@ def _print_table(res: dict) -> None:
                   f"{r['gb_per_s']:8.3g} {sp:>8s} {ok:>14s}")
 
 
-def run(args) -> dict:
-    """Run the parsed command; returns the JSON-ready result."""
+def _device_memory(device: str) -> int | None:
+    """Bytes of memory of ``device`` (the GPU's, or the machine's RAM); None when unknown."""
+    if device == "cuda":
+        import torch
+
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def validate(args) -> tuple:
+    """``(backend, shape, repeats)`` of the parsed arguments, every check done before any work: device and
+    backend, the shape, group size / heads / methods, ``--out`` writable, and inputs that fit: the fp16
+    tensors of one case (quant: x; decode: q, k, v) may take at most a quarter of the device's memory
+    (copies, packed codes, the reference's float32 temporaries and the caches need the rest). BenchError."""
+    from kvq.commands import CommandError, check_out_file
+
     backend = args.backend or ("reference" if args.device == "cpu" else "triton")
     _check_device(args.device, backend)
     n = 4 if args.what == "quant" else 5
@@ -447,6 +484,27 @@ def run(args) -> dict:
     repeats = DEFAULT_REPEATS[args.device] if args.repeats is None else args.repeats
     if repeats < 1 or args.warmup < 0:
         raise BenchError(f"--repeats must be >= 1 and --warmup >= 0; got {repeats}, {args.warmup}")
+    if args.what == "quant":
+        _check_quant(shape, args.group_size)
+        elems = math.prod(shape)
+    else:
+        _check_decode(shape, tuple(dict.fromkeys(args.methods)))
+        B, Hq, Hkv, T, D = shape
+        elems = B * Hq * D + 2 * B * Hkv * T * D
+    mem = _device_memory(args.device)
+    if mem is not None and 2 * elems > mem // 4:
+        raise BenchError(f"--shape {','.join(map(str, shape))}: its fp16 inputs take {2 * elems / 2**30:.3g} GiB, "
+                         f"more than a quarter of the {mem / 2**30:.3g} GiB of this {args.device} device")
+    try:
+        check_out_file(args.out)
+    except CommandError as e:
+        raise BenchError(str(e)) from None
+    return backend, shape, repeats
+
+
+def run(args) -> dict:
+    """Run the parsed command; returns the JSON-ready result."""
+    backend, shape, repeats = validate(args)
     validation = None
     if backend != "reference":
         import kvq.fast as F
@@ -489,4 +547,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from kvq.cli import main as _cli
+
+    raise SystemExit(_cli(["bench", *sys.argv[1:]]))

@@ -9,6 +9,9 @@ text: the Python standard library's bytes for the byte-level tiny LM, English pr
     kvq calibrate oscar --model runs/tiny-lm --out tiny.oscar.safetensors --tokens 16384
     kvq calibrate aqua --model Qwen/Qwen3-8B --out qwen3.aqua.safetensors --backbone higgs --device cuda
     calibs = calibrate_oscar_model(model, batches)           # the same, from Python
+
+Arguments are checked before the model is loaded (:func:`validate`); a bad one ends in one line and
+exit status 2.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import numpy as np
 from kvq.commands import emit
 
 __all__ = ["calibrate_oscar_model", "calibrate_aqua_model", "calibration_batches", "model_shape", "build_parser",
-           "main"]
+           "validate", "main"]
 
 
 def _bar(iterable, progress: bool, **kw):
@@ -220,23 +223,25 @@ def calibration_batches(tokenizer, *, source: str = "auto", tokens: int = 16384,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``kvq calibrate`` argument parser (subcommands ``oscar`` and ``aqua``)."""
+    """The ``kvq calibrate`` argument parser (subcommands ``oscar`` and ``aqua``); numbers are range-checked
+    as they are parsed (one-line errors, exit status 2)."""
+    from kvq.commands import Parser, non_negative_float, non_negative_int, positive_int, ratio
     from kvq.reference.oscar import DEFAULT_CLIP_K, DEFAULT_CLIP_V
     from kvq.reference.rotations import ROTATIONS
 
-    p = argparse.ArgumentParser(prog="kvq calibrate", description="Fit OSCAR rotations or AQUA-KV predictors on a "
-                                "Hugging Face model and write them to a checked safetensors file.")
+    p = Parser(prog="kvq calibrate", description="Fit OSCAR rotations or AQUA-KV predictors on a "
+               "Hugging Face model and write them to a checked safetensors file.")
     sub = p.add_subparsers(dest="method", required=True, metavar="{oscar,aqua}")
 
     def common(sp):
         sp.add_argument("--model", required=True, help="Hugging Face hub id or local model directory")
         sp.add_argument("--out", required=True, help="the calibration file to write (.safetensors)")
-        sp.add_argument("--tokens", type=int, default=16384, help="calibration tokens (default 16384)")
-        sp.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
-        sp.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default 4)")
+        sp.add_argument("--tokens", type=positive_int, default=16384, help="calibration tokens (default 16384)")
+        sp.add_argument("--seq-len", type=positive_int, default=512, help="tokens per sequence (default 512)")
+        sp.add_argument("--batch-size", type=positive_int, default=4, help="sequences per forward pass (default 4)")
         sp.add_argument("--source", default="auto", help="stdlib | english | a text FILE (default: stdlib for "
                         "byte-level models, english otherwise)")
-        sp.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+        sp.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
         sp.add_argument("--dtype", default=None, help="model dtype, e.g. float32, bfloat16 (default: the checkpoint's)")
         sp.add_argument("--json", action="store_true", help="print the summary as JSON")
         sp.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -247,16 +252,20 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--target", default="attention", choices=("attention", "tensor"),
                     help="covariance target: attention (C_Q / C_S, OSCAR) or tensor (K^T K / V^T V)")
     so.add_argument("--per-head", action="store_true", help="one rotation per KV head instead of per layer")
-    so.add_argument("--clip-k", type=float, default=DEFAULT_CLIP_K, help=f"key clip ratio (default {DEFAULT_CLIP_K})")
-    so.add_argument("--clip-v", type=float, default=DEFAULT_CLIP_V, help=f"value clip ratio (default {DEFAULT_CLIP_V})")
+    so.add_argument("--clip-k", type=ratio, default=DEFAULT_CLIP_K, help=f"key clip ratio in (0, 1] (default "
+                    f"{DEFAULT_CLIP_K})")
+    so.add_argument("--clip-v", type=ratio, default=DEFAULT_CLIP_V, help=f"value clip ratio in (0, 1] (default "
+                    f"{DEFAULT_CLIP_V})")
     so.add_argument("--fit-clip", action="store_true", help="fit the clip ratios per layer instead")
-    so.add_argument("--group-size", type=int, default=128, help="quantization group the clip fit assumes")
-    so.add_argument("--seed", type=int, default=0, help="seed of the 'random' rotation")
+    so.add_argument("--group-size", type=positive_int, default=128, help="quantization group the clip fit assumes")
+    so.add_argument("--seed", type=non_negative_int, default=0, help="seed of the 'random' rotation")
 
     sa = sub.add_parser("aqua", help="AQUA-KV inter-layer predictors (ridge / reduced rank)")
     common(sa)
-    sa.add_argument("--rank", type=int, default=None, help="reduced-rank predictors of this rank (default: full)")
-    sa.add_argument("--ridge", type=float, default=1e-3, help="ridge relative to mean diag(X^T X) (default 1e-3)")
+    sa.add_argument("--rank", type=positive_int, default=None, help="reduced-rank predictors of this rank "
+                    "(default: full)")
+    sa.add_argument("--ridge", type=non_negative_float, default=1e-3, help="ridge relative to mean diag(X^T X) "
+                    "(default 1e-3)")
     sa.add_argument("--backbone", default="higgs", choices=("higgs", "uniform"),
                     help="residual quantizer: HIGGS d=2 n=16, or uniform 2-bit groups of 64 (default higgs)")
     sa.add_argument("--first-layer", default="higgs", choices=("higgs", "fp16"),
@@ -265,6 +274,23 @@ def build_parser() -> argparse.ArgumentParser:
                     "when the model has plain RoPE)")
     sa.add_argument("--quantizer-agnostic", action="store_true", help="fit on clean inputs (ablation)")
     return p
+
+
+def validate(args) -> None:
+    """Every check of the parsed arguments that needs no model: ``kvq.commands.CommandError`` (one line,
+    exit status 2) before anything is loaded or computed."""
+    from kvq.commands import (CommandError, check_device, check_dtype, check_model, check_out_file,
+                              check_text_source, usage_errors)
+
+    prog = f"kvq calibrate {args.method}"
+    with usage_errors(prog):
+        check_model(args.model, prog=prog)
+        check_out_file(args.out, prog=prog)
+        check_device(args.device, prog=prog)
+        check_dtype(args.dtype, prog=prog)
+        check_text_source(args.source, ("auto", "stdlib", "english"), prog=prog)
+    if args.tokens < args.seq_len:
+        raise CommandError(f"--tokens {args.tokens} is less than one sequence of --seq-len {args.seq_len}", prog)
 
 
 def _aqua_cfg(args, model):
@@ -296,6 +322,7 @@ def _run(args) -> dict:
                                         batch_size=args.batch_size)
     data.update(device=device, dtype=str(next(model.parameters()).dtype).replace("torch.", ""))
     shape = model_shape(model, args.model)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     t1 = time.perf_counter()
     progress = not args.quiet
     if args.method == "oscar":
@@ -341,7 +368,12 @@ def main(argv=None) -> int:
     """``kvq calibrate oscar|aqua ...``; returns the exit status (argparse exits 0 on ``--help``)."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     from kvq.calibration import CalibrationFileError
+    from kvq.commands import CommandError, report
 
+    try:
+        validate(args)
+    except CommandError as e:
+        return report(e)
     try:
         summary = _run(args)
     except (OSError, ValueError, CalibrationFileError) as e:
@@ -352,4 +384,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from kvq.cli import main as _cli
+
+    raise SystemExit(_cli(["calibrate", *sys.argv[1:]]))

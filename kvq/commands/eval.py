@@ -10,6 +10,10 @@ default model is the sentence-transformer MiniLM carried by the PyPI package gt-
 Methods that need a calibration (OSCAR, AQUA-KV) take a file from ``kvq calibrate`` or, with
 ``--calibrate``, are calibrated here on text disjoint from the evaluation text (the standard library's
 train split for byte-level models; the head of the English text, evaluation on its tail, otherwise).
+
+Arguments are checked before the model is loaded (:func:`validate`: method names, ``--set`` fields,
+calibration files, ``--out``, device, window lengths); a bad one ends in one line and exit status 2. A
+``--set`` value the model's configuration rejects is an error (exit status 1), never a skipped method.
 """
 
 from __future__ import annotations
@@ -63,13 +67,14 @@ def _load_calibrations(args, methods, geometry) -> tuple[dict, dict, dict]:
     model's shape (a file made for another model fails with kvq.calibration's clear error)."""
     from kvq import calibration
     expect = {k: geometry[k] for k in ("n_layers", "kv_heads", "head_dim")}
+    aqua_expect = {**expect, "rope_theta": geometry.get("rope_theta")}      # pre-RoPE keys need the model's base
     cal, ovr, src = {}, {}, {}
     if "OSCAR" in methods and args.calib_oscar:
         cal["OSCAR"], meta = calibration.load_oscar(args.calib_oscar, expect=expect)
         src["OSCAR"] = {"file": os.path.abspath(args.calib_oscar), "checksum": meta["checksum"]}
     for m, path in (("AQUA-KV", args.calib_aqua), ("AQUA-KV-uniform", args.calib_aqua_uniform)):
         if m in methods and path:
-            P, cfg, meta = calibration.load_aqua(path, expect=expect)
+            P, cfg, meta = calibration.load_aqua(path, expect=aqua_expect)
             want = "uniform" if m == "AQUA-KV-uniform" else "higgs"
             if type(cfg.backbone).__name__.lower() != want:
                 raise ValueError(f"{path} was calibrated for the {type(cfg.backbone).__name__} backbone; {m} "
@@ -122,8 +127,45 @@ def parse_sets(items) -> dict:
     return out
 
 
-def _apply_sets(ovr: dict, args) -> None:
-    for m, kv in parse_sets(args.set).items():
+def check_sets(sets: dict, methods) -> None:
+    """ValueError unless every ``--set`` names a method of ``methods`` and a field of its configuration
+    (checked before any work; the values are checked against the model by :func:`_check_set_values`)."""
+    from kvq.integrations.methods import get_method
+
+    for m, kv in sets.items():
+        if m not in methods:
+            raise ValueError(f"--set {m}:...: {m} is not among --methods ({' '.join(methods)})")
+        fields = {f.name for f in dataclasses.fields(get_method(m).base())} - {"name", "max_tokens"}
+        unknown = sorted(set(kv) - fields)
+        if unknown:
+            raise ValueError(f"--set {m}:{unknown[0]}=...: {m} has no option {', '.join(map(repr, unknown))}; its "
+                             f"options are: {', '.join(sorted(fields)) or '(none)'}")
+
+
+def _check_set_values(sets: dict, ovr: dict, geo: dict, max_tokens: int) -> None:
+    """ValueError when a ``--set`` makes a method's configuration invalid for this model (a method that
+    cannot serve the model without it is skipped by the evaluation, as always; one the user configured
+    into failure is an error, never a silent skip)."""
+    from kvq.integrations.methods import configure
+
+    for m, kv in sets.items():
+        dims = dict(head_dim=geo["head_dim"], kv_heads=geo["kv_heads"], max_tokens=max_tokens)
+        base = {k: v for k, v in ovr.get(m, {}).items() if k not in kv}
+        try:
+            configure(m, **dims, **base)
+        except ValueError:
+            continue                                         # cannot serve this model anyway: skipped
+        try:
+            configure(m, **dims, **base, **kv)
+        except (ValueError, TypeError) as e:
+            items = " ".join(f"--set {m}:{k}={v!r}" for k, v in kv.items())
+            raise ValueError(f"{items}: {e}") from None
+
+
+def _apply_sets(ovr: dict, args, geo: dict, max_tokens: int) -> None:
+    sets = parse_sets(args.set)
+    _check_set_values(sets, ovr, geo, max_tokens)
+    for m, kv in sets.items():
         ovr.setdefault(m, {}).update(kv)
 
 
@@ -190,7 +232,7 @@ def run_ppl(args) -> dict:
     if _missing(methods, cal, geo):
         raise ValueError(f"{', '.join(_missing(methods, cal, geo))} need calibration files (--calib-oscar / --calib-aqua"
                          f" / --calib-aqua-uniform, from `kvq calibrate`) or --calibrate")
-    _apply_sets(ovr, args)
+    _apply_sets(ovr, args, geo, args.seq_len)
     ids, text_desc = _eval_ids(tok, args.source, args.windows * args.seq_len)
     windows = E.windows_from_ids(ids, args.seq_len, args.windows)
     res = E.perplexity(model, windows, methods, chunk=args.chunk, batch_size=args.batch_size, backend=args.backend,
@@ -248,7 +290,7 @@ def run_attention(args) -> dict:
     for m in AQUA_METHODS:                                   # a model without RoPE: predict post-"RoPE" keys
         if m in methods and geo["rope_theta"] is None:
             ovr.setdefault(m, {}).update(pre_rope=False, rope_theta=None)
-    _apply_sets(ovr, args)
+    _apply_sets(ovr, args, geo, args.seq_len)
     layers = capture_qkv(model, torch.as_tensor(windows, device=device))
     res = E.attention_errors(layers, methods, calibrations=cal, causal=causal, backend=args.backend,
                              progress=not args.quiet, overrides=ovr)
@@ -262,9 +304,18 @@ def run_attention(args) -> dict:
 # the command
 
 
+#: tokens per window MiniLM takes (BERT's position embeddings)
+MINILM_POSITIONS = 512
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvq eval", description="Evaluate KV-cache methods on a real model.")
+    """The ``kvq eval`` argument parser (``ppl`` and ``attention``); numbers are range-checked as they are
+    parsed (one-line errors, exit status 2)."""
+    from kvq.commands import Parser, int_in, positive_int
+
+    p = Parser(prog="kvq eval", description="Evaluate KV-cache methods on a real model.")
     sub = p.add_subparsers(dest="what", required=True, metavar="{ppl,attention}")
+    seq_len = int_in(2, 1 << 24, " (a window needs 2 tokens to score one)")
 
     def common(sp, model_default=None):
         sp.add_argument("--model", required=model_default is None, default=model_default,
@@ -279,13 +330,14 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--calib-aqua-uniform", help="AQUA-KV calibration file, uniform backbone")
         sp.add_argument("--calibrate", action="store_true", help="calibrate methods without a file here, on "
                         "text disjoint from the evaluation text")
-        sp.add_argument("--calib-tokens", type=int, default=16384, help="tokens for --calibrate (default 16384)")
-        sp.add_argument("--calib-seq-len", type=int, default=512, help="sequence length for --calibrate")
-        sp.add_argument("--windows", type=int, default=8, help="evaluation windows (default 8)")
-        sp.add_argument("--batch-size", type=int, default=8, help="windows per forward (default 8)")
+        sp.add_argument("--calib-tokens", type=positive_int, default=16384,
+                        help="tokens for --calibrate (default 16384)")
+        sp.add_argument("--calib-seq-len", type=seq_len, default=512, help="sequence length for --calibrate")
+        sp.add_argument("--windows", type=positive_int, default=8, help="evaluation windows (default 8)")
+        sp.add_argument("--batch-size", type=positive_int, default=8, help="windows per forward (default 8)")
         sp.add_argument("--backend", default="auto", choices=("auto", "reference", "triton", "cupy"),
                         help="kvq tier for the caches (auto: reference on the CPU, triton on a GPU)")
-        sp.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+        sp.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
         sp.add_argument("--dtype", default=None, help="model dtype (default: the checkpoint's)")
         sp.add_argument("--json", action="store_true", help="print the result as JSON")
         sp.add_argument("--out", help="also write the JSON result to this file")
@@ -293,13 +345,52 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("ppl", help="perplexity with the compressed cache maintained while text is consumed")
     common(sp)
-    sp.add_argument("--seq-len", type=int, default=1024, help="tokens per window (default 1024)")
-    sp.add_argument("--chunk", type=int, default=128, help="tokens per forward inside a window (default 128)")
+    sp.add_argument("--seq-len", type=seq_len, default=1024, help="tokens per window (default 1024)")
+    sp.add_argument("--chunk", type=positive_int, default=128, help="tokens per forward inside a window "
+                    "(default 128)")
     sp.add_argument("--source", default="auto", help="stdlib (eval split) | a text FILE (default stdlib)")
     sa = sub.add_parser("attention", help="attention-level errors per layer from real activations")
     common(sa, model_default="minilm")
-    sa.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512, MiniLM's most)")
+    sa.add_argument("--seq-len", type=seq_len, default=512, help="tokens per window (default 512, MiniLM's most)")
     return p
+
+
+def validate(args) -> None:
+    """Every check of the parsed arguments that needs no model weights, before any work: the model path,
+    method names, ``--set`` items, calibration files (regular safetensors files of the right kind),
+    ``--out`` writable, the device and dtype, the text source, window lengths within the model's
+    positions (a local directory's config.json, or MiniLM's 512). ``kvq.commands.CommandError``."""
+    from kvq.commands import (CommandError, check_calibration_file, check_device, check_dtype, check_model,
+                              check_out_file, check_text_source, model_config, usage_errors)
+    from kvq.integrations.methods import get_method
+
+    prog = f"kvq eval {args.what}"
+    minilm = args.what == "attention" and args.model == "minilm"
+    with usage_errors(prog):
+        if not minilm:
+            check_model(args.model, prog=prog)
+        for m in args.methods:
+            get_method(m)
+        check_sets(parse_sets(args.set), list(args.methods))
+        check_out_file(args.out, prog=prog)
+        check_device(args.device, prog=prog)
+        check_dtype(args.dtype, prog=prog)
+        if args.what == "ppl":
+            check_text_source(args.source, ("auto", "stdlib"), prog=prog)
+    for option, path, kind, backbone in (("--calib-oscar", args.calib_oscar, "oscar", None),
+                                         ("--calib-aqua", args.calib_aqua, "aqua", "higgs"),
+                                         ("--calib-aqua-uniform", args.calib_aqua_uniform, "aqua", "uniform")):
+        if path is not None:
+            check_calibration_file(path, kind, option, prog, backbone=backbone)
+    if args.calibrate and args.calib_tokens < args.calib_seq_len:
+        raise CommandError(f"--calib-tokens {args.calib_tokens} is less than one sequence of --calib-seq-len "
+                           f"{args.calib_seq_len}", prog)
+    positions = MINILM_POSITIONS if minilm else (model_config(args.model) or {}).get("max_position_embeddings")
+    if isinstance(positions, int) and not isinstance(positions, bool):
+        for option, n in (("--seq-len", args.seq_len), ("--calib-seq-len", args.calib_seq_len if args.calibrate
+                                                                              else None)):
+            if n is not None and n > positions:
+                raise CommandError(f"{option} {n} exceeds the model's {positions} positions", prog)
 
 
 def _print(res: dict) -> None:
@@ -336,6 +427,11 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     args._argv = argv
     from kvq.calibration import CalibrationFileError
+    from kvq.commands import CommandError, report
+    try:
+        validate(args)
+    except CommandError as e:
+        return report(e)
     try:
         res = run_ppl(args) if args.what == "ppl" else run_attention(args)
     except (ValueError, FileNotFoundError, CalibrationFileError) as e:
@@ -346,4 +442,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from kvq.cli import main as _cli
+
+    raise SystemExit(_cli(["eval", *sys.argv[1:]]))

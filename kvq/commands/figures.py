@@ -31,7 +31,7 @@ from typing import Callable
 import numpy as np
 
 __all__ = ["FigureSpec", "FIGURES", "SOURCES", "SyntheticInputs", "MiniLMInputs", "figure_names", "select", "draw",
-           "png_size", "write_figures", "minilm_activations", "outlier_score", "build_parser", "main"]
+           "png_size", "write_figures", "minilm_activations", "outlier_score", "build_parser", "validate", "main"]
 
 SOURCES = ("synthetic", "minilm")
 
@@ -554,7 +554,9 @@ def write_figures(specs, inputs, out_dir, *, dpi: int = 120, progress: bool = Tr
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvq figures`` argument parser."""
-    p = argparse.ArgumentParser(
+    from kvq.commands import Parser, int_in, non_negative_int, positive_int
+
+    p = Parser(
         prog="kvq figures",
         description="Write kvq.viz's figures as PNG files, drawn on the book's inputs (synthetic data of the "
                     "reference tier) or, with --source minilm, on real MiniLM activations.",
@@ -569,15 +571,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help="print a JSON list of {name, source, path, width, height} (with --list: the registry)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--dpi", type=int, default=120, help="PNG resolution (default 120)")
+    p.add_argument("--dpi", type=int_in(10, 1200), default=120, help="PNG resolution, 10..1200 (default 120)")
     g = p.add_argument_group("minilm source")
-    g.add_argument("--minilm-chars", type=int, default=4000,
+    g.add_argument("--minilm-chars", type=positive_int, default=4000,
                    help="characters of English text fed to MiniLM (default 4000)")
-    g.add_argument("--minilm-tokens", type=int, default=256, help="tokens kept, at most 512 (default 256)")
-    g.add_argument("--layer", type=int, default=None,
+    g.add_argument("--minilm-tokens", type=int_in(8, 512, " (MiniLM has 512 positions)"), default=256,
+                   help="tokens kept, 8..512 (default 256)")
+    g.add_argument("--layer", type=non_negative_int, default=None,
                    help="MiniLM layer to draw (default: the layer/head with the strongest outlier channel)")
-    g.add_argument("--head", type=int, default=None, help="MiniLM attention head to draw (default: as --layer)")
+    g.add_argument("--head", type=non_negative_int, default=None,
+                   help="MiniLM attention head to draw (default: as --layer)")
     return p
+
+
+def validate(args) -> list:
+    """The specs to draw, every argument checked before anything is drawn or loaded: ``--only`` names,
+    ``--out`` a writable directory, ``--layer`` / ``--head`` within MiniLM's layers and heads (its
+    config.json). ``kvq.commands.CommandError``."""
+    from kvq.commands import CommandError, check_out_dir, model_config, usage_errors
+
+    prog = "kvq figures"
+    only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only is not None else None
+    if only is not None and not only:
+        raise CommandError("--only names no figure; see `kvq figures --list`", prog)
+    with usage_errors(prog):
+        specs = select(args.source, only)
+        check_out_dir(args.out, prog=prog)
+    if args.source == "minilm" and (args.layer is not None or args.head is not None):
+        from kvq.integrations.models import minilm_path
+
+        with usage_errors(prog):
+            conf = model_config(minilm_path()) or {}
+        for option, v, key, what in (("--layer", args.layer, "num_hidden_layers", "layers"),
+                                     ("--head", args.head, "num_attention_heads", "heads")):
+            n = conf.get(key)
+            if v is not None and isinstance(n, int) and v >= n:
+                raise CommandError(f"{option}={v} is out of range: MiniLM has {n} {what}", prog)
+    return specs
 
 
 def _list(as_json: bool) -> None:
@@ -604,18 +634,12 @@ def main(argv=None) -> int:
     if args.list:
         _list(args.json)
         return 0
-    if args.dpi < 10 or args.dpi > 1200:
-        print(f"kvq figures: error: --dpi must be in [10, 1200]; got {args.dpi}", file=sys.stderr)
-        return 2
-    only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only is not None else None
-    if only is not None and not only:
-        print("kvq figures: error: --only names no figure; see `kvq figures --list`", file=sys.stderr)
-        return 2
+    from kvq.commands import CommandError, report
+
     try:
-        specs = select(args.source, only)
-    except ValueError as e:
-        print(f"kvq figures: error: {e}", file=sys.stderr)
-        return 2
+        specs = validate(args)
+    except CommandError as e:
+        return report(e)
     try:
         if args.source == "minilm":
             inputs = minilm_activations(args.minilm_chars, args.minilm_tokens, args.layer, args.head,
@@ -635,4 +659,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from kvq.cli import main as _cli
+
+    raise SystemExit(_cli(["figures", *sys.argv[1:]]))
