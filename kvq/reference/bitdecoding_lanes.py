@@ -174,8 +174,9 @@ def lop3_codes(reg, bits: int) -> np.ndarray:
 
 
 def _dequant(code16, scale, mn) -> np.ndarray:
-    """``fp16(fp32(code) * scale + mn)``, the contract's two rounded fp32 operations."""
-    return nx.add(nx.mul(code16.astype(np.float32), np.float32(scale)), np.float32(mn)).astype(np.float16)
+    """``fp16(fp32(code) * scale + mn)``, the contract's two rounded fp32 operations, then ``to_out``
+    (rule 3: fp16 saturates at +-65504)."""
+    return nx.to_out(nx.add(nx.mul(code16.astype(np.float32), np.float32(scale)), np.float32(mn)), np.float16)
 
 
 def key_fragments(cfg: BitDecodingConfig, k_words, k_params, w: int, i: int, kk: int) -> np.ndarray:

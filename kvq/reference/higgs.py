@@ -14,7 +14,8 @@ point in a Gaussian-MSE-optimal grid of n points (``data/make_higgs_grids.py`` c
 Arithmetic, stated so that a GPU tier can be bit-identical (every step fp32, each operation rounded
 once, no FMA):
 
-1. ``ss`` = sum of ``x*x`` over the group by a halving tree: ``a[:h] + a[h:]`` for h = g/2, g/4, ..., 1.
+1. ``ss`` = sum of ``x*x`` over the group by a halving tree: ``a[:h] + a[h:]`` for h = g/2, g/4, ..., 1
+   (g a power of two: :func:`group_sum_of_squares` refuses other lengths).
 2. ``rms = sqrt(ss / g)`` (IEEE division and correctly rounded sqrt); ``scale_s = to_meta(rms)``.
 3. ``z = fwht(group) / scale_s`` (``hadamard.fwht``: fixed butterfly order, then one multiply by
    ``float32(1/sqrt(g))``). A group whose stored scale is 0 gets ``z = 0``.
@@ -124,7 +125,18 @@ class HiggsConfig:
 
 
 def group_sum_of_squares(xg: np.ndarray) -> np.ndarray:
-    """Sum of squares over the last axis (a power of two) by the halving tree of step 1: (..., g) -> (...,)."""
+    """Sum of squares over the last axis by the halving tree of step 1: (..., g) -> (...,) fp32.
+
+    The tree ``a[:h] + a[h:]`` is defined for g a power of two only (the group size of a
+    :class:`HiggsConfig`, whose last group :func:`quantize` zero-pads to g). Another length raises
+    ValueError: halving it would pair the wrong elements (for three ones, ``[1] + [1, 1]`` broadcasts
+    to ``[2, 2]``, summed to 4); zero-pad the group to the next power of two first, as quantize does.
+    float16 input is widened exactly (rule 1); other dtypes raise TypeError.
+    """
+    xg = nx.as_f32(xg, "xg")
+    if xg.ndim == 0 or not is_power_of_two(xg.shape[-1]):
+        raise ValueError(f"xg has shape {xg.shape}; the halving tree needs a power-of-two last axis "
+                         f"(zero-pad each group to the next power of two, as quantize does)")
     a = nx.mul(xg, xg)
     while a.shape[-1] > 1:
         h = a.shape[-1] // 2
@@ -137,10 +149,14 @@ def nearest(v, grid) -> np.ndarray:
 
     Squared distances accumulate over coordinates 0..d-1 in fp32 (each subtraction, square and addition
     rounded once); the scan over j = 0..n-1 keeps the first minimum, so ties go to the lowest index.
+    Raises TypeError unless both are float32, ValueError unless v is (..., d) and grid (n, d), n >= 1.
     """
     v = np.asarray(v)
     grid = np.asarray(grid)
-    assert v.dtype == F32 and grid.dtype == F32 and v.shape[-1] == grid.shape[1]
+    if v.dtype != F32 or grid.dtype != F32:
+        raise TypeError(f"v and grid must be float32; got {v.dtype} and {grid.dtype}")
+    if v.ndim == 0 or grid.ndim != 2 or grid.shape[0] == 0 or v.shape[-1] != grid.shape[1]:
+        raise ValueError(f"v {v.shape} and grid {grid.shape}: need v (..., d) and grid (n, d) with n >= 1")
     best = np.full(v.shape[:-1], np.inf, F32)
     idx = np.zeros(v.shape[:-1], np.int64)
     for j in range(grid.shape[0]):

@@ -18,12 +18,18 @@ Rules, in code:
    stored values. ``canonical_zero`` turns a -0.0 into +0.0: the sign of a zero min or max depends
    on reduction order, so every tier adds +0.0 to mn and to the scale before storing them.
 3. ``mul`` then ``add``: dequantization as two separately rounded fp32 operations, then ``to_out``
-   (round to nearest even into fp16 / bf16 / fp32).
+   (round to nearest even into fp16 / bf16 / fp32). **fp16 output saturates**: a finite fp32 value
+   beyond the fp16 range becomes +-65504 (the largest finite fp16) instead of inf, so a group holding
+   +-65504 dequantizes within one step of its input, as every other element (its rounded-up scale
+   times the top code may exceed 65504). NaN stays NaN and +-inf stays +-inf (rule 8: never silently
+   finite); bf16 and fp32 outputs hold every dequantized value and are unchanged. The kernels mirror
+   it by name (``_sat_f16`` in Triton, ``sat_f16`` in CUDA) just before their fp16 rounding.
 4. ``div``: IEEE round-to-nearest fp32 division (Triton: ``tl.div_rn``; CUDA: ``__fdiv_rn``).
 5. No FMA anywhere in this module: NumPy never contracts.
 6. Packing lives in ``packing.py``.
 7. Order-dependent reductions (dot products, softmax) are outside bit-exactness: see ``attention.py``.
-8. ``check_finite``: NaN / inf raise at the API boundary.
+8. ``check_finite``: NaN / inf raise at the API boundary (``check_no_nan`` where inf has a meaning,
+   e.g. a quantile, and only NaN would be silently misplaced).
 
 ``rint_magic`` is the form the Triton kernels use for round-half-to-even: for 0 <= y < 2**22,
 ``(y + 1.5 * 2**23) - 1.5 * 2**23`` is exactly ``rint(y)`` in fp32 (the addition rounds away the
@@ -102,6 +108,19 @@ def check_finite(x: np.ndarray, name: str = "x") -> None:
                          f"kvq refuses to quantize them")
 
 
+def nan_message(name: str, n_nan: int, what: str) -> str:
+    """The rule-8 error for NaN in an input that only NaN makes meaningless (shared with the fast tiers)."""
+    return (f"{name} contains {n_nan} NaN value(s); kvq cannot {what} with NaN (a sort would place it "
+            f"as the largest value). Remove or replace them first (e.g. nan_to_num)")
+
+
+def check_no_nan(x: np.ndarray, name: str = "x", what: str = "take a quantile") -> None:
+    """Rule 8 for inputs where inf is ordered and meaningful but NaN is not (quantiles): NaN raises."""
+    n_nan = int(np.isnan(x).sum())
+    if n_nan:
+        raise ValueError(nan_message(name, n_nan, what))
+
+
 def check_bits(bits: int, allowed=SUPPORTED_BITS) -> int:
     """Bits must be one of ``allowed``; returns it as an int."""
     if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or int(bits) not in allowed:
@@ -114,11 +133,19 @@ def qmax(bits: int) -> np.float32:
     return F32(2 ** check_bits(bits) - 1)
 
 
+def _f32_operands(op: str, *xs) -> None:
+    """The arithmetic helpers take fp32 arrays only (rule 1: no float64 may leak in): TypeError otherwise."""
+    for x in xs:
+        if x.dtype != F32:
+            raise TypeError(f"numerics.{op} takes float32 operands; got {', '.join(str(y.dtype) for y in xs)} "
+                            f"(convert with as_f32 / f32 first: rule 1)")
+
+
 def div(a, b) -> np.ndarray:
     """Rule 4: IEEE round-to-nearest fp32 division (x / 0 gives inf or NaN, handled by the caller)."""
     a = np.asarray(a)
     b = np.asarray(b)
-    assert a.dtype == F32 and b.dtype == F32, (a.dtype, b.dtype)
+    _f32_operands("div", a, b)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         return np.divide(a, b, dtype=F32)
 
@@ -127,7 +154,7 @@ def mul(a, b) -> np.ndarray:
     """Rule 3: one rounded fp32 multiply (never fused with a following add)."""
     a = np.asarray(a)
     b = np.asarray(b)
-    assert a.dtype == F32 and b.dtype == F32, (a.dtype, b.dtype)
+    _f32_operands("mul", a, b)
     with np.errstate(over="ignore", invalid="ignore"):
         return np.multiply(a, b, dtype=F32)
 
@@ -136,7 +163,7 @@ def add(a, b) -> np.ndarray:
     """Rule 3: one rounded fp32 add."""
     a = np.asarray(a)
     b = np.asarray(b)
-    assert a.dtype == F32 and b.dtype == F32, (a.dtype, b.dtype)
+    _f32_operands("add", a, b)
     with np.errstate(over="ignore", invalid="ignore"):
         return np.add(a, b, dtype=F32)
 
@@ -145,7 +172,7 @@ def sub(a, b) -> np.ndarray:
     """One rounded fp32 subtract."""
     a = np.asarray(a)
     b = np.asarray(b)
-    assert a.dtype == F32 and b.dtype == F32, (a.dtype, b.dtype)
+    _f32_operands("sub", a, b)
     with np.errstate(over="ignore", invalid="ignore"):
         return np.subtract(a, b, dtype=F32)
 
@@ -153,14 +180,14 @@ def sub(a, b) -> np.ndarray:
 def rint(x) -> np.ndarray:
     """Rule 2: round half to even (IEEE roundTiesToEven), fp32 in, fp32 out."""
     x = np.asarray(x)
-    assert x.dtype == F32, x.dtype
+    _f32_operands("rint", x)
     return np.rint(x)
 
 
 def rint_magic(y) -> np.ndarray:
     """The kernels' round-half-to-even for 0 <= y < 2**22: ``(y + 1.5*2**23) - 1.5*2**23`` in fp32."""
     y = np.asarray(y)
-    assert y.dtype == F32, y.dtype
+    _f32_operands("rint_magic", y)
     return sub(add(y, MAGIC_RINT), MAGIC_RINT)
 
 
@@ -208,15 +235,28 @@ def to_meta(x, meta_dtype, name: str = "scale") -> np.ndarray:
     return out
 
 
+def saturate_f16(x) -> np.ndarray:
+    """Rule 3's fp16 saturation: finite fp32 values beyond +-65504 become +-65504; all others (NaN, +-inf,
+    values in range) are returned unchanged. fp32 in, fp32 out."""
+    x = np.asarray(x, dtype=F32)
+    over = np.isfinite(x) & (np.abs(x) > F32(_FP16_MAX))
+    if not over.any():
+        return x
+    return np.where(over, np.copysign(F32(_FP16_MAX), x), x).astype(F32)
+
+
 def to_out(x, out_dtype) -> np.ndarray:
-    """Rule 3: round fp32 values into the output dtype (ties to even). bf16 comes back as fp32 values."""
+    """Rule 3: round fp32 values into the output dtype (ties to even). bf16 comes back as fp32 values.
+
+    float16 saturates: a finite value beyond the fp16 range becomes +-65504 (the largest finite fp16)
+    instead of inf (:func:`saturate_f16`); NaN and +-inf pass through. bf16 and fp32 are plain roundings.
+    """
     kind = dtype_name(out_dtype)
     x = np.asarray(x, dtype=F32)
     if kind == "float32":
         return x
     if kind == "float16":
-        with np.errstate(over="ignore"):
-            return x.astype(np.float16)
+        return saturate_f16(x).astype(np.float16)
     if kind == "bfloat16":
         return round_to_bf16(x)
     raise ValueError(f"out_dtype={out_dtype!r} is not supported; choose one of {OUT_DTYPES}")

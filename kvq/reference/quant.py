@@ -114,7 +114,9 @@ def dequantize(codes, scale, mn, group_size, axis: int = -1, out_dtype=np.float1
 
     The multiply and the add are two separately rounded fp32 operations (no FMA), then the result is
     rounded to nearest even into ``out_dtype`` (np.float16, np.float32, or "bfloat16", which comes
-    back as float32 values exactly representable in bf16).
+    back as float32 values exactly representable in bf16). float16 output saturates
+    (``numerics.to_out``): a group holding +-65504, whose rounded-up scale times the top code can exceed
+    65504, dequantizes to +-65504, not inf.
     """
     codes = np.asarray(codes)
     if codes.dtype != np.uint8:
@@ -137,6 +139,10 @@ def quantile(a, rho: float, axis: int = -1) -> np.ndarray:
     sort the values in fp32 ascending as ``s[0..n-1]``; ``h = (n - 1) * rho`` in float64 (an index, not
     data); ``lo = floor(h)``, ``hi = min(lo + 1, n - 1)``, ``frac = float32(h - lo)``; then
     ``tau = s[lo] + frac * (s[hi] - s[lo])`` as three separately rounded fp32 operations.
+
+    NaN input raises ValueError (contract rule 8: a sort would place NaN as the largest value and
+    return a silently wrong threshold); +-inf is ordered and accepted (the interpolation follows IEEE,
+    so ``inf - inf`` gives NaN, never a finite value).
     """
     a = nx.as_f32(a, "a")
     axis = nx.normalize_axis(axis, a.ndim)
@@ -145,6 +151,7 @@ def quantile(a, rho: float, axis: int = -1) -> np.ndarray:
     n = a.shape[axis]
     if n == 0:
         raise ValueError("cannot take a quantile over an empty axis")
+    nx.check_no_nan(a, "a")
     s = np.sort(a, axis=axis)
     h = (n - 1) * float(rho)
     lo = int(np.floor(h))

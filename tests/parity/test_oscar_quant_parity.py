@@ -104,13 +104,27 @@ def test_percentile_clip(fast_target, i):
         assert_bits_equal(c_f, c_r, f"clipped rho={rho}")
 
 
+def _numpy_quantile(a: np.ndarray, rho) -> np.ndarray:
+    """The quantile rule on NumPy's sort (NaN last): what the fast tier computes with validation off."""
+    from kvq.fast import _common as C
+    from kvq.reference import numerics as nx
+
+    s = np.sort(a, axis=-1)
+    lo, hi, frac = C.quantile_index(a.shape[-1], rho)
+    return nx.add(s[:, lo], nx.mul(np.float32(frac), nx.sub(s[:, hi], s[:, lo])))
+
+
 def test_quantile_non_finite(fast_target):
-    """The reference's quantile takes NaN / inf (NaN sorts last); the fast one gives the same bits."""
+    """The reference's quantile takes inf (ordered) and refuses NaN (rule 8, issue 36: a sort puts NaN last,
+    as the largest value); the fast one gives the same bits and the same error, and with validation off
+    sorts NaN last, as NumPy does."""
+    from kvq.fast import _common as C
+
+    from .cases import assert_same_error
+
     backend, device = fast_target
     Q = _quant(backend)
     x = np.random.default_rng(4).standard_normal((6, 24)).astype(np.float32)
-    x[0, 3] = np.nan
-    x[1, :20] = np.nan
     x[2, 5] = np.inf
     x[3, 7] = -np.inf
     x[4, 2:4] = [np.inf, -np.inf]
@@ -123,10 +137,21 @@ def test_quantile_non_finite(fast_target):
         nan = np.isnan(ref)
         assert np.array_equal(np.isnan(fast), nan), f"quantile rho={rho}: NaN positions differ"
         assert_bits_equal(torch.from_numpy(fast[~nan]), ref[~nan], f"quantile rho={rho}")
+    xn = x.copy()
+    xn[0, 3] = np.nan
+    xn[1, :20] = np.nan
+    xn_t = torch.from_numpy(xn).to(device)
+    assert_same_error(lambda: RQ.quantile(xn, 0.5, -1), lambda: Q.quantile(xn_t, 0.5, -1))
+    with C.validation(False):
+        for rho in (1.0, 0.96, 0.5, 0.1, 1e-9):
+            fast, want = Q.quantile(xn_t, rho, -1).cpu().numpy(), _numpy_quantile(xn, rho)
+            nan = np.isnan(want)
+            assert np.array_equal(np.isnan(fast), nan), f"quantile rho={rho}, validation off: NaN positions"
+            assert_bits_equal(torch.from_numpy(fast[~nan]), want[~nan], f"quantile rho={rho}, validation off")
     with pytest.raises(ValueError, match="non-finite"):
-        RQ.percentile_clip(x, 0.96)
+        RQ.percentile_clip(xn, 0.96)
     with pytest.raises(ValueError, match="non-finite"):
-        Q.percentile_clip(x_t, 0.96)
+        Q.percentile_clip(xn_t, 0.96)
 
 
 def test_long_rows_sorted_by_torch(fast_target, monkeypatch):

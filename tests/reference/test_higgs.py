@@ -137,3 +137,36 @@ def test_bad_input():
         higgs.dequantize(cfg, idx.astype(np.uint16), scale, 8)
     with pytest.raises(ValueError, match="do not fit"):
         higgs.dequantize(cfg, idx, scale, 2000)
+
+
+def test_group_sum_of_squares_refuses_non_power_of_two():
+    """Issue 36: three ones gave 4 ([1] + [1, 1] broadcast to [2, 2], then 2 + 2). The halving tree is
+    defined for power-of-two groups (quantize zero-pads to one): any other length raises."""
+    for g in (3, 5, 6, 7, 12, 1000):
+        with pytest.raises(ValueError, match="power-of-two last axis"):
+            higgs.group_sum_of_squares(np.ones((2, g), np.float32))
+    with pytest.raises(ValueError, match="power-of-two"):
+        higgs.group_sum_of_squares(np.float32(1.0))
+    # zero-padded to 4, three ones sum to 3; powers of two are unchanged; fp16 is widened exactly
+    assert higgs.group_sum_of_squares(np.array([1, 1, 1, 0], np.float32)) == np.float32(3)
+    assert higgs.group_sum_of_squares(np.ones(1, np.float32)) == np.float32(1)
+    x16 = np.array([[0.5, 1.5, -2.0, 3.0]], np.float16)
+    assert higgs.group_sum_of_squares(x16).tolist() == [0.25 + 2.25 + 4.0 + 9.0]
+    with pytest.raises(TypeError, match="float64"):
+        higgs.group_sum_of_squares(np.ones(4))
+
+
+def test_nearest_validates_with_clear_errors():
+    grid = higgs.load_grid(2, 16)
+    with pytest.raises(TypeError, match="float32; got float64 and float32"):
+        higgs.nearest(np.zeros((3, 2)), grid)
+    with pytest.raises(TypeError, match="float32"):
+        higgs.nearest(np.zeros((3, 2), np.float32), grid.astype(np.float64))
+    with pytest.raises(ValueError, match=r"v \(3, 3\) and grid \(16, 2\)"):
+        higgs.nearest(np.zeros((3, 3), np.float32), grid)
+    with pytest.raises(ValueError, match="grid"):
+        higgs.nearest(np.zeros((3, 2), np.float32), grid[0])                   # a 1-D grid
+    with pytest.raises(ValueError, match="n >= 1"):
+        higgs.nearest(np.zeros((3, 2), np.float32), np.zeros((0, 2), np.float32))
+    with pytest.raises(ValueError, match=r"v \(\)"):
+        higgs.nearest(np.float32(1.0), grid)

@@ -96,3 +96,18 @@ def test_check_bits_and_axis_errors():
     with pytest.raises(ValueError, match="axis=3"):
         nx.normalize_axis(3, 2)
     assert nx.normalize_axis(-1, 4) == 3
+
+
+def test_arithmetic_helpers_refuse_non_fp32_with_type_error():
+    """Public helpers: a float64 operand is a TypeError naming the helper (rule 1), not a bare assert."""
+    one = np.float32(1)
+    for name, args in (("div", (np.float64(1), one)), ("mul", (one, np.zeros(2))), ("add", (one, np.int32(1))),
+                       ("sub", (np.float16(1), one)), ("rint", (np.zeros(2),)), ("rint_magic", (np.float64(1),))):
+        with pytest.raises(TypeError, match=f"numerics.{name} takes float32 operands"):
+            getattr(nx, name)(*args)
+
+
+def test_check_no_nan():
+    nx.check_no_nan(np.array([1.0, np.inf, -np.inf], np.float32))
+    with pytest.raises(ValueError, match="a contains 2 NaN value"):
+        nx.check_no_nan(np.array([np.nan, 1.0, np.nan], np.float32), "a")

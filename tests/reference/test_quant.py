@@ -184,3 +184,22 @@ def test_requantizing_dequantized_values_is_stable(x, bits):
     same_meta = (scale2 == scale) & (mn2 == mn)                  # (..., n_groups)
     same_meta = np.repeat(same_meta, 16, axis=-1)
     assert np.array_equal(codes2[same_meta], codes[same_meta])
+
+
+def test_quantile_refuses_nan_and_orders_inf():
+    """Rule 8 (issue 36): NaN has no place in a sort; NumPy would put it last, as the largest value,
+    and tau would silently move. inf is ordered and stays accepted."""
+    a = np.array([[1.0, 2.0, 3.0, np.nan]], np.float32)
+    with pytest.raises(ValueError, match=r"a contains 1 NaN value\(s\).*quantile"):
+        quant.quantile(a, 0.5)
+    with pytest.raises(ValueError, match="2 NaN"):
+        quant.quantile(np.array([np.nan, 1, np.nan], np.float16), 1.0, axis=0)
+    b = np.array([[1.0, 2.0, 3.0, np.inf]], np.float32)
+    assert quant.quantile(b, 0.5)[0] == np.float32(2.5)
+    assert quant.quantile(b, 0.9)[0] == np.inf                          # 3 + 0.7 (inf - 3)
+    assert np.isnan(quant.quantile(b, 1.0)[0])                          # inf + 0 (inf - inf): IEEE, not finite
+    # argument errors keep their order: a bad ratio is reported before the NaN
+    with pytest.raises(ValueError, match="rho"):
+        quant.quantile(a, 2.0)
+    with pytest.raises(ValueError, match="non-finite"):                  # percentile_clip: NaN and inf
+        quant.percentile_clip(b, 0.9)

@@ -216,7 +216,8 @@ __global__ void __launch_bounds__(32 * NW) bd_pack_values(const typename Ty<DT>:
     }
 }
 
-// One page's K and V as fp16 (n, N_r, D) each, one thread per element: fp16(fp32(code) * scale + mn).
+// One page's K and V as fp16 (n, N_r, D) each, one thread per element: fp16(fp32(code) * scale + mn),
+// saturated at +-65504 before the rounding (sat_f16: numerics.to_out).
 template <int BITS, int NW>
 __global__ void bd_dequantize(const u16* __restrict__ kw, const u16* __restrict__ kp, const u16* __restrict__ vw,
                               const u16* __restrict__ vp, i64 n, int D, int channel, int kg, int vg,
@@ -244,6 +245,7 @@ __global__ void bd_dequantize(const u16* __restrict__ kw, const u16* __restrict_
         }
         float s32, m32;
         bd_load_params((isv ? vp : kp) + pi * 2, s32, m32);
-        (isv ? vo : ko)[e] = f32_to_f16_rn(decode((word >> (BITS * slot)) & ((1u << BITS) - 1u), s32, m32));
+        const float x = decode((word >> (BITS * slot)) & ((1u << BITS) - 1u), s32, m32);
+        (isv ? vo : ko)[e] = f32_to_f16_rn(sat_f16(x));
     }
 }

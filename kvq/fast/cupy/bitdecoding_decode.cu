@@ -35,10 +35,12 @@
 // fp16 scale is exact in fp32, so the contract's value is fp16 of the fp32-rounded exact sum c s + mn;
 // fma.rn.f16x2 (c, s, mn) rounds the exact sum once. The two agree whenever c s + mn is exactly a float:
 // with E(x) = max(floor(log2 |x|), -14) (fp16 numbers are multiples of 2^(E - 10) below 2^(E + 1)), c s
-// (< 2^(E_s + 5)) plus mn spans at most 24 bits when E_s - 8 <= E_m <= E_s + 12, or when s or mn is 0. A
-// warp takes the one-fma path for a page's keys (and, separately, its values) when every param pair
-// it uses satisfies that (bd_unsafe2, the vote __any_sync), else the exact fp32 path (cvt,
-// fp32 multiply and add, cvt.rn): either way the fp16 operands are the reference's bits.
+// (< 2^(E_s + 5)) plus mn spans at most 24 bits when E_s - 8 <= E_m <= E_s + 12, or when s or mn is 0.
+// The contract saturates fp16 at +-65504 (rule 3) where the fma would round to inf, so a pair also needs
+// E_s <= 10 and E_m <= 14 (then |c s + mn| < 65504). A warp takes the one-fma path for a page's keys
+// (and, separately, its values) when every param pair it uses satisfies that (bd_unsafe2, the vote
+// __any_sync), else the exact fp32 path (cvt, fp32 multiply and add, sat_f16, cvt.rn): either way the fp16
+// operands are the reference's bits.
 //
 // Supports D = 128, values with one group per token (v_group = D), keys channel-wise with k_group a
 // multiple of the warp's TW tokens (one group row per warp slice) or tensor-wise with k_group = D, fp16 q;
@@ -69,17 +71,21 @@ __device__ __forceinline__ u32 bd_slot(u32 x) {
     return codes_field_h2<BITS, I - SH / BITS>(x >> SH);
 }
 
-// nonzero where a half of (s2, m2) may make fma.rn.f16x2 (c, s, m) differ from fp16(fp32(c s) + m)
+// nonzero where a half of (s2, m2) may make fma.rn.f16x2 (c, s, m) differ from the contract's
+// sat_f16(fp32(c s) + m) rounded to fp16: outside the exponent rule, or where c s + m (c <= 15) may leave
+// the fp16 range (the fma would round it to inf, the contract saturates): E_s > 10 or E_m > 14 (biased
+// 25 / 29). Below both, |c s + m| <= 15 * 2047 + 32752 = 63457 < 65504.
 __device__ __forceinline__ u32 bd_unsafe2(u32 s2, u32 m2) {
     const u32 es = __vmaxu2((s2 >> 10) & 0x001f001fu, 0x00010001u);      // biased E (subnormals: as 1)
     const u32 em = __vmaxu2((m2 >> 10) & 0x001f001fu, 0x00010001u);
     const u32 ok = __vcmpgeu2(em + 0x00080008u, es) & __vcmpgeu2(es + 0x000c000cu, em);
     const u32 zero = __vcmpeq2(s2 & 0x7fff7fffu, 0u) | __vcmpeq2(m2 & 0x7fff7fffu, 0u);
-    return ~(ok | zero);
+    const u32 big = __vcmpgtu2(es, 0x00190019u) | __vcmpgtu2(em, 0x001d001du);   // may overflow fp16
+    return ~(ok | zero) | big;
 }
 
 // fp16(c s + m) of a half2 of codes: one fma.rn.f16x2 (EXACT false: only where bd_unsafe2 is 0), or the
-// contract's fp32 multiply, fp32 add and one rounding to fp16
+// contract's fp32 multiply, fp32 add, saturation (sat_f16) and one rounding to fp16
 template <bool EXACT>
 __device__ __forceinline__ u32 bd_deq(u32 c2, u32 s2, u32 m2) {
     if constexpr (!EXACT) {
@@ -89,7 +95,7 @@ __device__ __forceinline__ u32 bd_deq(u32 c2, u32 s2, u32 m2) {
         h2_to_f2(c2, c0, c1);
         h2_to_f2(s2, s0, s1);
         h2_to_f2(m2, m0, m1);
-        return f2_to_h2(__fadd_rn(__fmul_rn(c0, s0), m0), __fadd_rn(__fmul_rn(c1, s1), m1));
+        return f2_to_h2(sat_f16(__fadd_rn(__fmul_rn(c0, s0), m0)), sat_f16(__fadd_rn(__fmul_rn(c1, s1), m1)));
     }
 }
 

@@ -84,6 +84,23 @@ __device__ __forceinline__ bool is_finite(float a) { return (__float_as_uint(a) 
 
 __device__ __forceinline__ bool is_zero(float a) { return (__float_as_uint(a) << 1) == 0u; }   // +-0, not subnormals
 
+// Rule 3's fp16 saturation (numerics.saturate_f16, Triton's _sat_f16), applied to a dequantized fp32
+// value just before it is rounded to fp16: a finite value beyond +-65504 becomes +-65504 (the largest
+// finite fp16) instead of rounding to inf; NaN and +-inf pass unchanged (rule 8: never silently finite).
+// Values in (65504, 65520) would round to 65504 anyway, so only would-be infs change.
+__device__ __forceinline__ float sat_f16(float x) {
+    const u32 b = __float_as_uint(x);
+    return ((b & 0x7fffffffu) > 0x477fe000u && is_finite(x)) ? __uint_as_float((b & 0x80000000u) | 0x477fe000u) : x;
+}
+
+// numerics.to_out's saturation for output type DT: sat_f16 for fp16 (DT 0), the identity for bf16 / fp32
+// (their range holds every dequantized value). Use as Ty<DT>::st(sat_out<DT>(x)).
+template <int DT>
+__device__ __forceinline__ float sat_out(float x) {
+    if constexpr (DT == 0) return sat_f16(x);
+    else return x;
+}
+
 // Ty<DT>::S is the storage type; ld converts exactly to fp32 (rule 1), st rounds to nearest even.
 template <int DT> struct Ty;
 template <> struct Ty<0> {

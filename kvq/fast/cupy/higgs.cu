@@ -177,7 +177,7 @@ __global__ void __launch_bounds__(NT) higgs_quant(const typename Ty<DT>::S* __re
 
 // Fused HIGGS decoder: block b takes the token groups [b * R, b * R + R) (as higgs_quant).
 // Computes: c = grid[idx] (idx clamped to N - 1: memory safety only), y = c * scale (rounded),
-//   butterflies(y) * FS, rounded into DTO, the padding past F dropped.
+//   butterflies(y) * FS, rounded into DTO (fp16 saturated: numerics.to_out), the padding past F dropped.
 // Grid: (cdiv(NGR, R),), block NT. Bytes: reads NGR * G / D indices, NGR scales, the grid; writes
 //   rows * F values.
 template <int DTO, int IB>
@@ -187,5 +187,5 @@ __global__ void __launch_bounds__(NT) higgs_dequant(const typename Idx<IB>::T* _
                                                     float FS, int N, int log2G, int log2D, int meta_half) {
     __shared__ float buf[TILE];
     higgs_decode_groups<IB>(idx, scale, grid, buf, NGR, F, NG, FS, N, log2G, log2D, meta_half,
-                            [&](i64 o, i64, float x) { out[o] = Ty<DTO>::st(x); });
+                            [&](i64 o, i64, float x) { out[o] = Ty<DTO>::st(sat_out<DTO>(x)); });
 }

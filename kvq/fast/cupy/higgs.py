@@ -75,13 +75,14 @@ def bits_per_value(cfg: HiggsConfig, F: int):
 def group_sum_of_squares(xg) -> torch.Tensor:
     """Mirrors `kvq.reference.higgs.group_sum_of_squares`: the same halving tree in a kernel, bit-identical.
 
-    ``xg`` (..., g) float32 torch CUDA tensor -> (...,) fp32. Differences: g must be a power of two
-    (ValueError otherwise; the reference's tree is defined only for those) and at most 8192 (one
-    group in shared memory); float16 / bfloat16 input is widened exactly (the reference asserts float32).
+    ``xg`` (..., g) float32 torch CUDA tensor -> (...,) fp32; g must be a power of two (ValueError
+    otherwise, as the reference). Differences: g at most 8192 (one group in shared memory); bfloat16
+    input is also widened exactly (the reference: float16 / float32).
     """
     C.check_float(xg, "xg")
     if xg.dim() == 0 or not RG.is_power_of_two(xg.shape[-1]):
-        raise ValueError(f"xg has shape {tuple(xg.shape)}; the halving tree needs a power-of-two last axis")
+        raise ValueError(f"xg has shape {tuple(xg.shape)}; the halving tree needs a power-of-two last axis "
+                         f"(zero-pad each group to the next power of two, as quantize does)")
     g = xg.shape[-1]
     _check_group(g)
     x = xg.contiguous()
@@ -99,15 +100,16 @@ def nearest(v, grid) -> torch.Tensor:
     """Mirrors `kvq.reference.higgs.nearest`: the same distance order and tie rule, in a kernel.
 
     ``v`` (..., d) float32 torch CUDA tensor; ``grid`` (n, d) float32 (torch tensor or NumPy array,
-    copied to v's device) -> (...,) int64 indices, bit-identical. Differences: torch tensors; wrong
-    dtypes / shapes raise TypeError / ValueError (the reference asserts); d is at most 16.
+    copied to v's device) -> (...,) int64 indices, bit-identical; wrong dtypes / shapes raise
+    TypeError / ValueError, as the reference. Differences: torch tensors; d is at most 16.
     """
     C.check_tensor(v, "v")
-    g = grid if isinstance(grid, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(grid))
+    g = grid if isinstance(grid, torch.Tensor) else torch.from_numpy(np.array(grid))   # a copy: grids may be read-only
     if v.dtype != torch.float32 or g.dtype != torch.float32:
         raise TypeError(f"v and grid must be float32; got {v.dtype} and {g.dtype}")
-    if v.dim() == 0 or g.dim() != 2 or v.shape[-1] != g.shape[1]:
-        raise ValueError(f"v {tuple(v.shape)} and grid {tuple(g.shape)}: need v (..., d) and grid (n, d)")
+    if v.dim() == 0 or g.dim() != 2 or g.shape[0] == 0 or v.shape[-1] != g.shape[1]:
+        raise ValueError(f"v {tuple(v.shape)} and grid {tuple(g.shape)}: need v (..., d) and grid (n, d) "
+                         f"with n >= 1")
     D = int(g.shape[1])
     _check_d(D)
     g = g.to(v.device).contiguous()

@@ -425,8 +425,8 @@ __global__ void __launch_bounds__(256, 4) quant_cols(const typename Ty<DT>::S* _
 }
 
 // ---- (unpack +) dequantize, groups of G contiguous elements --------------------------------------
-// Computes: out[g*G + e] = round_DTO(code * scale[g] + mn[g]), code = bits [PB*i, PB*i+PB) of byte
-//   (g*G + e) / (8/PB), i = e % (8/PB).
+// Computes: out[g*G + e] = round_DTO(code * scale[g] + mn[g]) (fp16 saturated first: sat_out), code =
+//   bits [PB*i, PB*i+PB) of byte (g*G + e) / (8/PB), i = e % (8/PB).
 // Grid: like quant_rows (team of TS lanes per group, grid-stride); chunks of E outputs: one 16-byte
 //   store when VEC (needs G % E == 0 and 16-byte aligned input bytes), else E = 8/PB.
 // Bytes: reads n*PB/8 + metadata; writes n*sizeof(DTO).
@@ -463,14 +463,16 @@ __global__ void __launch_bounds__(256) dequant_rows(const u8* __restrict__ in, c
 #pragma unroll
             for (int i = 0; i < NB; ++i)
 #pragma unroll
-                for (int k = 0; k < PER; ++k) y[i * PER + k] = decode((b[i] >> (PB * k)) & MASK, s32, m32);
+                for (int k = 0; k < PER; ++k)
+                    y[i * PER + k] = sat_out<DTO>(decode((b[i] >> (PB * k)) & MASK, s32, m32));
             store_from_f32<DTO, E>(og + c * E, y);
         }
     }
 }
 
 // ---- (unpack +) dequantize, groups of G elements at stride inner ---------------------------------
-// Computes: out[o, j*G + t, c] = round_DTO(code * scale[o, j, c] + mn[o, j, c]).
+// Computes: out[o, j*G + t, c] = round_DTO(code * scale[o, j, c] + mn[o, j, c]) (fp16 saturated first:
+//   sat_out).
 // Grid: like quant_cols (tiles of 32 columns x one group; block (32, TY); chunks of R = 4 tokens).
 // Bytes: reads n*PB/8 + metadata; writes n*sizeof(DTO) per column.
 template <int DTO, int PB>
@@ -510,7 +512,8 @@ __global__ void __launch_bounds__(512) dequant_cols(const u8* __restrict__ in, c
                     const u32 w = ig[(t0 / PER) * inner];
 #pragma unroll
                     for (int i = 0; i < PER; ++i)
-                        og[(t0 + i) * inner] = Ty<DTO>::st(decode((w >> (PB * i)) & MASK, s32, m32));
+                        og[(t0 + i) * inner] =
+                            Ty<DTO>::st(sat_out<DTO>(decode((w >> (PB * i)) & MASK, s32, m32)));
                 }
             }
         }

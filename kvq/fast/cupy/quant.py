@@ -153,7 +153,8 @@ def quantize(x, bits: int, group_size, axis: int = -1, meta_dtype=np.float16, *,
 def dequantize(codes, scale, mn, group_size, axis: int = -1, out_dtype=np.float16):
     """Mirrors `kvq.reference.quant.dequantize`: ``float32(code) * scale_s + mn_s`` rounded to ``out_dtype``.
 
-    Same arithmetic, bit for bit (multiply, then add, no FMA). Differences: torch CUDA tensors; a
+    Same arithmetic, bit for bit (multiply, then add, no FMA; float16 output saturates at +-65504,
+    ``numerics.to_out``). Differences: torch CUDA tensors; a
     ``"bfloat16"`` / ``torch.bfloat16`` output is a torch.bfloat16 tensor (the reference returns fp32
     values that are exactly bf16); scale and mn of different dtypes are both read as fp32.
     """
@@ -210,12 +211,29 @@ def quantile(a, rho: float, axis: int = -1):
 
     The same rule and op order: the values sorted (a bitonic sort of their monotone int32 bit patterns
     in shared memory: exact), ``h = (n - 1) * rho`` in float64 on the host, ``tau = s[lo] + frac *
-    (s[hi] - s[lo])`` as three rounded fp32 operations (PTX, no FMA, no ftz); NaN sorts last, as in
-    NumPy. Differences: ``a`` is a torch float16 / bfloat16 / float32 CUDA tensor; the result is a
-    torch.float32 tensor (0-d for 1-D input). One kernel, one block per row; rows longer than
-    ``MAX_SORT`` are sorted by ``torch.sort`` and interpolated by torch's fp32 elementwise ops.
+    (s[hi] - s[lo])`` as three rounded fp32 operations (PTX, no FMA, no ftz); NaN input raises the
+    reference's ValueError. Differences: ``a`` is a torch float16 / bfloat16 / float32 CUDA tensor; the
+    result is a torch.float32 tensor (0-d for 1-D input); the NaN check costs a read of ``a`` and runs
+    only while ``kvq.fast.validation`` is on (with it off NaN sorts last, as in NumPy). One kernel, one
+    block per row; rows longer than ``MAX_SORT`` are sorted by ``torch.sort`` and interpolated by torch's
+    fp32 elementwise ops.
     """
-    return C.quantile_rows(a, rho, axis, launch_quantile_rows, clip=False)
+    return C.quantile_rows(a, rho, axis, _launch_quantile_no_nan, clip=False)
+
+
+def check_no_nan(x: torch.Tensor, name: str = "a") -> None:
+    """Rule 8 for quantiles (``numerics.check_no_nan``, the same message): NaN raises ValueError while
+    ``kvq.fast.validation`` is on (one read of ``x``); +-inf is ordered and accepted."""
+    if C.validation_enabled() and x.numel():
+        n_nan = int(torch.isnan(x).sum())
+        if n_nan:
+            raise ValueError(nx.nan_message(name, n_nan, "take a quantile"))
+
+
+def _launch_quantile_no_nan(x: torch.Tensor, n: int, rho, clip: bool):
+    """``launch_quantile_rows`` after the NaN check (run once the arguments have passed theirs)."""
+    check_no_nan(x, "a")
+    return launch_quantile_rows(x, n, rho, clip)
 
 
 def percentile_clip(x, ratio: float, axis: int = -1):

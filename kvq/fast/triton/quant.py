@@ -3,7 +3,8 @@
 Mirrors ``kvq.reference.quant`` bit for bit under the numerics contract (DESIGN.md section 2): the
 same fp32 operations in the same order, IEEE round-to-nearest division, no FMA contraction
 (``enable_fp_fusion=False``), round-half-to-even by the magic-number add (``numerics.rint_magic``),
-metadata rounded to fp16 with round-to-nearest-even. The kernels here also serve
+metadata rounded to fp16 with round-to-nearest-even, fp16 output saturated at +-65504 (``_sat_f16``,
+``numerics.to_out``). The kernels here also serve
 ``kvq.fast.triton.packing``: a kernel with ``PER = 8 // bits > 1`` packs the codes of ``PER``
 consecutive elements along the axis into one byte as it stores them (quantize_pack, one kernel), or
 unpacks them as it loads them (unpack_dequantize, one kernel).
@@ -76,14 +77,23 @@ def _load_f32(ptrs, mask, IN_BF16: tl.constexpr):
 
 
 @triton.jit
+def _sat_f16(x):
+    """Rule 3's fp16 saturation (numerics.saturate_f16), before a rounding to fp16: a finite x beyond
+    +-65504 becomes +-65504 instead of rounding to inf; NaN (every comparison false) and +-inf pass."""
+    x = tl.where((x > 65504.0) & (x < float("inf")), 65504.0, x)
+    return tl.where((x < -65504.0) & (x > float("-inf")), -65504.0, x)
+
+
+@triton.jit
 def _store_out(ptrs, x, mask, OUT_KIND: tl.constexpr):
-    """Rule 3 (last step): round fp32 to the output dtype, nearest even; 0 fp16, 1 bf16 (int16 bits), 2 fp32.
+    """Rule 3 (last step, numerics.to_out): round fp32 to the output dtype, nearest even; 0 fp16
+    (saturated at +-65504 by ``_sat_f16``), 1 bf16 (int16 bits), 2 fp32.
 
     bf16 is rounded in integer arithmetic (numerics.round_to_bf16): exact on the GPU and in the
     interpreter, whose own fp32 -> bf16 conversion truncates.
     """
     if OUT_KIND == 0:
-        tl.store(ptrs, x.to(tl.float16), mask=mask)
+        tl.store(ptrs, _sat_f16(x).to(tl.float16), mask=mask)
     elif OUT_KIND == 1:
         u = x.to(tl.int32, bitcast=True)
         r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
@@ -471,8 +481,8 @@ def _quant_cols_kernel(x_ptr, q_ptr, s_ptr, m_ptr, G, INNER, NIB,
 
 
 # Dequantize (and unpack) groups of G contiguous elements, last axis (inner == 1).
-# Computes: x = float(code) * scale_s + mn_s (two rounded fp32 ops, no FMA), rounded to the output dtype;
-#   codes unpacked from bytes in registers by join.
+# Computes: x = float(code) * scale_s + mn_s (two rounded fp32 ops, no FMA), rounded to the output dtype
+#   (fp16 saturated at +-65504: _store_out); codes unpacked from bytes in registers by join.
 # Grid: (cdiv(R, BLOCK_R), cdiv(G // PER, BLOCK_J)); tile (BLOCK_R, BLOCK_J) bytes -> (BLOCK_R, BLOCK_J*PER).
 # Bytes: reads R*G/PER code bytes + 2 R metadata, writes R*G output elements.
 @triton.jit
@@ -740,8 +750,9 @@ def quantize(x, bits: int, group_size, axis: int = -1, meta_dtype=np.float16, *,
 def dequantize(codes, scale, mn, group_size, axis: int = -1, out_dtype=np.float16):
     """Mirrors `kvq.reference.quant.dequantize`: ``x_hat = float32(code) * scale_s + mn_s``, rounded to out_dtype.
 
-    Differences: torch tensors in and out; ``out_dtype="bfloat16"`` (or torch.bfloat16) returns a
-    torch.bfloat16 tensor (the reference returns float32 values that are exactly bf16).
+    float16 output saturates at +-65504 (``numerics.to_out``), in the kernel. Differences: torch
+    tensors in and out; ``out_dtype="bfloat16"`` (or torch.bfloat16) returns a torch.bfloat16 tensor
+    (the reference returns float32 values that are exactly bf16).
     """
     axis, allow, out = dequant_args(codes, scale, mn, group_size, axis, out_dtype)
     G = check_groups(tuple(codes.shape), axis, group_size, "codes")
@@ -753,13 +764,29 @@ def quantile(a, rho: float, axis: int = -1):
     """Mirrors `kvq.reference.quant.quantile`: the ``rho``-quantile along ``axis``, linear interpolation.
 
     The same rule and op order: the values sorted in fp32, ``h = (n - 1) * rho`` in float64 on the
-    host, ``tau = s[lo] + frac * (s[hi] - s[lo])`` as three rounded fp32 operations; NaN sorts last,
-    as in NumPy. Differences: ``a`` is a torch float16 / bfloat16 / float32 tensor on a CUDA device
-    (the CPU only under ``TRITON_INTERPRET=1``); the result is a torch.float32 tensor (0-d for 1-D
-    input). One kernel: a program sorts whole rows (``tl.sort``); rows longer than ``MAX_SORT`` are
+    host, ``tau = s[lo] + frac * (s[hi] - s[lo])`` as three rounded fp32 operations; NaN input raises
+    the reference's ValueError. Differences: ``a`` is a torch float16 / bfloat16 / float32 tensor on a
+    CUDA device (the CPU only under ``TRITON_INTERPRET=1``); the result is a torch.float32 tensor (0-d
+    for 1-D input); the NaN check costs a read of ``a`` and runs only while ``kvq.fast.validation`` is
+    on (with it off NaN sorts last, as in NumPy). One kernel: a program sorts whole rows (``tl.sort``); rows longer than ``MAX_SORT`` are
     sorted by ``torch.sort`` and interpolated by torch's fp32 elementwise ops (the same bits).
     """
-    return C.quantile_rows(a, rho, axis, launch_quantile_rows, clip=False, allow_cpu=C.interpreting())
+    return C.quantile_rows(a, rho, axis, _launch_quantile_no_nan, clip=False, allow_cpu=C.interpreting())
+
+
+def check_no_nan(x: torch.Tensor, name: str = "a") -> None:
+    """Rule 8 for quantiles (``numerics.check_no_nan``, the same message): NaN raises ValueError while
+    ``kvq.fast.validation`` is on (one read of ``x``); +-inf is ordered and accepted."""
+    if C.validation_enabled() and x.numel():
+        n_nan = int(torch.isnan(x).sum())
+        if n_nan:
+            raise ValueError(nx.nan_message(name, n_nan, "take a quantile"))
+
+
+def _launch_quantile_no_nan(x: torch.Tensor, n: int, rho, clip: bool):
+    """``launch_quantile_rows`` after the NaN check (run once the arguments have passed theirs)."""
+    check_no_nan(x, "a")
+    return launch_quantile_rows(x, n, rho, clip)
 
 
 def percentile_clip(x, ratio: float, axis: int = -1):
