@@ -1,12 +1,13 @@
 """The AQUA-KV cache over all layers on torch tensors (``kvq.reference.aqua_cache``, AQUA-KV §3.3 and
 Algorithm 4), shared by both fast backends.
 
-The state (:class:`AquaTensorState`: the fields of the reference's ``AquaState`` as torch tensors), the
-token routing (sink, recent buffer, every full buffer compressed as one chunk, layer 0 first, each layer
-predicted from the reconstruction of the layer before, keys pre-RoPE by default) and the reading of the
-cache (Algorithm 3 per layer over the whole history, RoPE, flash-decoding over sink, history and
-buffer) are written once here, on the per-layer code of ``_aqua.py`` and a backend's
-:class:`kvq.fast._aqua.AquaOps`.
+The state (:class:`AquaTensorState`: the fields of the reference's ``AquaState`` as torch tensors, and
+the configuration ``init`` made it with: every call first checks that it is given the same one and
+predictors that fit it), the token routing (sink, recent buffer, every full buffer compressed as one
+chunk, layer 0 first, each layer predicted from the reconstruction of the layer before, keys pre-RoPE by
+default) and the reading of the cache (Algorithm 3 per layer over the whole history, RoPE,
+flash-decoding over sink, history and buffer) are written once here, on the per-layer code of
+``_aqua.py`` and a backend's :class:`kvq.fast._aqua.AquaOps`.
 
     from kvq.fast.triton import aqua_cache                      # (these call into here)
     st = aqua_cache.init(cfg, 28, batch=1, kv_heads=8, head_dim=128); aqua_cache.append(cfg, P, st, K, V)
@@ -19,6 +20,7 @@ for bit; residual codes of layers >= 1 and the reconstructions follow rule 7 (``
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -29,6 +31,8 @@ from kvq.fast import _common as C
 from kvq.fast._aqua import check_backbone, decode, encode, to_tokens
 from kvq.fast._oscar import _dtype_name
 from kvq.reference import aqua_cache as RAC
+from kvq.reference import state as RS
+from kvq.reference.aqua import AquaConfig
 from kvq.reference.model import rope_tables
 
 F16 = torch.float16
@@ -86,6 +90,7 @@ class AquaTensorState:
     res_v: dict
     length: int = 0
     shape: tuple = field(default=(0, 0, 0, 0))   # (L, B, H, D)
+    cfg: object = RS.cfg_field()                 # the AquaConfig init made the cache with
 
     @property
     def device(self) -> torch.device:
@@ -108,34 +113,50 @@ def _empty_codes(bb, lead: tuple, R: int, F: int, device) -> dict:
             for n, a in probe.items()}
 
 
-def init(ops, cfg, n_layers: int, batch: int, kv_heads: int, head_dim: int) -> AquaTensorState:
-    """An empty cache for ``batch`` sequences of up to ``cfg.max_tokens`` tokens, every tensor preallocated."""
-    for name, v in (("n_layers", n_layers), ("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+def init(ops, cfg, n_layers: int, batch: int, kv_heads: int, head_dim: int, *, device=None) -> AquaTensorState:
+    """An empty cache for ``batch`` sequences of up to ``cfg.max_tokens`` tokens, every tensor preallocated,
+    on ``device`` (None: the backend's default, ``kvq.fast._common.cache_device``); the state records ``cfg``."""
+    RAC.check_cfg(cfg)
+    RS.check_dims(n_layers=n_layers, batch=batch, kv_heads=kv_heads, head_dim=head_dim)
     L, B, H, D, S, R = int(n_layers), int(batch), int(kv_heads), int(head_dim), cfg.sink, cfg.buffer
     if cfg.pre_rope and D % 2:
         raise ValueError(f"head_dim={D} must be even for RoPE")
     check_backbone(cfg.backbone, "backbone")
     check_backbone(cfg.first_layer, "first_layer")
+    RAC.check_cfg(cfg, H * D)
     F, Cn = H * D, max(cfg.max_tokens - S, 0) // R
-    dev = C.cache_device(ops)
+    dev = C.cache_device(ops, device)
     z = lambda T: torch.zeros((L, B, H, T, D), dtype=F16, device=dev)             # noqa: E731
     return AquaTensorState(z(S), z(S), z(R), z(R), _empty_codes(cfg.first_layer, (B, Cn), R, F, dev),
                            _empty_codes(cfg.first_layer, (B, Cn), R, F, dev),
                            _empty_codes(cfg.backbone, (L - 1, B, Cn), R, F, dev),
-                           _empty_codes(cfg.backbone, (L - 1, B, Cn), R, F, dev), shape=(L, B, H, D))
+                           _empty_codes(cfg.backbone, (L - 1, B, Cn), R, F, dev), shape=(L, B, H, D), cfg=cfg)
 
 
-def _check_predictors(P, L: int) -> None:
-    if P.n_layers != L:
-        raise ValueError(f"predictors are for {P.n_layers} layers, the cache has {L}")
+_CHECKED: "collections.OrderedDict" = collections.OrderedDict()
+
+
+def check_call(cfg, P, st) -> None:
+    """The first checks of every call on a cache: ``st`` is an :class:`AquaTensorState` made by ``init`` with
+    ``cfg``, and P fits it (``kvq.reference.aqua_cache.check_predictors``; remembered for the last few
+    (P, cfg, shape) by identity, so a decode step's per-layer calls check the predictors once)."""
+    RS.check_state(st, cfg, AquaConfig, AquaTensorState)
+    L, _, H, D = st.shape
+    key = (id(P), id(cfg), L, H * D)
+    hit = _CHECKED.get(key)
+    if hit is not None and hit[0] is P and hit[1] is cfg:
+        _CHECKED.move_to_end(key)
+        return
+    RAC.check_predictors(cfg, P, L, H * D)
+    _CHECKED[key] = (P, cfg)
+    while len(_CHECKED) > 8:
+        _CHECKED.popitem(last=False)
 
 
 def _check_append(ops, cfg, P, st: AquaTensorState, K, V):
     """The reference's checks, in its order and with its messages; returns K, V as fp16 tensors."""
+    check_call(cfg, P, st)
     L, B, H, D = st.shape
-    _check_predictors(P, L)
     out = []
     for name, x in (("K", K), ("V", V)):
         C.check_tensor(x, name, allow_cpu=ops.allow_cpu())
@@ -242,9 +263,9 @@ def decode_layer(ops, cfg, P, st: AquaTensorState, l: int, prev=None) -> tuple:
     """Layer l's reconstructed history (Algorithm 3 over every chunk at once): ``(K_hat, V_hat)`` token
     vectors (B, n_chunks * R, F) fp32, keys pre-RoPE when ``cfg.pre_rope``. ``prev``: layer l-1's result
     (decoded from layer 0 up when None)."""
+    check_call(cfg, P, st)
     L, B, H, D = st.shape
     l = _check_layer(l, L)
-    _check_predictors(P, L)
     F = H * D
     _, n, _ = RAC._counts(cfg, st.length)
     if n == 0:
@@ -275,6 +296,7 @@ def segments(cfg, st: AquaTensorState, l: int, hat) -> list:
 
 def dequantize(ops, cfg, P, st: AquaTensorState) -> list:
     """``[(K_l, V_l)]`` fp32 (B, H, T, D), keys post-RoPE: sink, decoded chunks, buffer, per layer."""
+    check_call(cfg, P, st)
     out, hat = [], None
     for l in range(st.shape[0]):
         hat = decode_layer(ops, cfg, P, st, l, hat)
@@ -287,6 +309,7 @@ def decode_attention(ops, cfg, P, st: AquaTensorState, l: int, q, hat=None, *, s
     """``(out, lse)`` of q (B, H_q, T_q, D) over layer l's cache: the history reconstructed (``hat``, or
     :func:`decode_layer` when None), RoPE'd, and the sink, history and buffer attended in fp32 by the
     backend's flash-decoding kernel (one log-sum-exp merge); out in q's dtype."""
+    check_call(cfg, P, st)
     L, B, H, D = st.shape
     C.check_decode_q(q, (B, H, D), st.device, st.length, allow_cpu=ops.allow_cpu())
     l = _check_layer(l, L)

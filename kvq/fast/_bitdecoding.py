@@ -10,6 +10,7 @@ import torch
 
 from kvq.reference import bitdecoding as _R
 from kvq.reference.bitdecoding import P_N
+from kvq.reference.state import check_config
 
 from . import _common as C
 
@@ -20,8 +21,8 @@ def dtype_name(dtype) -> str:
 
 
 def check_cfg(cfg) -> None:
-    if not isinstance(cfg, _R.BitDecodingConfig):
-        raise TypeError(f"cfg must be a BitDecodingConfig, got {type(cfg).__name__}")
+    """cfg must be a BitDecodingConfig (TypeError, the reference's message)."""
+    check_config(cfg, _R.BitDecodingConfig)
 
 
 def check_page_input(cfg, x, name: str, *, allow_cpu: bool) -> torch.Tensor:

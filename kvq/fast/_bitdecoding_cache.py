@@ -1,13 +1,14 @@
 """The BitDecoding cache on torch tensors (``kvq.reference.bitdecoding``, Du et al. section V-B), shared by
 both fast backends.
 
-The state (:class:`BitDecodingTensorState`: the reference's fields as torch tensors), the routing of an
-append (FP16 residual block of N_r tokens, pages packed when it fills, page ids allocated page-major
-then batch) and the reading of the cache are written once here; a backend passes its kernels as
-:class:`BitDecodingOps`: the Residual Kernel (``pack_keys`` / ``pack_values``), ``dequantize_page``, its
-flash-decoding ``attention`` module and, where it has one, a fused tensor-core decode over the packed
-pages (``fused_decode``; without it decode dequantizes the history pages first). The public, documented
-functions are ``kvq.fast.triton.bitdecoding`` and ``kvq.fast.cupy.bitdecoding``.
+The state (:class:`BitDecodingTensorState`: the reference's fields as torch tensors, and the
+configuration ``init`` made it with: every call first checks that it is given the same one), the routing
+of an append (FP16 residual block of N_r tokens, pages packed when it fills, page ids allocated
+page-major then batch) and the reading of the cache are written once here; a backend passes its kernels
+as :class:`BitDecodingOps`: the Residual Kernel (``pack_keys`` / ``pack_values``), ``dequantize_page``,
+its flash-decoding ``attention`` module and, where it has one, a fused tensor-core decode over the
+packed pages (``fused_decode``; without it decode dequantizes the history pages first). The public,
+documented functions are ``kvq.fast.triton.bitdecoding`` and ``kvq.fast.cupy.bitdecoding``.
 
     from kvq.fast.triton.bitdecoding import init, append, decode_attention    # (these call into here)
 
@@ -23,12 +24,12 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Callable
 
-import numpy as np
 import torch
 
 from kvq.fast import _bitdecoding as B
 from kvq.fast import _common as C
 from kvq.reference import bitdecoding as _R
+from kvq.reference import state as RS
 from kvq.reference.bitdecoding import P_N
 
 F16 = torch.float16
@@ -77,35 +78,36 @@ class BitDecodingTensorState(C.TensorFields):
     length: int = 0             # tokens appended to every sequence
     next_page: int = 0          # next free page of the pool
     shape: tuple = field(default=(0, 0, 0))   # (B, H, D)
+    cfg: object = RS.cfg_field()              # the BitDecodingConfig init made the cache with
 
     @property
     def device(self) -> torch.device:
         return self.res_k.device
 
 
-def _check_state(st) -> None:
-    if not isinstance(st, BitDecodingTensorState):
-        raise TypeError(f"state must be a BitDecodingTensorState, got {type(st).__name__} (the reference tier "
-                        f"kvq.reference.bitdecoding takes its NumPy BitDecodingState)")
+def check_state(cfg, st) -> None:
+    """The first check of every call: ``st`` is a :class:`BitDecodingTensorState` (not the reference's
+    NumPy ``BitDecodingState``) made by ``init`` with ``cfg`` (``kvq.reference.state.check_state``)."""
+    RS.check_state(st, cfg, _R.BitDecodingConfig, BitDecodingTensorState)
 
 
-def init(ops: BitDecodingOps, cfg, batch: int, kv_heads: int, head_dim: int) -> BitDecodingTensorState:
-    """An empty cache with the residual and the page pool preallocated (zeros; the table -1), on the
-    backend's device. The reference's checks and messages."""
+def init(ops: BitDecodingOps, cfg, batch: int, kv_heads: int, head_dim: int, *, device=None) -> BitDecodingTensorState:
+    """An empty cache with the residual and the page pool preallocated (zeros; the table -1), on ``device``
+    (None: the backend's default, ``kvq.fast._common.cache_device``); the state records ``cfg``. The
+    reference's checks and messages."""
     B.check_cfg(cfg)
-    for name, v in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    RS.check_dims(batch=batch, kv_heads=kv_heads, head_dim=head_dim)
     cfg.check_head_dim(head_dim)
     Bt, H, D, Nr, R = int(batch), int(kv_heads), int(head_dim), cfg.n_r, cfg.per_word
     N = cfg.max_tokens // Nr
     P = Bt * N
     kp = (Nr // cfg.k_group, D) if cfg.k_mode == "channel" else (Nr, D // cfg.k_group)
-    dev = C.cache_device(ops)
+    dev = C.cache_device(ops, device)
     z = lambda *s, dt=F16: torch.zeros(s, dtype=dt, device=dev)                    # noqa: E731
     return BitDecodingTensorState(z(Bt, H, Nr, D), z(Bt, H, Nr, D), z(P, H, P_N * cfg.warps_n, D, dt=U16),
                                   z(P, H, *kp, 2), z(P, H, Nr, D // R, dt=U16), z(P, H, Nr, D // cfg.v_group, 2),
-                                  torch.full((Bt, N), -1, dtype=torch.int32, device=dev), shape=(Bt, H, D))
+                                  torch.full((Bt, N), -1, dtype=torch.int32, device=dev), shape=(Bt, H, D),
+                                  cfg=cfg)
 
 
 def _check_append(ops: BitDecodingOps, cfg, st: BitDecodingTensorState, k, v):
@@ -155,7 +157,7 @@ def append(ops: BitDecodingOps, cfg, state: BitDecodingTensorState, k, v) -> Bit
     the next pool pages (page-major, then batch: page j of sequence b gets ``next_page + j B + b``) and
     the residual keeps the last ``length mod N_r`` tokens, zero beyond. Validation and packing come
     before any write, so bad input leaves the state unchanged."""
-    _check_state(state)
+    check_state(cfg, state)
     k16, v16 = _check_append(ops, cfg, state, k, v)
     st, Nr = state, cfg.n_r
     Bt, H, D = st.shape
@@ -216,7 +218,7 @@ def residual(cfg, st: BitDecodingTensorState):
 
 def dequantize(ops: BitDecodingOps, cfg, state: BitDecodingTensorState):
     """(K, V) fp32 (B, H_kv, T, D) in token order: the pages dequantized to fp16, then the residual."""
-    _check_state(state)
+    check_state(cfg, state)
     if state.length == 0:
         raise ValueError("the cache is empty")
     hist, res = history(ops, cfg, state), residual(cfg, state)
@@ -228,7 +230,7 @@ def decode_attention(ops: BitDecodingOps, cfg, state: BitDecodingTensorState, q,
     this configuration; else the fallback: the history pages dequantized (fp16) and the residual rows,
     attended as segments by ``ops.attention.decode_attention`` (fp16 q: fp16 segments; bf16 / fp32 q:
     in fp32, the fp16 values exact there, out rounded to q's dtype). Returns (out in q's dtype, lse fp32)."""
-    _check_state(state)
+    check_state(cfg, state)
     C.check_decode_q(q, state.shape, state.device, state.length, allow_cpu=ops.allow_cpu())
     if ops.fused_decode is not None:
         got = ops.fused_decode(cfg, state, q, scale=scale)

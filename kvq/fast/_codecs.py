@@ -27,7 +27,8 @@ import torch
 
 from kvq.fast import _common as C
 from kvq.reference import numerics as nx
-from kvq.reference.kitty import SELECTIONS
+from kvq.reference.kitty import SELECTIONS, KittyConfig
+from kvq.reference.kivi import KIVIConfig
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,8 @@ def _meta(cfg) -> torch.dtype:
 class KIVICodec:
     """KIVI key pages: per-channel b-bit codes over the page's G tokens, packed along tokens:
     ``codes`` (D, G * bits / 8) uint8, ``scale`` / ``mn`` (D,) in the metadata dtype."""
+
+    config = KIVIConfig          # the configuration class of the caches that store these pages
 
     def __init__(self, ops: Ops):
         self.ops = ops
@@ -261,6 +264,8 @@ def dequantize_page(ops: Ops, page: dict, group_size: int) -> torch.Tensor:
 
 class KittyCodec:
     """Kitty key pages: ``low``, ``high``, ``idx``, ``scale``, ``mn`` per (page, head)."""
+
+    config = KittyConfig         # the configuration class of the caches that store these pages
 
     def __init__(self, ops: Ops):
         self.ops = ops

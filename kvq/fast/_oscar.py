@@ -1,15 +1,17 @@
 """The OSCAR cache on torch tensors (``kvq.reference.oscar``, section 4), shared by both fast backends.
 
-The state (:class:`OSCARTensorState`: the reference's fields as torch tensors, all in the rotated
-frame), the token routing (sink, window ring, pages allocated page-major then batch) and the reading of
-the cache are written once here; a backend passes its kernels as :class:`OscarOps`: the fixed-order
-rotation (the reference's operations in its order, so the same bits), the fused clip + INT2 + pack
-(``oscar_quant``), ``packing.unpack_dequantize``, ``attention.decode_attention`` and, where it has
-one, a fused decode over the packed pages (``fused_decode``; without it decode dequantizes the history
-first) and a fused append (``fused_append``: one kernel per append for K and one for V; without it, or
-outside its configurations, or with ``FUSED_APPEND = False``, the unfused path of rotate + quantize
-kernels and torch writes, which gives the same bits). The public, documented functions are
-``kvq.fast.triton.oscar`` and ``kvq.fast.cupy.oscar``.
+The state (:class:`OSCARTensorState`: the reference's fields as torch tensors, all in the rotated frame,
+and the configuration ``init`` made it with: every call first checks that it is given the same one, and
+a calibration that fits, so no kernel writes at another configuration's offsets), the token routing
+(sink, window ring, pages allocated page-major then batch) and the reading of the cache are written once
+here; a backend passes its kernels as :class:`OscarOps`: the fixed-order rotation (the reference's
+operations in its order, so the same bits), the fused clip + INT2 + pack (``oscar_quant``),
+``packing.unpack_dequantize``, ``attention.decode_attention`` and, where it has one, a fused decode over
+the packed pages (``fused_decode``; without it decode dequantizes the history first) and a fused append
+(``fused_append``: one kernel per append for K and one for V; without it, or outside its configurations,
+or with ``FUSED_APPEND = False``, the unfused path of rotate + quantize kernels and torch writes, which
+gives the same bits). The public, documented functions are ``kvq.fast.triton.oscar`` and
+``kvq.fast.cupy.oscar``.
 
     from kvq.fast.triton.oscar import init, append, decode_attention      # (these call into here)
 """
@@ -28,6 +30,7 @@ import torch
 from kvq.fast import _common as C
 from kvq.reference import numerics as nx
 from kvq.reference import oscar as RO
+from kvq.reference import state as RS
 
 F16 = torch.float16
 
@@ -84,29 +87,35 @@ class OSCARTensorState(C.TensorFields):
     length: int = 0
     next_page: int = 0
     shape: tuple = field(default=(0, 0, 0))   # (B, H, D)
+    cfg: object = RS.cfg_field()              # the OSCARConfig init made the cache with
 
     @property
     def device(self) -> torch.device:
         return self.sink_k.device
 
 
-def init(ops: "OscarOps", cfg, batch: int, kv_heads: int, head_dim: int) -> OSCARTensorState:
-    """An empty cache, every buffer and the page pool preallocated, on the backend's device."""
-    for name, v in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+def check_state(cfg, st) -> None:
+    """The first check of every call: ``st`` is an :class:`OSCARTensorState` made by ``init`` with ``cfg``."""
+    RS.check_state(st, cfg, RO.OSCARConfig, OSCARTensorState)
+
+
+def init(ops: "OscarOps", cfg, batch: int, kv_heads: int, head_dim: int, *, device=None) -> OSCARTensorState:
+    """An empty cache, every buffer and the page pool preallocated, on ``device`` (None: the backend's
+    default, ``kvq.fast._common.cache_device``); the state records ``cfg``."""
+    RO.check_cfg(cfg)
+    RS.check_dims(batch=batch, kv_heads=kv_heads, head_dim=head_dim)
     cfg.check_head_dim(head_dim)
     B, H, D, Pg = int(batch), int(kv_heads), int(head_dim), cfg.page_size
     N = -(-max(cfg.max_tokens - cfg.sink - cfg.window, 0) // Pg)
     meta = C.torch_dtype(nx.dtype_name(cfg.meta_dtype))
-    dev = C.cache_device(ops)
+    dev = C.cache_device(ops, device)
     z = lambda *s, dt=F16: torch.zeros(s, dtype=dt, device=dev)                    # noqa: E731
     cb, mg = D * cfg.bits // 8, D // cfg.group_size
     return OSCARTensorState(z(B, H, cfg.sink, D), z(B, H, cfg.sink, D), z(B, H, cfg.window, D),
                             z(B, H, cfg.window, D), z(B * N, H, Pg, cb, dt=torch.uint8), z(B * N, H, Pg, mg, dt=meta),
                             z(B * N, H, Pg, mg, dt=meta), z(B * N, H, Pg, cb, dt=torch.uint8),
                             z(B * N, H, Pg, mg, dt=meta), z(B * N, H, Pg, mg, dt=meta),
-                            torch.full((B, N), -1, dtype=torch.int32, device=dev), shape=(B, H, D))
+                            torch.full((B, N), -1, dtype=torch.int32, device=dev), shape=(B, H, D), cfg=cfg)
 
 
 
@@ -156,11 +165,10 @@ def _dtype_name(dt: torch.dtype) -> str:
 
 def _check_append(ops, cfg, calib, st: OSCARTensorState, k, v) -> None:
     """The reference's ``_check_append`` up to (not including) the rotation: the same errors in its order."""
+    check_state(cfg, st)
     B, H, D = st.shape
     C.check_kv_append(k, v, st.shape, st.device, st.length, cfg.max_tokens, allow_cpu=ops.allow_cpu())
-    if not isinstance(calib, RO.OSCARCalibration):
-        raise TypeError(f"calib must be an OSCARCalibration, got {type(calib).__name__}")
-    calib.check(H, D)
+    RO.check_calib(calib, H, D)
 
 
 #: the fused append (``OscarOps.fused_append``) where the backend has one and supports the configuration;
@@ -371,14 +379,14 @@ def fp16_segment(cfg, st: OSCARTensorState):
 
 def dequantize(ops: "OscarOps", cfg, calib, state: OSCARTensorState, *, rotated: bool = False):
     """(K, V) fp32 in token order: the rotated frame, or rotated back by the fixed-order kernel."""
+    check_state(cfg, state)
+    RO.check_calib(calib, *state.shape[1:])
     if state.length == 0:
         raise ValueError("the cache is empty")
     segs = segments(ops, cfg, state)
     K, V = (torch.cat([s[i] for s in segs], dim=2) for i in (0, 1))
     if rotated:
         return K, V
-    B, H, D = state.shape
-    calib.check(H, D)
     dev = state.device
     return ops.rotate(K, _rot(calib.R_K, dev, True)), ops.rotate(V, _rot(calib.R_V, dev, True))
 
@@ -389,9 +397,10 @@ def decode_attention(ops: "OscarOps", cfg, calib, state: OSCARTensorState, q, *,
     packed pages and the FP16 segment, or (without one) the three segments, history dequantized to fp32,
     attended by its FP16-baseline kernel in fp32; the output rotated back by R_V^T unless
     ``rotate_back=False``."""
+    check_state(cfg, state)
     B, H, D = state.shape
     C.check_decode_q(q, state.shape, state.device, state.length, allow_cpu=ops.allow_cpu())
-    calib.check(H, D)
+    RO.check_calib(calib, H, D)
     dev = state.device
     # the backend's rotation takes the fp32 calibration as it is (half the bytes; sums in float64), the
     # torch fallback a float64 copy

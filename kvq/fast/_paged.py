@@ -1,8 +1,10 @@
 """The paged streaming cache of ``kvq.reference.paged`` on torch tensors, shared by both fast backends.
 
 The state holds the same fields as ``kvq.reference.paged.PagedState`` (torch tensors on the device,
-preallocated; the counters ``length`` / ``k_next`` / ``v_next`` on the host), so parity is stated
-field by field: after the same appends every tensor is bit-identical to the reference's array.
+preallocated; the counters ``length`` / ``k_next`` / ``v_next`` on the host; ``cfg``, the configuration
+``init`` made it with), so parity is stated field by field: after the same appends every tensor is
+bit-identical to the reference's array. Every operation first checks that the configuration it is
+given is the state's (:func:`check_state`), so no kernel writes at another configuration's offsets.
 
 append routes tokens exactly as the reference (sink, key Q-buffer flushed into pages, value window
 ring buffer, evicted values quantized per token into page slots (KIVI) or through the value Q-buffer
@@ -21,13 +23,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from kvq.fast import _codecs
 from kvq.fast import _common as C
 from kvq.reference import numerics as nx
 from kvq.reference import paged as RP
+from kvq.reference import state as RS
 
 F16 = torch.float16
 
@@ -56,6 +58,7 @@ class PagedState:
     k_next: int = 0
     v_next: int = 0
     shape: tuple = field(default=(0, 0, 0))
+    cfg: object = RS.cfg_field()          # the configuration init made the cache with
 
     @property
     def device(self) -> torch.device:
@@ -80,19 +83,25 @@ def meta_dtype(cfg) -> torch.dtype:
     return C.torch_dtype(nx.dtype_name(cfg.meta_dtype))
 
 
-def init(cfg, codec, batch: int, kv_heads: int, head_dim: int) -> PagedState:
-    """An empty cache, every buffer and the page pool preallocated, on the current CUDA device (the CPU
-    under the Triton interpreter)."""
-    for name, v in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+def check_state(cfg, codec, st) -> None:
+    """The first check of every operation: ``st`` is this tier's ``PagedState``, made by ``init`` with a
+    configuration of the codec's class equal to ``cfg`` (``kvq.reference.state.check_state``)."""
+    RS.check_state(st, cfg, codec.config, PagedState)
+
+
+def init(cfg, codec, batch: int, kv_heads: int, head_dim: int, *, device=None) -> PagedState:
+    """An empty cache, every buffer and the page pool preallocated, on ``device`` (None: the current CUDA
+    device, or the CPU under the Triton interpreter; ``kvq.fast._common.cache_device``); the state
+    records ``cfg``."""
+    RP.check_cfg(cfg, codec)
+    RS.check_dims(batch=batch, kv_heads=kv_heads, head_dim=head_dim)
     cfg.check_head_dim(head_dim)
     B, H, D, G = int(batch), int(kv_heads), int(head_dim), cfg.group_size
     N = max_pages(cfg)
     Pn = B * N
     meta = meta_dtype(cfg)
     Gv = cfg.v_group(D)
-    dev = C.cache_device(codec.ops)
+    dev = C.cache_device(codec.ops, device)
     z = lambda *s, dt=F16: torch.zeros(s, dtype=dt, device=dev)                          # noqa: E731
     return PagedState(
         sink_k=z(B, H, cfg.sink, D), sink_v=z(B, H, cfg.sink, D), k_buf=z(B, H, G, D),
@@ -101,7 +110,7 @@ def init(cfg, codec, batch: int, kv_heads: int, head_dim: int) -> PagedState:
         v_codes=z(Pn, H, G, D * cfg.v_bits // 8, dt=torch.uint8),
         v_scale=z(Pn, H, G, D // Gv, dt=meta), v_mn=z(Pn, H, G, D // Gv, dt=meta),
         k_table=torch.full((B, N), -1, dtype=torch.int32, device=dev),
-        v_table=torch.full((B, N), -1, dtype=torch.int32, device=dev), shape=(B, H, D))
+        v_table=torch.full((B, N), -1, dtype=torch.int32, device=dev), shape=(B, H, D), cfg=cfg)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -109,6 +118,7 @@ def init(cfg, codec, batch: int, kv_heads: int, head_dim: int) -> PagedState:
 
 
 def _check_append(cfg, codec, st: PagedState, k, v):
+    check_state(cfg, codec, st)
     C.check_kv_append(k, v, st.shape, st.device, st.length, cfg.max_tokens, allow_cpu=codec.ops.allow_cpu(),
                       dtype_rule="float16 (or float32, rounded to the FP16 buffers)")
     n = k.shape[2]
@@ -303,6 +313,7 @@ def _values_range(cfg, codec, st, a: int, b: int) -> torch.Tensor:
 
 def dequantize_cache(cfg, codec, st: PagedState):
     """(K, V) fp32 (B, H, T, D) in token order, bit-identical to the reference's."""
+    check_state(cfg, codec, st)
     B, H, D = st.shape
     T = st.length
     c = counts(cfg, T)

@@ -143,15 +143,28 @@ class AquaConfig:
     max_tokens: int = 4096
 
     def __post_init__(self):
+        from .state import check_bool, check_real
+
         for name, lo in (("sink", 0), ("buffer", 1), ("max_tokens", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
         for name in ("backbone", "first_layer"):
-            if not all(hasattr(getattr(self, name), m) for m in ("encode", "decode", "bits_per_value")):
-                raise TypeError(f"{name} must be a backbone (Uniform, Higgs, KeepFP16), got {getattr(self, name)!r}")
+            bb = getattr(self, name)
+            if not all(hasattr(bb, m) for m in ("encode", "decode", "bits_per_value")):
+                raise TypeError(f"{name} must be a backbone (Uniform, Higgs, KeepFP16), got {bb!r}")
+            if isinstance(bb, Uniform):                               # (Uniform checks only its bits)
+                g = bb.group_size
+                if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g < 1:
+                    raise ValueError(f"{name}.group_size must be a positive int, got {g!r}")
+                if nx.dtype_name(bb.meta_dtype) not in nx.META_DTYPES:
+                    raise ValueError(f"{name}.meta_dtype={bb.meta_dtype!r} is not supported; choose one of "
+                                     f"{nx.META_DTYPES}")
+        for name in ("pre_rope", "predict_keys", "predict_values"):
+            check_bool(self, name)
         if self.pre_rope and self.rope_theta is None:
             raise ValueError("pre_rope=True needs the model's rope_theta")
+        check_real(self, "rope_theta", 0.0, lo_open=True, optional=True)
 
 
 # ---------------------------------------------------------------------------------------------------

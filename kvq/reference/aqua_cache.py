@@ -10,10 +10,12 @@ from the reconstruction of the layer before (the order of calibration); keys pre
     append(cfg, P, st, K, V)                   # K, V: (L, B, H_kv, T_new, D), keys post-RoPE
     kv = dequantize(cfg, P, st)                # [(K_l, V_l)] fp32 (B, H_kv, T, D), keys post-RoPE
 
-The state is data (``AquaState``): the arrays a GPU would hold, preallocated for ``max_tokens``, and
-the counter ``length``. Every chunk is encoded and decoded on its own (same shapes whatever the
-history), so appending token by token gives the same state, bit for bit, as appending all at once.
-``append`` works on a copy and commits only on success: a bad input leaves the state unchanged.
+The state is data (``AquaState``): the arrays a GPU would hold, preallocated for ``max_tokens``, the
+counter ``length`` and the configuration ``init`` made it with (every later call must pass the same one,
+and predictors that fit its layers and heads: :func:`check_predictors`). Every chunk is encoded and
+decoded on its own (same shapes whatever the history), so appending token by token gives the same state,
+bit for bit, as appending all at once. ``append`` works on a copy and commits only on success: a bad
+input leaves the state unchanged.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from fractions import Fraction
 import numpy as np
 
 from . import numerics as nx
-from .aqua import AquaConfig, AquaPredictors, decode, encode, from_tokens, to_tokens
+from .aqua import AquaConfig, AquaPredictors, Predictor, Uniform, decode, encode, from_tokens, to_tokens
 from .model import apply_rope
+from .state import cfg_field, check_config, check_dims, check_host_device, check_state
 
 F16 = np.float16
 
@@ -51,6 +54,7 @@ class AquaState:
     res_v: dict
     length: int = 0
     shape: tuple = (0, 0, 0, 0)  # (L, B, H, D)
+    cfg: object = cfg_field()    # the AquaConfig init made the cache with
 
     def arrays(self) -> dict:
         """Every array by name (code arrays as ``first_k.<name>`` ...), for comparisons."""
@@ -79,27 +83,84 @@ def _empty_codes(backbone, lead: tuple, R: int, F: int) -> dict:
     return {n: np.zeros(lead + a.shape[1:], a.dtype) for n, a in probe.items()}
 
 
-def init(cfg: AquaConfig, n_layers: int, batch: int, kv_heads: int, head_dim: int) -> AquaState:
-    """An empty cache for ``batch`` sequences of up to ``cfg.max_tokens`` tokens, every array preallocated."""
-    for name, v in (("n_layers", n_layers), ("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+def check_cfg(cfg, F: int | None = None) -> None:
+    """``cfg`` must be an :class:`AquaConfig` (TypeError) whose uniform backbones fit token vectors of
+    F = H_kv * head_dim values (ValueError: groups of ``group_size`` that divide F, whole bytes)."""
+    check_config(cfg, AquaConfig)
+    if F is None:
+        return
+    for name in ("backbone", "first_layer"):
+        bb = getattr(cfg, name)
+        if isinstance(bb, Uniform) and (F % bb.group_size or (bb.group_size * bb.bits) % 8):
+            raise ValueError(f"{name}: uniform groups of {bb.group_size} values at {bb.bits} bits do not fit "
+                             f"token vectors of F = kv_heads * head_dim = {F} values (group_size must divide F "
+                             f"and hold whole bytes)")
+
+
+def check_predictors(cfg: AquaConfig, P, n_layers: int, F: int) -> None:
+    """``P`` must be :class:`AquaPredictors` for ``n_layers`` layers whose predictors (where ``cfg`` uses
+    them; None = no prediction for that layer) map token vectors of F values: ``f_key[l]`` F -> F,
+    ``f_value[l]`` 2F -> F ([V_prev_hat; K_hat]), fp32 matrices chained and an (F,) fp32 intercept.
+    TypeError / ValueError before the cache is read or written."""
+    if not isinstance(P, AquaPredictors):
+        raise TypeError(f"P must be AquaPredictors, got {type(P).__name__}")
+    if P.n_layers != n_layers or len(P.f_value) != n_layers:
+        raise ValueError(f"predictors are for {P.n_layers} layers (f_key) and {len(P.f_value)} (f_value), "
+                         f"the cache has {n_layers}")
+    for role, preds, used, f_in in (("f_key", P.f_key, cfg.predict_keys, F), ("f_value", P.f_value, cfg.predict_values,
+                                                                             2 * F)):
+        for l in range(1, n_layers) if used else ():
+            p = preds[l]
+            if p is None:
+                continue
+            where = f"predictors {role}[{l}]"
+            if not isinstance(p, Predictor):
+                raise TypeError(f"{where} must be a Predictor or None, got {type(p).__name__}")
+            mats = tuple(p.mats) if isinstance(p.mats, (tuple, list)) else ()
+            dims, ok = [f_in], len(mats) >= 1
+            for m in mats:
+                matrix = isinstance(m, np.ndarray) and m.ndim == 2
+                ok = ok and matrix and m.dtype == np.float32 and m.shape[0] == dims[-1]
+                dims.append(m.shape[-1] if matrix else -1)
+            b = p.bias
+            ok = ok and dims[-1] == F and isinstance(b, np.ndarray) and b.dtype == np.float32 and b.shape == (F,)
+            if not ok:
+                got = [f"{getattr(m, 'dtype', type(m).__name__)} {np.shape(m)}" for m in mats]
+                raise ValueError(f"{where} must map {f_in} -> {F} values (float32 matrices chained from {f_in} "
+                                 f"rows to {F} columns, an ({F},) float32 bias); got matrices {got}, bias "
+                                 f"{getattr(b, 'dtype', type(b).__name__)} {np.shape(b)} (F = kv_heads * head_dim)")
+
+
+def check_call(cfg: AquaConfig, P, st) -> None:
+    """The first checks of every call on a cache: ``st`` made by ``init`` with ``cfg``, predictors that fit it."""
+    check_state(st, cfg, AquaConfig, AquaState)
+    L, _, H, D = st.shape
+    check_predictors(cfg, P, L, H * D)
+
+
+def init(cfg: AquaConfig, n_layers: int, batch: int, kv_heads: int, head_dim: int, *, device=None) -> AquaState:
+    """An empty cache for ``batch`` sequences of up to ``cfg.max_tokens`` tokens, every array preallocated;
+    the state records ``cfg``, and every later call must pass the same configuration. ``device``: None
+    or "cpu" (the fast tiers' argument; NumPy arrays live on the host)."""
+    check_cfg(cfg)
+    check_dims(n_layers=n_layers, batch=batch, kv_heads=kv_heads, head_dim=head_dim)
+    check_host_device(device)
     L, B, H, D, S, R = n_layers, batch, kv_heads, head_dim, cfg.sink, cfg.buffer
     if cfg.pre_rope and D % 2:
         raise ValueError(f"head_dim={D} must be even for RoPE")
+    check_cfg(cfg, H * D)
     F, C = H * D, max(cfg.max_tokens - S, 0) // R
     z = lambda T: np.zeros((L, B, H, T, D), F16)                       # noqa: E731
     return AquaState(sink_k=z(S), sink_v=z(S), buf_k=z(R), buf_v=z(R),
                      first_k=_empty_codes(cfg.first_layer, (B, C), R, F),
                      first_v=_empty_codes(cfg.first_layer, (B, C), R, F),
                      res_k=_empty_codes(cfg.backbone, (L - 1, B, C), R, F),
-                     res_v=_empty_codes(cfg.backbone, (L - 1, B, C), R, F), shape=(L, B, H, D))
+                     res_v=_empty_codes(cfg.backbone, (L - 1, B, C), R, F), shape=(L, B, H, D), cfg=cfg)
 
 
 def _check(cfg: AquaConfig, P: AquaPredictors, st: AquaState, K, V):
+    check_call(cfg, P, st)
     L, B, H, D = st.shape
-    if P.n_layers != L:
-        raise ValueError(f"predictors are for {P.n_layers} layers, the cache has {L}")
     out = []
     for name, x in (("K", K), ("V", V)):
         x = np.asarray(x)
@@ -173,6 +234,7 @@ def dequantize(cfg: AquaConfig, P: AquaPredictors, st: AquaState) -> list:
 
     Chunks are decoded one at a time, layer 0 first (Algorithm 3), as they were encoded.
     """
+    check_call(cfg, P, st)
     L, B, H, D = st.shape
     n_sink, n_chunks, n_buf = _counts(cfg, st.length)
     F, R = H * D, cfg.buffer

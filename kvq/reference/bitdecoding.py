@@ -40,7 +40,7 @@ import numpy as np
 
 from . import attention as attn
 from . import numerics as nx
-from .state import FlatArrays
+from .state import FlatArrays, cfg_field, check_config, check_dims, check_host_device, check_state, check_str
 from .quant import dequantize as _dequantize
 from .quant import quantize as _quantize
 
@@ -93,7 +93,7 @@ class BitDecodingConfig:
 
     def __post_init__(self):
         nx.check_bits(self.bits, (2, 4))
-        if self.k_mode not in ("channel", "tensor"):
+        if not isinstance(self.k_mode, str) or self.k_mode not in ("channel", "tensor"):
             raise ValueError(f"k_mode must be 'channel' or 'tensor', got {self.k_mode!r}")
         for n in ("k_group", "v_group", "warps_n", "max_tokens"):
             v = getattr(self, n)
@@ -105,6 +105,7 @@ class BitDecodingConfig:
                                  f"column block of the {P_N}-wide mma tiles lies in one group)")
         if self.k_mode == "channel" and self.n_r % self.k_group:
             raise ValueError(f"k_group={self.k_group} tokens must divide the residual block N_r={self.n_r}")
+        check_str(self, "name")
 
     @property
     def n_r(self) -> int:
@@ -283,14 +284,16 @@ class BitDecodingState(FlatArrays):
     length: int = 0             # tokens appended to every sequence
     next_page: int = 0          # next free page of the pool
     shape: tuple = field(default=(0, 0, 0))   # (B, H, D)
+    cfg: object = cfg_field()   # the BitDecodingConfig init made the cache with
 
 
-
-def init(cfg: BitDecodingConfig, batch: int, kv_heads: int, head_dim: int) -> BitDecodingState:
-    """An empty cache with the residual and the page pool preallocated (zeros)."""
-    for name, v in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+def init(cfg: BitDecodingConfig, batch: int, kv_heads: int, head_dim: int, *, device=None) -> BitDecodingState:
+    """An empty cache with the residual and the page pool preallocated (zeros); the state records
+    ``cfg``, and every later call must pass the same configuration. ``device``: None or "cpu" (the fast
+    tiers' argument; NumPy arrays live on the host)."""
+    check_config(cfg, BitDecodingConfig)
+    check_dims(batch=batch, kv_heads=kv_heads, head_dim=head_dim)
+    check_host_device(device)
     cfg.check_head_dim(head_dim)
     B, H, D, Nr, R = batch, kv_heads, head_dim, cfg.n_r, cfg.per_word
     N = cfg.max_tokens // Nr
@@ -299,10 +302,11 @@ def init(cfg: BitDecodingConfig, batch: int, kv_heads: int, head_dim: int) -> Bi
     z = lambda *s, dt=F16: np.zeros(s, dt)                                # noqa: E731
     return BitDecodingState(z(B, H, Nr, D), z(B, H, Nr, D), z(P, H, P_N * cfg.warps_n, D, dt=np.uint16),
                             z(P, H, *kp, 2), z(P, H, Nr, D // R, dt=np.uint16), z(P, H, Nr, D // cfg.v_group, 2),
-                            np.full((B, N), -1, np.int32), shape=(B, H, D))
+                            np.full((B, N), -1, np.int32), shape=(B, H, D), cfg=cfg)
 
 
 def _check_append(cfg: BitDecodingConfig, st: BitDecodingState, k, v):
+    check_state(st, cfg, BitDecodingConfig, BitDecodingState)
     B, H, D = st.shape
     out = []
     for name, x in (("k", k), ("v", v)):
@@ -374,6 +378,7 @@ def _segments(cfg: BitDecodingConfig, st: BitDecodingState):
 def dequantize(cfg: BitDecodingConfig, state: BitDecodingState):
     """The (K, V) the cache represents, fp32 (B, H_kv, T, D) in token order: packed pages dequantized
     to fp16 (what the tensor cores read), then the FP16 residual."""
+    check_state(state, cfg, BitDecodingConfig, BitDecodingState)
     if state.length == 0:
         raise ValueError("the cache is empty")
     segs = _segments(cfg, state)
@@ -384,6 +389,7 @@ def decode_attention(cfg: BitDecodingConfig, state: BitDecodingState, q, *, scal
     """Attention of q (B, H_q, T_q, D) over the cache: ``(out, lse)``, every cached token visible; the
     packed pages and the residual are attended separately and merged by log-sum-exp (the Packing Kernel
     and the Residual Kernel of Fig. 7). fp32 (float64 for float64 q)."""
+    check_state(state, cfg, BitDecodingConfig, BitDecodingState)
     B, H, D = state.shape
     q = np.asarray(q)
     if q.ndim != 4 or q.shape[0] != B or q.shape[3] != D or q.shape[1] % H:

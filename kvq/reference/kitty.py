@@ -32,6 +32,7 @@ from .attention import check_shapes
 from .packing import pack, unpack
 from .quant import dequantize as _dequantize
 from .quant import quantize
+from .state import check_int, check_real, check_str
 
 __all__ = ["KittyConfig", "CONFIGS", "init", "append", "dequantize", "decode_attention",
            "channel_scores", "select_boost", "encode_page", "dequantize_page", "channel_sensitivity"]
@@ -68,10 +69,10 @@ class KittyConfig:
     v_qbuffer = True           # evicted values wait in a value Q-buffer (section 4.3)
 
     def __post_init__(self):
-        if not (0.0 <= float(self.boost_rate) <= 1.0):
-            raise ValueError(f"boost_rate={self.boost_rate!r} must lie in [0, 1]")
-        if self.selection not in SELECTIONS:
+        check_real(self, "boost_rate", 0.0, 1.0)
+        if not isinstance(self.selection, str) or self.selection not in SELECTIONS:
             raise ValueError(f"selection={self.selection!r} is unknown; choose one of {SELECTIONS}")
+        check_int(self, "seed", 0)                   # seeds np.random.default_rng([seed, page index])
         nx.check_bits(self.v_bits, (2, 4, 8))
         for n in ("group_size", "residual", "sink", "max_tokens"):
             v = getattr(self, n)
@@ -82,6 +83,7 @@ class KittyConfig:
             raise ValueError(f"group_size={self.group_size} must be a multiple of 4 (2-bit planes pack along tokens)")
         if nx.dtype_name(self.meta_dtype) not in nx.META_DTYPES:
             raise ValueError(f"meta_dtype={self.meta_dtype!r} is not supported; choose one of {nx.META_DTYPES}")
+        check_str(self, "name")
 
     def d_boost(self, D: int) -> int:
         return int(round(float(self.boost_rate) * D))
@@ -195,6 +197,8 @@ def dequantize_page(page: dict, group_size: int) -> np.ndarray:
 class KeyCodec:
     """Kitty key pages in the paged layout: ``low``, ``high``, ``idx``, ``scale``, ``mn`` per (page, head)."""
 
+    config = KittyConfig         # the configuration class of the caches that store these pages
+
     @staticmethod
     def empty_pool(cfg: KittyConfig, P: int, H: int, D: int) -> dict:
         meta = np.dtype(nx.dtype_name(cfg.meta_dtype))
@@ -215,9 +219,10 @@ class KeyCodec:
         return dequantize_page(page, cfg.group_size)
 
 
-def init(cfg: KittyConfig, batch: int, kv_heads: int, head_dim: int) -> paged.PagedState:
-    """An empty Kitty cache (sink, key Q-buffer, value local window and Q-buffer, page pool)."""
-    return paged.init(cfg, KeyCodec, batch, kv_heads, head_dim)
+def init(cfg: KittyConfig, batch: int, kv_heads: int, head_dim: int, *, device=None) -> paged.PagedState:
+    """An empty Kitty cache (sink, key Q-buffer, value local window and Q-buffer, page pool); the state
+    records ``cfg``, and every later call must pass the same configuration. ``device``: None or "cpu"."""
+    return paged.init(cfg, KeyCodec, batch, kv_heads, head_dim, device=device)
 
 
 def append(cfg: KittyConfig, state: paged.PagedState, k, v) -> paged.PagedState:

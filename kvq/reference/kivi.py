@@ -25,6 +25,7 @@ from . import paged
 from .packing import pack, unpack
 from .quant import dequantize as _dequantize
 from .quant import quantize
+from .state import check_int, check_str
 
 __all__ = ["KIVIConfig", "CONFIGS", "init", "append", "dequantize", "decode_attention"]
 
@@ -65,8 +66,10 @@ class KIVIConfig:
         if self.group_size % (8 // self.k_bits):
             raise ValueError(f"group_size={self.group_size} must be a multiple of {8 // self.k_bits} "
                              f"({self.k_bits}-bit key codes pack along tokens)")
+        check_int(self, "v_group_size", 1, optional=True)
         if nx.dtype_name(self.meta_dtype) not in nx.META_DTYPES:
             raise ValueError(f"meta_dtype={self.meta_dtype!r} is not supported; choose one of {nx.META_DTYPES}")
+        check_str(self, "name")
 
     def v_group(self, D: int) -> int:
         return D if self.v_group_size is None else self.v_group_size
@@ -93,6 +96,8 @@ CONFIGS = {
 class KeyCodec:
     """KIVI key pages: per-channel b-bit codes over the page's G tokens, packed along tokens."""
 
+    config = KIVIConfig          # the configuration class of the caches that store these pages
+
     @staticmethod
     def empty_pool(cfg: KIVIConfig, P: int, H: int, D: int) -> dict:
         meta = np.dtype(nx.dtype_name(cfg.meta_dtype))
@@ -115,9 +120,11 @@ class KeyCodec:
         return np.swapaxes(x, 1, 2)
 
 
-def init(cfg: KIVIConfig, batch: int, kv_heads: int, head_dim: int) -> paged.PagedState:
-    """An empty KIVI cache for ``batch`` sequences (see ``paged.PagedState`` for the arrays)."""
-    return paged.init(cfg, KeyCodec, batch, kv_heads, head_dim)
+def init(cfg: KIVIConfig, batch: int, kv_heads: int, head_dim: int, *, device=None) -> paged.PagedState:
+    """An empty KIVI cache for ``batch`` sequences (see ``paged.PagedState`` for the arrays); the state
+    records ``cfg``, and every later call must pass the same configuration. ``device``: None or "cpu"
+    (the fast tiers' argument; NumPy arrays live on the host)."""
+    return paged.init(cfg, KeyCodec, batch, kv_heads, head_dim, device=device)
 
 
 def append(cfg: KIVIConfig, state: paged.PagedState, k, v) -> paged.PagedState:

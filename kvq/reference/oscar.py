@@ -33,7 +33,7 @@ import numpy as np
 
 from . import attention as attn
 from . import numerics as nx
-from .state import FlatArrays
+from .state import FlatArrays, cfg_field, check_config, check_dims, check_host_device, check_state, check_str
 from .packing import pack, unpack
 from .quant import dequantize as _dequantize
 from .rotations import _heads, _mat, compose, eig_desc, quantize_tokens, rotate, target_covariances
@@ -192,6 +192,7 @@ class OSCARConfig:
                 raise ValueError(f"{n} must be an int >= {lo}, got {v!r}")
         if nx.dtype_name(self.meta_dtype) not in nx.META_DTYPES:
             raise ValueError(f"meta_dtype={self.meta_dtype!r} is not supported; choose one of {nx.META_DTYPES}")
+        check_str(self, "name")
 
     def check_head_dim(self, D: int) -> None:
         if D % self.group_size or D % (8 // self.bits):
@@ -222,7 +223,7 @@ class OSCARState(FlatArrays):
     length: int = 0             # tokens appended to every sequence
     next_page: int = 0          # next free page in the pool
     shape: tuple = field(default=(0, 0, 0))   # (B, H, D)
-
+    cfg: object = cfg_field()   # the OSCARConfig init made the cache with
 
 
 def counts(cfg: OSCARConfig, T: int) -> dict:
@@ -235,11 +236,26 @@ def counts(cfg: OSCARConfig, T: int) -> dict:
     return dict(n_sink=n_sink, post=post, n_win=n_win, n_hist=n_hist, n_pages=-(-n_hist // cfg.page_size))
 
 
-def init(cfg: OSCARConfig, batch: int, kv_heads: int, head_dim: int) -> OSCARState:
-    """An empty cache with every buffer and the page pool preallocated."""
-    for name, v in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+def check_cfg(cfg) -> None:
+    """``cfg`` must be an :class:`OSCARConfig` (TypeError)."""
+    check_config(cfg, OSCARConfig)
+
+
+def check_calib(calib, kv_heads: int, head_dim: int) -> None:
+    """``calib`` must be an :class:`OSCARCalibration` (TypeError) whose rotations fit the cache's heads
+    (ValueError): the check of every call that takes one, before it reads or writes the cache."""
+    if not isinstance(calib, OSCARCalibration):
+        raise TypeError(f"calib must be an OSCARCalibration, got {type(calib).__name__}")
+    calib.check(kv_heads, head_dim)
+
+
+def init(cfg: OSCARConfig, batch: int, kv_heads: int, head_dim: int, *, device=None) -> OSCARState:
+    """An empty cache with every buffer and the page pool preallocated; the state records ``cfg``, and
+    every later call must pass the same configuration. ``device``: None or "cpu" (the fast tiers'
+    argument; NumPy arrays live on the host)."""
+    check_cfg(cfg)
+    check_dims(batch=batch, kv_heads=kv_heads, head_dim=head_dim)
+    check_host_device(device)
     cfg.check_head_dim(head_dim)
     B, H, D, Pg = batch, kv_heads, head_dim, cfg.page_size
     N = -(-max(cfg.max_tokens - cfg.sink - cfg.window, 0) // Pg)
@@ -249,7 +265,7 @@ def init(cfg: OSCARConfig, batch: int, kv_heads: int, head_dim: int) -> OSCARSta
     return OSCARState(z(B, H, cfg.sink, D), z(B, H, cfg.sink, D), z(B, H, cfg.window, D), z(B, H, cfg.window, D),
                       z(B * N, H, Pg, cb, dt=np.uint8), z(B * N, H, Pg, mg, dt=meta), z(B * N, H, Pg, mg, dt=meta),
                       z(B * N, H, Pg, cb, dt=np.uint8), z(B * N, H, Pg, mg, dt=meta), z(B * N, H, Pg, mg, dt=meta),
-                      np.full((B, N), -1, np.int32), shape=(B, H, D))
+                      np.full((B, N), -1, np.int32), shape=(B, H, D), cfg=cfg)
 
 
 def _rotate16(x, R, name: str):
@@ -262,6 +278,7 @@ def _rotate16(x, R, name: str):
 
 
 def _check_append(cfg, calib, st, k, v):
+    check_state(st, cfg, OSCARConfig, OSCARState)
     B, H, D = st.shape
     for name, x in (("k", k), ("v", v)):
         x = np.asarray(x)
@@ -275,9 +292,7 @@ def _check_append(cfg, calib, st, k, v):
     if st.length + np.shape(k)[2] > cfg.max_tokens:
         raise ValueError(f"appending {np.shape(k)[2]} tokens to {st.length} exceeds the capacity "
                          f"max_tokens={cfg.max_tokens}")
-    if not isinstance(calib, OSCARCalibration):
-        raise TypeError(f"calib must be an OSCARCalibration, got {type(calib).__name__}")
-    calib.check(H, D)
+    check_calib(calib, H, D)
     return _rotate16(k, calib.R_K, "k"), _rotate16(v, calib.R_V, "v")
 
 
@@ -346,6 +361,8 @@ def _transpose(R):
 def dequantize(cfg: OSCARConfig, calib: OSCARCalibration, state: OSCARState, *, rotated: bool = False):
     """The (K, V) the cache represents, fp32 (B, H_kv, T, D) in token order: in the rotated frame
     (``rotated=True``: exactly the values attention reads) or rotated back by R_K^T, R_V^T."""
+    check_state(state, cfg, OSCARConfig, OSCARState)
+    check_calib(calib, *state.shape[1:])
     if state.length == 0:
         raise ValueError("the cache is empty")
     segs = _segments(cfg, state)
@@ -371,13 +388,14 @@ def decode_attention(cfg: OSCARConfig, calib: OSCARCalibration, state: OSCARStat
     the output, which is in R_V's frame, is rotated back by R_V^T unless ``rotate_back=False`` (a
     model whose W_O holds R_V^T, :func:`fold_value_rotation`). fp32 (float64 for float64 q).
     """
+    check_state(state, cfg, OSCARConfig, OSCARState)
     B, H, D = state.shape
     q = np.asarray(q)
     if q.ndim != 4 or q.shape[0] != B or q.shape[3] != D or q.shape[1] % H:
         raise ValueError(f"q has shape {q.shape}; this cache takes (B={B}, H_q (a multiple of {H}), T_q, D={D})")
     if state.length == 0:
         raise ValueError("the cache is empty: append tokens before attending")
-    calib.check(H, D)
+    check_calib(calib, H, D)
     H_q = q.shape[1]
     RK, RVt = _per_query_head(calib.R_K, H_q, H), _per_query_head(_transpose(calib.R_V), H_q, H)
     segs = _segments(cfg, state)

@@ -12,9 +12,11 @@ A cache of one layer holds, per sequence and KV head, the tokens of a context in
             (vLLM / SGLang style), so the cache is compatible with paged attention.
 
 The state is data: exactly the arrays a GPU holds (``PagedState``), plus the integer counters
-``length`` (tokens appended; every other count derives from it) and the pool cursors. Every operation
-is a function of (config, codec, state, inputs); ``append`` validates everything before it changes
-anything, so a bad input leaves the state unchanged. Unused buffer slots are zero (a flush zeroes its
+``length`` (tokens appended; every other count derives from it) and the pool cursors, and the
+configuration ``init`` made it with (``cfg``). Every operation is a function of (config, codec, state,
+inputs) and first checks that the config is the state's (``state.check_state``: another method's state
+or another configuration is refused); ``append`` validates everything before it changes anything, so
+a bad input leaves the state unchanged. Unused buffer slots are zero (a flush zeroes its
 buffer), so that two histories with the same tokens give the same bytes everywhere.
 
     st = init(cfg, codec, batch=1, kv_heads=8, head_dim=128)
@@ -37,6 +39,8 @@ from . import attention as attn
 from . import numerics as nx
 from .packing import pack, unpack
 from .quant import dequantize, quantize
+from .state import cfg_field, check_config, check_dims, check_host_device
+from .state import check_state as _check_state
 
 F16 = np.float16
 
@@ -61,6 +65,7 @@ class PagedState:
     k_next: int = 0             # next free key page in the pool
     v_next: int = 0             # next free value page in the pool
     shape: tuple = field(default=(0, 0, 0))   # (B, H, D)
+    cfg: object = cfg_field()   # the configuration init made the cache with (a KIVIConfig / KittyConfig)
 
     def arrays(self) -> dict:
         """Every array of the state by name (key-pool arrays as ``k_pool.<name>``), for comparisons."""
@@ -105,11 +110,22 @@ def max_pages(cfg) -> int:
     return -(-max(cfg.max_tokens - cfg.sink, 0) // cfg.group_size)
 
 
-def init(cfg, codec, batch: int, kv_heads: int, head_dim: int) -> PagedState:
-    """An empty cache with every buffer and the page pool preallocated (capacity ``cfg.max_tokens``)."""
-    for name, v in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+def check_cfg(cfg, codec) -> None:
+    """``cfg`` must be the codec's configuration class (KIVI pages take a KIVIConfig, Kitty a KittyConfig)."""
+    check_config(cfg, codec.config)
+
+
+def check_state(cfg, codec, st) -> None:
+    """The first check of every operation: ``st`` is a ``PagedState`` made by ``init`` with ``cfg``."""
+    _check_state(st, cfg, codec.config, PagedState)
+
+
+def init(cfg, codec, batch: int, kv_heads: int, head_dim: int, *, device=None) -> PagedState:
+    """An empty cache with every buffer and the page pool preallocated (capacity ``cfg.max_tokens``);
+    the state records ``cfg``. ``device``: None or "cpu" (NumPy arrays live on the host)."""
+    check_cfg(cfg, codec)
+    check_dims(batch=batch, kv_heads=kv_heads, head_dim=head_dim)
+    check_host_device(device)
     cfg.check_head_dim(head_dim)
     B, H, D, G = batch, kv_heads, head_dim, cfg.group_size
     N = max_pages(cfg)
@@ -124,14 +140,15 @@ def init(cfg, codec, batch: int, kv_heads: int, head_dim: int) -> PagedState:
         v_codes=np.zeros((P, H, G, D * cfg.v_bits // 8), np.uint8),
         v_scale=np.zeros((P, H, G, D // Gv), meta), v_mn=np.zeros((P, H, G, D // Gv), meta),
         k_table=np.full((B, N), -1, np.int32), v_table=np.full((B, N), -1, np.int32),
-        shape=(B, H, D))
+        shape=(B, H, D), cfg=cfg)
 
 
 # ---------------------------------------------------------------------------------------------------
 # append: insert (sink / Q-buffer / window), quantize and pack full buffers (section 4.3)
 
 
-def _check_append(cfg, st: PagedState, k, v):
+def _check_append(cfg, codec, st: PagedState, k, v):
+    check_state(cfg, codec, st)
     B, H, D = st.shape
     for name, x in (("k", k), ("v", v)):
         x = np.asarray(x)
@@ -175,7 +192,7 @@ def append(cfg, codec, st: PagedState, k, v) -> PagedState:
     quantized per token, or parked in the value Q-buffer and flushed one page at a time). Streaming
     (one token per call) and bulk (all at once) produce the same state bit for bit.
     """
-    k16, v16 = _check_append(cfg, st, k, v)
+    k16, v16 = _check_append(cfg, codec, st, k, v)
     B, H, D = st.shape
     S, G, R = cfg.sink, cfg.group_size, cfg.residual
     T0, n = st.length, k16.shape[2]
@@ -269,6 +286,7 @@ def dequantize_cache(cfg, codec, st: PagedState):
     Sink and buffered tokens are their FP16 values; quantized tokens are ``code * scale + mn`` in
     fp32 (the values a fused kernel computes in registers, before any rounding to FP16).
     """
+    check_state(cfg, codec, st)
     B, H, D = st.shape
     T = st.length
     c = counts(cfg, T)
@@ -309,6 +327,7 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     Every query attends to every cached token (decode: the queries' own K / V are appended first).
     Returns ``(out, lse)`` in fp32 (float64 when q is float64).
     """
+    check_state(cfg, codec, st)
     B, H, D = st.shape
     q = np.asarray(q)
     if q.ndim != 4 or q.shape[0] != B or q.shape[3] != D or q.shape[1] % H:

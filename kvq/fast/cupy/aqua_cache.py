@@ -25,13 +25,15 @@ __all__ = ["AquaTensorState", "init", "append", "dequantize", "decode_layer", "d
            "bits_per_value", "state_bytes"]
 
 
-def init(cfg: AquaConfig, n_layers: int, batch: int, kv_heads: int, head_dim: int) -> AquaTensorState:
+def init(cfg: AquaConfig, n_layers: int, batch: int, kv_heads: int, head_dim: int, *,
+         device=None) -> AquaTensorState:
     """Mirrors `kvq.reference.aqua_cache.init`: an empty cache, every tensor preallocated for max_tokens.
 
-    Differences: an :class:`AquaTensorState` (the reference's fields as torch tensors) on the current
-    CUDA device; backbones Uniform, Higgs, KeepFP16 only (TypeError for others).
+    Differences: an :class:`AquaTensorState` (the reference's fields as torch tensors) on ``device`` (a
+    CUDA device, e.g. "cuda:1"; None: the current CUDA device); backbones Uniform, Higgs, KeepFP16 only
+    (TypeError for others).
     """
-    return _A.init(OPS, cfg, n_layers, batch, kv_heads, head_dim)
+    return _A.init(OPS, cfg, n_layers, batch, kv_heads, head_dim, device=device)
 
 
 def append(cfg: AquaConfig, P: AquaPredictors, st: AquaTensorState, K, V) -> AquaTensorState:

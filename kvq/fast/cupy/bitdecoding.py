@@ -132,7 +132,7 @@ def unpack_values(cfg: BitDecodingConfig, v_words) -> torch.Tensor:
 
 def dequantize_page(cfg: BitDecodingConfig, k_words, k_params, v_words, v_params):
     """Mirrors `kvq.reference.bitdecoding.dequantize_page`: (K, V) torch.float16 (..., N_r, D), one thread
-    per element (bd_dequantize), bit-exact."""
+    per element (bd_dequantize; fp16 saturated at +-65504 as ``numerics.to_out``), bit-exact."""
     _check_cfg(cfg)
     lead, D, n = B.check_page(cfg, k_words, k_params, v_words, v_params, allow_cpu=False)
     chan = cfg.k_mode == "channel"
@@ -174,16 +174,18 @@ OPS = _BC.BitDecodingOps("cupy", pack_keys, pack_values, dequantize_page, A, lam
                          fused_decode=_fused_decode)
 
 
-def init(cfg: BitDecodingConfig, batch: int, kv_heads: int, head_dim: int) -> BitDecodingTensorState:
+def init(cfg: BitDecodingConfig, batch: int, kv_heads: int, head_dim: int, *,
+         device=None) -> BitDecodingTensorState:
     """Mirrors `kvq.reference.bitdecoding.init`: an empty cache with the FP16 residual and the page pool
     preallocated (zeros; the page table -1).
 
     Differences: returns a :class:`BitDecodingTensorState` (the reference's fields as torch tensors: words
-    torch.uint16, params and residual torch.float16, table torch.int32) on the current CUDA device;
+    torch.uint16, params and residual torch.float16, table torch.int32) on ``device`` (a CUDA device,
+    e.g. "cuda:1"; None: the current CUDA device);
     W_n must be one the CUDA kernels are built for (checked here, before the reference's checks).
     """
     _check_cfg(cfg)
-    return _BC.init(OPS, cfg, batch, kv_heads, head_dim)
+    return _BC.init(OPS, cfg, batch, kv_heads, head_dim, device=device)
 
 
 def append(cfg: BitDecodingConfig, state: BitDecodingTensorState, k, v) -> BitDecodingTensorState:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from kvq.fast import _codecs as K
+from kvq.fast import _paged
 from kvq.fast import _sensitivity as S
 from kvq.reference.kitty import CONFIGS, KittyConfig  # noqa: F401  (the reference's objects)
 
@@ -74,12 +75,13 @@ def dequantize_page(page: dict, group_size: int):
 KeyCodec = K.KittyCodec(paged.OPS)
 
 
-def init(cfg: KittyConfig, batch: int, kv_heads: int, head_dim: int) -> paged.PagedState:
+def init(cfg: KittyConfig, batch: int, kv_heads: int, head_dim: int, *, device=None) -> paged.PagedState:
     """Mirrors `kvq.reference.kitty.init`: an empty Kitty cache, preallocated.
 
-    Differences: the state's tensors (torch) live on the current CUDA device.
+    Differences: the state's tensors (torch) live on ``device`` (a CUDA device, e.g. "cuda:1"); None:
+    the current CUDA device.
     """
-    return paged.init(cfg, KeyCodec, batch, kv_heads, head_dim)
+    return paged.init(cfg, KeyCodec, batch, kv_heads, head_dim, device=device)
 
 
 def append(cfg: KittyConfig, state: paged.PagedState, k, v) -> paged.PagedState:
@@ -104,6 +106,7 @@ def decode_attention(cfg: KittyConfig, state: paged.PagedState, q, *, scale=None
     the CuPy FP16-baseline kernel in fp32); out in q's dtype (the reference returns float32), lse
     float32; float64 q is refused.
     """
+    _paged.check_state(cfg, KeyCodec, state)                 # before the decode reads any page
     return paged.decode_attention(cfg, KeyCodec, state, q, scale=scale)
 
 

@@ -13,6 +13,7 @@ page is ``codes`` (D, G * k_bits / 8) uint8 packed along tokens, ``scale`` / ``m
 
 from __future__ import annotations
 
+from kvq.fast import _paged
 from kvq.fast._codecs import KIVICodec
 from kvq.reference.kivi import CONFIGS, KIVIConfig  # noqa: F401  (the reference's objects)
 
@@ -25,12 +26,13 @@ __all__ = ["KIVIConfig", "CONFIGS", "init", "append", "dequantize", "decode_atte
 KeyCodec = KIVICodec(paged.OPS)
 
 
-def init(cfg: KIVIConfig, batch: int, kv_heads: int, head_dim: int) -> paged.PagedState:
+def init(cfg: KIVIConfig, batch: int, kv_heads: int, head_dim: int, *, device=None) -> paged.PagedState:
     """Mirrors `kvq.reference.kivi.init`: an empty KIVI cache, preallocated.
 
-    Differences: the state's tensors (torch) live on the current CUDA device.
+    Differences: the state's tensors (torch) live on ``device`` (a CUDA device, e.g. "cuda:1"); None:
+    the current CUDA device.
     """
-    return paged.init(cfg, KeyCodec, batch, kv_heads, head_dim)
+    return paged.init(cfg, KeyCodec, batch, kv_heads, head_dim, device=device)
 
 
 def append(cfg: KIVIConfig, state: paged.PagedState, k, v) -> paged.PagedState:
@@ -55,4 +57,5 @@ def decode_attention(cfg: KIVIConfig, state: paged.PagedState, q, *, scale=None)
     kernel in fp32); out comes back in q's dtype (float16 / bfloat16 / float32; the reference returns
     float32), lse float32; float64 q is refused.
     """
+    _paged.check_state(cfg, KeyCodec, state)                 # before the decode reads any page
     return paged.decode_attention(cfg, KeyCodec, state, q, scale=scale)

@@ -32,14 +32,16 @@ __all__ = ["AquaTensorState", "init", "append", "dequantize", "decode_layer", "d
            "bits_per_value", "state_bytes"]
 
 
-def init(cfg: AquaConfig, n_layers: int, batch: int, kv_heads: int, head_dim: int) -> AquaTensorState:
+def init(cfg: AquaConfig, n_layers: int, batch: int, kv_heads: int, head_dim: int, *,
+         device=None) -> AquaTensorState:
     """Mirrors `kvq.reference.aqua_cache.init`: an empty cache, every tensor preallocated for max_tokens.
 
     Differences: returns an :class:`AquaTensorState` (the reference's fields as torch tensors, the same
-    shapes and dtypes) on the current CUDA device (the CPU under TRITON_INTERPRET=1); backbones
-    Uniform, Higgs, KeepFP16 only (TypeError for others).
+    shapes and dtypes) on ``device`` (a CUDA device, e.g. "cuda:1"; the CPU only under the Triton
+    interpreter; None: the current CUDA device, the CPU under the interpreter); backbones Uniform,
+    Higgs, KeepFP16 only (TypeError for others).
     """
-    return _A.init(OPS, cfg, n_layers, batch, kv_heads, head_dim)
+    return _A.init(OPS, cfg, n_layers, batch, kv_heads, head_dim, device=device)
 
 
 def append(cfg: AquaConfig, P: AquaPredictors, st: AquaTensorState, K, V) -> AquaTensorState:

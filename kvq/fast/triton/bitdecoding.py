@@ -46,7 +46,7 @@ from kvq.reference import bitdecoding as _R
 from kvq.reference.bitdecoding import CONFIGS, P_N, BitDecodingConfig  # noqa: F401  (the reference's objects)
 
 from . import attention as A
-from .quant import _codes_f, _load_f32, _meta
+from .quant import _codes_f, _load_f32, _meta, _sat_f16
 
 __all__ = ["BitDecodingConfig", "CONFIGS", "residual_block_size", "partition", "pack_keys", "pack_values",
            "unpack_keys", "unpack_values", "dequantize_page", "query_transform", "query_untransform",
@@ -155,7 +155,8 @@ def _bd_pack_kernel(x_ptr, w_ptr, p_ptr, NR, D, G,
         tl.store(w_ptr + page * NR * DW + (t * DW + j), wd.to(tl.int16), mask=(t < NR) & (j < DW))
 
 
-# Dequantize pages: K and V (..., N_r, D) fp16 = fp16(fp32(code) * scale_s + mn_s), two rounded fp32 ops.
+# Dequantize pages: K and V (..., N_r, D) fp16 = fp16(fp32(code) * scale_s + mn_s), two rounded fp32 ops,
+#   saturated at +-65504 before the rounding (_sat_f16, numerics.to_out).
 # Computes: per element its word and slot in the induced layout (keys: row (t // 8R) 8 + t % 8, slot
 #   (t // 8) % R; values: column (c // 8R) 8 + c % 8, slot (c // 8) % R) and its group's half2 params.
 # Grid: (pages, cdiv(N_r, BT)); tile (BT, BC), BC = next_pow2(D).
@@ -180,7 +181,7 @@ def _bd_dequant_kernel(kw_ptr, kp_ptr, vw_ptr, vp_ptr, ko_ptr, vo_ptr, NR, D, KG
     kp = kp_ptr + (page * (NR * D // KG) + kidx) * 2            # N_r D / k_group groups per page
     s = tl.load(kp, mask=valid, other=0.0).to(tl.float32)
     m = tl.load(kp + 1, mask=valid, other=0.0).to(tl.float32)
-    tl.store(ko_ptr + out, (kc.to(tl.float32) * s + m).to(tl.float16), mask=valid)
+    tl.store(ko_ptr + out, _sat_f16(kc.to(tl.float32) * s + m).to(tl.float16), mask=valid)
     # values
     DW = D // R
     vw = tl.load(vw_ptr + page * NR * DW + (t * DW + ((c // (8 * R)) * 8 + c % 8)), mask=valid, other=0)
@@ -188,7 +189,7 @@ def _bd_dequant_kernel(kw_ptr, kp_ptr, vw_ptr, vp_ptr, ko_ptr, vo_ptr, NR, D, KG
     vp = vp_ptr + (page * NR * NVG + (t * NVG + c // VG)) * 2
     s = tl.load(vp, mask=valid, other=0.0).to(tl.float32)
     m = tl.load(vp + 1, mask=valid, other=0.0).to(tl.float32)
-    tl.store(vo_ptr + out, (vc.to(tl.float32) * s + m).to(tl.float16), mask=valid)
+    tl.store(vo_ptr + out, _sat_f16(vc.to(tl.float32) * s + m).to(tl.float16), mask=valid)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -297,7 +298,8 @@ def unpack_values(cfg: BitDecodingConfig, v_words) -> torch.Tensor:
 
 def dequantize_page(cfg: BitDecodingConfig, k_words, k_params, v_words, v_params):
     """Mirrors `kvq.reference.bitdecoding.dequantize_page`: (K, V) torch.float16 (..., N_r, D), one Triton
-    kernel for both (unpack in registers, ``fp16(fp32(code) * scale + mn)`` without FMA), bit-exact.
+    kernel for both (unpack in registers, ``fp16(fp32(code) * scale + mn)`` without FMA, saturated at
+    +-65504 as ``numerics.to_out``), bit-exact.
 
     Differences: torch tensors on a CUDA device (the CPU under ``TRITON_INTERPRET=1``); the params'
     shapes and dtypes are checked (torch.float16 half2, torch.uint16 words)."""
@@ -345,15 +347,17 @@ OPS = _BC.BitDecodingOps("triton", pack_keys, pack_values, dequantize_page, A, C
                          fused_decode=_fused_decode)
 
 
-def init(cfg: BitDecodingConfig, batch: int, kv_heads: int, head_dim: int) -> BitDecodingTensorState:
+def init(cfg: BitDecodingConfig, batch: int, kv_heads: int, head_dim: int, *,
+         device=None) -> BitDecodingTensorState:
     """Mirrors `kvq.reference.bitdecoding.init`: an empty cache with the FP16 residual and the page pool
     preallocated (zeros; the page table -1).
 
     Differences: returns a :class:`BitDecodingTensorState` (the reference's fields as torch tensors: words
-    torch.uint16, params and residual torch.float16, table torch.int32) on the current CUDA device (the
-    CPU under ``TRITON_INTERPRET=1``).
+    torch.uint16, params and residual torch.float16, table torch.int32) on ``device`` (a CUDA device,
+    e.g. "cuda:1"; the CPU only under the Triton interpreter; None: the current CUDA device, the CPU under
+    the interpreter).
     """
-    return _BC.init(OPS, cfg, batch, kv_heads, head_dim)
+    return _BC.init(OPS, cfg, batch, kv_heads, head_dim, device=device)
 
 
 def append(cfg: BitDecodingConfig, state: BitDecodingTensorState, k, v) -> BitDecodingTensorState:

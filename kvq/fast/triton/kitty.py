@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from kvq.fast import _codecs as K
+from kvq.fast import _paged
 from kvq.fast import _common as C
 from kvq.fast import _sensitivity as S
 from kvq.reference.kitty import CONFIGS, KittyConfig  # noqa: F401  (the reference's objects)
@@ -75,12 +76,13 @@ def dequantize_page(page: dict, group_size: int):
 KeyCodec = K.KittyCodec(paged.OPS)
 
 
-def init(cfg: KittyConfig, batch: int, kv_heads: int, head_dim: int) -> paged.PagedState:
+def init(cfg: KittyConfig, batch: int, kv_heads: int, head_dim: int, *, device=None) -> paged.PagedState:
     """Mirrors `kvq.reference.kitty.init`: an empty Kitty cache, preallocated.
 
-    Differences: the state's tensors live on the current CUDA device (the CPU under TRITON_INTERPRET=1).
+    Differences: the state's tensors live on ``device`` (a CUDA device, e.g. "cuda:1"; the CPU only
+    under the Triton interpreter); None: the current CUDA device (the CPU under the interpreter).
     """
-    return paged.init(cfg, KeyCodec, batch, kv_heads, head_dim)
+    return paged.init(cfg, KeyCodec, batch, kv_heads, head_dim, device=device)
 
 
 def append(cfg: KittyConfig, state: paged.PagedState, k, v) -> paged.PagedState:
@@ -103,6 +105,7 @@ def decode_attention(cfg: KittyConfig, state: paged.PagedState, q, *, scale=None
     Differences: one fused Triton kernel (Algorithm 1 in registers) for the quantized pages; out in
     q's dtype (the reference returns float32), lse float32; float64 q is refused.
     """
+    _paged.check_state(cfg, KeyCodec, state)                 # before the decode reads any page
     return paged.decode_attention(cfg, KeyCodec, state, q, scale=scale)
 
 

@@ -49,13 +49,14 @@ def quantize_tokens(x_rot, clip: float, group_size: int, bits: int = 2, meta_dty
     return OQ.quantize_tokens(x_rot, clip, group_size, bits, meta_dtype, packed=False)
 
 
-def init(cfg: OSCARConfig, batch: int, kv_heads: int, head_dim: int) -> OSCARTensorState:
+def init(cfg: OSCARConfig, batch: int, kv_heads: int, head_dim: int, *, device=None) -> OSCARTensorState:
     """Mirrors `kvq.reference.oscar.init`: an empty cache with every buffer and the page pool preallocated.
 
-    Differences: returns an :class:`OSCARTensorState` (the reference's fields as torch tensors) on the
-    current CUDA device (the CPU under TRITON_INTERPRET=1).
+    Differences: returns an :class:`OSCARTensorState` (the reference's fields as torch tensors) on
+    ``device`` (a CUDA device, e.g. "cuda:1"; the CPU only under the Triton interpreter); None: the
+    current CUDA device (the CPU under the interpreter).
     """
-    return _O.init(OPS, cfg, batch, kv_heads, head_dim)
+    return _O.init(OPS, cfg, batch, kv_heads, head_dim, device=device)
 
 
 def append(cfg: OSCARConfig, calib: OSCARCalibration, state: OSCARTensorState, k, v) -> OSCARTensorState:
