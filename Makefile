@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvq-setup
+LATEST ?= .venv-triton-latest
 
-.PHONY: setup demo test test-reference test-parity gpu-test book browser-test bench clean
+.PHONY: setup demo test test-triton-latest test-reference test-parity gpu-test book browser-test bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +20,20 @@ demo: $(STAMP)                         ## the main demo (CPU; uses the GPU too i
 
 test: $(STAMP)                         ## CPU test suite: reference, Triton via interpreter, nvcc compile
 	$(BIN)/python -m pytest -m "not gpu and not browser" -q
+
+# The same torch and test tools as .venv (constraints.txt without its triton line), then the newest Triton
+# pip finds (--no-deps: even where a torch wheel pins another); kvq's Triton kernels must work with both.
+$(LATEST)/.kvq-setup: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install -q --upgrade pip
+	grep -v '^triton' constraints.txt > $(LATEST)/constraints.txt
+	$(LATEST)/bin/python -m pip install -q -c $(LATEST)/constraints.txt -e ".[fast,test]"
+	$(LATEST)/bin/python -m pip install -q --upgrade --no-deps triton
+	touch $@
+
+test-triton-latest: $(LATEST)/.kvq-setup  ## the CPU tests that run Triton (interpreter), with the newest Triton
+	$(LATEST)/bin/python -c "import triton, torch; print('triton', triton.__version__, 'torch', torch.__version__)"
+	$(LATEST)/bin/python -m pytest tests/parity tests/fast -m "not gpu and not nvcc" -q -p no:cacheprovider
 
 test-reference: $(STAMP)
 	$(BIN)/python -m pytest tests/reference -q
@@ -39,4 +54,4 @@ bench:                                 ## on a CUDA machine: ceilings, quantize+
 	$(PYTHON) benchmarks/run_all.py --out benchmarks/results/latest
 
 clean:
-	rm -rf $(VENV) book/_build .pytest_cache .hypothesis
+	rm -rf $(VENV) $(LATEST) book/_build .pytest_cache .hypothesis

@@ -1,6 +1,10 @@
 """Assignments 4 (OSCAR bit reversal, Lemma 1) and 5 (Triton dequantize): every autograder gives the
 reference solution full marks and the untouched starter zero (every part "fail": not implemented, no
-crash), in process and as a script; and no starter imports the solutions."""
+crash), in process and as a script; and no starter imports the solutions.
+
+The autograder of assignment 5 runs the submission under Triton's interpreter: in process, the test sets
+``TRITON_INTERPRET=1`` with monkeypatch (restored afterwards, so no later test sees it); as a script, the
+subprocess gets its own environment."""
 
 import importlib.util
 import io
@@ -9,9 +13,7 @@ import pathlib
 import subprocess
 import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")    # before triton is imported (conftest does it too, without CUDA)
-
-import pytest  # noqa: E402
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ASSIGNMENTS = ROOT / "assignments"
@@ -19,6 +21,14 @@ NAMES = ["04_oscar_bit_reversal", "05_triton_dequantize"]
 
 sys.path.insert(0, str(ASSIGNMENTS))
 import grading  # noqa: E402
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    """TRITON_INTERPRET=1 for this test only (the autograders set it when imported; monkeypatch puts
+    back the previous value at teardown). Submissions are loaded afresh, so their kernels are decorated
+    under it; kvq's own Triton kernels are not imported by the autograders."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def _autograder(name):
@@ -30,14 +40,14 @@ def _autograder(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_solution_scores_full_marks(name):
+def test_solution_scores_full_marks(name, interpret):
     parts = _autograder(name).PARTS
     res = grading.grade(parts, ASSIGNMENTS / "solutions" / f"{name}.py", out=io.StringIO())
     assert res["score"] == res["total"] > 0, [p for p in res["parts"] if p["status"] != "pass"]
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_starter_scores_zero_cleanly(name):
+def test_starter_scores_zero_cleanly(name, interpret):
     parts = _autograder(name).PARTS
     res = grading.grade(parts, ASSIGNMENTS / name / "starter.py", out=io.StringIO())
     assert res["score"] == 0 and res["total"] > 0

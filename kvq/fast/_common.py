@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import numbers
-import os
 
 import numpy as np
 import torch
@@ -54,9 +54,27 @@ def validation(enabled: bool):
         _STATE["validate"] = old
 
 
+@functools.cache
 def interpreting() -> bool:
-    """True when Triton runs through its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when kvq's Triton kernels run through Triton's CPU interpreter: a fact fixed once per process.
+
+    ``@triton.jit`` reads ``TRITON_INTERPRET`` when it decorates a kernel, i.e. when the kernel's module
+    is imported, and returns an ``InterpretedFunction`` (run on the CPU with NumPy) or a ``JITFunction``
+    (compiled for the GPU). So the rule is: the variable's value in force when ``kvq.fast.triton.quant``
+    is first imported decides, for the whole process (every kvq Triton module but ``rotate`` imports it
+    before decorating its own kernels; the first call of this function imports it too). The answer is
+    read from Triton itself, the type of that module's kernels, and cached; changing the variable later
+    changes nothing (set it before importing kvq's Triton modules, or run a subprocess with its own
+    environment). False where Triton cannot be imported."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import KernelInterface
+
+        from kvq.fast.triton import quant
+    except ImportError:
+        return False
+    kernels = [k for k in vars(quant).values() if isinstance(k, KernelInterface)]
+    return any(isinstance(k, InterpretedFunction) for k in kernels)
 
 
 def torch_dtype(dtype) -> torch.dtype:
@@ -74,7 +92,8 @@ def check_tensor(x, name: str, *, allow_cpu: bool = False) -> None:
                         f"(the reference tier kvq.reference takes NumPy arrays)")
     if x.device.type != "cuda" and not (allow_cpu and x.device.type == "cpu"):
         where = "a CUDA device" + (" or the CPU" if allow_cpu else "")
-        raise ValueError(f"{name} is on {x.device}; expected {where}")
+        hint = _INTERP_HINT if x.device.type == "cpu" else ""     # Triton takes CPU tensors interpreted
+        raise ValueError(f"{name} is on {x.device}; expected {where}{hint}")
 
 
 def check_float(x, name: str = "x", *, allow_cpu: bool = False) -> None:
@@ -342,15 +361,61 @@ def rotation_operands(x, R, *, allow_cpu: bool = False):
     return x4, R.contiguous(), out, ratio, r_sh, shape
 
 
-def cache_device(ops) -> torch.device:
-    """Where a backend's cache lives: the CPU where ``ops.allow_cpu()`` (Triton under the interpreter), else
-    the current CUDA device (RuntimeError without one); ``ops.name`` is the backend's name."""
-    if ops.allow_cpu():
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise RuntimeError(f"kvq.fast.{ops.name} caches live on a CUDA device"
-                           + (" (or the CPU under TRITON_INTERPRET=1)" if ops.name == "triton" else ""))
-    return torch.device("cuda", torch.cuda.current_device())
+def cache_device(ops, device=None) -> torch.device:
+    """Where a backend's new cache lives (``ops.name``: the backend's name; ``ops.allow_cpu()``: whether
+    its kernels run on the CPU, i.e. Triton under the interpreter, see :func:`interpreting`).
+
+    ``device`` (a torch.device, a string such as ``"cuda:1"`` / ``"cpu"``, or a CUDA index) wins when
+    given: a CUDA device must exist (``"cuda"`` alone means the current one); the CPU is accepted only
+    where ``ops.allow_cpu()``; anything else is a ValueError (TypeError for a value that is no device).
+    ``None``: the CPU where ``ops.allow_cpu()``, else the current CUDA device (RuntimeError without one).
+    No environment variable is read here: the answer depends on the arguments and on facts fixed for
+    the process."""
+    if device is None:
+        if ops.allow_cpu():
+            return torch.device("cpu")
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"kvq.fast.{ops.name} caches live on a CUDA device and none is available"
+                               + (_INTERP_HINT if ops.name == "triton" else ""))
+        return torch.device("cuda", torch.cuda.current_device())
+    dev = _as_device(device)
+    if dev.type == "cpu":
+        if ops.allow_cpu():
+            return dev
+        raise ValueError(f"device={device!r}: kvq.fast.{ops.name} caches live on a CUDA device"
+                         + (_INTERP_HINT if ops.name == "triton" else ""))
+    if dev.type != "cuda":
+        raise ValueError(f"device={device!r}: kvq.fast.{ops.name} caches live on a CUDA device"
+                         + (" or the CPU" if ops.allow_cpu() else "") + f", not {dev.type}")
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
+        raise ValueError(f"device={device!r}: no CUDA device is available")
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    if not 0 <= index < n:
+        raise ValueError(f"device={device!r}: there is no CUDA device {index} ({n} available: 0..{n - 1})")
+    return torch.device("cuda", index)
+
+
+#: the end of an error that refuses the CPU to the Triton backend
+_INTERP_HINT = (" (the CPU only under Triton's interpreter: set TRITON_INTERPRET=1 before kvq's Triton kernels "
+                "are imported)")
+
+
+def _as_device(device) -> torch.device:
+    """``device`` (torch.device, str or int) as a torch.device; TypeError / ValueError naming it."""
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, bool) or not isinstance(device, (str, numbers.Integral)):
+        raise TypeError(f"device must be a torch.device, a string such as 'cuda:0' or a CUDA index; "
+                        f"got {type(device).__name__}")
+    if isinstance(device, numbers.Integral):
+        if device < 0:
+            raise ValueError(f"device={device!r}: a CUDA index must be >= 0")
+        return torch.device("cuda", int(device))
+    try:
+        return torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"device={device!r} is not a device name (e.g. 'cuda', 'cuda:1', 'cpu')") from e
 
 
 class TensorFields:

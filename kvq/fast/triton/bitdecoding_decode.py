@@ -38,8 +38,8 @@ with one long dot (at 0.98 of the rule-7 bound on residual-only caches under the
 precise path needs fp32 copies of the residual and IEEE dots (about 30 us more per decode at B = 1 on an
 H100).)
 
-**Numerics.** Dequantization is the contract's, exactly: ``fp16(fp32(code) * scale + mn)`` with scale
-and min the fp16 half2 params (the code enters fp32 through the exponent trick, exact; ``code * scale``
+**Numerics.** Dequantization is the contract's, exactly: ``fp16(fp32(code) * scale + mn)`` (saturated
+at +-65504, rule 3) with scale and min the fp16 half2 params (the code enters fp32 through the exponent trick, exact; ``code * scale``
 is exact in fp32, so an FMA contraction rounds as the separate multiply and add). These are the fp16
 operands the reference attends over. Scores ``s = (q @ K^T) * scale`` are summed over channels as a
 pairwise tree of 16-channel dots (``TUNE["leaf"]``), added in IEEE fp32: a single tensor-core dot over
@@ -79,6 +79,7 @@ import triton.language as tl
 from kvq.fast import _common as C
 
 from . import attention as A
+from .quant import _sat_f16
 
 __all__ = ["supported", "decode"]
 
@@ -122,12 +123,13 @@ def _per_group(pp_rows, mask, NG: tl.constexpr, G: tl.constexpr, BT: tl.constexp
 
 @triton.jit
 def _dequant(code, s, m):
-    """Rule 3 exactly: ``fp16(fp32(code) * scale + mn)``. The code (< 2^bits) becomes fp32 through the
-    exponent trick ``bits(2^23 + code) - 2^23`` (exact; an integer-to-float conversion runs at a
-    fraction of the FMA rate and bounded the kernel); ``code * scale`` is exact in fp32, so an FMA
-    contraction rounds as the separate multiply and add do."""
+    """Rule 3 exactly: ``fp16(fp32(code) * scale + mn)``, saturated at +-65504 before the rounding
+    (``quant._sat_f16``, numerics.to_out). The code (< 2^bits) becomes fp32 through the exponent trick
+    ``bits(2^23 + code) - 2^23`` (exact; an integer-to-float conversion runs at a fraction of the FMA
+    rate and bounded the kernel); ``code * scale`` is exact in fp32, so an FMA contraction rounds as the
+    separate multiply and add do."""
     cf = (code | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    return (cf * s + m).to(tl.float16)
+    return _sat_f16(cf * s + m).to(tl.float16)
 
 
 @triton.jit
@@ -301,10 +303,13 @@ def _chunk(q, q_ptrs, rmask, sq_d, m_i, l_i, acc, n, end, NPC, RES, b, hk, H_KV,
     ``(n - NPC) BT + [0, BT)`` (those < RES). One online-softmax update of (m_i, l_i, acc)."""
     BT: tl.constexpr = WB * R * 8
     NCH: tl.constexpr = WN // WB
-    valid = n < end
+    # valid: a (1,) block, compared on a block, that broadcasts into every load mask and tmask (a scalar
+    # comparison broadcast into a mask is int32 under Triton's interpreter, which Triton 3.9 refuses as
+    # a load mask: "mask has unsupported dtype"); the scalar page-id load takes the scalar comparison
+    valid = (n + tl.zeros((1,), tl.int32)) < end
     lane = tl.arange(0, BT)
     if n < NPC:
-        pid = tl.load(tab_ptr + b.to(tl.int64) * N_TAB + n // NCH, mask=valid, other=0)
+        pid = tl.load(tab_ptr + b.to(tl.int64) * N_TAB + n // NCH, mask=n < end, other=0)
         ph = tl.maximum(pid, 0).to(tl.int64) * H_KV + hk              # page-head index (int64)
         tmask = (lane >= 0) & valid
         s, v = _scores_values(0, q, q_ptrs, rmask, sq_d, kw_ptr, kp_ptr, vw_ptr, vp_ptr, rk_ptr, rv_ptr, ph,

@@ -206,17 +206,19 @@ def _tree_qk(q_ptrs, rmask, sq_d, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, kbase,
 
 
 @triton.jit
-def _page_block(q, q_ptrs, rmask, sq_d, m_i, l_i, acc, j, c0, valid, b, hk, H_KV, NF, N_TAB, qk_scale,
+def _page_block(q, q_ptrs, rmask, sq_d, m_i, l_i, acc, j, c0, j_end, b, hk, H_KV, NF, N_TAB, qk_scale,
                 kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr,
                 D: tl.constexpr, G: tl.constexpr, BT: tl.constexpr, K_BITS: tl.constexpr,
                 V_BITS: tl.constexpr, NGV: tl.constexpr, KITTY: tl.constexpr, DB_HIGH: tl.constexpr,
                 PRECISE: tl.constexpr, LIBDEVICE: tl.constexpr, DT: tl.constexpr,
                 MAGIC: tl.constexpr, SPLIT_P: tl.constexpr,
                 K_TERMS: tl.constexpr, SHIFT: tl.constexpr, K_WORDS: tl.constexpr, V_WORDS: tl.constexpr):
-    """Tokens [c0, c0 + BT) of page j (post-sink token index j * G + c0 + i): one online-softmax update."""
+    """Tokens [c0, c0 + BT) of page j (post-sink token index j * G + c0 + i): one online-softmax update;
+    none when ``j >= j_end`` (the interpreter's fixed trip count runs past the split's last page)."""
     GB: tl.constexpr = G * K_BITS // 8
     VB: tl.constexpr = D * V_BITS // 8
     VPER: tl.constexpr = 8 // V_BITS
+    valid = j < j_end                           # a scalar: masks only the scalar loads of the page ids
     kpid = tl.load(kt_ptr + b * N_TAB + j, mask=valid, other=0).to(tl.int64)
     vpid = tl.load(vt_ptr + b * N_TAB + j, mask=valid, other=0).to(tl.int64)
     kpid = tl.maximum(kpid, 0)
@@ -225,7 +227,9 @@ def _page_block(q, q_ptrs, rmask, sq_d, m_i, l_i, acc, j, c0, valid, b, hk, H_KV
         tok = c0 + _word_order(BT, K_BITS)      # the key tile's column order (values and masks follow it)
     else:
         tok = c0 + tl.arange(0, BT)
-    tmask = ((j * G + tok) < NF) & valid
+    # compared on blocks: a scalar comparison broadcast into a mask is int32 under Triton's interpreter,
+    # which Triton 3.9 refuses as a load mask ("mask has unsupported dtype")
+    tmask = ((j * G + tok) < NF) & ((j + 0 * tok) < j_end)
     kbase = (kpid * H_KV + hk) * D
     hbase = (kpid * H_KV + hk) * DB_HIGH
     d = tl.arange(0, D)
@@ -328,7 +332,7 @@ def _fused_kernel(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr,
     if TIGHT:
         for j in range(p_start, p_end):
             for c in tl.static_range(NSUB):
-                m_i, l_i, acc = _page_block(q, q_ptrs, rmask, sq_d, m_i, l_i, acc, j, c * BT, j < p_end, b, hk,
+                m_i, l_i, acc = _page_block(q, q_ptrs, rmask, sq_d, m_i, l_i, acc, j, c * BT, p_end, b, hk,
                                             H_KV, NF, N_TAB, qk_scale, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr,
                                             vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr, D, G, BT, K_BITS, V_BITS,
                                             NGV, KITTY, DB_HIGH, PRECISE, LIBDEVICE, DT, MAGIC, SPLIT_P,
@@ -337,7 +341,7 @@ def _fused_kernel(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr,
         for it in range(0, NPPS):
             j = p_start + it
             for c in tl.static_range(NSUB):
-                m_i, l_i, acc = _page_block(q, q_ptrs, rmask, sq_d, m_i, l_i, acc, j, c * BT, j < p_end, b, hk,
+                m_i, l_i, acc = _page_block(q, q_ptrs, rmask, sq_d, m_i, l_i, acc, j, c * BT, p_end, b, hk,
                                             H_KV, NF, N_TAB, qk_scale, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr,
                                             vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr, D, G, BT, K_BITS, V_BITS,
                                             NGV, KITTY, DB_HIGH, PRECISE, LIBDEVICE, DT, MAGIC, SPLIT_P,
