@@ -16,6 +16,7 @@ This module imports NumPy and kvq.reference only; torch is imported when a store
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 from dataclasses import dataclass
@@ -302,8 +303,10 @@ def _torch():
 
 
 def _fast_interpreting() -> bool:
-    import os
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether kvq's Triton kernels run under Triton's CPU interpreter: the process-wide fact of
+    ``kvq.fast._common.interpreting`` (fixed when the kernels were decorated), never the environment."""
+    from kvq.fast import _common
+    return _common.interpreting()
 
 
 def _to_numpy(a):
@@ -372,6 +375,9 @@ def resolve_calibration(name: str, calibration, *, n_layers: int, kv_heads: int,
             if shp != (f_in, F):
                 raise ValueError(f"{name} calibration {which}[{l}] maps {shp[0]} -> {shp[1]} values; this "
                                  f"model needs {f_in} -> {F} (kv_heads={H} x head_dim={D})")
+            if not all(np.isfinite(np.asarray(a)).all() for a in (*p.mats, p.bias)):
+                raise ValueError(f"{name} calibration {which}[{l}] has NaN or inf weights; every prediction "
+                                 f"would be NaN (recalibrate: `kvq calibrate aqua`)")
     return calibration
 
 
@@ -383,9 +389,36 @@ def _checked_half(t, dtype, name: str):
         raise ValueError(f"{name} contains NaN or inf")
     y = t.to(dtype)
     if not bool(torch.isfinite(y).all()):
-        raise ValueError(f"{name} overflows {str(dtype).replace('torch.', '')} (|x| > 65504); the FP16 buffers "
-                         f"cannot hold it")
+        raise ValueError(f"{name} overflows {str(dtype).replace('torch.', '')} (|x| > "
+                         f"{torch.finfo(dtype).max:g}); the FP16 buffers cannot hold it")
     return y
+
+
+#: the dtypes ``KVStore.keys_values`` / ``update`` return, by name
+OUT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def _to_out(x, dtype):
+    """Dequantized fp32 ``x`` in ``dtype``: float16 saturates finite values beyond +-65504 (the numerics
+    contract's ``to_out``: a group holding 65504 has a top code whose fp32 value rounds to inf in fp16)."""
+    torch = _torch()
+    if dtype == torch.float16:
+        x = torch.where(torch.isfinite(x), x.clamp(-65504.0, 65504.0), x)
+    return x.to(dtype)
+
+
+def _out_dtype(dtype):
+    """The torch dtype of ``keys_values(layer, dtype)``: None (float32), a torch float dtype of
+    :data:`OUT_DTYPES` or its name; TypeError otherwise (checked before the store changes)."""
+    torch = _torch()
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, str) and dtype in OUT_DTYPES:
+        return getattr(torch, dtype)
+    if isinstance(dtype, torch.dtype) and str(dtype).replace("torch.", "") in OUT_DTYPES:
+        return dtype
+    raise TypeError(f"dtype={dtype!r} is not an output dtype of a kvq store; pass None (float32), a torch dtype "
+                    f"or a name among {', '.join(OUT_DTYPES)}")
 
 
 class KVStore:
@@ -410,12 +443,17 @@ class KVStore:
     float dtype: float16 and float32 go to the method as they are (it rounds to its FP16 buffers);
     bfloat16 is widened exactly to float32 first, float64 rounded to float32. ``keys_values(layer)``
     returns everything appended to the layer so far, dequantized, as torch tensors (fp32 by default).
+    Every call checks everything before its first write: a rejected call (ValueError / TypeError naming
+    the argument) leaves the store bit-identical, so retrying it never appends twice.
 
     AQUA-KV compresses all layers of a chunk together: the tokens given to each layer wait (rounded to
     fp16) until every layer has received them, then one ``aqua_cache.append`` takes them all; a layer
     whose tokens still wait reads the committed cache dequantized followed by its waiting tokens exactly
     (Algorithm 4's order). :meth:`update` is append-then-read with that order for every layer (the
-    read happens before the commit the append completes), the step of a transformer layer.
+    read happens before the commit the append completes), the step of a transformer layer. Tokens
+    past the sink that a layer's quantizer could not take (keys that leave fp16 once undone from RoPE)
+    are refused by the append that brings them where that layer alone decides it; otherwise the commit
+    fails and the append that completed it is undone (the store as before that call).
 
     Dequantized results are memoised per layer (and output dtype) and recomputed only after the layer's
     state changed (``dequantize_calls`` counts the recomputations). ``memoize=False`` keeps no dequantized
@@ -463,6 +501,7 @@ class KVStore:
                 self._pending_v = [None] * L
                 self._chunks = []                                    # reference: decoded chunks, all layers
                 self._aqua_all = None                                # fast: (length, [(K_l, V_l)])
+                self._history = None                                 # fast: (layer, chunks, hat) in a step
             else:
                 self._states = [self._mod.init(self.cfg, self.batch, self.kv_heads, self.head_dim)
                                 for _ in range(L)]
@@ -514,7 +553,13 @@ class KVStore:
     def _convert(self, x, name: str):
         """x as the method's input: NumPy float16 / float32 (reference) or a torch tensor on the device."""
         torch = _torch()
-        shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
+        if not isinstance(x, (torch.Tensor, np.ndarray)):
+            try:
+                x = np.asarray(x)
+            except (ValueError, TypeError) as e:
+                raise TypeError(f"{name} must be a float array or tensor (B, H_kv, T_new, D), got "
+                                f"{type(x).__name__} ({e})") from None
+        shape = tuple(x.shape)
         B, H, D = self.batch, self.kv_heads, self.head_dim
         if len(shape) != 4 or shape[0] != B or shape[1] != H or shape[3] != D:
             raise ValueError(f"{name} has shape {shape}; this cache takes (B={B}, H_kv={H}, T_new, D={D})")
@@ -537,10 +582,12 @@ class KVStore:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
 
     def _round16(self, x, name: str):
-        """x (converted) rounded to fp16, refusing NaN / inf and fp16 overflow (the methods' rule)."""
+        """x (converted) rounded to fp16, refusing NaN / inf and fp16 overflow (the methods' rule); a new
+        array, never the caller's memory."""
         torch = _torch()
         if isinstance(x, torch.Tensor):
-            return _checked_half(x, torch.float16, name)
+            y = _checked_half(x, torch.float16, name)
+            return y.clone() if y.data_ptr() == x.data_ptr() else y
         if not np.isfinite(x).all():
             raise ValueError(f"{name} contains NaN or inf")
         with np.errstate(over="ignore"):
@@ -585,29 +632,65 @@ class KVStore:
             return 0
         return int(self._pending_k[layer].shape[2])
 
-    def append(self, layer: int, k, v) -> None:
-        """Append post-RoPE tokens k, v (B, H_kv, T_new, D) to ``layer``; validates before any change."""
+    def append(self, layer: int, k, v, *, commit: bool = True) -> None:
+        """Append post-RoPE tokens k, v (B, H_kv, T_new, D) to ``layer``. Everything is checked before any
+        change, and a rejected call (AQUA-KV's cross-layer commit included) leaves the store as it was.
+
+        ``commit=False`` (AQUA-KV): the tokens wait even when every layer has them; :meth:`attended` commits
+        after the layer's attention, so that each layer of a model's step reads the cache before the commit
+        its tokens complete (Algorithm 4's order, as :meth:`update`)."""
         layer = self._check_layer(layer)
-        self._append(layer, k, v)
-        if self.spec.family == "aqua":
-            self._commit()
+        kx, vx = self._validate_append(layer, k, v)
+        with self._atomic(layer):
+            self._write(layer, kx, vx)
+            if commit:
+                self._commit()
+
+    def attended(self, layer: int) -> None:
+        """A model's attention of ``layer`` is done for this step: AQUA-KV commits the tokens every layer has
+        received (a no-op for the other methods and while a layer still waits for its tokens), and forgets
+        the history it reconstructed for the step once the last layer has attended."""
+        if self.spec.family != "aqua":
+            return
+        layer = self._check_layer(layer)
+        self._commit()
+        if layer == self.n_layers - 1:
+            self._history = None
+
+    def aqua_history(self, layer: int):
+        """AQUA-KV, fast backends: layer ``layer``'s history reconstructed by the predictors (``decode_layer``:
+        ``(K_hat, V_hat)`` token vectors of every encoded chunk), from layer ``layer - 1``'s, which the store
+        keeps only during one model step (one layer at a time, never every layer), else decoded from layer 0."""
+        st = self._state
+        chunks = _aqua_counts(self.cfg, st.length)[1]
+        prev = None
+        if layer and self._history is not None and self._history[:2] == (layer - 1, chunks):
+            prev = self._history[2]
+        with self._device_ctx():
+            hat = self._mod.decode_layer(self.cfg, self.calibration, st, layer, prev)
+        self._history = (layer, chunks, hat)
+        return hat
 
     def update(self, layer: int, k, v, dtype=None):
-        """Append k, v to ``layer`` and return its ``keys_values`` (for AQUA-KV read before the commit this
-        append completes: the new tokens attend to themselves exactly, Algorithm 4)."""
+        """Append k, v to ``layer`` and return its ``keys_values`` in ``dtype`` (for AQUA-KV read before the
+        commit this append completes: the new tokens attend to themselves exactly, Algorithm 4).
+        ``dtype`` and the tokens are checked before the append; a rejected call changes nothing."""
         layer = self._check_layer(layer)
-        self._append(layer, k, v)
-        out = self.keys_values(layer, dtype)
-        if self.spec.family == "aqua":
+        dtype = _out_dtype(dtype)
+        kx, vx = self._validate_append(layer, k, v)
+        with self._atomic(layer):
+            self._write(layer, kx, vx)
+            out = self.keys_values(layer, dtype)
             self._commit()
         return out
 
     def keys_values(self, layer: int, dtype=None):
         """(K_hat, V_hat): everything appended to ``layer``, dequantized, torch (B, H_kv, T, D) in ``dtype``
-        (default float32) on the store's device. Memoised until the layer's state changes."""
+        (None: float32; a torch dtype or a name of ``OUT_DTYPES``) on the store's device. Memoised until
+        the layer's state changes."""
         torch = _torch()
         layer = self._check_layer(layer)
-        dtype = torch.float32 if dtype is None else dtype
+        dtype = _out_dtype(dtype)
         memo = self._memo[layer] if self.memoize else {}
         if dtype in memo:
             return memo[dtype]
@@ -624,7 +707,7 @@ class KVStore:
         else:
             K, V = self._dequantize(layer)
             memo[torch.float32] = (K, V)
-        out = (K.to(dtype), V.to(dtype))
+        out = (_to_out(K, dtype), _to_out(V, dtype))
         memo[dtype] = out
         return out
 
@@ -670,58 +753,137 @@ class KVStore:
         z = torch.zeros((self.batch, self.kv_heads, 0, self.head_dim), dtype=dtype, device=self.device)
         return z, z.clone()
 
-    def _append(self, layer: int, k, v) -> None:
-        torch = _torch()
+    # ------------------------------------------------------------------ append: validate, then write
+
+    def _validate_append(self, layer: int, k, v):
+        """k, v converted and checked for ``layer`` without changing anything: shapes, dtypes, capacity and
+        what the write needs (FP16: finite and within the store's dtype; AQUA-KV: finite, within fp16 and,
+        where this layer alone decides it, quantizable by its chunk's commit). Returns the tokens as
+        :meth:`_write` takes them (the other methods' appends check their inputs before writing)."""
         kx, vx = self._convert(k, "k"), self._convert(v, "v")
         if tuple(kx.shape) != tuple(vx.shape):
             raise ValueError(f"k and v must have the same shape, got {tuple(kx.shape)} and {tuple(vx.shape)}")
+        self._check_capacity(layer, int(kx.shape[2]))
+        if kx.shape[2] == 0:
+            return kx, vx
+        fam = self.spec.family
+        if fam == "fp16":
+            dtype = self._fp16_dtype(k)
+            return self._fp16_tensor(kx, dtype, "k"), self._fp16_tensor(vx, dtype, "v")
+        if fam == "aqua":
+            k16, v16 = self._round16(kx, "k"), self._round16(vx, "v")
+            self._check_aqua_quantizable(layer, k16)
+            return k16, v16
+        return kx, vx
+
+    def _write(self, layer: int, kx, vx) -> None:
+        """Append tokens checked by :meth:`_validate_append` to ``layer``: FP16 tensors and AQUA-KV's waiting
+        tokens are concatenations that cannot fail on them; the other methods' appends validate first."""
+        torch = _torch()
         n = int(kx.shape[2])
-        self._check_capacity(layer, n)
         if n == 0:
             return
         fam = self.spec.family
         if fam == "fp16":
-            self._append_fp16(layer, k, kx, vx)
+            if self._fp_dtype is None:
+                self._fp_dtype = kx.dtype                     # fixed by the first accepted append
+            if self._k[layer] is None:
+                self._k[layer], self._v[layer] = kx, vx
+            else:
+                self._k[layer] = torch.cat([self._k[layer], kx], dim=2)
+                self._v[layer] = torch.cat([self._v[layer], vx], dim=2)
+            self._len[layer] += n
         elif fam == "aqua":
-            k16, v16 = self._round16(kx, "k"), self._round16(vx, "v")
-            cat = (lambda a, b: torch.cat([a, b], dim=2)) if isinstance(k16, torch.Tensor) else \
+            cat = (lambda a, b: torch.cat([a, b], dim=2)) if isinstance(kx, torch.Tensor) else \
                 (lambda a, b: np.concatenate([a, b], axis=2))
             pk, pv = self._pending_k[layer], self._pending_v[layer]
-            self._pending_k[layer] = k16 if pk is None else cat(pk, k16)
-            self._pending_v[layer] = v16 if pv is None else cat(pv, v16)
+            self._pending_k[layer] = kx if pk is None else cat(pk, kx)
+            self._pending_v[layer] = vx if pv is None else cat(pv, vx)
         elif fam == "oscar":
             self._mod.append(self.cfg, self.calibration[layer], self._states[layer], kx, vx)
         else:
             self._mod.append(self.cfg, self._states[layer], kx, vx)
         self._memo[layer].clear()
 
-    def _append_fp16(self, layer: int, k_in, kx, vx) -> None:
-        """FP16: keep the tokens in the store's dtype (the first input's fp16 / bf16, else fp16)."""
-        torch = _torch()
-        if self._fp_dtype is None:
-            src = getattr(k_in, "dtype", None)
-            self._fp_dtype = src if src in (torch.float16, torch.bfloat16) else torch.float16
-        K, V = self._fp16_tensor(kx, "k"), self._fp16_tensor(vx, "v")
-        if self._k[layer] is None:
-            self._k[layer], self._v[layer] = K, V
-        else:
-            self._k[layer] = torch.cat([self._k[layer], K], dim=2)
-            self._v[layer] = torch.cat([self._v[layer], V], dim=2)
-        self._len[layer] += int(K.shape[2])
+    @contextlib.contextmanager
+    def _atomic(self, layer: int):
+        """Run an append of ``layer``; if it raises, put back what the store itself keeps of the layer (FP16
+        tensors, length and dtype; AQUA-KV's waiting tokens; the memo and counter) and re-raise. With the
+        methods' appends validating before they write, a rejected call, AQUA-KV's failed commit included,
+        leaves the store exactly as it was: the call that completed the commit gets the error and its
+        tokens are taken back, so later appends work."""
+        fam = self.spec.family
+        memo, calls = dict(self._memo[layer]), self.dequantize_calls
+        fp = (self._k[layer], self._v[layer], self._len[layer], self._fp_dtype) if fam == "fp16" else None
+        waiting = (self._pending_k[layer], self._pending_v[layer]) if fam == "aqua" else None
+        try:
+            yield
+        except BaseException:
+            self._memo[layer].clear()
+            self._memo[layer].update(memo)
+            self.dequantize_calls = calls
+            if fp is not None:
+                self._k[layer], self._v[layer], self._len[layer], self._fp_dtype = fp
+            if waiting is not None:
+                self._pending_k[layer], self._pending_v[layer] = waiting
+            raise
 
-    def _fp16_tensor(self, x, name: str):
+    def _fp16_dtype(self, k_in):
+        """FP16: the store's dtype, fixed by its first accepted append (that input's fp16 / bf16, else fp16)."""
+        torch = _torch()
+        if self._fp_dtype is not None:
+            return self._fp_dtype
+        src = getattr(k_in, "dtype", None)
+        return src if src in (torch.float16, torch.bfloat16) else torch.float16
+
+    def _fp16_tensor(self, x, dtype, name: str):
+        """FP16: x as a new tensor of ``dtype`` on the store's device, NaN / inf and overflow refused whatever
+        the input dtype (the quantized methods' rule); never the caller's memory."""
         torch = _torch()
         t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
         t = t.to(self.device)
-        if t.dtype == self._fp_dtype:
-            return t.clone()
-        return _checked_half(t, self._fp_dtype, name)
+        y = _checked_half(t, dtype, name)
+        return y.clone() if y is t else y
+
+    #: |k| up to which a key's pre-RoPE form fits fp16 (undoing RoPE rotates channel pairs: at most sqrt(2) |k|)
+    _ROPE_SAFE = 46000.0
+
+    def _check_aqua_quantizable(self, layer: int, k16) -> None:
+        """AQUA-KV: refuse keys of ``layer`` that its chunk's commit could not quantize, where the layer alone
+        decides it: tokens past the sink (sink tokens stay fp16) of a layer whose key residual is the
+        pre-RoPE key itself (layer 0, or no key predictor).
+
+        Every shipped quantizer (Uniform, HIGGS, KeepFP16) takes any vector within fp16's range: its scale
+        and minimum fit fp16 metadata. Values are fp16 already, and so are pre-RoPE keys while |k| <= 46000;
+        larger keys are undone from RoPE and run through the layer's quantizer on the host, the commit's
+        own computation for them. A residual after a prediction depends on the layers before: the commit
+        finds it, and :meth:`_atomic` takes the completing append back."""
+        cfg, P = self.cfg, self.calibration
+        if not cfg.pre_rope or (layer and cfg.predict_keys and P.f_key[layer] is not None):
+            return
+        t0 = self.length(layer)                               # the position of the first new token
+        skip = max(0, cfg.sink - t0)
+        k = k16[:, :, skip:]
+        if k.shape[2] == 0 or float(abs(k).max()) <= self._ROPE_SAFE:
+            return
+        pos = np.arange(t0 + skip, t0 + int(k16.shape[2]))
+        k_pre = apply_rope(_to_numpy(k).astype(np.float32), pos, cfg.rope_theta, inverse=True)   # (B, H, T, D)
+        quantizer = cfg.first_layer if layer == 0 else cfg.backbone
+        try:
+            quantizer.encode(aqua.to_tokens(k_pre))
+        except ValueError as e:
+            raise ValueError(f"k cannot be compressed by {self.name} at layer {layer}: undone from RoPE (keys are "
+                             f"quantized pre-RoPE) it leaves the range of the "
+                             f"{getattr(quantizer, 'label', type(quantizer).__name__)} quantizer ({e})") from None
 
     def _commit(self) -> None:
-        """AQUA-KV: append the tokens every layer has received (the common prefix) with one call."""
+        """AQUA-KV: append the tokens every layer has received (the common prefix) with one call. The method's
+        append validates and encodes before it writes, so a failure (a residual beyond fp16 metadata, NaN
+        predictions) leaves its state and every layer's waiting tokens as they were; the error names the
+        commit, and :meth:`_atomic` takes back the tokens of the append that completed it."""
         torch = _torch()
         L = self.n_layers
-        if any(p is None for p in self._pending_k):
+        if self.spec.family != "aqua" or any(p is None for p in self._pending_k):
             return
         n = min(int(p.shape[2]) for p in self._pending_k)
         if n == 0:
@@ -732,8 +894,12 @@ class KVStore:
         else:
             K = np.stack([p[:, :, :n] for p in self._pending_k])
             V = np.stack([p[:, :, :n] for p in self._pending_v])
-        with self._device_ctx():
-            self._mod.append(self.cfg, self.calibration, self._state, K, V)
+        try:
+            with self._device_ctx():
+                self._mod.append(self.cfg, self.calibration, self._state, K, V)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"{self.name} could not compress the {n} token(s) of every layer that this append "
+                          f"completed, so the append was undone: {e}") from e
         for l in range(L):
             rest_k, rest_v = self._pending_k[l][:, :, n:], self._pending_v[l][:, :, n:]
             keep = rest_k.shape[2] > 0

@@ -2,35 +2,53 @@
 
 A ``KVQCache`` is what a user passes as ``past_key_values=`` to ``model(...)`` or ``model.generate(...)``
 of a decoder with RoPE and (grouped-query) full attention: Llama, Mistral, Qwen2, Qwen3 and alike.
-Each attention layer calls ``cache.update(key_states, value_states, layer_idx, ...)`` with its new
-post-RoPE keys and values and attends over what it returns: here, everything the layer has cached,
-dequantized by the method (``kvq.integrations.methods.KVStore``), in the model's dtype and device, the
-new tokens included. The layout of ``transformers.cache_utils.QuantizedCache`` is followed: a ``Cache``
-of one ``CacheLayerMixin`` per model layer (:class:`KVQLayer`), all sharing one store.
 
     from kvq.integrations.transformers import make_cache
     cache = make_cache("Kitty", model)                                   # or KittyCache(model)
     out = model.generate(input_ids, past_key_values=cache, max_new_tokens=64, do_sample=False)
     cache.bits_per_element(), cache.memory_bytes()
 
-Limits: the batch size is fixed at the first update; beam search (``reorder_cache``), cache cropping
-(assisted decoding) and batch re-indexing raise NotImplementedError (a compressed state cannot be
-re-indexed without re-quantizing); sliding-window layers are refused unless their window covers the
-cache's capacity; ``torch.compile`` of the forward is not supported (``is_compileable = False``).
+Building the cache switches the model's attention to ``"kvq"`` (``kvq.integrations.attention``; for every
+cache that is not kvq's it is transformers' SDPA, unchanged). Then each attention layer's
+``cache.update(key_states, value_states, layer_idx, ...)`` only appends the new post-RoPE tokens to the
+layer's compressed state (``kvq.integrations.methods.KVStore``) and hands them back tagged; the attention
+function attends the prompt over its own FP16 keys and values, and every decode step through the method's
+fused decode over the compressed state: no dequantized copy of the cache is made. ``attention="dequantize"``
+(or a model set to another attention implementation) keeps the older path: ``update`` returns the layer's
+whole cache dequantized, which any attention implementation can read, at the cost of a copy per step. The
+layout of ``transformers.cache_utils.QuantizedCache`` is followed: a ``Cache`` of one ``CacheLayerMixin``
+per model layer (:class:`KVQLayer`), all sharing one store.
+
+Every update checks its states before the cache changes (torch float tensors of the model's shape; the
+store refuses NaN / inf and overflow), and a rejected update leaves the cache as it was.
+
+Limits: the batch size is fixed at the first accepted update; prompts of different lengths in one batch
+(left padding) are refused at the first prefill; beam search (``reorder_cache``), cache cropping (assisted
+decoding) and batch re-indexing raise NotImplementedError (a compressed state cannot be re-indexed without
+re-quantizing); sliding-window layers are refused unless their window covers the cache's capacity;
+``torch.compile`` of the forward and CUDA-graph capture of a step are not supported yet
+(``is_compileable = False``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import methods as M
+from .attention import ATTN_IMPLEMENTATION, _tag, use_kvq_attention
 
 __all__ = ["DEFAULT_MAX_TOKENS", "KVQLayer", "KVQCache", "KIVICache", "KittyCache", "OSCARCache", "AquaKVCache",
            "BitDecodingCache", "FP16Cache", "make_cache", "model_dims"]
+
+#: ``attention=``: "auto" attends through kvq's fused decode where the model can ("kvq" attention, which
+#: :class:`KVQCache` switches a model to); "dequantize" hands the model every layer dequantized (the slow path
+#: of any attention implementation, for comparisons)
+ATTENTION_MODES = ("auto", "dequantize")
 
 #: the default capacity per sequence: the model's max_position_embeddings, capped here (the page pools of
 #: every layer are preallocated for it; pass ``max_tokens=`` for longer contexts)
@@ -99,7 +117,7 @@ def load_calibration_file(method: str, path, dims: dict):
     if kind == "oscar":
         cal, _ = CF.load_oscar(path, expect=expect)
         return cal, {}
-    P, cfg, _ = CF.load_aqua(path, expect=expect)
+    P, cfg, _ = CF.load_aqua(path, expect={**expect, "rope_theta": dims.get("rope_theta")})
     want = type(M.configure(method, head_dim=dims["head_dim"], kv_heads=dims["kv_heads"], max_tokens=8).backbone)
     if type(cfg.backbone) is not want:
         raise ValueError(f"{path} was calibrated with the {type(cfg.backbone).__name__} backbone; {method} uses "
@@ -121,17 +139,22 @@ class KVQLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Record the model's dtype and device and create the cache's store (batch size fixed here)."""
-        self.dtype, self.device = key_states.dtype, key_states.device
+        """Record the model's dtype and device and create the cache's store (batch size fixed here); the
+        states are checked first (``KVQCache._check_states``)."""
+        self._cache._check_states(key_states, value_states)
         self._cache._ensure_store(key_states)
+        self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append the new post-RoPE (B, H_kv, T_new, D) states and return (K, V) of every cached token,
-        dequantized, in the states' dtype and device."""
+        """Append the new post-RoPE (B, H_kv, T_new, D) states; return what :meth:`KVQCache.update` returns
+        (the tagged new states when the model attends through kvq, else every cached token dequantized).
+        The layer records the model's dtype and device
+        only once an update succeeded: a rejected first update leaves it uninitialized."""
+        out = self._cache._update(self.layer_idx, key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        return self._cache._update(self.layer_idx, key_states, value_states)
+        return out
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """(kv_length, kv_offset) = (cached tokens + query_length, 0): the layer attends over everything."""
@@ -187,6 +210,9 @@ class KVQCache(Cache):
             from ``kvq calibrate`` (checked against this model's shape; an AQUA-KV file also gives the
             configuration its predictors were fit for, which explicit overrides still replace).
         max_tokens: capacity per sequence (default ``min(max_position_embeddings, DEFAULT_MAX_TOKENS)``).
+        attention: "auto" (default): switch a model to kvq's attention function (``use_kvq_attention``) and
+            decode through the method's fused decode; "dequantize": ``update`` returns the whole cache
+            dequantized for the model's own attention (the slow path; for comparisons).
         overrides: method config fields (``methods.configure``), e.g. ``sink=4, residual=16``.
             AQUA-KV gets the model's ``rope_theta`` unless given.
 
@@ -199,7 +225,7 @@ class KVQCache(Cache):
     default_method: str | None = None
 
     def __init__(self, model_or_config, method: str | None = None, *, backend: str = "auto", calibration=None,
-                 max_tokens: int | None = None, **overrides):
+                 max_tokens: int | None = None, attention: str = "auto", **overrides):
         method = method if method is not None else self.default_method
         if method is None:
             raise ValueError(f"name a kvq method; known methods: {', '.join(M.METHODS)}")
@@ -207,6 +233,8 @@ class KVQCache(Cache):
         if self.family is not None and spec.family != self.family:
             fam = [n for n, s in M.METHODS.items() if s.family == self.family]
             raise ValueError(f"{type(self).__name__} serves {', '.join(fam)}; got {method!r} (use make_cache)")
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"attention={attention!r} is unknown; choose one of {ATTENTION_MODES}")
         config = _text_config(model_or_config)
         dims = model_dims(config)
         if max_tokens is None:
@@ -235,15 +263,43 @@ class KVQCache(Cache):
         self._overrides = overrides
         self._device = getattr(model_or_config, "device", None) if not hasattr(model_or_config, "to_dict") else None
         self._store: M.KVStore | None = None
+        self.attention = attention
+        self._model_config = config
+        self._warned = False
+        if attention == "auto" and hasattr(model_or_config, "set_attn_implementation"):
+            use_kvq_attention(model_or_config)
         super().__init__(layers=[KVQLayer(self, i) for i in range(self.n_layers)])
 
     # ------------------------------------------------------------------ the store
 
-    def _ensure_store(self, key_states: torch.Tensor) -> M.KVStore:
-        if self._store is None:
-            if key_states.ndim != 4 or key_states.shape[1] != self.kv_heads or key_states.shape[3] != self.head_dim:
-                raise ValueError(f"key_states have shape {tuple(key_states.shape)}; this cache was built for "
+    def _check_states(self, key_states, value_states) -> None:
+        """What a model hands to :meth:`update`, checked before the cache changes: torch float tensors
+        (TypeError otherwise: a transformers cache takes torch tensors), of one dtype and device, of one
+        shape (B, H_kv, T_new, D) with this model's H_kv and D, and B the batch size fixed by the first
+        update. Values (NaN / inf, overflow) are the store's to check: it refuses them unchanged."""
+        for name, x in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor (a transformers cache takes torch tensors), got "
+                                f"{type(x).__name__}")
+            if not x.is_floating_point():
+                raise TypeError(f"{name} has dtype {x.dtype}; a kvq cache takes float tensors")
+            if x.ndim != 4 or x.shape[1] != self.kv_heads or x.shape[3] != self.head_dim:
+                raise ValueError(f"{name} have shape {tuple(x.shape)}; this cache was built for "
                                  f"(B, H_kv={self.kv_heads}, T, D={self.head_dim})")
+        if key_states.shape != value_states.shape:
+            raise ValueError(f"key_states and value_states must have the same shape, got "
+                             f"{tuple(key_states.shape)} and {tuple(value_states.shape)}")
+        if key_states.dtype != value_states.dtype or key_states.device != value_states.device:
+            raise ValueError(f"key_states and value_states must have one dtype and device, got "
+                             f"{key_states.dtype} on {key_states.device} and {value_states.dtype} on "
+                             f"{value_states.device}")
+        if self._store is not None and key_states.shape[0] != self._store.batch:
+            raise ValueError(f"the batch size of a kvq cache is fixed at its first update (B={self._store.batch}); "
+                             f"got {key_states.shape[0]}. " + _BEAM)
+
+    def _ensure_store(self, key_states: torch.Tensor) -> M.KVStore:
+        """The cache's store, created for ``key_states`` (checked by :meth:`_check_states`) if there is none."""
+        if self._store is None:
             self._store = M.KVStore(self.method, n_layers=self.n_layers, batch=int(key_states.shape[0]),
                                     kv_heads=self.kv_heads, head_dim=self.head_dim, max_tokens=self.max_tokens,
                                     backend=self.backend, calibration=self._calibration,
@@ -251,14 +307,46 @@ class KVQCache(Cache):
         return self._store
 
     def _update(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Check the states, create the store at the first update, append and read (``KVStore.update``).
+        A rejected call changes nothing: the store validates before it writes, and a store this call
+        created is dropped again (the batch size is not fixed by a rejected first update)."""
+        self._check_states(key_states, value_states)
+        fused = self.fused
+        created = self._store is None
         store = self._ensure_store(key_states)
-        if key_states.shape[0] != store.batch:
-            raise ValueError(f"the batch size of a kvq cache is fixed at its first update (B={store.batch}); got "
-                             f"{key_states.shape[0]}. " + _BEAM)
-        K, V = store.update(layer_idx, key_states, value_states, dtype=key_states.dtype)
+        try:
+            if fused:
+                prior = store.length(layer_idx)
+                store.append(layer_idx, key_states, value_states, commit=False)
+            else:
+                K, V = store.update(layer_idx, key_states, value_states, dtype=key_states.dtype)
+        except BaseException:
+            if created:
+                self._store = None
+            raise
+        if fused:                                   # the new tokens only, tagged for kvq's attention function
+            return _tag(key_states, self, layer_idx, prior), _tag(value_states, self, layer_idx, prior)
         if K.device != key_states.device:
             K, V = K.to(key_states.device), V.to(key_states.device)
         return K, V
+
+    @property
+    def fused(self) -> bool:
+        """True when the model attends through kvq (``attention="auto"`` and the model's attention
+        implementation is ``"kvq"``): ``update`` only appends and the method's decode reads the compressed
+        state. False: ``update`` returns the layer's whole cache dequantized (``attention="dequantize"``, or a
+        model that attends with another implementation)."""
+        if self.attention != "auto":
+            return False
+        if getattr(self._model_config, "_attn_implementation", None) == ATTN_IMPLEMENTATION:
+            return True
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"this model attends with {getattr(self._model_config, '_attn_implementation', None)!r}, "
+                          f"so the kvq cache hands it every layer dequantized at every step; set "
+                          f"model.set_attn_implementation({ATTN_IMPLEMENTATION!r}) (make_cache does) for the fused "
+                          f"decode over the compressed cache", stacklevel=4)
+        return False
 
     @property
     def store(self) -> M.KVStore | None:
@@ -274,9 +362,10 @@ class KVQCache(Cache):
     # ------------------------------------------------------------------ transformers API
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Append layer ``layer_idx``'s new states; return (K, V): its whole cache, dequantized, new tokens
-        included, in the states' dtype and device."""
-        if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.n_layers:
+        """Append layer ``layer_idx``'s new states. Return, where the model attends through kvq
+        (:attr:`fused`), the new states themselves tagged for the ``"kvq"`` attention function; otherwise
+        (K, V): the layer's whole cache, dequantized, new tokens included, in the states' dtype and device."""
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < self.n_layers:
             raise IndexError(f"layer_idx={layer_idx!r} is out of range for {self.n_layers} layers")
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 

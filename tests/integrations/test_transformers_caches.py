@@ -308,6 +308,60 @@ def test_errors():
         make_cache("Kitty", mistral)
 
 
+def _bad_updates(k, v):
+    """(label, key_states, value_states, error, match) a cache must reject, from good states k, v (B, 2, T, 32)."""
+    nan, inf = k.clone(), v.clone()
+    nan[0, 1, 2, 3] = float("nan")
+    inf[0, 0, 0, 0] = float("inf")
+    return [("numpy k", k.numpy(), v, TypeError, "key_states must be a torch.Tensor"),
+            ("numpy v", k, v.numpy(), TypeError, "value_states must be a torch.Tensor"),
+            ("NaN k", nan, v, ValueError, "NaN"),
+            ("inf v", k, inf, ValueError, "NaN or inf|non-finite"),
+            ("head dim", k[..., :16], v[..., :16], ValueError, r"key_states have shape \(\d, 2, 3, 16\)"),
+            ("heads", k[:, :1], v[:, :1], ValueError, "H_kv=2"),
+            ("int dtype", k.int(), v.int(), TypeError, "key_states has dtype torch.int32"),
+            ("k / v shapes", k, v[:, :, :1], ValueError, "key_states and value_states must have the same shape"),
+            ("k / v dtypes", k.half(), v, ValueError, "one dtype and device"),
+            ("overflow", k * 1e6, v, ValueError, "overflow")]
+
+
+@pytest.mark.parametrize("name", ["FP16", "KIVI-K2V2", "AQUA-KV-uniform"])
+def test_rejected_update_changes_nothing(name):
+    """A rejected first update creates no store and fixes no batch size; a rejected later update (any
+    layer, the batch size included) leaves the store bit-identical; the model's calls then go on."""
+    from .test_store_atomicity import snapshot
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      max_position_embeddings=256)
+    cal = "identity" if name.startswith("AQUA") else None
+    cache, fresh = (make_cache(name, config, calibration=cal, **SMALL[name]) for _ in range(2))
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(3, 2, 3, 32, generator=g) for _ in range(2))
+    for label, kb, vb, err, match in _bad_updates(k, v):
+        with pytest.raises(err, match=match):
+            cache.update(kb, vb, 0)
+        assert cache.store is None and cache.max_batch_size == -1 and cache.get_seq_length() == 0, label
+        assert not cache.layers[0].is_initialized, label
+    with pytest.raises(IndexError, match="layer_idx=True is out of range"):
+        cache.update(k, v, True)
+    for c in (cache, fresh):                                      # the first accepted update fixes B = 3
+        c.update(k, v, 0)
+    assert cache.max_batch_size == 3 and cache.layers[0].is_initialized and cache.layers[0].dtype == torch.float32
+    for layer in (0, 1):
+        for label, kb, vb, err, match in _bad_updates(k, v) + [("batch", k[:1], v[:1], ValueError, "fixed at its "
+                                                                "first update \\(B=3\\); got 1")]:
+            before = snapshot(cache.store)
+            with pytest.raises(err, match=match):
+                cache.update(kb, vb, layer)
+            assert snapshot(cache.store) == before, (layer, label)
+    for c in (cache, fresh):
+        K, V = c.update(k, v, 1)
+        c.update(k, v, 0)
+    assert snapshot(cache.store, memo=False) == snapshot(fresh.store, memo=False)
+    assert K.dtype == torch.float32 and torch.equal(K, fresh.store.keys_values(1)[0])
+
+
 # ---------------------------------------------------------------------------------------------------
 # fast tiers inside the model: Triton through the CPU interpreter here, CUDA on the GPU machine
 
