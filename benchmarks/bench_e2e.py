@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 
-DEFAULT_SHAPES = ["1x8192", "1x32768", "1x131072", "8x8192", "8x32768", "32x8192", "32x32768"]
+DEFAULT_SHAPES = ["8x32768", "1x32768", "1x131072", "32x32768", "8x8192", "1x8192", "32x8192"]   # the headline first
 DEFAULT_CACHES = ["DynamicCache", "StaticCache", "quanto-2", "quanto-4", "HQQ-2",
                   "KIVI-K2V2:triton", "KIVI-K2V2:cupy", "KIVI-K4V4:triton", "KIVI-K4V4:cupy",
                   "Kitty:triton", "Kitty:cupy", "OSCAR:triton", "OSCAR:cupy",

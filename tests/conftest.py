@@ -47,7 +47,8 @@ FAST_TARGETS = [
 #: environment variables a test may change: set by pytest itself, or by libraries on their own
 #: (torch.compile with CUDA graphs sets the CUPTI pair)
 ENV_ALLOWED = frozenset({"PYTEST_CURRENT_TEST", "DISABLE_CUPTI_LAZY_REINIT", "TEARDOWN_CUPTI",
-                         "TORCHINDUCTOR_CACHE_DIR"})                # torch sets it itself (inductor cache)
+                         "TORCHINDUCTOR_CACHE_DIR",                 # torch sets it itself (inductor cache)
+                         "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"})  # OpenMP runtimes, set on import (GPU image)
 
 
 def pytest_addoption(parser):

@@ -38,10 +38,12 @@ def _spy(monkeypatch):
     return calls
 
 
-def _fused_and_dequantized(model, name, ids, P, **kw):
+def _fused_and_dequantized(model, name, ids, P, calib=None, **kw):
     """Teacher-forced decode logits of the fused path, and at every step those of the dequantize-then-attend
-    path on a copy of the same cache (so both attend over the same compressed state)."""
-    calib = calibration_for(model, name) if M.METHODS[name].calibration else None
+    path on a copy of the same cache (so both attend over the same compressed state). ``calib``: the
+    method's calibration (default: fit on ``model``, which must then be on the CPU)."""
+    if calib is None and M.METHODS[name].calibration:
+        calib = calibration_for(model, name)
     fused = make_cache(name, model, calibration=calib, **SMALL[name], **kw)
     assert model.config._attn_implementation == A.ATTN_IMPLEMENTATION
     got, want = [], []
@@ -164,9 +166,10 @@ def test_triton_backend_decodes_in_model(triton_device, monkeypatch):
 def test_fused_decode_in_model_gpu(monkeypatch, backend, dtype, name):
     """Every method, both backends, fp16 and bf16 models with GQA: fused logits = dequantized-path logits
     within the model dtype's rounding."""
+    calib = calibration_for(tiny(head_dim=64), name) if M.METHODS[name].calibration else None   # same weights
     model = tiny(dtype=dtype, head_dim=64).cuda()
     calls = _spy(monkeypatch)
     ids = prompt(60, batch=2, seed=6).cuda()
-    fused, got, want = _fused_and_dequantized(model, name, ids, 36, backend=backend)
+    fused, got, want = _fused_and_dequantized(model, name, ids, 36, calib=calib, backend=backend)
     assert calls["decode"] == 2 * 24 and fused.store.dequantize_calls == 0
     assert _rel(got, want) < (2e-3 if dtype == torch.float16 else 1e-2)
