@@ -5,7 +5,7 @@
 #   STEPS="tests e2e" TEST_N=8 bash benchmarks/device_session.sh
 #
 # Steps (in this order, each under its own timeout; a failed step does not stop the next):
-#   tests     the whole GPU suite: pytest -m gpu -n TEST_N [--shuffle=SHUFFLE] -> gpu-tests-<tag>.{log,json}
+#   tests     the GPU suite (TEST_PATHS, default tests/): pytest -m gpu -n TEST_N [--shuffle=SHUFFLE] -> gpu-tests-<tag>.{log,json}
 #   memcheck  compute-sanitizer memcheck over every fast cache's append / decode and rejected calls
 #             (benchmarks/memcheck_caches.py) -> memcheck.log
 #   e2e       benchmarks/bench_e2e.py (E2E_ARGS) -> e2e.json, e2e.log; optimum-quanto and hqq are installed
@@ -25,9 +25,9 @@ echo "commit: ${KVQ_COMMIT:-unknown}"
 for step in $STEPS; do
   case "$step" in
   tests)
-    TAG="n${TEST_N:-8}${SHUFFLE:+-shuffle$SHUFFLE}"
+    TAG="n${TEST_N:-8}${SHUFFLE:+-shuffle$SHUFFLE}${TEST_PATHS:+-part}"
     timeout -k 10 "${TEST_TIMEOUT:-480}" python3 -m pytest -m gpu -q -p no:cacheprovider -n "${TEST_N:-8}" \
-        ${SHUFFLE:+--shuffle=$SHUFFLE} tests/ --junitxml="$OUT/gpu-tests-$TAG.xml" > "$OUT/gpu-tests-$TAG.log" 2>&1
+        ${SHUFFLE:+--shuffle=$SHUFFLE} ${TEST_PATHS:-tests/} --junitxml="$OUT/gpu-tests-$TAG.xml" > "$OUT/gpu-tests-$TAG.log" 2>&1
     RC=$?
     python3 benchmarks/junit_summary.py "$OUT/gpu-tests-$TAG.xml" "$OUT/gpu-tests-$TAG.json" --rc "$RC"
     rm -f "$OUT/gpu-tests-$TAG.xml"
