@@ -44,11 +44,14 @@ FAST_TARGETS = [
     pytest.param(("cupy", "cuda"), id="cupy-cuda", marks=pytest.mark.gpu),
 ]
 
-#: environment variables a test may change: set by pytest itself, or by libraries on their own
-#: (torch.compile with CUDA graphs sets the CUPTI pair)
+#: environment variables a test may change: set by pytest itself, or by libraries on their own (torch.compile
+#: with CUDA graphs sets the CUPTI pair, Inductor its cache folders, OpenMP runtimes theirs on import (GPU
+#: image), transformers' generate the tokenizers' parallelism, matplotlib a config folder where it has
+#: none); none of them decides what kvq does
 ENV_ALLOWED = frozenset({"PYTEST_CURRENT_TEST", "DISABLE_CUPTI_LAZY_REINIT", "TEARDOWN_CUPTI",
-                         "TORCHINDUCTOR_CACHE_DIR",                 # torch sets it itself (inductor cache)
-                         "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"})  # OpenMP runtimes, set on import (GPU image)
+                         "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "KMP_DUPLICATE_LIB_OK",
+                         "KMP_INIT_AT_FORK", "TOKENIZERS_PARALLELISM", "NCCL_GRAPH_MIXING_SUPPORT",
+                         "MPLCONFIGDIR"})
 
 
 def pytest_addoption(parser):

@@ -26,6 +26,7 @@ def dequantize_kernel(packed_ptr, scale_ptr, mn_ptr, out_ptr, N, NG, TOTAL, G,
     m = tl.load(mn_ptr + g, mask=mask, other=0.0).to(tl.float32)
     x = code.to(tl.float32) * s                                         # one rounded multiply ...
     x = x + m                                                           # ... then one rounded add
+    x = tl.where(x > 65504.0, 65504.0, tl.where(x < -65504.0, -65504.0, x))   # fp16 saturates (NaN passes)
     tl.store(out_ptr + e, x.to(tl.float16), mask=mask)                  # round to nearest even
 
 
