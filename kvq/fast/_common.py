@@ -429,3 +429,12 @@ class TensorFields:
 
     def copy(self):
         return dataclasses.replace(self, **{n: a.clone() for n, a in self.arrays().items()})
+
+
+def check_no_nan(x: torch.Tensor, name: str = "a") -> None:
+    """Rule 8 for quantiles (``numerics.check_no_nan``, the same message): NaN raises ValueError while
+    ``kvq.fast.validation`` is on (one read of ``x``); +-inf is ordered and accepted."""
+    if validation_enabled() and x.numel():
+        n_nan = int(torch.isnan(x).sum())
+        if n_nan:
+            raise ValueError(nx.nan_message(name, n_nan, "take a quantile"))

@@ -564,6 +564,8 @@ class KVStore:
         if len(shape) != 4 or shape[0] != B or shape[1] != H or shape[3] != D:
             raise ValueError(f"{name} has shape {shape}; this cache takes (B={B}, H_kv={H}, T_new, D={D})")
         if isinstance(x, torch.Tensor):
+            if x.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"{name} is on {x.device}; a kvq store takes CPU or CUDA tensors (or NumPy arrays)")
             x = x.detach()
             if not x.is_floating_point():
                 raise TypeError(f"{name} has dtype {x.dtype}; append takes a float tensor")

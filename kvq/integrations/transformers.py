@@ -283,6 +283,8 @@ class KVQCache(Cache):
                                 f"{type(x).__name__}")
             if not x.is_floating_point():
                 raise TypeError(f"{name} has dtype {x.dtype}; a kvq cache takes float tensors")
+            if x.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"{name} is on {x.device}; a kvq cache takes CPU or CUDA tensors")
             if x.ndim != 4 or x.shape[1] != self.kv_heads or x.shape[3] != self.head_dim:
                 raise ValueError(f"{name} have shape {tuple(x.shape)}; this cache was built for "
                                  f"(B, H_kv={self.kv_heads}, T, D={self.head_dim})")

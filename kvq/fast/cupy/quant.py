@@ -221,18 +221,9 @@ def quantile(a, rho: float, axis: int = -1):
     return C.quantile_rows(a, rho, axis, _launch_quantile_no_nan, clip=False)
 
 
-def check_no_nan(x: torch.Tensor, name: str = "a") -> None:
-    """Rule 8 for quantiles (``numerics.check_no_nan``, the same message): NaN raises ValueError while
-    ``kvq.fast.validation`` is on (one read of ``x``); +-inf is ordered and accepted."""
-    if C.validation_enabled() and x.numel():
-        n_nan = int(torch.isnan(x).sum())
-        if n_nan:
-            raise ValueError(nx.nan_message(name, n_nan, "take a quantile"))
-
-
 def _launch_quantile_no_nan(x: torch.Tensor, n: int, rho, clip: bool):
     """``launch_quantile_rows`` after the NaN check (run once the arguments have passed theirs)."""
-    check_no_nan(x, "a")
+    C.check_no_nan(x, "a")
     return launch_quantile_rows(x, n, rho, clip)
 
 
