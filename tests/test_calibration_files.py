@@ -19,7 +19,8 @@ from kvq.calibration import CalibrationFileError
 from kvq.reference import aqua, higgs, oscar
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
-from safetensors import safe_open  # noqa: E402
+
+from .calibration_rewrite import rewrite as _rewrite  # noqa: E402
 
 SHAPE = {"n_layers": 3, "kv_heads": 2, "head_dim": 16, "rope_theta": 10000.0, "model": "unit-test"}
 
@@ -70,22 +71,6 @@ def _same_aqua(P, Q):
             assert len(a.mats) == len(b.mats)
             for m, n in zip(a.mats + (a.bias,), b.mats + (b.bias,)):
                 assert m.dtype == n.dtype and m.shape == n.shape and np.array_equal(m, n)
-
-
-def _rewrite(path, out, *, tensors=None, meta=None, fix=True):
-    """Copy a calibration file with tensors / metadata edited; ``fix`` recomputes both checksums."""
-    with safe_open(str(path), framework="np") as f:
-        arrays = {k: f.get_tensor(k) for k in f.keys()}
-        md = {k: json.loads(v) for k, v in f.metadata().items()}
-    if tensors:
-        tensors(arrays)
-    if meta:
-        meta(md)
-    if fix:
-        md["checksum"] = cf.checksum(arrays)
-        md["meta_checksum"] = cf._meta_checksum(md)
-    safetensors_numpy.save_file(arrays, str(out), metadata={k: json.dumps(v) for k, v in md.items()})
-    return out
 
 
 @pytest.fixture

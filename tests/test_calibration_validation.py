@@ -23,7 +23,8 @@ from kvq.calibration import CalibrationFileError
 from kvq.reference import aqua, oscar
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
-from safetensors import safe_open  # noqa: E402
+
+from .calibration_rewrite import rewrite as _tamper  # noqa: E402
 
 SHAPE = {"n_layers": 2, "kv_heads": 2, "head_dim": 16, "rope_theta": 10000.0, "model": "unit-test"}
 F = SHAPE["kv_heads"] * SHAPE["head_dim"]
@@ -62,25 +63,6 @@ def aqua_file(tmp_path):
     p = tmp_path / "a.safetensors"
     cf.save_aqua(p, _predictors(), aqua.AquaConfig(), model_shape=SHAPE)
     return p
-
-
-def _tamper(path, out, *, tensors=None, meta=None, raw=None):
-    """Copy a calibration file with its tensors (``tensors(dict)``) or decoded metadata (``meta(dict)``)
-    edited, then BOTH checksums recomputed, so that the file passes every integrity check; ``raw``:
-    metadata keys replaced by these raw strings afterwards (malformed JSON cannot be checksummed)."""
-    with safe_open(str(path), framework="np") as f:
-        arrays = {k: f.get_tensor(k) for k in f.keys()}
-        md = {k: json.loads(v) for k, v in f.metadata().items()}
-    if tensors:
-        tensors(arrays)
-    if meta:
-        meta(md)
-    md["checksum"] = cf.checksum(arrays)
-    md["meta_checksum"] = cf._meta_checksum(md)
-    text = {k: json.dumps(v) for k, v in md.items()}
-    text.update(raw or {})
-    safetensors_numpy.save_file(arrays, str(out), metadata=text)
-    return out
 
 
 def _refused(load, path, match):
