@@ -104,13 +104,13 @@ def check_float(x, name: str = "x", *, allow_cpu: bool = False) -> None:
                         f"Convert explicitly, e.g. {name}.float()")
 
 
-def check_finite(x, name: str = "x") -> None:
-    """Rule 8 at the Python boundary (only while validation is on): NaN / inf raise."""
+def check_finite(x, name: str = "x", what: str = "quantize them") -> None:
+    """Rule 8 at the Python boundary (only while validation is on): NaN / inf raise (one device read)."""
     if validation_enabled() and x.numel() and not bool(torch.isfinite(x).all()):
         n_nan = int(torch.isnan(x).sum())
         n_inf = int(torch.isinf(x).sum())
         raise ValueError(f"{name} contains non-finite values ({n_nan} NaN, {n_inf} inf); "
-                         f"kvq refuses to quantize them")
+                         f"kvq refuses to {what}")
 
 
 def check_meta(x, scale, mn) -> None:
@@ -235,8 +235,8 @@ def check_partials(partials, *, allow_cpu: bool = False):
 
 def check_decode_q(q, shape, device, length: int, *, allow_cpu: bool = False) -> None:
     """A cache's decode query against the cache: q (B, H_q, T_q, D) with H_q a multiple of H_kv, a
-    float16 / bfloat16 / float32 tensor on the cache's device, and a non-empty cache (``shape`` =
-    (B, H_kv, D), ``length`` = tokens cached)."""
+    float16 / bfloat16 / float32 tensor on the cache's device, finite while validation is on (rule 8, as
+    the reference), and a non-empty cache (``shape`` = (B, H_kv, D), ``length`` = tokens cached)."""
     B, H, D = shape
     check_tensor(q, "q", allow_cpu=allow_cpu)
     if q.dim() != 4 or q.shape[0] != B or q.shape[3] != D or q.shape[1] % H:
@@ -249,6 +249,7 @@ def check_decode_q(q, shape, device, length: int, *, allow_cpu: bool = False) ->
         raise ValueError(f"q is on {q.device}; the cache is on {device}")
     if length == 0:
         raise ValueError("the cache is empty: append tokens before attending")
+    check_finite(q, "q", "attend with them")
 
 
 def quantile_index(n: int, rho) -> tuple[int, int, float]:
@@ -438,3 +439,16 @@ def check_no_nan(x: torch.Tensor, name: str = "a") -> None:
         n_nan = int(torch.isnan(x).sum())
         if n_nan:
             raise ValueError(nx.nan_message(name, n_nan, "take a quantile"))
+
+
+_F16_MAX = 65504.0
+
+
+def to_out(x: torch.Tensor, dtype) -> torch.Tensor:
+    """Rule 3's last step on a torch tensor (``numerics.to_out``): ``x`` cast to ``dtype``; for float16 a
+    finite value beyond +-65504 becomes +-65504 (the largest finite fp16) instead of inf, NaN and +-inf
+    pass. Values in (65504, 65520) round to 65504 anyway, so the clamp changes only would-be infs."""
+    dtype = torch_dtype(dtype) if not isinstance(dtype, torch.dtype) else dtype
+    if dtype == torch.float16 and x.dtype != torch.float16:
+        x = torch.where(torch.isfinite(x), x.clamp(-_F16_MAX, _F16_MAX), x)
+    return x.to(dtype)

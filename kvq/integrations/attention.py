@@ -132,12 +132,19 @@ def decode(store, layer: int, q: torch.Tensor, scale=None) -> torch.Tensor:
         else:
             out, _ = store._mod.decode_attention(store.cfg, st, qn, scale=scale)
         return torch.from_numpy(np.ascontiguousarray(out)).to(device=q.device, dtype=q.dtype)
-    with store._device_ctx():
+    with store._device_ctx(), _no_value_scan():
         if fam == "oscar":
             out, _ = store._mod.decode_attention(store.cfg, store.calibration[layer], st, q, scale=scale)
         else:
             out, _ = store._mod.decode_attention(store.cfg, st, q, scale=scale)
     return out.to(q.dtype)
+
+
+def _no_value_scan():
+    """The fast decode without its NaN / inf scan of q (``kvq.fast.validation(False)``): a scan is a device
+    synchronization per layer and step, and a model's query is its own; NaN in q gives NaN out (rule 8:
+    never silently finite). Shapes, dtypes and devices are still checked."""
+    return importlib.import_module("kvq.fast._common").validation(False)
 
 
 def _decode_aqua(store, layer: int, q: torch.Tensor, scale) -> torch.Tensor:
@@ -162,7 +169,7 @@ def _decode_aqua(store, layer: int, q: torch.Tensor, scale) -> torch.Tensor:
         segs.append((pk.float(), pv.float()))
     segs = [s for s in segs if s[0].shape[2]]
     attn = importlib.import_module(f"kvq.fast.{store.backend}.attention")
-    with store._device_ctx():
+    with store._device_ctx(), _no_value_scan():
         out, _ = attn.decode_attention(q.float(), segs, scale=scale)
     return out.to(q.dtype)
 

@@ -421,13 +421,49 @@ def _out_dtype(dtype):
                     f"or a name among {', '.join(OUT_DTYPES)}")
 
 
+def _copy_state(old, new, cfg):
+    """``new`` (an empty state from ``init(cfg, ...)``, larger in capacity only) holding ``old``'s contents:
+    every array of ``old`` copied into the leading block of the same array of ``new`` (page pools and tables
+    grow along one axis; the used part of each is a prefix, the rest keeps ``init``'s fill), every other field
+    (length, page counters, shape) taken from ``old``, and ``cfg`` recorded."""
+    fields = {}
+    for f in dataclasses.fields(old):
+        a, b = getattr(old, f.name), getattr(new, f.name)
+        if f.name == "cfg":
+            fields[f.name] = cfg
+        else:
+            fields[f.name] = _copy_into(a, b, f.name)
+    return dataclasses.replace(new, **fields)
+
+
+def _copy_into(a, b, name: str):
+    """``a`` copied into the leading block of ``b`` (arrays, or dicts of them); other values: ``a``."""
+    torch = _torch()
+    if isinstance(a, dict):
+        return {k: _copy_into(a[k], b[k], f"{name}.{k}") for k in a}
+    if isinstance(a, (np.ndarray, torch.Tensor)):
+        if tuple(a.shape) == tuple(b.shape):
+            return a
+        if a.ndim != b.ndim or any(x > y for x, y in zip(a.shape, b.shape)):
+            raise AssertionError(f"state array {name} cannot grow from {tuple(a.shape)} to {tuple(b.shape)}")
+        b[tuple(slice(0, x) for x in a.shape)] = a
+        return b
+    return a
+
+
 class KVStore:
     """All layers of one batch's compressed KV cache for method ``name``.
 
     Args:
         name: a key of ``METHODS``.
         n_layers, batch, kv_heads, head_dim: the model's cache shape (batch fixed for the store's life).
-        max_tokens: capacity per sequence (pages are preallocated for it).
+        max_tokens: capacity per sequence (pages are preallocated for it); with ``grow=True`` only the
+            initial capacity.
+        grow: when an append needs more than the capacity, reallocate every layer's state for
+            ``max(needed, 2 * capacity)`` tokens (at most ``max_capacity``) and copy the pages over, instead
+            of refusing the append. Off by default: a fixed capacity keeps every buffer where it is (what a
+            captured CUDA graph needs); the HF caches turn it on unless given ``max_tokens``.
+        max_capacity: with ``grow``, the largest capacity (None: no limit); an append beyond it is refused.
         backend: "reference" (NumPy, ``kvq.reference``), "triton" / "cupy" (``kvq.fast.<backend>``, state
             on a CUDA device), or "auto": reference unless ``device`` is a CUDA device, then triton.
         calibration: OSCAR: a list of one ``oscar.OSCARCalibration`` per layer, or "identity"
@@ -464,7 +500,8 @@ class KVStore:
     """
 
     def __init__(self, name: str, *, n_layers: int, batch: int, kv_heads: int, head_dim: int, max_tokens: int,
-                 backend: str = "auto", calibration=None, device=None, memoize: bool = True, **overrides):
+                 backend: str = "auto", calibration=None, device=None, memoize: bool = True, grow: bool = False,
+                 max_capacity: int | None = None, **overrides):
         torch = _torch()
         self.spec = get_method(name)
         self.memoize = bool(memoize)
@@ -474,6 +511,13 @@ class KVStore:
         self.kv_heads = _check_pos_int("kv_heads", kv_heads)
         self.head_dim = _check_pos_int("head_dim", head_dim)
         self.max_tokens = _check_pos_int("max_tokens", max_tokens)
+        if not isinstance(grow, (bool, np.bool_)):
+            raise TypeError(f"grow must be True or False, got {grow!r}")
+        self.grow = bool(grow)
+        self.max_capacity = None if max_capacity is None else _check_pos_int("max_capacity", max_capacity)
+        if self.max_capacity is not None and self.max_capacity < self.max_tokens:
+            raise ValueError(f"max_capacity={self.max_capacity} is below max_tokens={self.max_tokens}")
+        self.growths = 0                                         # reallocations so far (grow=True)
         self.backend, self.device = self._resolve_backend(backend, device)
         fam = self.spec.family
         if fam == "aqua" and isinstance(calibration, str) and calibration == "identity":
@@ -599,9 +643,41 @@ class KVStore:
         return y
 
     def _check_capacity(self, layer: int, n: int):
-        if self.length(layer) + n > self.max_tokens:
+        need = self.length(layer) + n
+        if need <= self.max_tokens:
+            return
+        if not self.grow:
             raise ValueError(f"appending {n} tokens to {self.length(layer)} exceeds the capacity "
-                             f"max_tokens={self.max_tokens} of layer {layer}")
+                             f"max_tokens={self.max_tokens} of layer {layer} (grow=False)")
+        if self.max_capacity is not None and need > self.max_capacity:
+            raise ValueError(f"appending {n} tokens to {self.length(layer)} exceeds max_capacity="
+                             f"{self.max_capacity} of layer {layer}")
+
+    def _grown_capacity(self, need: int) -> int:
+        """The capacity a growth to ``need`` tokens allocates: doubling (amortized O(1) copies per token),
+        at least ``need``, at most ``max_capacity``."""
+        cap = max(need, 2 * self.max_tokens)
+        return cap if self.max_capacity is None else min(cap, self.max_capacity)
+
+    def _grow_to(self, need: int) -> None:
+        """Reallocate every layer's state for :meth:`_grown_capacity` tokens and copy the old states in (each
+        array's pages, tables and counters keep their place: a state's capacity only sizes its pools and page
+        tables, whose used part is a prefix). The config changes only in ``max_tokens``. Called by
+        :meth:`_write` inside :meth:`_atomic`, which puts the old states back if the append then fails."""
+        fam = self.spec.family
+        if fam == "fp16" or need <= self.max_tokens:
+            return
+        cap = self._grown_capacity(need)
+        cfg = dataclasses.replace(self.cfg, max_tokens=cap)
+        with self._device_ctx():
+            if fam == "aqua":
+                new = self._mod.init(cfg, self.n_layers, self.batch, self.kv_heads, self.head_dim)
+                self._state = _copy_state(self._state, new, cfg)
+            else:
+                self._states = [_copy_state(old, self._mod.init(cfg, self.batch, self.kv_heads, self.head_dim), cfg)
+                                for old in self._states]
+        self.cfg, self.max_tokens = cfg, cap
+        self.growths += 1
 
     # ------------------------------------------------------------------ public API
 
@@ -786,6 +862,8 @@ class KVStore:
         if n == 0:
             return
         fam = self.spec.family
+        if fam != "aqua":                       # AQUA-KV: the tokens wait; the commit grows the state
+            self._grow_to(self.length(layer) + n)
         if fam == "fp16":
             if self._fp_dtype is None:
                 self._fp_dtype = kx.dtype                     # fixed by the first accepted append
@@ -818,12 +896,20 @@ class KVStore:
         memo, calls = dict(self._memo[layer]), self.dequantize_calls
         fp = (self._k[layer], self._v[layer], self._len[layer], self._fp_dtype) if fam == "fp16" else None
         waiting = (self._pending_k[layer], self._pending_v[layer]) if fam == "aqua" else None
+        sized = (self.cfg, self.max_tokens, self.growths,
+                 None if fam == "fp16" else (self._state if fam == "aqua" else list(self._states)))
         try:
             yield
         except BaseException:
             self._memo[layer].clear()
             self._memo[layer].update(memo)
             self.dequantize_calls = calls
+            if sized[2] != self.growths:               # a growth happened: the old states are intact
+                self.cfg, self.max_tokens, self.growths = sized[:3]
+                if fam == "aqua":
+                    self._state = sized[3]
+                else:
+                    self._states = sized[3]
             if fp is not None:
                 self._k[layer], self._v[layer], self._len[layer], self._fp_dtype = fp
             if waiting is not None:
@@ -896,10 +982,13 @@ class KVStore:
         else:
             K = np.stack([p[:, :, :n] for p in self._pending_k])
             V = np.stack([p[:, :, :n] for p in self._pending_v])
+        before = (self.cfg, self.max_tokens, self.growths, self._state)
         try:
+            self._grow_to(int(self._state.length) + n)
             with self._device_ctx():
                 self._mod.append(self.cfg, self.calibration, self._state, K, V)
         except (ValueError, TypeError) as e:
+            self.cfg, self.max_tokens, self.growths, self._state = before
             raise type(e)(f"{self.name} could not compress the {n} token(s) of every layer that this append "
                           f"completed, so the append was undone: {e}") from e
         for l in range(L):

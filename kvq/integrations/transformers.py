@@ -50,9 +50,10 @@ __all__ = ["DEFAULT_MAX_TOKENS", "KVQLayer", "KVQCache", "KIVICache", "KittyCach
 #: of any attention implementation, for comparisons)
 ATTENTION_MODES = ("auto", "dequantize")
 
-#: the default capacity per sequence: the model's max_position_embeddings, capped here (the page pools of
-#: every layer are preallocated for it; pass ``max_tokens=`` for longer contexts)
-DEFAULT_MAX_TOKENS = 4096
+#: the initial capacity per sequence of a cache made without ``max_tokens``: its pools then grow with the tokens
+#: (doubling, up to the model's max_position_embeddings), so a short prompt allocates little and a long
+#: generation never fails for a length the model supports
+DEFAULT_MAX_TOKENS = 256
 
 _BEAM = ("kvq caches do not support beam search or batch re-indexing: the compressed pages of a sequence "
          "cannot be reordered without re-quantizing; use greedy or sampling decoding (num_beams=1)")
@@ -166,8 +167,12 @@ class KVQLayer(CacheLayerMixin):
         return 0 if store is None else store.length(self.layer_idx)
 
     def get_max_length(self) -> int:
-        """The capacity per sequence (``max_tokens``)."""
-        return self._cache.max_tokens
+        """The fixed capacity per sequence (``max_tokens``), or -1 when the capacity grows."""
+        return self._cache.get_max_cache_shape()
+
+    def get_max_cache_shape(self) -> int:
+        """Same as :meth:`get_max_length`."""
+        return self._cache.get_max_cache_shape()
 
     def offload(self):
         """Offloading is not supported (the compressed state stays where the backend keeps it): no-op."""
@@ -209,7 +214,10 @@ class KVQCache(Cache):
             ``AquaPredictors`` or "identity" (see ``methods.resolve_calibration``); or the path of a file
             from ``kvq calibrate`` (checked against this model's shape; an AQUA-KV file also gives the
             configuration its predictors were fit for, which explicit overrides still replace).
-        max_tokens: capacity per sequence (default ``min(max_position_embeddings, DEFAULT_MAX_TOKENS)``).
+        max_tokens: a fixed capacity per sequence, every page preallocated (what a captured CUDA graph
+            needs). Default None: the capacity starts at ``DEFAULT_MAX_TOKENS`` (at most the model's
+            max_position_embeddings) and grows with the tokens (``KVStore(grow=True)``: doubling, pages copied)
+            up to max_position_embeddings.
         attention: "auto" (default): switch a model to kvq's attention function (``use_kvq_attention``) and
             decode through the method's fused decode; "dequantize": ``update`` returns the whole cache
             dequantized for the model's own attention (the slow path; for comparisons).
@@ -237,11 +245,13 @@ class KVQCache(Cache):
             raise ValueError(f"attention={attention!r} is unknown; choose one of {ATTENTION_MODES}")
         config = _text_config(model_or_config)
         dims = model_dims(config)
+        mpe = dims["max_position_embeddings"]
+        self.grow = max_tokens is None
+        self.max_capacity = int(mpe) if (self.grow and mpe) else None
         if max_tokens is None:
-            mpe = dims["max_position_embeddings"]
             max_tokens = min(int(mpe), DEFAULT_MAX_TOKENS) if mpe else DEFAULT_MAX_TOKENS
         max_tokens = M._check_pos_int("max_tokens", max_tokens)
-        _check_attention_layers(config, max_tokens)
+        _check_attention_layers(config, self.max_capacity or max_tokens)
         if isinstance(calibration, (str, os.PathLike)) and str(calibration) != "identity":
             calibration, file_overrides = load_calibration_file(method, calibration, dims)
             overrides = {**file_overrides, **overrides}
@@ -305,7 +315,8 @@ class KVQCache(Cache):
             self._store = M.KVStore(self.method, n_layers=self.n_layers, batch=int(key_states.shape[0]),
                                     kv_heads=self.kv_heads, head_dim=self.head_dim, max_tokens=self.max_tokens,
                                     backend=self.backend, calibration=self._calibration,
-                                    device=key_states.device, memoize=False, **self._overrides)
+                                    device=key_states.device, memoize=False, grow=self.grow,
+                                    max_capacity=self.max_capacity, **self._overrides)
         return self._store
 
     def _update(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -409,12 +420,17 @@ class KVQCache(Cache):
         return self.max_batch_size
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        """The capacity per sequence, ``max_tokens``."""
-        return self.max_tokens
+        """The fixed capacity per sequence (``max_tokens``), or -1 when the capacity grows (as a dynamic cache)."""
+        return -1 if self.grow else self.max_tokens
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
-        """The capacity per sequence, ``max_tokens``."""
-        return self.max_tokens
+        """Same as :meth:`get_max_cache_shape`."""
+        return self.get_max_cache_shape()
+
+    def allocated_bytes(self) -> int:
+        """Bytes every layer's state holds, unused capacity included (``memory_bytes`` counts the cached
+        tokens only); 0 before the first update."""
+        return 0 if self._store is None else self._store.allocated_bytes()
 
     # ------------------------------------------------------------------ memory
 

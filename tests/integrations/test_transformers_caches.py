@@ -252,7 +252,9 @@ def test_two_bits_further_than_four():
 def test_cache_api():
     model = tiny()
     cache = KIVICache(model, **SMALL["KIVI-K2V2"])
-    assert cache.method == "KIVI-K2V2" and cache.max_tokens == 512 and cache.get_max_length() == 512
+    # no max_tokens: the capacity starts at 256 and grows up to max_position_embeddings (512), as a dynamic cache
+    assert cache.method == "KIVI-K2V2" and cache.max_tokens == 256 and cache.get_max_length() == -1
+    assert cache.grow and cache.max_capacity == 512 and cache.layers[0].get_max_cache_shape() == -1
     assert cache.get_seq_length() == 0 and cache.max_batch_size == -1 and cache.memory_bytes() == 0
     assert cache.is_compileable is False and len(cache) == 2
     with torch.no_grad():
@@ -374,8 +376,8 @@ def test_triton_backend_in_model(triton_device, name):
     out = model.generate(prompt(20).to(triton_device), max_new_tokens=32, min_new_tokens=32, do_sample=False,
                          past_key_values=cache)
     assert out.shape == (1, 52) and compressed_tokens(cache) > 0 and cache.store.backend == "triton"
-    ref = M.KVStore(name, n_layers=2, batch=1, kv_heads=2, head_dim=32, max_tokens=512, backend="reference",
-                    **SMALL[name])
+    ref = M.KVStore(name, n_layers=2, batch=1, kv_heads=2, head_dim=32, max_tokens=cache.store.max_tokens,
+                    backend="reference", **SMALL[name])            # the capacity the cache has now (it grows)
     for l, k, v in log:
         ref.append(l, k.cpu(), v.cpu())
     for l in (0, 1):

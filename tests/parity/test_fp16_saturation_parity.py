@@ -268,3 +268,38 @@ def test_a_cpu_tensor_error_names_the_interpreter():
         C.check_tensor(torch.zeros(2), "x")
     with pytest.raises(ValueError, match=r"x is on cpu; expected a CUDA device .*interpreter"):
         C.check_float(torch.zeros(2), "x")
+
+
+# ---------------------------------------------------------------------------------------------------
+# attention outputs: the merge's last rounding to fp16 saturates too (a softmax average of values at
+# +-65504 may round past it in fp32: its fp16 weights need not sum to exactly 1)
+
+
+def test_fast_to_out_saturates_as_the_reference():
+    x = np.array([7e4, -7e4, 65519.0, 65520.0, -65536.0, np.nan, np.inf, -np.inf, 1.5, 0.0, -0.0], np.float32)
+    for dt in ("float16", "float32"):
+        got = C.to_out(torch.from_numpy(x), dt)
+        assert got.dtype == _TORCH_OUT[dt]
+        assert_bits_equal(got, nx.to_out(x, dt), f"to_out {dt}")
+    got = C.to_out(torch.from_numpy(x), torch.bfloat16).float().numpy()   # bf16: a plain rounding (NaN payloads
+    assert np.array_equal(got, nx.to_out(x, "bfloat16"), equal_nan=True)  # differ between torch and NumPy)
+
+
+def test_fast_decode_query_nan_is_refused_while_validating(fast_target):
+    """Rule 8 at the fast decode's boundary, as the reference: NaN / inf in q raise while validation is on (a
+    device read); with validation off (a model's hot path) NaN in q gives NaN out, never a finite one."""
+    backend, device = fast_target
+    K = _fast("kivi", backend)
+    from kvq.reference import kivi as RK
+    cfg = RK.KIVIConfig(group_size=32, residual=16, max_tokens=128)
+    st = K.init(cfg, 1, 2, 64, device=device)
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(1, 2, 70, 64, generator=g).half().to(device)
+    K.append(cfg, st, kv, kv.clone())
+    q = torch.randn(1, 4, 1, 64, generator=g).half().to(device)
+    q[0, 1, 0, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"q contains non-finite values \(1 NaN, 0 inf\)"):
+        K.decode_attention(cfg, st, q)
+    with C.validation(False):
+        out, _ = K.decode_attention(cfg, st, q)
+    assert bool(torch.isnan(out[0, 1]).all()) and bool(torch.isfinite(out[0, 0]).all())

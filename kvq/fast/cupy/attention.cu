@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(128) attn_merge(const float* __restrict__ o_pa
 #pragma unroll
     for (int i = 0; i < NDL; ++i) {
         const int d = d0 + 32 * i;
-        if (d < D) out[row * D + d] = Ty<DTO>::st(L > 0.0f ? A[i] / L : 0.0f);
+        if (d < D) out[row * D + d] = Ty<DTO>::st(sat_out<DTO>(L > 0.0f ? A[i] / L : 0.0f));
     }
     if (blockIdx.y == 0 && lane == 0) lse_out[row] = L > 0.0f ? M + logf(L) : -KVQ_INF;
 }

@@ -266,7 +266,7 @@ __device__ __forceinline__ void rotation_store(double (*part)[32], double acc, i
         double y = part[0][jj];
 #pragma unroll
         for (int k = 1; k < RS_SLICES; ++k) y += part[k][jj];
-        *dst = Ty<DTO>::st((float)y);
+        *dst = Ty<DTO>::st(sat_out<DTO>((float)y));
     }
 }
 

@@ -299,4 +299,4 @@ def decode(cfg, st, qr, *, scale=None, precise: bool = True, out_dtype=torch.flo
     A._merge_launch(*parts, out, lse, rows, S, D, log2=False)
     if R_out is not None:
         out = _O._rotate_heads(out, R_out)
-    return out.to(out_dtype), lse
+    return C.to_out(out, out_dtype), lse

@@ -1,0 +1,158 @@
+"""Capacity follows use (issue 37, item 4): a store made with ``grow=True`` reallocates its states as tokens
+arrive (doubling, pages copied) and holds exactly what a store preallocated for the whole length holds; the
+HF caches grow by default, so a short prompt allocates little and a generation never fails for a length the
+model supports. A rejected append leaves a grown store as it was."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvq.integrations import methods as M
+
+from .small import SMALL
+
+QUANTIZED = [n for n, s in M.METHODS.items() if s.family != "fp16"]
+#: appends of a model's life: a prompt, single decode tokens, a long chunk that forces two doublings at once
+STEPS = (40, 1, 30, 50, 1, 1, 120, 7)
+
+
+def _store(name, backend, max_tokens, device=None, **kw):
+    cal = "identity" if M.METHODS[name].family in ("oscar", "aqua") else None
+    return M.KVStore(name, n_layers=2, batch=1, kv_heads=2, head_dim=64, max_tokens=max_tokens, backend=backend,
+                     calibration=cal, device=device, **kw)
+
+
+def _feed(stores, steps=STEPS, seed=0):
+    rng = np.random.default_rng(seed)
+    for T in steps:
+        k = rng.standard_normal((1, 2, T, 64)).astype(np.float32)
+        v = rng.standard_normal((1, 2, T, 64)).astype(np.float32)
+        for layer in range(2):
+            for s in stores:
+                s.append(layer, k, v)
+
+
+def _same_contents(a, b):
+    for layer in range(2):
+        Ka, Va = a.keys_values(layer)
+        Kb, Vb = b.keys_values(layer)
+        assert torch.equal(Ka, Kb) and torch.equal(Va, Vb), layer
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_a_growing_store_holds_what_a_preallocated_one_holds(name):
+    grown, fixed = _store(name, "reference", 64, grow=True), _store(name, "reference", 1024)
+    _feed([grown, fixed])
+    # lengths 40, 41, 71 (> 64: doubled to 128), 121, 122, 123, 243 (> 128: max(243, 256)), 250
+    assert grown.growths == 2 and grown.max_tokens == 256
+    assert grown.length(0) == fixed.length(0) == sum(STEPS) == 250
+    assert grown.cfg.max_tokens == grown.max_tokens and grown.state(0).cfg == grown.cfg
+    _same_contents(grown, fixed)
+    assert grown.allocated_bytes() < fixed.allocated_bytes()
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_a_growing_triton_store_holds_what_a_preallocated_one_holds(name, triton_device):
+    grown = _store(name, "triton", 32, device=triton_device, grow=True)
+    fixed = _store(name, "triton", 256, device=triton_device)
+    _feed([grown, fixed], steps=(20, 1, 30, 1, 60))
+    assert grown.growths >= 2 and grown.state(1).cfg.max_tokens == grown.max_tokens
+    _same_contents(grown, fixed)
+
+
+def test_growth_doubles_and_stops_at_max_capacity():
+    s = _store("KIVI-K2V2", "reference", 64, grow=True, max_capacity=200)
+    _feed([s], steps=(64,))
+    assert s.growths == 0 and s.max_tokens == 64
+    _feed([s], steps=(1,))
+    assert s.growths == 1 and s.max_tokens == 128           # doubled, not grown to the 65 needed
+    _feed([s], steps=(100,))
+    assert s.max_tokens == 200                               # capped at max_capacity
+    before = s.state_arrays(0)
+    with pytest.raises(ValueError, match="exceeds max_capacity=200 of layer 0"):
+        _feed([s], steps=(40,))
+    after = s.state_arrays(0)
+    assert all(np.array_equal(before[n], after[n]) for n in before) and s.length(0) == 165
+
+
+def test_a_fixed_store_refuses_beyond_its_capacity():
+    s = _store("KIVI-K2V2", "reference", 64)
+    _feed([s], steps=(64,))
+    with pytest.raises(ValueError, match=r"exceeds the capacity max_tokens=64 of layer 0 \(grow=False\)"):
+        _feed([s], steps=(1,))
+    assert s.length(0) == 64 and s.growths == 0
+
+
+def test_a_rejected_append_that_would_grow_leaves_the_store_as_it_was():
+    s = _store("Kitty", "reference", 64, grow=True)
+    _feed([s], steps=(60,))
+    cfg, cap, before = s.cfg, s.max_tokens, s.state_arrays(0)
+    k = np.random.default_rng(3).standard_normal((1, 2, 10, 64)).astype(np.float32)
+    k[0, 1, 7, 5] = np.nan                                   # refused by the method's append, after the growth
+    with pytest.raises(ValueError, match="k"):
+        s.append(0, k, k.copy())
+    after = s.state_arrays(0)
+    assert s.cfg is cfg and s.max_tokens == cap and s.growths == 0 and s.state(0).cfg is cfg
+    assert before.keys() == after.keys() and all(np.array_equal(before[n], after[n]) for n in before)
+    _feed([s], steps=(10,))                                  # and a good append afterwards grows it
+    assert s.growths == 1 and s.length(0) == 70
+
+
+def test_aqua_grows_at_its_commit():
+    grown, fixed = _store("AQUA-KV-uniform", "reference", 32, grow=True), _store("AQUA-KV-uniform", "reference", 512)
+    _feed([grown, fixed], steps=(40, 1, 100))
+    assert grown.growths >= 2
+    _same_contents(grown, fixed)
+
+
+@pytest.mark.parametrize("bad, err, match", [
+    (dict(grow=1), TypeError, "grow must be True or False"),
+    (dict(grow=True, max_capacity=0), ValueError, "max_capacity must be a positive int"),
+    (dict(grow=True, max_capacity=32), ValueError, "max_capacity=32 is below max_tokens=64"),
+])
+def test_growth_arguments_are_checked(bad, err, match):
+    with pytest.raises(err, match=match):
+        _store("KIVI-K2V2", "reference", 64, **bad)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the HF caches: grow by default, fixed with max_tokens
+
+transformers = pytest.importorskip("transformers")
+from kvq.integrations.transformers import DEFAULT_MAX_TOKENS, make_cache  # noqa: E402
+
+from .test_transformers_caches import prompt, tiny  # noqa: E402
+
+
+def test_an_hf_cache_grows_past_its_initial_capacity_during_generate():
+    model = tiny()                                            # max_position_embeddings 512
+    cache = make_cache("KIVI-K2V2", model, **SMALL["KIVI-K2V2"])
+    assert cache.grow and cache.get_max_cache_shape() == -1 and cache.allocated_bytes() == 0
+    with torch.no_grad():
+        model.generate(prompt(DEFAULT_MAX_TOKENS - 6), max_new_tokens=20, min_new_tokens=20, do_sample=False,
+                       past_key_values=cache)
+    store = cache.store
+    assert store.length(0) == DEFAULT_MAX_TOKENS + 13 and store.growths == 1
+    assert store.max_tokens == 2 * DEFAULT_MAX_TOKENS and store.max_capacity == 512
+
+
+def test_a_short_prompt_allocates_in_proportion():
+    model = tiny()
+    grown = make_cache("KIVI-K2V2", model, **SMALL["KIVI-K2V2"])
+    fixed = make_cache("KIVI-K2V2", model, max_tokens=512, **SMALL["KIVI-K2V2"])
+    with torch.no_grad():
+        model(prompt(30), past_key_values=grown)
+        model(prompt(30), past_key_values=fixed)
+    assert grown.memory_bytes() == fixed.memory_bytes() > 0
+    assert 0 < grown.allocated_bytes() < fixed.allocated_bytes() / 1.5
+    assert fixed.get_max_cache_shape() == 512 and not fixed.grow
+
+
+def test_a_fixed_hf_cache_refuses_beyond_max_tokens():
+    model = tiny()
+    cache = make_cache("KIVI-K2V2", model, max_tokens=40, **SMALL["KIVI-K2V2"])
+    with torch.no_grad():
+        model(prompt(36), past_key_values=cache)
+        with pytest.raises(ValueError, match="exceeds the capacity max_tokens=40"):
+            model(prompt(8), past_key_values=cache)
+    assert cache.get_seq_length() == 36
