@@ -10,6 +10,8 @@
 #             (benchmarks/memcheck_caches.py) -> memcheck.log
 #   e2e       benchmarks/bench_e2e.py (E2E_ARGS) -> e2e.json, e2e.log; optimum-quanto and hqq are installed
 #             from .whl/ (carried) into /tmp/site for this step only
+#   host      benchmarks/profile_host.py (HOST_METHODS, HOST_BACKEND, HOST_ARGS) -> host.json, host.log,
+#             host-profiles.tar.gz
 # KVQ_COMMIT names the commit in the results (the device copy's .git may be stale).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,6 +51,17 @@ for step in $STEPS; do
         python3 benchmarks/bench_e2e.py --out "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
     echo "e2e rc=$?"
     grep -v -i warn "$OUT/e2e.log" | tail -n 60
+    ;;
+  host)
+    # the eager host cost of one decode call (profile_host.py: host / wall / graph-replay us per call, and
+    # cProfile tables, packed into one file to keep $OUT under the device tool's file count)
+    mkdir -p /tmp/host
+    timeout -k 10 "${HOST_TIMEOUT:-240}" python3 benchmarks/profile_host.py --out /tmp/host \
+        --methods "${HOST_METHODS:-KIVI-K2V2,Kitty,OSCAR}" --backend "${HOST_BACKEND:-cupy}" ${HOST_ARGS:-} > "$OUT/host.log" 2>&1
+    echo "host rc=$?"
+    cp /tmp/host/host.json "$OUT/host.json" 2>/dev/null
+    tar -czf "$OUT/host-profiles.tar.gz" -C /tmp/host . 2>/dev/null
+    tail -n 20 "$OUT/host.log"
     ;;
   *) echo "unknown step $step" ;;
   esac

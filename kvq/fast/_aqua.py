@@ -35,6 +35,7 @@ import torch
 from kvq.fast import _common as C
 from kvq.fast._higgs import index_dtype
 from kvq.reference import aqua as RA
+from kvq.reference import checks
 from kvq.reference.quant import check_groups
 
 F16 = torch.float16
@@ -230,20 +231,24 @@ def _layer_predictors(cfg, P, l: int, device, K_prev_hat, V_prev_hat):
 # Algorithms 2 and 3, one layer
 
 
-def _f32(x, name: str, allow_cpu: bool) -> torch.Tensor:
-    C.check_float(x, name, allow_cpu=allow_cpu)
-    return x.float()
+def _encode_codes(ops, bb, x, what: str) -> dict:
+    """:func:`encode_codes`; a refusal (NaN, a scale beyond the metadata dtype) names what was quantized,
+    with the reference's message (``aqua._backbone_encode``)."""
+    try:
+        return encode_codes(ops, bb, x)
+    except ValueError as e:
+        raise ValueError(f"{what} cannot be quantized by the {bb.label} backbone: {e}") from e
 
 
-def _encode_one(ops, bb, x, pred, parts):
+def _encode_one(ops, bb, x, pred, parts, what: str):
     """(codes, x_hat) of one of K / V: ``Q(x - pred)``, ``Q^-1(codes) + pred`` (pred = 0 without predictor:
     the reference's ``x - 0`` and ``Q^-1(codes) + 0``, which turns -0.0 into +0.0)."""
     F = x.shape[-1]
     if pred is None:
-        q = encode_codes(ops, bb, x)
+        q = _encode_codes(ops, bb, x, what)
         return q, reconstruct(ops, bb, q, F) + 0.0
     y = predict(pred, parts)
-    q = encode_codes(ops, bb, x - (y + pred.bias))
+    q = _encode_codes(ops, bb, x - (y + pred.bias), what)
     return q, reconstruct(ops, bb, q, F, y, pred.bias)
 
 
@@ -253,22 +258,101 @@ def _decode_one(ops, bb, q, F, pred, parts):
     return reconstruct(ops, bb, q, F, predict(pred, parts), pred.bias)
 
 
+def _tokens(x, name: str, allow_cpu: bool) -> None:
+    """Token vectors (..., F): a float16 / bfloat16 / float32 tensor on an allowed device, F >= 1."""
+    C.check_float(x, name, allow_cpu=allow_cpu)
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"{name} must be token vectors (..., F) with F >= 1, got shape {tuple(x.shape)}")
+
+
+def _prev_hat(x, name: str, l: int, shape: tuple, device, allow_cpu: bool, validate: bool) -> torch.Tensor:
+    """The previous layer's reconstruction ``name`` of the same tokens: a float tensor of ``shape`` on
+    ``device`` (fp32 out), finite when ``validate`` (and validation is on)."""
+    if x is None:
+        raise ValueError(f"layer {l} is predicted from layer {l - 1}: give K_prev_hat and V_prev_hat "
+                         f"(layer {l - 1}'s reconstructions)")
+    C.check_float(x, name, allow_cpu=allow_cpu)
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)} (layer {l - 1}'s reconstruction of the same "
+                         f"tokens), got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device}; the codes / token vectors are on {device}")
+    if validate:
+        C.check_finite(x, name, "predict from them")
+    return x.float()
+
+
 def encode(ops, cfg, P, l: int, K, V, K_prev_hat=None, V_prev_hat=None):
-    """Algorithm 2 and its reconstruction for layer l: token vectors (..., F) -> (Kq, Vq, K_hat, V_hat)."""
+    """Algorithm 2 and its reconstruction for layer l: token vectors (..., F) -> (Kq, Vq, K_hat, V_hat).
+
+    The reference's checks first (``kvq.reference.aqua.encode``: cfg, P and its predictors of layer l, l,
+    K and V of one shape, the previous layer's reconstructions where they are read), on tensor shapes,
+    dtypes and devices; the NaN / inf checks of K, V and the reconstructions while validation is on."""
     allow = ops.allow_cpu()
-    K, V = _f32(K, "K", allow), _f32(V, "V", allow)
+    RA.check_config(cfg)
+    _tokens(K, "K", allow)
+    _tokens(V, "V", allow)
+    if tuple(K.shape) != tuple(V.shape):
+        raise ValueError(f"K and V must have the same shape (..., F), got {tuple(K.shape)} and {tuple(V.shape)}")
+    if V.device != K.device:
+        raise ValueError(f"V is on {V.device}; K is on {K.device}")
+    l = RA.check_layer(cfg, P, l, K.shape[-1])
+    C.check_finite(K, "K")
+    C.check_finite(V, "V")
+    if l and cfg.predict_keys and P.f_key[l] is not None:
+        K_prev_hat = _prev_hat(K_prev_hat, "K_prev_hat", l, K.shape, K.device, allow, True)
+    if l and cfg.predict_values and P.f_value[l] is not None:
+        V_prev_hat = _prev_hat(V_prev_hat, "V_prev_hat", l, K.shape, K.device, allow, True)
+    return _encode(ops, cfg, P, l, K.float(), V.float(), K_prev_hat, V_prev_hat)
+
+
+def _encode(ops, cfg, P, l: int, K, V, K_prev_hat=None, V_prev_hat=None):
+    """:func:`encode` on checked fp32 arguments (the cache calls it for every chunk)."""
     F = K.shape[-1]
     if l == 0:
-        Kq, Vq = encode_codes(ops, cfg.first_layer, K), encode_codes(ops, cfg.first_layer, V)
+        Kq = _encode_codes(ops, cfg.first_layer, K, "K of layer 0")
+        Vq = _encode_codes(ops, cfg.first_layer, V, "V of layer 0")
         return Kq, Vq, reconstruct(ops, cfg.first_layer, Kq, F), reconstruct(ops, cfg.first_layer, Vq, F)
     fk, fv = _layer_predictors(cfg, P, l, K.device, K_prev_hat, V_prev_hat)
-    Kq, K_hat = _encode_one(ops, cfg.backbone, K, fk, [K_prev_hat])
-    Vq, V_hat = _encode_one(ops, cfg.backbone, V, fv, [V_prev_hat, K_hat])
+    Kq, K_hat = _encode_one(ops, cfg.backbone, K, fk, [K_prev_hat], RA._what("K", l, fk, "f_key"))
+    Vq, V_hat = _encode_one(ops, cfg.backbone, V, fv, [V_prev_hat, K_hat], RA._what("V", l, fv, "f_value"))
     return Kq, Vq, K_hat, V_hat
 
 
+def _tensor_dtype(a) -> str:
+    """A tensor's dtype as the reference names it: "uint8", "float16", ..."""
+    return str(a.dtype).replace("torch.", "")
+
+
 def decode(ops, cfg, P, l: int, Kq: dict, Vq: dict, F: int, K_prev_hat=None, V_prev_hat=None):
-    """Algorithm 3 for layer l: codes (and the previous layer's reconstructions) -> (K_hat, V_hat) (..., F)."""
+    """Algorithm 3 for layer l: codes (and the previous layer's reconstructions) -> (K_hat, V_hat) (..., F).
+
+    The reference's checks first (``kvq.reference.aqua.decode``: cfg, P, l, F, the codes' names, dtypes and
+    shapes, the reconstructions' shapes), on tensor metadata only: no value is read on the host."""
+    allow = ops.allow_cpu()
+    RA.check_config(cfg)
+    F = checks.int_arg(F, "F", lo=1)
+    l = RA.check_layer(cfg, P, l, F)
+    bb = cfg.first_layer if l == 0 else cfg.backbone
+    lead = None
+    for name, codes in (("Kq", Kq), ("Vq", Vq)):
+        lead = RA.check_codes(bb, codes, name, F, lead, array_type=torch.Tensor, dtype_name=_tensor_dtype)
+        for n, a in codes.items():
+            C.check_tensor(a, f"{name}[{n!r}]", allow_cpu=allow)
+    devices = {a.device for codes in (Kq, Vq) for a in codes.values()}
+    if len(devices) > 1:
+        raise ValueError(f"Kq and Vq must be on one device, got {sorted(map(str, devices))}")
+    device = next(iter(devices), None)
+    if lead is not None and l:
+        if cfg.predict_keys and P.f_key[l] is not None:
+            K_prev_hat = _prev_hat(K_prev_hat, "K_prev_hat", l, lead + (F,), device, allow, False)
+        if cfg.predict_values and P.f_value[l] is not None:
+            V_prev_hat = _prev_hat(V_prev_hat, "V_prev_hat", l, lead + (F,), device, allow, False)
+    return _decode(ops, cfg, P, l, Kq, Vq, F, K_prev_hat, V_prev_hat)
+
+
+def _decode(ops, cfg, P, l: int, Kq: dict, Vq: dict, F: int, K_prev_hat=None, V_prev_hat=None):
+    """:func:`decode` on checked arguments (the cache calls it for every layer)."""
     if l == 0:
         return reconstruct(ops, cfg.first_layer, Kq, F), reconstruct(ops, cfg.first_layer, Vq, F)
     fk, fv = _layer_predictors(cfg, P, l, next(iter(Kq.values())).device, K_prev_hat, V_prev_hat)
@@ -276,15 +360,30 @@ def decode(ops, cfg, P, l: int, Kq: dict, Vq: dict, F: int, K_prev_hat=None, V_p
     return K_hat, _decode_one(ops, cfg.backbone, Vq, F, fv, [V_prev_hat, K_hat])
 
 
+def _layout_tensor(x, name: str, ndim: int, dims: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__} (the reference tier "
+                        f"kvq.reference takes NumPy arrays)")
+    if x.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"{name} is on {x.device}; expected a CUDA device or the CPU")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions {dims}, got shape {tuple(x.shape)}")
+
+
 def to_tokens(x) -> torch.Tensor:
     """Mirrors `kvq.reference.aqua.to_tokens`: (B, H, T, D) -> (B, T, H * D), each token's heads
-    concatenated, contiguous. Differences: a torch tensor (the same values)."""
+    concatenated, contiguous. Differences: a torch tensor (the same values) on a CUDA device or the CPU."""
+    _layout_tensor(x, "x", 4, "(B, H, T, D)")
     B, H, T, D = x.shape
     return x.transpose(1, 2).reshape(B, T, H * D).contiguous()
 
 
 def from_tokens(x, H: int) -> torch.Tensor:
     """Mirrors `kvq.reference.aqua.from_tokens`: (B, T, H * D) -> (B, H, T, D), contiguous.
-    Differences: a torch tensor (the same values)."""
+    Differences: a torch tensor (the same values) on a CUDA device or the CPU."""
+    _layout_tensor(x, "x", 3, "(B, T, H * D)")
+    H = checks.int_arg(H, "H", lo=1)
     B, T, F = x.shape
+    if F % H:
+        raise ValueError(f"H={H} does not divide x.shape[-1]={F} (token vectors of H * D values)")
     return x.reshape(B, T, H, F // H).transpose(1, 2).contiguous()

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kvq.fast import _common as C
-from kvq.fast._aqua import check_backbone, decode, encode, to_tokens
+from kvq.fast._aqua import _decode, _encode, check_backbone, to_tokens
 from kvq.fast._oscar import _dtype_name
 from kvq.reference import aqua_cache as RAC
 from kvq.reference import state as RS
@@ -191,7 +191,7 @@ def _encode_chunk(ops, cfg, P, st: AquaTensorState, k16, v16, c: int) -> list:
         k = k16[l].float()
         if cfg.pre_rope:
             k = _rope(k, cos, sin, inverse=True)
-        Kq, Vq, K_hat, V_hat = encode(ops, cfg, P, l, to_tokens(k), to_tokens(v16[l].float()), K_hat, V_hat)
+        Kq, Vq, K_hat, V_hat = _encode(ops, cfg, P, l, to_tokens(k), to_tokens(v16[l].float()), K_hat, V_hat)
         out.append((Kq, Vq))
     return out
 
@@ -278,7 +278,7 @@ def decode_layer(ops, cfg, P, st: AquaTensorState, l: int, prev=None) -> tuple:
         if len(prev) != 2 or any(tuple(p.shape) != want for p in prev):
             raise ValueError(f"prev must be layer {l - 1}'s (K_hat, V_hat), each of shape {want}")
     Kq, Vq = _layer_codes(st, l, n)
-    return decode(ops, cfg, P, l, Kq, Vq, F, *(prev if l else (None, None)))
+    return _decode(ops, cfg, P, l, Kq, Vq, F, *(prev if l else (None, None)))
 
 
 def segments(cfg, st: AquaTensorState, l: int, hat) -> list:
@@ -330,5 +330,7 @@ def bits_per_value(cfg, n_layers: int, F: int):
 def state_bytes(st: AquaTensorState) -> int:
     """Mirrors `kvq.reference.aqua_cache.state_bytes`: bytes of every tensor of the state (the same count:
     the same shapes and dtypes). Differences: takes an :class:`AquaTensorState`."""
+    if not isinstance(st, AquaTensorState):
+        raise TypeError(f"st must be an AquaTensorState (an AQUA-KV cache made by init), got {type(st).__name__}")
     return int(sum(a.numel() * a.element_size() for a in st.arrays().values()))
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from kvq.fast import _common as C
+from kvq.reference import kitty as RK
 from kvq.reference import numerics as nx
 from kvq.reference.kitty import SELECTIONS, KittyConfig
 from kvq.reference.kivi import KIVIConfig
@@ -183,6 +184,27 @@ def check_kpage(kpage, name="kpage", *, allow_cpu: bool = False):
     if kpage.dtype not in (torch.float16, torch.float32):
         raise TypeError(f"{name} has dtype {kpage.dtype}; kvq quantizes float16 / bfloat16 / float32 data "
                         f"(bfloat16 as float32 values in NumPy). Convert explicitly, e.g. {name}.float().")
+    RK.check_kpage_shape(kpage.shape, name)                      # (..., G, D) with G >= 1, as the reference
+
+
+def check_select_boost(scores, d_boost, selection, rng, *, allow_cpu: bool = False) -> int:
+    """The arguments of the public ``select_boost`` (the reference's rules and messages): ``scores`` a
+    float tensor (..., D) on an allowed device, finite while validation is on (NaN would sort as the
+    largest score; one device read), then ``kvq.reference.kitty.check_boost_args``. Returns d_boost."""
+    C.check_tensor(scores, "scores", allow_cpu=allow_cpu)
+    if not scores.is_floating_point():
+        raise TypeError(f"scores must be a real floating tensor (float16 / bfloat16 / float32 / float64), "
+                        f"got dtype {scores.dtype}")
+    if scores.dim() == 0:
+        raise ValueError(f"scores must have at least 1 dimension(s) (..., D), got shape {tuple(scores.shape)}")
+    d_boost = RK.check_boost_args(d_boost, selection, rng, scores.shape[-1])
+    C.check_finite(scores, "scores")
+    return d_boost
+
+
+def check_page(page) -> None:
+    """A Kitty page dict (``kvq.reference.kitty.check_page``: its keys, the reference's messages)."""
+    RK.check_page(page)
 
 
 def channel_scores(kpage) -> torch.Tensor:

@@ -171,7 +171,8 @@ def meta_shape(shape, axis: int, G: int):
 
 
 def check_qkv(q, k, v, *, allow_cpu: bool = False) -> None:
-    """One (q, k, v) of a decode: 4-D (B, H, T, D) tensors of one float dtype and device, GQA shapes."""
+    """One (q, k, v) of a decode: 4-D (B, H, T, D) tensors of one float dtype and device, GQA shapes, finite
+    while validation is on."""
     for name, a in (("q", q), ("k", k), ("v", v)):
         check_tensor(a, name, allow_cpu=allow_cpu)
         if a.dim() != 4:
@@ -184,6 +185,8 @@ def check_qkv(q, k, v, *, allow_cpu: bool = False) -> None:
         raise TypeError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    for name, a in (("q", q), ("k", k), ("v", v)):            # rule 8, as the reference (while validating)
+        check_finite(a, name, "attend with them")
 
 
 def softmax_scale(scale, D: int) -> float:

@@ -68,8 +68,11 @@ def dequant_args(cfg: HiggsConfig, idx, scale, F: int, out_dtype, *, allow_cpu: 
     """The checks of either backend's ``higgs.dequantize`` (the reference's errors, in its order):
     idx (..., n_groups, g / d) in ``index_dtype(n)``, scale (..., n_groups) float16 / float32, a
     supported ``out_dtype``. Returns ``(index dtype, torch output dtype)``."""
+    from kvq.reference import checks
     from kvq.reference import numerics as nx
 
+    RG.check_config(cfg)                                         # the reference's first checks, its messages
+    F = checks.int_arg(F, "F", lo=1)
     C.check_tensor(idx, "idx", allow_cpu=allow_cpu)
     C.check_tensor(scale, "scale", allow_cpu=allow_cpu)
     g, d = cfg.group_size, cfg.d

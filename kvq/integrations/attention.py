@@ -142,8 +142,9 @@ def decode(store, layer: int, q: torch.Tensor, scale=None) -> torch.Tensor:
 
 def _no_value_scan():
     """The fast decode without its NaN / inf scan of q (``kvq.fast.validation(False)``): a scan is a device
-    synchronization per layer and step, and a model's query is its own; NaN in q gives NaN out (rule 8:
-    never silently finite). Shapes, dtypes and devices are still checked."""
+    synchronization per layer and step, and a model's query is its own (NaN there comes from NaN hidden
+    states, which reach the logits anyway). Triton's decodes give NaN out for a NaN query row; CuPy's may give
+    zeros (their running max skips NaN scores). Shapes, dtypes and devices are still checked."""
     return importlib.import_module("kvq.fast._common").validation(False)
 
 

@@ -20,18 +20,21 @@ turn a residual into codes follow the contract (``quant.py``, ``higgs.py``).
 
 from __future__ import annotations
 
+import math
+import weakref
 from dataclasses import dataclass, field
 from fractions import Fraction
 
 import numpy as np
 
-from . import higgs
+from . import checks, higgs
 from . import numerics as nx
 from .memory import CacheFormat, quantized_bits
 from .model import apply_rope
 from .packing import pack, unpack
 from .quant import dequantize as _dequantize
 from .quant import quantize as _quantize
+from .state import check_config as _check_config
 
 F32 = nx.F32
 
@@ -55,6 +58,7 @@ class Uniform:
 
     def __post_init__(self):
         nx.check_bits(self.bits, (2, 4, 8))
+        _check_uniform_fields(self, "")
 
     def encode(self, x) -> dict:
         codes, scale, mn = _quantize(x, self.bits, self.group_size, axis=-1, meta_dtype=self.meta_dtype)
@@ -74,11 +78,29 @@ class Uniform:
         return f"uniform {self.bits}-bit gs{self.group_size}"
 
 
+def _check_uniform_fields(u, prefix: str) -> None:
+    """A Uniform backbone's group_size (a positive int) and meta_dtype (one of ``numerics.META_DTYPES``);
+    ``prefix`` names the config field holding it ("backbone." / "first_layer.") or is empty."""
+    g = u.group_size
+    if isinstance(g, (bool, np.bool_)) or not isinstance(g, (int, np.integer)) or g < 1:
+        raise ValueError(f"{prefix}group_size must be a positive int, got {g!r}")
+    try:
+        ok = nx.dtype_name(u.meta_dtype) in nx.META_DTYPES
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{prefix}meta_dtype={u.meta_dtype!r} is not supported; choose one of {nx.META_DTYPES}")
+
+
 @dataclass(frozen=True)
 class Higgs:
     """HIGGS (``higgs.py``): Hadamard groups, RMS scale, nearest point of a (d, n) Gaussian grid."""
 
     cfg: higgs.HiggsConfig = field(default_factory=higgs.HiggsConfig)
+
+    def __post_init__(self):
+        if not isinstance(self.cfg, higgs.HiggsConfig):
+            raise TypeError(f"cfg must be a kvq.reference.higgs.HiggsConfig, got {type(self.cfg).__name__}")
 
     def encode(self, x) -> dict:
         idx, scale = higgs.quantize(self.cfg, x)
@@ -153,13 +175,8 @@ class AquaConfig:
             bb = getattr(self, name)
             if not all(hasattr(bb, m) for m in ("encode", "decode", "bits_per_value")):
                 raise TypeError(f"{name} must be a backbone (Uniform, Higgs, KeepFP16), got {bb!r}")
-            if isinstance(bb, Uniform):                               # (Uniform checks only its bits)
-                g = bb.group_size
-                if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g < 1:
-                    raise ValueError(f"{name}.group_size must be a positive int, got {g!r}")
-                if nx.dtype_name(bb.meta_dtype) not in nx.META_DTYPES:
-                    raise ValueError(f"{name}.meta_dtype={bb.meta_dtype!r} is not supported; choose one of "
-                                     f"{nx.META_DTYPES}")
+            if isinstance(bb, Uniform):                   # checked at its construction; again for a mutated one
+                _check_uniform_fields(bb, f"{name}.")
         for name in ("pre_rope", "predict_keys", "predict_values"):
             check_bool(self, name)
         if self.pre_rope and self.rope_theta is None:
@@ -191,7 +208,10 @@ class Predictor:
 
 @dataclass(frozen=True)
 class AquaPredictors:
-    """``f_key[l]``, ``f_value[l]`` for l = 1..L-1 (index 0 is None): the calibrated adapters."""
+    """``f_key[l]``, ``f_value[l]`` for l = 1..L-1 (index 0 is None): the calibrated adapters.
+
+    Every call checks them (:func:`check_predictors`); their weights' values are read once per object, so
+    their arrays must not be modified in place after a call (build a new AquaPredictors instead)."""
 
     f_key: tuple
     f_value: tuple
@@ -205,10 +225,228 @@ class AquaPredictors:
         return sum(p.n_params for p in self.f_key + self.f_value if p is not None)
 
 
+# ---------------------------------------------------------------------------------------------------
+# argument checks: the predictors, the codes, the token vectors (TypeError / ValueError naming the argument)
+
+
+def check_config(cfg) -> AquaConfig:
+    """``cfg`` must be an :class:`AquaConfig` (TypeError naming it otherwise)."""
+    _check_config(cfg, AquaConfig)
+    return cfg
+
+
+def _check_predictor_set(P, n_layers: int | None = None) -> int:
+    """``P`` must be :class:`AquaPredictors` whose ``f_key`` and ``f_value`` are sequences of one length
+    (``n_layers`` when given): one key and one value predictor (or None) per layer. Returns the length."""
+    if not isinstance(P, AquaPredictors):
+        raise TypeError(f"P must be AquaPredictors, got {type(P).__name__}")
+    fk, fv = P.f_key, P.f_value
+    if not isinstance(fk, (tuple, list)) or not isinstance(fv, (tuple, list)):
+        raise TypeError(f"P.f_key and P.f_value must be tuples of Predictor or None (one per layer), got "
+                        f"{type(fk).__name__} and {type(fv).__name__}")
+    if n_layers is not None and (len(fk) != n_layers or len(fv) != n_layers):
+        raise ValueError(f"predictors are for {len(fk)} layers (f_key) and {len(fv)} (f_value), the cache has "
+                         f"{n_layers}")
+    if len(fk) != len(fv) or not fk:
+        raise ValueError(f"P must hold one key and one value predictor (or None) per layer; got {len(fk)} (f_key) "
+                         f"and {len(fv)} (f_value)")
+    return len(fk)
+
+
+def _check_predictor(p, where: str, f_in: int, F: int) -> None:
+    """One predictor's layout: a :class:`Predictor` (or None: no prediction) mapping f_in -> F values, its
+    float32 matrices chained from f_in rows to F columns and an (F,) float32 intercept."""
+    if p is None:
+        return
+    if not isinstance(p, Predictor):
+        raise TypeError(f"{where} must be a Predictor or None, got {type(p).__name__}")
+    mats = tuple(p.mats) if isinstance(p.mats, (tuple, list)) else ()
+    dims, ok = [f_in], len(mats) >= 1
+    for m in mats:
+        matrix = isinstance(m, np.ndarray) and m.ndim == 2
+        ok = ok and matrix and m.dtype == np.float32 and m.shape[0] == dims[-1]
+        dims.append(m.shape[-1] if matrix else -1)
+    b = p.bias
+    ok = ok and dims[-1] == F and isinstance(b, np.ndarray) and b.dtype == np.float32 and b.shape == (F,)
+    if not ok:
+        got = [f"{getattr(m, 'dtype', type(m).__name__)} {np.shape(m)}" for m in mats]
+        raise ValueError(f"{where} must map {f_in} -> {F} values (float32 matrices chained from {f_in} "
+                         f"rows to {F} columns, an ({F},) float32 bias); got matrices {got}, bias "
+                         f"{getattr(b, 'dtype', type(b).__name__)} {np.shape(b)} (F = kv_heads * head_dim)")
+
+
+#: the AquaPredictors whose values :func:`_check_predictor_values` has read, by identity (weak references:
+#: an entry goes with its object, so a later object at the same address is read again)
+_VALUES_CHECKED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _check_predictor_values(P: AquaPredictors) -> None:
+    """Every matrix and intercept of P's predictors (layers >= 1) is finite, with |w| <= MAX_PREDICTOR_ABS
+    (``kvq.calibration``'s bound, 1e6: no ridge fit gives larger weights; NaN or 1e30 weights are a
+    corrupted calibration, whose predictions would be NaN or overflow float16), else ValueError naming it.
+
+    The values are read once per AquaPredictors object, remembered by identity (one read of every weight
+    per call would cost more than a decode step): P and its Predictors are frozen, and their arrays must
+    not be modified in place after a call (the fast tier keeps device copies of them too)."""
+    if _VALUES_CHECKED.get(id(P)) is P:
+        return
+    from kvq.calibration import MAX_PREDICTOR_ABS
+
+    for role in ("f_key", "f_value"):
+        for l, p in enumerate(getattr(P, role)):
+            if l == 0 or not isinstance(p, Predictor):
+                continue
+            parts = [(f".mats[{i}]", m) for i, m in enumerate(p.mats)] if isinstance(p.mats, (tuple, list)) else []
+            for part, a in parts + [(".bias", p.bias)]:
+                if not isinstance(a, np.ndarray) or a.dtype.kind != "f" or a.size == 0:
+                    continue                                    # (a layout error, found by _check_predictor)
+                top = float(np.max(np.abs(a)))
+                if not math.isfinite(top):
+                    raise ValueError(f"P.{role}[{l}]{part} holds NaN or inf weights; predictors must be finite "
+                                     f"(a corrupted calibration? recalibrate: `kvq calibrate aqua`)")
+                if top > MAX_PREDICTOR_ABS:
+                    raise ValueError(f"P.{role}[{l}]{part} holds |w| = {top:.3g} > kvq.calibration."
+                                     f"MAX_PREDICTOR_ABS = {MAX_PREDICTOR_ABS:g}: no ridge fit gives such weights "
+                                     f"(its predictions would overflow float16)")
+    _VALUES_CHECKED[id(P)] = P
+
+
+def check_predictors(cfg: AquaConfig, P, F: int, n_layers: int | None = None) -> None:
+    """``P`` must be :class:`AquaPredictors` (for ``n_layers`` layers when given) whose predictors, where
+    ``cfg`` uses them (None = no prediction for that layer), map token vectors of F values: ``f_key[l]``
+    F -> F, ``f_value[l]`` 2F -> F ([V_prev_hat; K_hat]), fp32 matrices chained and an (F,) fp32
+    intercept, every weight finite with |w| <= ``kvq.calibration.MAX_PREDICTOR_ABS``. TypeError /
+    ValueError naming P (its ``f_key`` / ``f_value``) before anything is read or written."""
+    L = _check_predictor_set(P, n_layers)
+    for role, preds, used, f_in in (("f_key", P.f_key, cfg.predict_keys, F),
+                                    ("f_value", P.f_value, cfg.predict_values, 2 * F)):
+        for l in range(1, L) if used else ():
+            _check_predictor(preds[l], f"predictors {role}[{l}]", f_in, F)
+    _check_predictor_values(P)
+
+
+def check_layer(cfg: AquaConfig, P, l, F: int) -> int:
+    """The checks of a call on one layer (``encode`` / ``decode``, both tiers): ``cfg`` an AquaConfig,
+    ``P`` AquaPredictors whose predictors of layer ``l`` (where cfg uses them) map token vectors of F
+    values and whose weights are finite and bounded (:func:`check_predictors`' rules), ``l`` an int in
+    [0, P.n_layers). Returns l as an int."""
+    check_config(cfg)
+    L = _check_predictor_set(P)
+    l = checks.int_arg(l, "l")
+    if not 0 <= l < L:
+        raise ValueError(f"layer index l={l} is outside [0, {L}) (P holds predictors for {L} layers)")
+    if l:
+        if cfg.predict_keys:
+            _check_predictor(P.f_key[l], f"P.f_key[{l}]", F, F)
+        if cfg.predict_values:
+            _check_predictor(P.f_value[l], f"P.f_value[{l}]", 2 * F, F)
+    _check_predictor_values(P)
+    return l
+
+
+_META = ("float16", "float32")
+
+
+def code_layout(bb, F: int) -> dict | None:
+    """The codes a backbone stores for one token vector of F values: ``{name: (tail shape, dtype names)}``
+    (the arrays are (..., *tail)); None for a backbone other than Uniform / Higgs / KeepFP16. ValueError
+    where F does not fit the backbone (uniform groups that do not divide F or fill whole bytes)."""
+    if isinstance(bb, Uniform):
+        g = bb.group_size
+        if F % g or (F * bb.bits) % 8:
+            raise ValueError(f"F={F} does not fit {bb.label} codes: the group size must divide F and F values of "
+                             f"{bb.bits} bits fill whole bytes")
+        return {"codes": ((F * bb.bits // 8,), ("uint8",)), "scale": ((F // g,), _META), "mn": ((F // g,), _META)}
+    if isinstance(bb, Higgs):
+        c = bb.cfg
+        n_g = c.n_groups(F)
+        return {"idx": ((n_g, c.group_size // c.d), (np.dtype(higgs.index_dtype(c.n)).name,)),
+                "scale": ((n_g,), _META)}
+    if isinstance(bb, KeepFP16):
+        return {"x": ((F,), ("float16",))}
+    return None
+
+
+def check_codes(bb, codes, name: str, F: int, lead: tuple | None = None, *, array_type=np.ndarray,
+                dtype_name=lambda a: a.dtype.name) -> tuple | None:
+    """``codes`` (``Kq`` / ``Vq``) must be a dict of the arrays ``bb`` stores for token vectors of F values
+    (:func:`code_layout`: the names, the dtypes, shapes (..., *tail) with one leading shape, ``lead`` when
+    given). Returns the leading shape (None for a backbone of unknown layout). ``array_type`` /
+    ``dtype_name``: the array class and dtype naming of the tier (the fast tiers pass torch's)."""
+    if not isinstance(codes, dict):
+        raise TypeError(f"{name} must be a dict of code arrays (as encode returns), got {type(codes).__name__}")
+    layout = code_layout(bb, F)
+    if layout is None:
+        return None
+    if set(codes) != set(layout):
+        raise ValueError(f"{name} must hold exactly the arrays {sorted(layout)} ({bb.label} codes); got "
+                         f"{sorted(str(k) for k in codes)}")
+    for n, (tail, dtypes) in layout.items():
+        a = codes[n]
+        if not isinstance(a, array_type):
+            raise TypeError(f"{name}[{n!r}] must be a {array_type.__module__}.{array_type.__name__}, got "
+                            f"{type(a).__name__}")
+        if dtype_name(a) not in dtypes:
+            raise TypeError(f"{name}[{n!r}] has dtype {dtype_name(a)}; {bb.label} codes store {' or '.join(dtypes)}")
+        shape = tuple(a.shape)
+        k = len(shape) - len(tail)
+        if k < 0 or shape[k:] != tail or (lead is not None and shape[:k] != lead):
+            want = "(" + ", ".join((["..."] if lead is None else [str(d) for d in lead]) + [str(d) for d in tail]) + ")"
+            raise ValueError(f"{name}[{n!r}] has shape {shape}; {bb.label} codes of F={F} values need {want}")
+        lead = shape[:k]
+    return lead
+
+
+def _tokens(x, name: str) -> np.ndarray:
+    """Token vectors (..., F) as fp32 (float16 / float32 in; others refused by ``nx.as_f32``)."""
+    if x is None:
+        raise TypeError(f"{name} must be an array of token vectors (..., F), got None")
+    a = nx.as_f32(x, name)
+    if a.ndim == 0 or a.shape[-1] == 0:
+        raise ValueError(f"{name} must be token vectors (..., F) with F >= 1, got shape {a.shape}")
+    return a
+
+
+def _prev_hat(x, name: str, l: int, shape: tuple | None, F: int) -> np.ndarray:
+    """The previous layer's reconstruction ``name`` (K_prev_hat / V_prev_hat) of the same tokens: fp32,
+    finite, of ``shape`` ((..., F) when None)."""
+    if x is None:
+        raise ValueError(f"layer {l} is predicted from layer {l - 1}: give K_prev_hat and V_prev_hat "
+                         f"(layer {l - 1}'s reconstructions)")
+    a = nx.as_f32(x, name)
+    fits = a.shape == tuple(shape) if shape is not None else (a.ndim >= 1 and a.shape[-1] == F)
+    if not fits:
+        want = tuple(shape) if shape is not None else f"(..., {F})"
+        raise ValueError(f"{name} must have shape {want} (layer {l - 1}'s reconstruction of the same tokens), "
+                         f"got {a.shape}")
+    nx.check_finite(a, name)
+    return a
+
+
+def _real_matrix(x, name: str, *, finite: bool) -> np.ndarray:
+    """``x`` as a float64 (N, F) matrix with N, F >= 1: float or integer dtype (bool, complex, strings and
+    objects refused), finite where ``finite``."""
+    if x is None:
+        raise TypeError(f"{name} must be a real matrix (N, F), got None")
+    a = np.asarray(x)
+    if a.dtype.kind not in "iuf":
+        raise TypeError(f"{name} must be a real matrix (float or integer dtype), got dtype {a.dtype}")
+    if a.ndim != 2 or 0 in a.shape:
+        raise ValueError(f"{name} must be a non-empty matrix (N, F), got shape {a.shape}")
+    a = a.astype(np.float64)
+    if finite and not np.all(np.isfinite(a)):
+        raise ValueError(f"{name} contains non-finite values ({int(np.isnan(a).sum())} NaN, "
+                         f"{int(np.isinf(a).sum())} inf); a regression on them gives NaN predictors")
+    return a
+
+
+# ---------------------------------------------------------------------------------------------------
+# fitting the predictors
+
+
 def _centered(X, Y):
-    X = np.asarray(X, np.float64)
-    Y = np.asarray(Y, np.float64)
-    if X.ndim != 2 or Y.ndim != 2 or X.shape[0] != Y.shape[0] or X.shape[0] < 2:
+    X, Y = _real_matrix(X, "X", finite=True), _real_matrix(Y, "Y", finite=True)
+    if X.shape[0] != Y.shape[0] or X.shape[0] < 2:
         raise ValueError(f"X {X.shape} and Y {Y.shape} must be (N, F_in) and (N, F_out) with N >= 2")
     mx, my = X.mean(0), Y.mean(0)
     return X - mx, Y - my, mx, my
@@ -217,7 +455,11 @@ def _centered(X, Y):
 def _ridge_solution(Xc, Yc, ridge: float):
     A = Xc.T @ Xc                                                # (F_in, F_in)
     lam = ridge * np.trace(A) / A.shape[0]                       # relative to the mean diagonal
-    return np.linalg.solve(A + lam * np.eye(A.shape[0]), Xc.T @ Yc)
+    try:
+        return np.linalg.solve(A + lam * np.eye(A.shape[0]), Xc.T @ Yc)
+    except np.linalg.LinAlgError:
+        raise ValueError(f"X gives a singular system (Xc^T Xc + lam I, ridge={ridge}): X is constant in every "
+                         f"column, or ridge=0 with linearly dependent columns") from None
 
 
 def fit_ridge(X, Y, ridge: float = 1e-3) -> Predictor:
@@ -225,7 +467,10 @@ def fit_ridge(X, Y, ridge: float = 1e-3) -> Predictor:
 
     ``W = (Xc^T Xc + lam I)^-1 Xc^T Yc`` on centered data, ``lam = ridge * mean(diag(Xc^T Xc))``, the
     intercept ``b = mean(Y) - mean(X) W`` unregularized. Solved in float64 (offline, once), stored fp32.
+    X, Y: finite float or integer matrices, N >= 2; ridge: a finite real >= 0. ValueError for a singular
+    system (X constant in every column, or ridge=0 with dependent columns).
     """
+    ridge = checks.real_arg(ridge, "ridge", 0.0)
     Xc, Yc, mx, my = _centered(X, Y)
     W = _ridge_solution(Xc, Yc, ridge)
     return Predictor((W.astype(F32),), (my - mx @ W).astype(F32))
@@ -233,7 +478,9 @@ def fit_ridge(X, Y, ridge: float = 1e-3) -> Predictor:
 
 def fit_reduced_rank(X, Y, rank: int, ridge: float = 1e-3) -> Predictor:
     """Reduced-rank (ridge) regression (Reinsel & Velu, 1998): the ridge W projected onto the top-``rank``
-    right singular vectors of the fitted values ``Xc W``; stored as factors (F_in, r) and (r, F_out)."""
+    right singular vectors of the fitted values ``Xc W``; stored as factors (F_in, r) and (r, F_out).
+    Arguments as :func:`fit_ridge`; rank an int in [1, F_out]."""
+    ridge = checks.real_arg(ridge, "ridge", 0.0)
     Xc, Yc, mx, my = _centered(X, Y)
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 1 <= rank <= Yc.shape[1]:
         raise ValueError(f"rank must be an int in [1, F_out={Yc.shape[1]}], got {rank!r}")
@@ -248,16 +495,49 @@ def fit_reduced_rank(X, Y, rank: int, ridge: float = 1e-3) -> Predictor:
 # layout helpers
 
 
+def _layout_array(x, name: str, ndim: int, dims: str) -> np.ndarray:
+    """``x`` as an ndarray of ``ndim`` dimensions (any dtype: the layout helpers only move values)."""
+    if x is None:
+        raise TypeError(f"{name} must be an array {dims}, got None")
+    a = np.asarray(x)
+    if a.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions {dims}, got shape {a.shape}")
+    return a
+
+
 def to_tokens(x) -> np.ndarray:
-    """(B, H, T, D) -> (B, T, H * D): each token's heads concatenated."""
-    B, H, T, D = x.shape
-    return np.ascontiguousarray(np.asarray(x).transpose(0, 2, 1, 3).reshape(B, T, H * D))
+    """(B, H, T, D) -> (B, T, H * D): each token's heads concatenated (any dtype; ValueError naming x for
+    another number of dimensions)."""
+    a = _layout_array(x, "x", 4, "(B, H, T, D)")
+    B, H, T, D = a.shape
+    return np.ascontiguousarray(a.transpose(0, 2, 1, 3).reshape(B, T, H * D))
 
 
 def from_tokens(x, H: int) -> np.ndarray:
-    """(B, T, H * D) -> (B, H, T, D)."""
-    B, T, F = x.shape
-    return np.ascontiguousarray(x.reshape(B, T, H, F // H).transpose(0, 2, 1, 3))
+    """(B, T, H * D) -> (B, H, T, D); H an int >= 1 dividing x.shape[-1]."""
+    a = _layout_array(x, "x", 3, "(B, T, H * D)")
+    H = checks.int_arg(H, "H", lo=1)
+    B, T, F = a.shape
+    if F % H:
+        raise ValueError(f"H={H} does not divide x.shape[-1]={F} (token vectors of H * D values)")
+    return np.ascontiguousarray(a.reshape(B, T, H, F // H).transpose(0, 2, 1, 3))
+
+
+def _kv_pairs(kv) -> list:
+    """``kv``: an iterable of (K_l, V_l) pairs, float16 / float32 (B, H, T, D) of the same sequences (B, T)
+    -> fp32 pairs."""
+    if kv is None or isinstance(kv, (str, bytes, dict)) or not hasattr(kv, "__iter__"):
+        raise TypeError(f"kv must be a list of (K, V) pairs, one per layer, got {type(kv).__name__}")
+    out = []
+    for i, pair in enumerate(kv):
+        if isinstance(pair, (str, bytes, dict)) or not hasattr(pair, "__len__") or len(pair) != 2:
+            raise TypeError(f"kv[{i}] must be a (K, V) pair, got {type(pair).__name__}")
+        K, V = nx.as_f32(pair[0], "K"), nx.as_f32(pair[1], "V")
+        if K.ndim != 4 or V.ndim != 4 or (K.shape[0], K.shape[2]) != (V.shape[0], V.shape[2]):
+            raise ValueError(f"kv[{i}]: K and V must be (B, H, T, D) of the same sequences, got {K.shape} and "
+                             f"{V.shape}")
+        out.append((K, V))
+    return out
 
 
 def calibration_tokens(cfg: AquaConfig, kv) -> list:
@@ -266,9 +546,9 @@ def calibration_tokens(cfg: AquaConfig, kv) -> list:
     The first ``cfg.sink`` tokens are left out (they stay FP16 and are never predicted); with
     ``pre_rope`` the keys' RoPE is undone at their positions.
     """
+    check_config(cfg)
     out = []
-    for K, V in kv:
-        K, V = nx.as_f32(K, "K"), nx.as_f32(V, "V")
+    for K, V in _kv_pairs(kv):
         if cfg.pre_rope:
             K = apply_rope(K, np.arange(K.shape[2]), cfg.rope_theta, inverse=True)
         K, V = to_tokens(K[:, :, cfg.sink:]), to_tokens(V[:, :, cfg.sink:])
@@ -286,6 +566,27 @@ def _predictions(cfg, P, l):
     return fk, fv
 
 
+def _backbone_encode(bb, x, what: str) -> dict:
+    """``bb.encode(x)``; a refusal (NaN, a scale beyond the metadata dtype) names what was quantized."""
+    try:
+        return bb.encode(x)
+    except ValueError as e:
+        raise ValueError(f"{what} cannot be quantized by the {bb.label} backbone: {e}") from e
+
+
+def _what(name: str, l: int, pred, role: str) -> str:
+    """The vector a backbone quantizes at layer l: ``name`` itself, or its residual after the prediction."""
+    return f"{name} of layer {l}" + (f" minus its prediction by P.{role}[{l}]" if pred is not None else "")
+
+
+def _backbone_decode(bb, codes: dict, F: int, name: str) -> np.ndarray:
+    """``bb.decode(codes, F)``; a refusal (an index outside the grid, ...) names the codes' argument."""
+    try:
+        return bb.decode(codes, F)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{name}: {e}") from e
+
+
 def encode(cfg: AquaConfig, P: AquaPredictors, l: int, K, V, K_prev_hat=None, V_prev_hat=None):
     """Algorithm 2 (and its reconstruction, Algorithm 4 line 14): one layer's token vectors (..., F).
 
@@ -293,32 +594,77 @@ def encode(cfg: AquaConfig, P: AquaPredictors, l: int, K, V, K_prev_hat=None, V_
     ``Kq = Q(K - K_pred)``, ``K_hat = Q^-1(Kq) + K_pred``; ``V_pred = f_value([V_prev_hat; K_hat])``,
     ``Vq = Q(V - V_pred)``, ``V_hat = Q^-1(Vq) + V_pred``. Returns ``(Kq, Vq, K_hat, V_hat)``; the
     hats equal :func:`decode` of the codes bit for bit.
+
+    Checks first (TypeError / ValueError naming the argument): ``cfg`` an AquaConfig; ``P`` AquaPredictors
+    whose predictors of layer l map F -> F (keys) and 2F -> F (values), every weight finite and bounded
+    (:func:`check_predictors`); ``l`` an int in [0, P.n_layers); K, V finite float16 / float32 (..., F) of
+    one shape; K_prev_hat, V_prev_hat (where layer l is predicted) finite, of K's shape.
     """
-    K, V = nx.as_f32(K, "K"), nx.as_f32(V, "V")
+    check_config(cfg)
+    K, V = _tokens(K, "K"), _tokens(V, "V")
+    if K.shape != V.shape:
+        raise ValueError(f"K and V must have the same shape (..., F), got {K.shape} and {V.shape}")
+    l = check_layer(cfg, P, l, K.shape[-1])
+    nx.check_finite(K, "K")
+    nx.check_finite(V, "V")
+    fk, fv = _predictions(cfg, P, l)
+    if fk is not None:
+        K_prev_hat = _prev_hat(K_prev_hat, "K_prev_hat", l, K.shape, K.shape[-1])
+    if fv is not None:
+        V_prev_hat = _prev_hat(V_prev_hat, "V_prev_hat", l, K.shape, K.shape[-1])
+    return _encode(cfg, P, l, K, V, K_prev_hat, V_prev_hat)
+
+
+def _encode(cfg: AquaConfig, P: AquaPredictors, l: int, K, V, K_prev_hat=None, V_prev_hat=None):
+    """:func:`encode` on checked arguments (the cache and the calibration call it directly)."""
     F = K.shape[-1]
     if l == 0:
-        Kq, Vq = cfg.first_layer.encode(K), cfg.first_layer.encode(V)
+        Kq = _backbone_encode(cfg.first_layer, K, "K of layer 0")
+        Vq = _backbone_encode(cfg.first_layer, V, "V of layer 0")
         return Kq, Vq, cfg.first_layer.decode(Kq, F), cfg.first_layer.decode(Vq, F)
     fk, fv = _predictions(cfg, P, l)
     K_pred = fk(K_prev_hat) if fk is not None else np.zeros_like(K)
-    Kq = cfg.backbone.encode(nx.sub(K, K_pred))
+    Kq = _backbone_encode(cfg.backbone, nx.sub(K, K_pred), _what("K", l, fk, "f_key"))
     K_hat = nx.add(cfg.backbone.decode(Kq, F), K_pred)
     V_pred = fv(np.concatenate([V_prev_hat, K_hat], axis=-1)) if fv is not None else np.zeros_like(V)
-    Vq = cfg.backbone.encode(nx.sub(V, V_pred))
+    Vq = _backbone_encode(cfg.backbone, nx.sub(V, V_pred), _what("V", l, fv, "f_value"))
     V_hat = nx.add(cfg.backbone.decode(Vq, F), V_pred)
     return Kq, Vq, K_hat, V_hat
 
 
 def decode(cfg: AquaConfig, P: AquaPredictors, l: int, Kq: dict, Vq: dict, F: int, K_prev_hat=None,
            V_prev_hat=None):
-    """Algorithm 3: codes of layer l (and the previous layer's reconstructions) -> ``(K_hat, V_hat)`` (..., F)."""
-    if l == 0:
-        return cfg.first_layer.decode(Kq, F), cfg.first_layer.decode(Vq, F)
+    """Algorithm 3: codes of layer l (and the previous layer's reconstructions) -> ``(K_hat, V_hat)`` (..., F).
+
+    Checks first, as :func:`encode`: ``cfg``, ``P``, ``l``; F an int >= 1; Kq, Vq dicts of the arrays
+    the layer's backbone stores for token vectors of F values (its names, dtypes and shapes, one leading
+    shape); K_prev_hat, V_prev_hat (where layer l is predicted) finite, (..., F) of the codes' leading shape.
+    """
+    check_config(cfg)
+    F = checks.int_arg(F, "F", lo=1)
+    l = check_layer(cfg, P, l, F)
+    bb = cfg.first_layer if l == 0 else cfg.backbone
+    lead = check_codes(bb, Kq, "Kq", F)
+    lead = check_codes(bb, Vq, "Vq", F, lead)
     fk, fv = _predictions(cfg, P, l)
-    K_hat = cfg.backbone.decode(Kq, F)
+    shape = lead + (F,) if lead is not None else None
+    if fk is not None:
+        K_prev_hat = _prev_hat(K_prev_hat, "K_prev_hat", l, shape, F)
+    if fv is not None:
+        V_prev_hat = _prev_hat(V_prev_hat, "V_prev_hat", l, shape, F)
+    return _decode(cfg, P, l, Kq, Vq, F, K_prev_hat, V_prev_hat)
+
+
+def _decode(cfg: AquaConfig, P: AquaPredictors, l: int, Kq: dict, Vq: dict, F: int, K_prev_hat=None,
+            V_prev_hat=None):
+    """:func:`decode` on checked arguments (the cache calls it directly)."""
+    if l == 0:
+        return _backbone_decode(cfg.first_layer, Kq, F, "Kq"), _backbone_decode(cfg.first_layer, Vq, F, "Vq")
+    fk, fv = _predictions(cfg, P, l)
+    K_hat = _backbone_decode(cfg.backbone, Kq, F, "Kq")
     if fk is not None:
         K_hat = nx.add(K_hat, fk(K_prev_hat))
-    V_hat = cfg.backbone.decode(Vq, F)
+    V_hat = _backbone_decode(cfg.backbone, Vq, F, "Vq")
     if fv is not None:
         V_hat = nx.add(V_hat, fv(np.concatenate([V_prev_hat, K_hat], axis=-1)))
     return K_hat, V_hat
@@ -338,9 +684,14 @@ def calibrate(cfg: AquaConfig, kv, *, ridge: float = 1e-3, rank: int | None = No
     for values with ``[V_prev_hat; K_hat]`` as input (``encode`` itself computes them).
     """
     toks = calibration_tokens(cfg, kv)
+    ridge = checks.real_arg(ridge, "ridge", 0.0)
+    rank = checks.int_arg(rank, "rank", lo=1, optional=True)
+    quantizer_agnostic = checks.bool_arg(quantizer_agnostic, "quantizer_agnostic")
+    if not toks:
+        raise ValueError("kv is empty: calibration needs the keys and values of at least one layer")
     fit = (lambda X, Y: fit_ridge(X, Y, ridge)) if rank is None else (lambda X, Y: fit_reduced_rank(X, Y, rank, ridge))
     f_key, f_value = [None], [None]
-    _, _, K_hat, V_hat = encode(cfg, AquaPredictors((None,), (None,)), 0, *toks[0])
+    _, _, K_hat, V_hat = _encode(cfg, AquaPredictors((None,), (None,)), 0, *toks[0])
     for l in range(1, len(toks)):
         K, V = toks[l]                                                       # (N, F) clean, layer l
         if quantizer_agnostic:
@@ -350,11 +701,12 @@ def calibrate(cfg: AquaConfig, kv, *, ridge: float = 1e-3, rank: int | None = No
         else:
             fk = fit(K_hat, K)                                               # line 13
             K_pred = fk(K_hat) if cfg.predict_keys else np.zeros_like(K)
-            K_rec = nx.add(cfg.backbone.decode(cfg.backbone.encode(nx.sub(K, K_pred)), K.shape[-1]),
-                           K_pred)                                           # lines 14-15
+            what = _what("K", l, fk if cfg.predict_keys else None, "f_key")
+            Kq = _backbone_encode(cfg.backbone, nx.sub(K, K_pred), what)
+            K_rec = nx.add(cfg.backbone.decode(Kq, K.shape[-1]), K_pred)     # lines 14-15
             fv = fit(np.concatenate([V_hat, K_rec], axis=-1), V)             # line 17
         f_key.append(fk)
         f_value.append(fv)
         P = AquaPredictors(tuple(f_key), tuple(f_value))
-        _, _, K_hat, V_hat = encode(cfg, P, l, K, V, K_hat, V_hat)           # lines 14-19, 21
+        _, _, K_hat, V_hat = _encode(cfg, P, l, K, V, K_hat, V_hat)          # lines 14-19, 21
     return AquaPredictors(tuple(f_key), tuple(f_value))

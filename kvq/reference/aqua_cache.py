@@ -27,7 +27,9 @@ from fractions import Fraction
 import numpy as np
 
 from . import numerics as nx
-from .aqua import AquaConfig, AquaPredictors, Predictor, Uniform, decode, encode, from_tokens, to_tokens
+from . import checks
+from .aqua import AquaConfig, AquaPredictors, Uniform, _decode, _encode, from_tokens, to_tokens
+from .aqua import check_predictors as _check_predictors
 from .model import apply_rope
 from .state import cfg_field, check_config, check_dims, check_host_device, check_state
 
@@ -100,35 +102,10 @@ def check_cfg(cfg, F: int | None = None) -> None:
 def check_predictors(cfg: AquaConfig, P, n_layers: int, F: int) -> None:
     """``P`` must be :class:`AquaPredictors` for ``n_layers`` layers whose predictors (where ``cfg`` uses
     them; None = no prediction for that layer) map token vectors of F values: ``f_key[l]`` F -> F,
-    ``f_value[l]`` 2F -> F ([V_prev_hat; K_hat]), fp32 matrices chained and an (F,) fp32 intercept.
+    ``f_value[l]`` 2F -> F ([V_prev_hat; K_hat]), fp32 matrices chained and an (F,) fp32 intercept, every
+    weight finite with |w| <= ``kvq.calibration.MAX_PREDICTOR_ABS`` (``aqua.check_predictors``).
     TypeError / ValueError before the cache is read or written."""
-    if not isinstance(P, AquaPredictors):
-        raise TypeError(f"P must be AquaPredictors, got {type(P).__name__}")
-    if P.n_layers != n_layers or len(P.f_value) != n_layers:
-        raise ValueError(f"predictors are for {P.n_layers} layers (f_key) and {len(P.f_value)} (f_value), "
-                         f"the cache has {n_layers}")
-    for role, preds, used, f_in in (("f_key", P.f_key, cfg.predict_keys, F), ("f_value", P.f_value, cfg.predict_values,
-                                                                             2 * F)):
-        for l in range(1, n_layers) if used else ():
-            p = preds[l]
-            if p is None:
-                continue
-            where = f"predictors {role}[{l}]"
-            if not isinstance(p, Predictor):
-                raise TypeError(f"{where} must be a Predictor or None, got {type(p).__name__}")
-            mats = tuple(p.mats) if isinstance(p.mats, (tuple, list)) else ()
-            dims, ok = [f_in], len(mats) >= 1
-            for m in mats:
-                matrix = isinstance(m, np.ndarray) and m.ndim == 2
-                ok = ok and matrix and m.dtype == np.float32 and m.shape[0] == dims[-1]
-                dims.append(m.shape[-1] if matrix else -1)
-            b = p.bias
-            ok = ok and dims[-1] == F and isinstance(b, np.ndarray) and b.dtype == np.float32 and b.shape == (F,)
-            if not ok:
-                got = [f"{getattr(m, 'dtype', type(m).__name__)} {np.shape(m)}" for m in mats]
-                raise ValueError(f"{where} must map {f_in} -> {F} values (float32 matrices chained from {f_in} "
-                                 f"rows to {F} columns, an ({F},) float32 bias); got matrices {got}, bias "
-                                 f"{getattr(b, 'dtype', type(b).__name__)} {np.shape(b)} (F = kv_heads * head_dim)")
+    _check_predictors(cfg, P, F, n_layers)
 
 
 def check_call(cfg: AquaConfig, P, st) -> None:
@@ -196,7 +173,7 @@ def _flush(cfg: AquaConfig, P: AquaPredictors, st: AquaState, c: int) -> None:
     for l in range(L):
         K = to_tokens(_keys_in(cfg, st.buf_k[l], pos))                # (B, R, F)
         V = to_tokens(st.buf_v[l].astype(np.float32))
-        Kq, Vq, K_hat, V_hat = encode(cfg, P, l, K, V, K_hat, V_hat)
+        Kq, Vq, K_hat, V_hat = _encode(cfg, P, l, K, V, K_hat, V_hat)
         for dst, codes in ((st.first_k if l == 0 else st.res_k, Kq), (st.first_v if l == 0 else st.res_v, Vq)):
             for name, a in codes.items():
                 (dst[name][:, c] if l == 0 else dst[name][l - 1, :, c])[...] = a
@@ -246,7 +223,7 @@ def dequantize(cfg: AquaConfig, P: AquaPredictors, st: AquaState) -> list:
         for l in range(L):
             Kq = {n: (a[:, c] if l == 0 else a[l - 1, :, c]) for n, a in (st.first_k if l == 0 else st.res_k).items()}
             Vq = {n: (a[:, c] if l == 0 else a[l - 1, :, c]) for n, a in (st.first_v if l == 0 else st.res_v).items()}
-            K_hat, V_hat = decode(cfg, P, l, Kq, Vq, F, K_hat, V_hat)            # (B, R, F)
+            K_hat, V_hat = _decode(cfg, P, l, Kq, Vq, F, K_hat, V_hat)           # (B, R, F)
             k = from_tokens(K_hat, H)
             if cfg.pre_rope:
                 k = apply_rope(k, pos, cfg.rope_theta)
@@ -279,13 +256,16 @@ def forward(model, cfg: AquaConfig, P: AquaPredictors, st: AquaState, tokens) ->
 def bits_per_value(cfg: AquaConfig, n_layers: int, F: int) -> Fraction:
     """Bits per quantized value, averaged over layers (the paper's "Quant. bits"; sink, buffer and
     predictors not counted): ``(first_layer + (L - 1) * backbone) / L`` at F values per token.
-    Llama 3.2 3B (28 layers, F = 1024), HIGGS 2-bit with a 4-bit first layer: 2.09 (Table 2)."""
-    L = int(n_layers)
-    if L < 1:
-        raise ValueError(f"n_layers must be >= 1, got {n_layers!r}")
+    Llama 3.2 3B (28 layers, F = 1024), HIGGS 2-bit with a 4-bit first layer: 2.09 (Table 2).
+    cfg an AquaConfig, n_layers and F ints >= 1 (TypeError / ValueError naming them)."""
+    check_cfg(cfg)
+    L = checks.int_arg(n_layers, "n_layers", lo=1)
+    F = checks.int_arg(F, "F", lo=1)
     return (cfg.first_layer.bits_per_value(F) + (L - 1) * cfg.backbone.bits_per_value(F)) / L
 
 
 def state_bytes(st: AquaState) -> int:
     """Bytes of every array of the state (what the reference holds; indices one per byte-aligned element)."""
+    if not isinstance(st, AquaState):
+        raise TypeError(f"st must be an AquaState (an AQUA-KV cache made by init), got {type(st).__name__}")
     return int(sum(a.nbytes for a in st.arrays().values()))

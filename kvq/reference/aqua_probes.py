@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import numerics as nx
-from .aqua import AquaConfig, AquaPredictors, calibration_tokens, encode, fit_ridge, to_tokens
+from . import checks
+from .aqua import (AquaConfig, AquaPredictors, _kv_pairs, _real_matrix, calibration_tokens, check_config,
+                   check_predictors, encode, fit_ridge, to_tokens)
 from .model import apply_rope
 
 __all__ = ["explained_variance", "probe_explained_variance", "residual_variance"]
@@ -22,9 +23,29 @@ __all__ = ["explained_variance", "probe_explained_variance", "residual_variance"
 
 def explained_variance(y, y_hat) -> float:
     """``1 - sum_c Var(y_c - y_hat_c) / sum_c Var(y_c)`` over channels c (per-channel variances, so a
-    constant bias is not counted; App. A). y, y_hat (N, F); computed in float64."""
-    y, y_hat = np.asarray(y, np.float64), np.asarray(y_hat, np.float64)
+    constant bias is not counted; App. A). y, y_hat (N, F) float or integer matrices of one shape (or
+    (N,) vectors: one channel); computed in float64. NaN / inf in them give a NaN result (propagated,
+    never a finite one).
+
+    Raises ValueError where y is constant in every channel (every row equal, e.g. N = 1: ``sum_c Var(y_c)
+    = 0``): the ratio is then 0 / 0 or x / 0 and no fraction of the variance is "explained"; TypeError /
+    ValueError name y or y_hat when they are not such matrices.
+    """
+    shapes = np.shape(y), np.shape(y_hat)
+    y, y_hat = _observations(y, "y"), _observations(y_hat, "y_hat")
+    if y.shape != y_hat.shape:
+        raise ValueError(f"y and y_hat must have one shape (N, F), got {shapes[0]} and {shapes[1]}")
+    if not np.any(y != y[:1]):                      # every channel constant (its variance 0, or rounding noise)
+        raise ValueError(f"y is constant in every channel (zero variance over its N={y.shape[0]} rows): the "
+                         f"explained variance 1 - Var(y - y_hat) / Var(y) is undefined")
     return float(1.0 - (y - y_hat).var(axis=0).sum() / y.var(axis=0).sum())
+
+
+def _observations(x, name: str) -> np.ndarray:
+    """``x`` (N, F), or (N,) as one channel, as a float64 matrix (``aqua._real_matrix``'s rules, NaN kept)."""
+    if x is not None and np.ndim(x) == 1:
+        x = np.asarray(x)[:, None]
+    return _real_matrix(x, name, finite=False)
 
 
 def probe_explained_variance(cfg: AquaConfig, kv_train, kv_test, *, depth: int = 3, ridge: float = 1e-3):
@@ -36,17 +57,22 @@ def probe_explained_variance(cfg: AquaConfig, kv_train, kv_test, *, depth: int =
     of layer l ("T-1" .. "T-1..j"), and the other role at (l, t) ("V" for keys, "K" for values).
     Returns ``{"K": {source: ev}, "V": {source: ev}}``, each the mean over target layers.
     """
+    check_config(cfg)
+    depth = checks.int_arg(depth, "depth", lo=1)
+    ridge = checks.real_arg(ridge, "ridge", 0.0)
+
     def prep(kv):
         out = []
-        for K, V in kv:
-            K = nx.as_f32(K, "K")
+        for K, V in _kv_pairs(kv):
             if cfg.pre_rope:
                 K = apply_rope(K, np.arange(K.shape[2]), cfg.rope_theta, inverse=True)
-            out.append({"K": to_tokens(K), "V": to_tokens(nx.as_f32(V, "V"))})    # (B, T, F)
+            out.append({"K": to_tokens(K), "V": to_tokens(V)})                       # (B, T, F)
         return out
 
     tr, te = prep(kv_train), prep(kv_test)
     L = len(tr)
+    if len(te) != L:
+        raise ValueError(f"kv_test has {len(te)} layers, kv_train {L}: give both for every layer")
     if not 1 <= depth < L:
         raise ValueError(f"depth={depth} needs 1 <= depth < n_layers={L}")
     other = {"K": "V", "V": "K"}
@@ -88,6 +114,9 @@ def residual_variance(cfg: AquaConfig, P: AquaPredictors, kv):
     """
     toks = calibration_tokens(cfg, kv)
     L = len(toks)
+    if not L:
+        raise ValueError("kv is empty: give the keys and values of every layer")
+    check_predictors(cfg, P, toks[0][0].shape[-1], L)
     before, after = np.zeros((2, L)), np.zeros((2, L))
     K_hat = V_hat = None
     var = lambda a: float(np.asarray(a, np.float64).var(axis=0).sum())          # noqa: E731

@@ -61,6 +61,14 @@ def _check_finite(a: np.ndarray, name: str) -> None:
                          f"{int(np.isinf(a).sum())} inf)")
 
 
+def pairs_arg(seq, name: str, pair: str) -> list:
+    """``seq`` (a list, tuple or other iterable of ``pair`` pairs) as a list; None, a string, an array or
+    a mapping raise TypeError naming ``name`` (they are no sequence of pairs)."""
+    if seq is None or isinstance(seq, (str, bytes, dict, np.ndarray)) or not hasattr(seq, "__iter__"):
+        raise TypeError(f"{name} must be a list of {pair} pairs, got {type(seq).__name__}")
+    return list(seq)
+
+
 def check_shapes(q_shape, k_shape, v_shape) -> None:
     """The shape rules of attention inputs, shared by every tier: q (B, H_q, T_q, D), k and v
     (B, H_kv, T_k, D), H_q a multiple of H_kv. Raises ValueError naming the mismatch."""
@@ -251,7 +259,7 @@ def merge(partials):
     Returns:
         ``(o, lse)`` in the compute dtype (float32, or float64 for float64 inputs).
     """
-    partials = list(partials)
+    partials = pairs_arg(partials, "partials", "(o, lse)")
     if not partials:
         raise ValueError("merge needs at least one (o, lse) partial; got an empty sequence")
     os_, lses = [], []
@@ -299,7 +307,7 @@ def decode_attention(q, segments, *, scale=None):
     Returns:
         ``(o, lse)`` over the concatenation of all segments; every key is visible.
     """
-    segments = list(segments)
+    segments = pairs_arg(segments, "segments", "(k, v)")
     if not segments:
         raise ValueError("decode_attention needs at least one (k, v) segment; got an empty list")
     partials = []

@@ -134,7 +134,13 @@ CONFIGS = {f"BitDecoding-K{m[0].upper()}{b}": BitDecodingConfig(bits=b, k_mode=m
 # the induced layout of one page (vectorized; bitdecoding_lanes derives the same words lane by lane)
 
 
+def _check_cfg(cfg) -> None:
+    """``cfg`` must be a :class:`BitDecodingConfig` (TypeError): the first check of the page functions."""
+    check_config(cfg, BitDecodingConfig)
+
+
 def _check_block(cfg: BitDecodingConfig, x, name: str) -> np.ndarray:
+    _check_cfg(cfg)
     x = np.asarray(x)
     if x.dtype not in (np.float16, np.float32):
         raise TypeError(f"{name} has dtype {x.dtype}; expected float16 or float32")
@@ -191,6 +197,7 @@ def pack_values(cfg: BitDecodingConfig, v):
 
 def unpack_keys(cfg: BitDecodingConfig, k_words) -> np.ndarray:
     """Inverse of :func:`pack_keys`' layout: k_words (..., 8 W_n, D) -> codes (..., N_r, D) uint8."""
+    _check_cfg(cfg)
     k_words = np.asarray(k_words)
     if k_words.dtype != np.uint16 or k_words.ndim < 2 or k_words.shape[-2] != P_N * cfg.warps_n:
         raise ValueError(f"k_words has dtype {k_words.dtype}, shape {k_words.shape}; expected uint16 "
@@ -202,6 +209,7 @@ def unpack_keys(cfg: BitDecodingConfig, k_words) -> np.ndarray:
 
 def unpack_values(cfg: BitDecodingConfig, v_words) -> np.ndarray:
     """Inverse of :func:`pack_values`' layout: v_words (..., N_r, D / R) -> codes (..., N_r, D) uint8."""
+    _check_cfg(cfg)
     v_words = np.asarray(v_words)
     R = cfg.per_word
     if v_words.dtype != np.uint16 or v_words.ndim < 2 or v_words.shape[-1] % P_N:
@@ -214,13 +222,42 @@ def unpack_values(cfg: BitDecodingConfig, v_words) -> np.ndarray:
 
 def dequantize_page(cfg: BitDecodingConfig, k_words, k_params, v_words, v_params):
     """(K, V) fp16 (..., N_r, D) of one page: ``fp16(fp32(code) * scale + mn)`` (contract rule 3),
-    exactly the fp16 operands the tensor-core kernel feeds to ``mma``."""
+    exactly the fp16 operands the tensor-core kernel feeds to ``mma``.
+
+    The arguments are what :func:`pack_keys` / :func:`pack_values` return for one page: v_words must hold
+    the keys' N_r tokens and D channels, and k_params / v_params are float16 (or float32) half2 pairs of
+    the layout's shape (NaN metadata propagates into K, V)."""
+    _check_cfg(cfg)
     kc, vc = unpack_keys(cfg, k_words), unpack_values(cfg, v_words)
-    axis = -2 if cfg.k_mode == "channel" else -1
-    kp, vp = np.asarray(k_params), np.asarray(v_params)
+    lead, D = kc.shape[:-2], kc.shape[-1]
+    if vc.shape != kc.shape:
+        raise ValueError(f"v_words has shape {np.shape(v_words)}; the page of k_words {np.shape(k_words)} needs "
+                         f"{lead + (cfg.n_r, D // cfg.per_word)} (N_r={cfg.n_r} tokens, D={D} channels)")
+    if cfg.k_mode == "channel":
+        axis, kp_want = -2, lead + (cfg.n_r // cfg.k_group, D, 2)
+    else:
+        if D % cfg.k_group:
+            raise ValueError(f"k_words has D={D} channels, not a multiple of k_group={cfg.k_group}")
+        axis, kp_want = -1, lead + (cfg.n_r, D // cfg.k_group, 2)
+    if D % cfg.v_group:
+        raise ValueError(f"v_words has D={D} channels, not a multiple of v_group={cfg.v_group}")
+    kp = _check_params(k_params, "k_params", kp_want)
+    vp = _check_params(v_params, "v_params", lead + (cfg.n_r, D // cfg.v_group, 2))
     K = _dequantize(kc, kp[..., 0], kp[..., 1], cfg.k_group, axis=axis, out_dtype=F16)
     V = _dequantize(vc, vp[..., 0], vp[..., 1], cfg.v_group, axis=-1, out_dtype=F16)
     return K, V
+
+
+def _check_params(p, name: str, want: tuple) -> np.ndarray:
+    """Half2 (scale, min) pairs: a float16 / float32 array of shape ``want`` (ValueError / TypeError)."""
+    if p is None:
+        raise TypeError(f"{name} must be an array of (scale, min) pairs, got None")
+    p = np.asarray(p)
+    if p.dtype not in (np.float16, np.float32):
+        raise TypeError(f"{name} has dtype {p.dtype}; the page's (scale, min) pairs are float16 (half2)")
+    if p.shape != want:
+        raise ValueError(f"{name} has shape {p.shape}; this page needs {want} (scale, min) pairs")
+    return p
 
 
 # ---------------------------------------------------------------------------------------------------

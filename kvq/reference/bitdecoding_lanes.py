@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import checks
 from . import fragments as fr
 from . import numerics as nx
-from .bitdecoding import P_N, BitDecodingConfig, _pack_words
+from .bitdecoding import P_N, BitDecodingConfig, _check_cfg, _pack_words
 from .quant import quantize as _quantize
 
 __all__ = ["residual_kernel_keys", "residual_kernel_values", "key_fragments", "value_fragments",
@@ -34,6 +35,37 @@ __all__ = ["residual_kernel_keys", "residual_kernel_values", "key_fragments", "v
 
 # ---------------------------------------------------------------------------------------------------
 # the Residual Kernel's packing, one lane at a time
+
+
+def _page(cfg, x, name: str, multiple: int) -> np.ndarray:
+    """One page (N_r, D) of fp16 / fp32 tokens, finite, D a multiple of ``multiple`` (and of the groups)."""
+    _check_cfg(cfg)
+    x = np.asarray(x)
+    if x.dtype not in (np.float16, np.float32):
+        raise TypeError(f"{name} has dtype {x.dtype}; expected float16 or float32")
+    if x.ndim != 2 or x.shape[0] != cfg.n_r or x.shape[1] % multiple:
+        raise ValueError(f"{name} has shape {x.shape}; expected (N_r={cfg.n_r}, D) with D a multiple of {multiple}")
+    cfg.check_head_dim(x.shape[1])
+    nx.check_finite(x, name)
+    return x
+
+
+def _words(a, name: str, shape: tuple) -> np.ndarray:
+    """Packed uint16 words of one page, of exactly ``shape``."""
+    a = np.asarray(a)
+    if a.dtype != np.uint16 or a.shape != shape:
+        raise ValueError(f"{name} has dtype {a.dtype}, shape {a.shape}; expected uint16 {shape}")
+    return a
+
+
+def _params(a, name: str, shape: tuple) -> np.ndarray:
+    """A page's (scale, min) half2 pairs: float16 / float32 of exactly ``shape``."""
+    a = np.asarray(a)
+    if a.dtype not in (np.float16, np.float32):
+        raise TypeError(f"{name} has dtype {a.dtype}; the page's (scale, min) pairs are float16 (half2)")
+    if a.shape != shape:
+        raise ValueError(f"{name} has shape {a.shape}; this page needs {shape} (scale, min) pairs")
+    return a
 
 
 def _codes(x, scale, mn, bits: int) -> np.ndarray:
@@ -61,10 +93,8 @@ def residual_kernel_keys(cfg: BitDecodingConfig, k) -> np.ndarray:
     holds in half h of register m the element ``ldmatrix(L, m, h)`` = (row, col) of each tile. It packs
     the R values of that (m, h) (one per tile) into one word and stores it at (8 w + row, 32 s + 8 m +
     col): where ``ldmatrix.x4`` of the word matrix puts it back into half h of register m of lane L."""
-    k = np.asarray(k)
+    k = _page(cfg, k, "k", 32)
     Nr, D = k.shape
-    if Nr != cfg.n_r or D % 32:
-        raise ValueError(f"k has shape {k.shape}; expected (N_r={cfg.n_r}, D) with D a multiple of 32")
     scale, mn = _key_params(cfg, k)
     R = cfg.per_word
     words = np.zeros((P_N * cfg.warps_n, D), np.uint16)
@@ -88,11 +118,10 @@ def residual_kernel_values(cfg: BitDecodingConfig, v) -> np.ndarray:
     tokens ``16 kk + 8 m ..``) gives lane L in half h of register m the element (row, col) =
     ``ldmatrix(L, m, h, trans=True)`` of each channel tile j = u R + i: token ``16 kk + 8 m + row``,
     channel ``8 j + col``. Its R values (one per tile) go into one word at (token, 8 u + col)."""
-    v = np.asarray(v)
-    Nr, D = v.shape
+    _check_cfg(cfg)
     R = cfg.per_word
-    if Nr != cfg.n_r or D % (P_N * R):
-        raise ValueError(f"v has shape {v.shape}; expected (N_r={cfg.n_r}, D) with D a multiple of {P_N * R}")
+    v = _page(cfg, v, "v", P_N * R)
+    Nr, D = v.shape
     _, s, m_ = _quantize(v, cfg.bits, cfg.v_group, axis=-1)
     scale, mn = np.repeat(s, cfg.v_group, axis=-1), np.repeat(m_, cfg.v_group, axis=-1)
     words = np.zeros((Nr, D // R), np.uint16)
@@ -182,8 +211,19 @@ def _dequant(code16, scale, mn) -> np.ndarray:
 def key_fragments(cfg: BitDecodingConfig, k_words, k_params, w: int, i: int, kk: int) -> np.ndarray:
     """(32, 4) fp16: the B fragment (``mma_b`` order b0..b3) each lane holds for tile i of warp w
     (tokens ``w * 8R + 8 i ..``) and k-tile kk (channels ``16 kk ..``) after ``ldmatrix.x4`` of the words,
-    ``lop3_codes`` and dequantization with the page's params."""
-    kp = np.asarray(k_params)
+    ``lop3_codes`` and dequantization with the page's params. k_words (8 W_n, D) and k_params are one
+    page of :func:`bitdecoding.pack_keys`; w in [0, W_n), i in [0, R), kk in [0, D / 16)."""
+    _check_cfg(cfg)
+    D = np.shape(k_words)[-1] if np.ndim(k_words) else 0
+    k_words = _words(k_words, "k_words", (P_N * cfg.warps_n, D))
+    if D == 0 or D % 32 or (cfg.k_mode == "tensor" and D % cfg.k_group):
+        raise ValueError(f"k_words has D={D} channels; expected a positive multiple of 32"
+                         + (f" and of k_group={cfg.k_group}" if cfg.k_mode == "tensor" else ""))
+    kp = _params(k_params, "k_params", (cfg.n_r // cfg.k_group, D, 2) if cfg.k_mode == "channel"
+                 else (cfg.n_r, D // cfg.k_group, 2))
+    w = checks.int_arg(w, "w", 0, cfg.warps_n - 1)
+    i = checks.int_arg(i, "i", 0, cfg.per_word - 1)
+    kk = checks.int_arg(kk, "kk", 0, D // 16 - 1)
     out = np.zeros((fr.LANES, 4), np.float16)
     for lane in range(fr.LANES):
         for m in (2 * (kk % 2), 2 * (kk % 2) + 1):                      # the two registers of this k-tile
@@ -200,8 +240,20 @@ def key_fragments(cfg: BitDecodingConfig, k_words, k_params, w: int, i: int, kk:
 
 def value_fragments(cfg: BitDecodingConfig, v_words, v_params, kk: int, j: int) -> np.ndarray:
     """(32, 4) fp16: the B fragment of P V each lane holds for k-tile kk (tokens ``16 kk ..``) and channel
-    tile j (channels ``8 j ..``) after ``ldmatrix.x2.trans`` of the words, ``lop3_codes`` and dequantization."""
-    R, vp = cfg.per_word, np.asarray(v_params)
+    tile j (channels ``8 j ..``) after ``ldmatrix.x2.trans`` of the words, ``lop3_codes`` and dequantization.
+    v_words (N_r, D / R) and v_params are one page of :func:`bitdecoding.pack_values`; kk in
+    [0, N_r / 16), j in [0, D / 8)."""
+    _check_cfg(cfg)
+    R = cfg.per_word
+    W = np.shape(v_words)[-1] if np.ndim(v_words) else 0
+    v_words = _words(v_words, "v_words", (cfg.n_r, W))
+    D = W * R
+    if D == 0 or W % P_N or D % cfg.v_group:
+        raise ValueError(f"v_words has shape {v_words.shape}: D = {W} x {R} = {D} channels; expected a positive "
+                         f"multiple of {P_N * R} and of v_group={cfg.v_group}")
+    vp = _params(v_params, "v_params", (cfg.n_r, D // cfg.v_group, 2))
+    kk = checks.int_arg(kk, "kk", 0, cfg.n_r // 16 - 1)
+    j = checks.int_arg(j, "j", 0, D // P_N - 1)
     u, i = divmod(j, R)
     out = np.zeros((fr.LANES, 4), np.float16)
     for lane in range(fr.LANES):
@@ -231,6 +283,11 @@ def cooperative_attention(q, k, v, *, warps_n: int = 4, tile_n: int = 64, cooper
     common max, the P slices meet in ``sAcc`` and one ``P' V`` updates O with ``diag(e^(m - m_new))``.
     Naive (``cooperative=False``): each warp keeps its own running max and sum, and the P slices, each
     scaled to a different max, are summed as if they shared one: valid only for W_n = 1 (Table III)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if np.asarray(x).dtype.kind not in "fiu":
+            raise TypeError(f"{name} must be a real array, got dtype {np.asarray(x).dtype}")
+    cooperative = checks.bool_arg(cooperative, "cooperative")
+    scale = checks.real_arg(scale, "scale", optional=True)
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     if q.ndim != 2 or k.ndim != 2 or v.shape != k.shape or q.shape[1] != k.shape[1] or k.shape[0] == 0:
         raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape}: expected q (M, D), k and v (N >= 1, D)")

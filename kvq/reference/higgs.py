@@ -39,6 +39,7 @@ from fractions import Fraction
 
 import numpy as np
 
+from . import checks
 from . import numerics as nx
 from .data.make_higgs_grids import CONFIGS as SHIPPED_GRIDS
 from .data.make_higgs_grids import grid_path
@@ -59,6 +60,8 @@ def _load(d: int, n: int) -> np.ndarray:
 
 def load_grid(d: int, n: int) -> np.ndarray:
     """The shipped (n, d) float32 grid (read-only), one of ``SHIPPED_GRIDS``."""
+    d = checks.int_arg(d, "d", lo=1)
+    n = checks.int_arg(n, "n", lo=1)
     if (d, n) not in SHIPPED_GRIDS:
         raise ValueError(f"no shipped HIGGS grid for d={d}, n={n}; shipped: {SHIPPED_GRIDS} "
                          f"(make others with kvq/reference/data/make_higgs_grids.py and pass grid=)")
@@ -69,6 +72,7 @@ def load_grid(d: int, n: int) -> np.ndarray:
 
 def index_dtype(n: int) -> np.dtype:
     """The smallest unsigned dtype that holds the indices 0 .. n-1 (uint8 for n <= 256)."""
+    n = checks.int_arg(n, "n", lo=1)
     for dt in (np.uint8, np.uint16, np.uint32):
         if n - 1 <= np.iinfo(dt).max:
             return np.dtype(dt)
@@ -124,6 +128,13 @@ class HiggsConfig:
         return f"HIGGS d={self.d} n={self.n} g={self.group_size}"
 
 
+def check_config(cfg, name: str = "cfg") -> HiggsConfig:
+    """``cfg`` must be a :class:`HiggsConfig` (TypeError naming it otherwise); shared with the fast tiers."""
+    if not isinstance(cfg, HiggsConfig):
+        raise TypeError(f"{name} must be a HiggsConfig, got {type(cfg).__name__}")
+    return cfg
+
+
 def group_sum_of_squares(xg: np.ndarray) -> np.ndarray:
     """Sum of squares over the last axis by the halving tree of step 1: (..., g) -> (...,) fp32.
 
@@ -157,6 +168,8 @@ def nearest(v, grid) -> np.ndarray:
         raise TypeError(f"v and grid must be float32; got {v.dtype} and {grid.dtype}")
     if v.ndim == 0 or grid.ndim != 2 or grid.shape[0] == 0 or v.shape[-1] != grid.shape[1]:
         raise ValueError(f"v {v.shape} and grid {grid.shape}: need v (..., d) and grid (n, d) with n >= 1")
+    nx.check_finite(v, "v")                              # rule 8: a NaN distance is never "better" (index 0)
+    nx.check_finite(grid, "grid")
     best = np.full(v.shape[:-1], np.inf, F32)
     idx = np.zeros(v.shape[:-1], np.int64)
     for j in range(grid.shape[0]):
@@ -188,6 +201,7 @@ def quantize(cfg: HiggsConfig, x):
         TypeError on a non-float dtype; ValueError on an empty array, NaN / inf, or a scale that
         overflows the metadata dtype.
     """
+    check_config(cfg)
     xf = nx.as_f32(x)
     if xf.ndim == 0 or xf.size == 0:
         raise ValueError(f"x is empty or a scalar (shape {xf.shape}); HIGGS quantizes (..., F) vectors")
@@ -205,7 +219,12 @@ def quantize(cfg: HiggsConfig, x):
 
 
 def dequantize(cfg: HiggsConfig, idx, scale, F: int, out_dtype=np.float32) -> np.ndarray:
-    """Inverse of :func:`quantize`: ``fwht(grid[idx] * scale)`` per group, padding dropped -> (..., F)."""
+    """Inverse of :func:`quantize`: ``fwht(grid[idx] * scale)`` per group, padding dropped -> (..., F).
+
+    F is the token vector's length (an int >= 1); TypeError / ValueError name a bad argument.
+    """
+    check_config(cfg)
+    F = checks.int_arg(F, "F", lo=1)
     idx, scale = np.asarray(idx), np.asarray(scale)
     g, d = cfg.group_size, cfg.d
     n_g = cfg.n_groups(F)
@@ -226,6 +245,7 @@ def bits_per_value(cfg: HiggsConfig, F: int) -> Fraction:
     """Bits per stored value of a token vector of F values: ``log2(n)/d`` per (padded) value plus one
     scale per group, divided by F. F = 1024 (Llama 3.2 3B: 8 KV heads x 128) with d = 2, n = 16:
     2 + 16/1024 = 2.0156 (the paper's "2.02")."""
+    check_config(cfg)
     if isinstance(F, bool) or not isinstance(F, (int, np.integer)) or F < 1:
         raise ValueError(f"F must be a positive int, got {F!r}")
     meta_bits = 8 * np.dtype(nx.dtype_name(cfg.meta_dtype)).itemsize

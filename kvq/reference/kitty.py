@@ -21,10 +21,12 @@ token leaving the local window (R = 128) waits in a value Q-buffer, flushed one 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
+from . import checks
 from . import metrics
 from . import numerics as nx
 from . import paged
@@ -73,7 +75,7 @@ class KittyConfig:
         if not isinstance(self.selection, str) or self.selection not in SELECTIONS:
             raise ValueError(f"selection={self.selection!r} is unknown; choose one of {SELECTIONS}")
         check_int(self, "seed", 0)                   # seeds np.random.default_rng([seed, page index])
-        nx.check_bits(self.v_bits, (2, 4, 8))
+        nx.check_bits(self.v_bits, (2, 4, 8), "v_bits")
         for n in ("group_size", "residual", "sink", "max_tokens"):
             v = getattr(self, n)
             positive = n in ("group_size", "max_tokens")
@@ -117,17 +119,43 @@ def channel_scores(kpage) -> np.ndarray:
     channel only where two scores tie to within rounding (contract rule 7).
     """
     x = nx.as_f32(kpage, "kpage")
+    check_kpage_shape(x.shape)
     G = x.shape[-2]
     return nx.div(np.abs(x).sum(axis=-2, dtype=np.float32), np.float32(G))
 
 
+def check_kpage_shape(shape, name: str = "kpage") -> None:
+    """A key page (..., G, D): at least 2 dimensions and at least one token (shared with the fast tiers)."""
+    shape = tuple(shape)
+    if len(shape) < 2 or shape[-2] == 0:
+        raise ValueError(f"{name} must be keys (..., G, D) with G >= 1 tokens; got shape {shape}")
+
+
+def check_boost_args(d_boost, selection, rng, D: int) -> int:
+    """The arguments of :func:`select_boost` other than the scores (shared with the fast tiers):
+    ``d_boost`` an int in [0, D], ``selection`` one of ``SELECTIONS``, ``rng`` None or a NumPy
+    ``Generator``. Returns ``d_boost`` as an int."""
+    d_boost = checks.int_arg(d_boost, "d_boost", lo=0)
+    if d_boost > D:
+        raise ValueError(f"d_boost={d_boost} must lie in [0, D={D}]")
+    if not isinstance(selection, str) or selection not in SELECTIONS:
+        raise ValueError(f"selection={selection!r} is unknown; choose one of {SELECTIONS}")
+    if rng is not None and not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng must be None or a numpy.random.Generator (np.random.default_rng(seed)), "
+                        f"got {type(rng).__name__}")
+    return d_boost
+
+
 def select_boost(scores, d_boost: int, selection: str = "magnitude", rng=None) -> np.ndarray:
     """Boolean mask (..., D) of the ``d_boost`` boosted channels: the largest scores (ties: lower
-    channel first), or ``d_boost`` channels drawn at random with ``rng`` (``selection="random"``)."""
-    scores = np.asarray(scores)
+    channel first), or ``d_boost`` channels drawn at random with ``rng`` (``selection="random"``).
+
+    ``scores`` (..., D) is a finite real floating array (NaN would sort as the largest score);
+    ``rng`` None or a NumPy Generator. Raises TypeError / ValueError naming the argument.
+    """
+    scores = checks.real_array(scores, "scores", min_ndim=1, finite=True)
     D = scores.shape[-1]
-    if not 0 <= d_boost <= D:
-        raise ValueError(f"d_boost={d_boost} must lie in [0, D={D}]")
+    d_boost = check_boost_args(d_boost, selection, rng, D)
     if selection == "magnitude":
         order = np.argsort(-scores, axis=-1, kind="stable")
     elif selection == "random":
@@ -150,11 +178,15 @@ def encode_page(kpage, boost, meta_dtype="float16") -> dict:
         ``scale`` / ``mn`` (..., D) in ``meta_dtype``.
     """
     x = nx.as_f32(kpage, "kpage")
+    check_kpage_shape(x.shape)
     G, D = x.shape[-2:]
+    if boost is None:
+        raise TypeError("boost must be a bool array (..., D), got None")
     boost = np.asarray(boost, bool)
     d_boost = int(boost.sum(axis=-1).max()) if boost.size else 0
     if boost.shape != x.shape[:-2] + (D,) or np.any(boost.sum(axis=-1) != d_boost):
         raise ValueError(f"boost must be (..., D={D}) with the same number of channels in every page")
+    nx.check_finite(x, "kpage")
     c2, s2, m2 = quantize(x, 2, G, axis=-2, meta_dtype=meta_dtype)            # (..., G, D), (..., 1, D)
     c4, s4, m4 = quantize(x, 4, G, axis=-2, meta_dtype=meta_dtype)
     bt = boost[..., None, :]                                                   # (..., 1, D)
@@ -171,6 +203,18 @@ def encode_page(kpage, boost, meta_dtype="float16") -> dict:
             "mn": np.where(boost, m4[..., 0, :], m2[..., 0, :])}
 
 
+PAGE_KEYS = ("low", "high", "idx", "scale", "mn")
+
+
+def check_page(page) -> None:
+    """A page of :func:`encode_page`: a dict holding ``PAGE_KEYS`` (shared with the fast tiers)."""
+    if not isinstance(page, Mapping):
+        raise TypeError(f"page must be a dict of {PAGE_KEYS} (as encode_page returns), got {type(page).__name__}")
+    missing = [n for n in PAGE_KEYS if n not in page]
+    if missing:
+        raise ValueError(f"page lacks {missing}; a Kitty page holds {PAGE_KEYS} (as encode_page returns)")
+
+
 def dequantize_page(page: dict, group_size: int) -> np.ndarray:
     """Algorithm 1: a key page back to fp32 keys (..., G, D).
 
@@ -178,6 +222,7 @@ def dequantize_page(page: dict, group_size: int) -> np.ndarray:
     ``idx <= D_boost``) ``X_high = unpack(high)[idx]``; ``X = X_low | (X_high << 2)``;
     ``K = X * scale + mn`` (two rounded fp32 operations).
     """
+    check_page(page)
     low = unpack(page["low"], 2, axis=-1)                                      # (..., D, G)
     high = unpack(page["high"], 2, axis=-1)                                    # (..., D_boost, G)
     idx = page["idx"].astype(np.int64)

@@ -57,8 +57,8 @@ class KIVIConfig:
     v_qbuffer = False          # values are quantized as they leave the window (no value Q-buffer)
 
     def __post_init__(self):
-        nx.check_bits(self.k_bits, (2, 4, 8))
-        nx.check_bits(self.v_bits, (2, 4, 8))
+        nx.check_bits(self.k_bits, (2, 4, 8), "k_bits")
+        nx.check_bits(self.v_bits, (2, 4, 8), "v_bits")
         for n in ("group_size", "residual", "sink", "max_tokens"):
             v = getattr(self, n)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < (1 if n in ("group_size", "max_tokens") else 0):

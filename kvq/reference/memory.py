@@ -46,9 +46,16 @@ def _check_int(name: str, value, minimum: int = 0) -> int:
 
 
 def _check_accounting(accounting: str) -> str:
-    if accounting not in ACCOUNTINGS:
+    if not isinstance(accounting, str) or accounting not in ACCOUNTINGS:
         raise ValueError(f"accounting={accounting!r} is unknown; choose one of {ACCOUNTINGS}")
     return accounting
+
+
+def _check_fmt(fmt) -> None:
+    """``fmt`` must be a :class:`CacheFormat` (e.g. ``FORMATS["OSCAR"]``): TypeError otherwise."""
+    if not isinstance(fmt, CacheFormat):
+        raise TypeError(f"fmt must be a CacheFormat (e.g. FORMATS['OSCAR']), got {type(fmt).__name__}"
+                        + (f" {fmt!r}; a format by name is FORMATS[{fmt!r}]" if isinstance(fmt, str) else ""))
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,7 @@ def quantized_bits(fmt: CacheFormat, accounting: str = "paper") -> tuple[Fractio
     Keys: ``(1 - r) * k_bits + r * boost_bits + n_meta * meta_bits / G`` (+ ``index_bits / G`` in the
     "full" accounting). Values: ``v_bits + n_meta * meta_bits / G``. Kitty: keys 2 + 0.125 * 2 + 0.25.
     """
+    _check_fmt(fmt)
     _check_accounting(accounting)
     G = fmt.group_size
     r = Fraction(str(fmt.k_boost_rate))                     # 0.125 -> 1/8 exactly
@@ -136,6 +144,7 @@ def bits_per_element(fmt: CacheFormat, context: int, accounting: str = "paper") 
     KIVI-KV2* 2.26, Kitty 2.39, OSCAR 2.38); ``"full"`` adds residual buffers, index bits and the
     partially filled last page.
     """
+    _check_fmt(fmt)
     _check_accounting(accounting)
     context = _check_int("context", context, 1)
     return float(_bits_per_token_channel(fmt, context, accounting) / (2 * context))
@@ -145,6 +154,7 @@ def cache_bytes(fmt: CacheFormat, layers: int, kv_heads: int, head_dim: int, tok
                 accounting: str = "full") -> int:
     """Bytes of the KV cache: ``bits(K + V per head-channel) * head_dim * kv_heads * layers * batch / 8``,
     rounded up. FP16: ``2 * layers * kv_heads * head_dim * tokens * batch * 2`` bytes."""
+    _check_fmt(fmt)
     _check_accounting(accounting)
     layers = _check_int("layers", layers, 1)
     kv_heads = _check_int("kv_heads", kv_heads, 1)
@@ -162,6 +172,7 @@ def max_batch(fmt: CacheFormat, budget_bytes, layers: int, kv_heads: int, head_d
     Consistent with :func:`cache_bytes`: ``cache_bytes(..., batch=b) <= budget_bytes`` exactly for
     ``b <= max_batch(...)``.
     """
+    _check_fmt(fmt)
     _check_accounting(accounting)
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float, np.integer, np.floating)):
         raise TypeError(f"budget_bytes must be a number, got {budget_bytes!r}")

@@ -30,6 +30,13 @@ def _f64(x, name: str) -> np.ndarray:
     return a.astype(F64)
 
 
+def _finite(**arrays) -> None:
+    """Numerics rule 8 for the attention metrics: NaN / inf in any input raise, naming that input (the
+    attention behind them would name only its own q / k / v)."""
+    for name, a in arrays.items():
+        attn._check_finite(a, name)
+
+
 def _same_shape(a, b, na: str, nb: str) -> None:
     if a.shape != b.shape:
         raise ValueError(f"{na} has shape {a.shape} but {nb} has shape {b.shape}; they must match")
@@ -58,6 +65,7 @@ def logit_mse(q, k, k_hat, scale=None) -> float:
     """
     q, k, k_hat = _f64(q, "q"), _f64(k, "k"), _f64(k_hat, "k_hat")
     _same_shape(k, k_hat, "k", "k_hat")
+    _finite(q=q, k=k, k_hat=k_hat)
     s, s_hat = _scores_f64(q, k, scale), _scores_f64(q, k_hat, scale)
     if s.size == 0:
         raise ValueError(f"no logits to compare (scores shape {s.shape})")
@@ -95,6 +103,7 @@ def attention_kl(q, k, k_hat, causal: bool = False, scale=None) -> float:
     """
     q, k, k_hat = _f64(q, "q"), _f64(k, "k"), _f64(k_hat, "k_hat")
     _same_shape(k, k_hat, "k", "k_hat")
+    _finite(q=q, k=k, k_hat=k_hat)
     logp = _log_probs(q, k, bool(causal), scale)            # (B, H_q, T_q, T_k)
     logp_hat = _log_probs(q, k_hat, bool(causal), scale)
     if logp.shape[2] == 0:
@@ -112,6 +121,7 @@ def output_mse(q, k, v, k_hat, v_hat, causal: bool = False, scale=None) -> float
     k_hat, v_hat = _f64(k_hat, "k_hat"), _f64(v_hat, "v_hat")
     _same_shape(k, k_hat, "k", "k_hat")
     _same_shape(v, v_hat, "v", "v_hat")
+    _finite(q=q, k=k, v=v, k_hat=k_hat, v_hat=v_hat)
     out = attn.attention(q, k, v, causal=causal, scale=scale)          # (B, H_q, T_q, D)
     out_hat = attn.attention(q, k_hat, v_hat, causal=causal, scale=scale)
     if out.size == 0:

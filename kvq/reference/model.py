@@ -27,13 +27,16 @@ are order-dependent reductions or transcendentals: outside bit-exactness (numeri
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
+from . import checks
 from . import numerics as nx
 from .attention import attention
+from .state import check_int, check_real
 
 F32 = nx.F32
 
@@ -86,6 +89,20 @@ class ModelConfig:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} (GQA)")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+        check_real(self, "rope_theta", 0.0, lo_open=True)
+        check_real(self, "eps", 0.0)
+        check_real(self, "spectrum", -math.inf)
+        check_int(self, "seed", 0)
+
+
+def _positions(positions) -> np.ndarray:
+    """RoPE positions: a 1-D integer array (T,) (a list of ints too; floats and bools are refused)."""
+    return checks.int_array(positions, "positions", ndim=1)
+
+
+def _theta(theta) -> float:
+    """The RoPE base: a finite real number > 0."""
+    return checks.real_arg(theta, "theta", 0.0, lo_open=True)
 
 
 def rope_tables(positions, head_dim: int, theta: float):
@@ -93,9 +110,16 @@ def rope_tables(positions, head_dim: int, theta: float):
 
     Frequencies ``theta ** (-2i / head_dim)``, angles ``position * frequency``, computed in float64 and
     rounded once to fp32 (a constant table, as a kernel would receive it from the host).
+
+    Raises TypeError / ValueError naming the argument: ``positions`` not a 1-D integer array,
+    ``head_dim`` not a positive even int, ``theta`` not a finite real number > 0.
     """
-    pos = np.asarray(positions, dtype=np.int64).astype(np.float64)             # (T,)
-    inv_freq = float(theta) ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)   # (D/2,)
+    pos = _positions(positions).astype(np.float64)                             # (T,)
+    head_dim = checks.int_arg(head_dim, "head_dim", lo=1)
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be a positive even int (RoPE rotates pairs), got {head_dim}")
+    theta = _theta(theta)
+    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)   # (D/2,)
     ang = pos[:, None] * inv_freq[None, :]                                     # (T, D/2)
     ang = np.concatenate([ang, ang], axis=-1)                                  # (T, D)
     return np.cos(ang).astype(F32), np.sin(ang).astype(F32)
@@ -106,19 +130,33 @@ def apply_rope(x, positions, theta: float, inverse: bool = False) -> np.ndarray:
 
     ``inverse=True`` rotates by the opposite angle (``x*cos - rotate_half(x)*sin``), undoing it up to
     fp32 rounding. ``rotate_half([x1, x2]) = [-x2, x1]`` on the two halves of the head dim.
+    x must have at least 2 dimensions and an even head dim D; see :func:`rope_tables` for the others.
     """
-    x = nx.as_f32(x)
+    x = nx.as_f32(x, "x")
+    if x.ndim < 2:
+        raise ValueError(f"x must have at least 2 dimensions (..., T, D); got shape {x.shape}")
     D = x.shape[-1]
-    cos, sin = rope_tables(positions, D, theta)                                # (T, D)
-    if cos.shape[0] != x.shape[-2]:
-        raise ValueError(f"{cos.shape[0]} positions for {x.shape[-2]} tokens")
+    if D % 2:
+        raise ValueError(f"x has an odd head dim D={D} (shape {x.shape}); RoPE rotates pairs")
+    inverse = checks.bool_arg(inverse, "inverse")
+    pos = _positions(positions)
+    if pos.shape[0] != x.shape[-2]:
+        raise ValueError(f"{pos.shape[0]} positions for {x.shape[-2]} tokens")
+    cos, sin = rope_tables(pos, D, theta)                                      # (T, D)
     rot = np.concatenate([-x[..., D // 2:], x[..., :D // 2]], axis=-1)         # rotate_half(x)
     s = nx.mul(rot, sin)
     return nx.sub(nx.mul(x, cos), s) if inverse else nx.add(nx.mul(x, cos), s)
 
 
 def rms_norm(x, w, eps: float) -> np.ndarray:
-    """``x / sqrt(mean(x**2) + eps) * w`` over the last axis, fp32."""
+    """``x / sqrt(mean(x**2) + eps) * w`` over the last axis, fp32.
+
+    x (..., d) and w (d,) real floating arrays; eps a finite real number >= 0 (TypeError / ValueError
+    naming the argument otherwise).
+    """
+    x = checks.real_array(x, "x", min_ndim=1)
+    w = checks.real_array(w, "w", shape=(x.shape[-1],))
+    eps = checks.real_arg(eps, "eps", 0.0)
     ms = np.mean(x * x, axis=-1, keepdims=True, dtype=F32)
     return (x / np.sqrt(ms + F32(eps))) * w
 
@@ -136,6 +174,7 @@ class TinyDecoder:
     """
 
     def __init__(self, cfg: ModelConfig = ModelConfig()):
+        _check_cfg(cfg)
         self.cfg = cfg
         self.n_layers, self.n_kv_heads, self.head_dim = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
         self.rope_theta = cfg.rope_theta
@@ -172,21 +211,26 @@ class TinyDecoder:
 
     def layer(self, l: int, x, past_k=None, past_v=None):
         """Block l on x (B, T, d): ``(k, v, x_out)``, k post-RoPE and v (B, H_kv, T, D) of the new tokens."""
+        if isinstance(l, (bool, np.bool_)) or not isinstance(l, (int, np.integer)):
+            raise TypeError(f"layer index l must be an int, got {l!r}")
         if not 0 <= l < self.n_layers:
             raise ValueError(f"layer index {l} is outside [0, {self.n_layers})")
-        c, p = self.cfg, self.layers[l]
+        c, p = self.cfg, self.layers[int(l)]
         x = nx.as_f32(x, "x")
+        if x.ndim != 3 or x.shape[2] != c.d_model:
+            raise ValueError(f"x must be (B, T, d_model={c.d_model}); got shape {x.shape}")
         B, T, _ = x.shape
         Hq, Hk, D = c.n_heads, c.n_kv_heads, c.head_dim
-        T_past = 0 if past_k is None else np.shape(past_k)[2]
+        past_k, past_v = self._check_past(past_k, past_v, B)
+        T_past = 0 if past_k is None else past_k.shape[2]
         pos = np.arange(T_past, T_past + T)
         h = rms_norm(x, p["attn_norm"], c.eps)                                     # (B, T, d)
         q = (h @ p["w_q"]).reshape(B, T, Hq, D).transpose(0, 2, 1, 3)             # (B, Hq, T, D)
         k = (h @ p["w_k"]).reshape(B, T, Hk, D).transpose(0, 2, 1, 3)             # (B, Hk, T, D)
         v = (h @ p["w_v"]).reshape(B, T, Hk, D).transpose(0, 2, 1, 3)             # (B, Hk, T, D)
         q, k = apply_rope(q, pos, c.rope_theta), apply_rope(k, pos, c.rope_theta)
-        K = k if past_k is None else np.concatenate([nx.as_f32(past_k, "past_k"), k], axis=2)
-        V = v if past_v is None else np.concatenate([nx.as_f32(past_v, "past_v"), v], axis=2)
+        K = k if past_k is None else np.concatenate([past_k, k], axis=2)
+        V = v if past_v is None else np.concatenate([past_v, v], axis=2)
         o = attention(q, K, V, causal=True)                                        # (B, Hq, T, D)
         x = x + o.transpose(0, 2, 1, 3).reshape(B, T, Hq * D) @ p["w_o"]
         h = rms_norm(x, p["mlp_norm"], c.eps)
@@ -195,7 +239,26 @@ class TinyDecoder:
 
     def logits(self, x) -> np.ndarray:
         """(B, T, d) -> (B, T, vocab): final RMSNorm, then the tied embedding as output head."""
-        return rms_norm(nx.as_f32(x, "x"), self.final_norm, self.cfg.eps) @ self.embedding.T
+        x = nx.as_f32(x, "x")
+        if x.ndim != 3 or x.shape[2] != self.cfg.d_model:
+            raise ValueError(f"x must be (B, T, d_model={self.cfg.d_model}); got shape {x.shape}")
+        return rms_norm(x, self.final_norm, self.cfg.eps) @ self.embedding.T
+
+    def _check_past(self, past_k, past_v, B: int):
+        """A layer's past keys and values: both None, or both fp16 / fp32 (B, H_kv, T_past, D) alike."""
+        if past_k is None and past_v is None:
+            return None, None
+        if past_k is None or past_v is None:
+            raise ValueError("past_k and past_v must be given together (or both None)")
+        past_k, past_v = nx.as_f32(past_k, "past_k"), nx.as_f32(past_v, "past_v")
+        c = self.cfg
+        for name, a in (("past_k", past_k), ("past_v", past_v)):
+            if a.ndim != 4 or a.shape[0] != B or a.shape[1] != c.n_kv_heads or a.shape[3] != c.head_dim:
+                raise ValueError(f"{name} must be (B={B}, H_kv={c.n_kv_heads}, T_past, D={c.head_dim}); "
+                                 f"got shape {a.shape}")
+        if past_k.shape != past_v.shape:
+            raise ValueError(f"past_k {past_k.shape} and past_v {past_v.shape} must have the same shape")
+        return past_k, past_v
 
 
 def sample_tokens(cfg: ModelConfig, batch: int, T: int, seed: int = 0, branching: int = 4) -> np.ndarray:
@@ -204,6 +267,11 @@ def sample_tokens(cfg: ModelConfig, batch: int, T: int, seed: int = 0, branching
 
     Text-like data: adjacent tokens depend on each other, as in the AQUA-KV probes (Fig. 2, "T-1").
     """
+    _check_cfg(cfg)
+    batch = checks.int_arg(batch, "batch", lo=0)
+    T = checks.int_arg(T, "T", lo=0)
+    seed = checks.int_arg(seed, "seed", lo=0)
+    branching = checks.int_arg(branching, "branching", lo=1)
     succ = np.random.default_rng(cfg.seed + 1).integers(0, cfg.vocab_size, (cfg.vocab_size, branching))
     rng = np.random.default_rng(seed)
     out = np.empty((batch, T), np.int64)
@@ -219,6 +287,7 @@ def collect_kv(model: KVModel, tokens) -> list[tuple[np.ndarray, np.ndarray]]:
 
     AQUA-KV Algorithm 1 lines 5-7: the keys and values every predictor is calibrated against.
     """
+    _check_model(model)
     x = model.embed(tokens)
     out = []
     for l in range(model.n_layers):
@@ -230,6 +299,14 @@ def collect_kv(model: KVModel, tokens) -> list[tuple[np.ndarray, np.ndarray]]:
 def forward(model: KVModel, tokens, past=None):
     """Logits (B, T, vocab) of ``tokens`` after an optional past ``[(K_l, V_l)]`` (B, H_kv, T_past, D),
     and the new tokens' ``[(k_l, v_l)]``. Without a past this is a plain causal forward pass."""
+    _check_model(model)
+    if past is not None:
+        if not isinstance(past, (list, tuple)) or len(past) != model.n_layers:
+            raise ValueError(f"past must be None or a list of n_layers={model.n_layers} (K, V) pairs, one per "
+                             f"layer; got {_describe(past)}")
+        for l, pair in enumerate(past):
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise ValueError(f"past[{l}] must be a (K, V) pair; got {_describe(pair)}")
     x = model.embed(tokens)
     new = []
     for l in range(model.n_layers):
@@ -237,3 +314,23 @@ def forward(model: KVModel, tokens, past=None):
         k, v, x = model.layer(l, x, pk, pv)
         new.append((k, v))
     return model.logits(x), new
+
+
+def _describe(v) -> str:
+    """A short description of a value for an error message (its type, and its length if it has one)."""
+    n = len(v) if isinstance(v, (list, tuple)) else None
+    return type(v).__name__ + ("" if n is None else f" of length {n}")
+
+
+def _check_cfg(cfg) -> None:
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+
+
+def _check_model(model) -> None:
+    """``model`` implements :class:`KVModel` (embed, layer, logits and an int n_layers >= 1)."""
+    ok = all(callable(getattr(model, m, None)) for m in ("embed", "layer", "logits"))
+    n = getattr(model, "n_layers", None)
+    if not ok or isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise TypeError(f"model must implement KVModel (embed, layer, logits, n_layers), got "
+                        f"{type(model).__name__}")

@@ -121,10 +121,11 @@ def check_no_nan(x: np.ndarray, name: str = "x", what: str = "take a quantile") 
         raise ValueError(nan_message(name, n_nan, what))
 
 
-def check_bits(bits: int, allowed=SUPPORTED_BITS) -> int:
-    """Bits must be one of ``allowed``; returns it as an int."""
+def check_bits(bits: int, allowed=SUPPORTED_BITS, name: str = "bits") -> int:
+    """Bits must be one of ``allowed``; returns it as an int. ``name``: the argument's name in the error
+    (e.g. "k_bits" for a configuration field)."""
     if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or int(bits) not in allowed:
-        raise ValueError(f"bits={bits!r} is not supported; choose one of {tuple(allowed)}")
+        raise ValueError(f"{name}={bits!r} is not supported; choose one of {tuple(allowed)}")
     return int(bits)
 
 
@@ -211,6 +212,18 @@ def round_to_bf16(x) -> np.ndarray:
     return np.where(np.isnan(x), x, out).astype(F32)
 
 
+def _real_values(x, name: str) -> np.ndarray:
+    """``x`` as an array of real numbers (float, int or bool dtype) for a rounding into a float dtype:
+    None, complex numbers, strings and objects raise TypeError naming ``name`` (NumPy would drop an
+    imaginary part with a warning, or fail inside its conversion)."""
+    if x is None:
+        raise TypeError(f"{name} must be an array of real numbers, got None")
+    a = np.asarray(x)
+    if a.dtype.kind not in "fiub":
+        raise TypeError(f"{name} must be an array of real numbers, got dtype {a.dtype}")
+    return a
+
+
 def to_meta(x, meta_dtype, name: str = "scale") -> np.ndarray:
     """Rule 2: round fp32 metadata (scale, min) to the metadata dtype, round to nearest even.
 
@@ -220,7 +233,7 @@ def to_meta(x, meta_dtype, name: str = "scale") -> np.ndarray:
     kind = dtype_name(meta_dtype)
     if kind not in META_DTYPES:
         raise ValueError(f"meta_dtype={meta_dtype!r} is not supported; choose one of {META_DTYPES}")
-    x = np.asarray(x, dtype=F32)
+    x = np.asarray(_real_values(x, name), dtype=F32)
     if kind == "float32":
         out = x.copy()
     else:
@@ -252,7 +265,7 @@ def to_out(x, out_dtype) -> np.ndarray:
     instead of inf (:func:`saturate_f16`); NaN and +-inf pass through. bf16 and fp32 are plain roundings.
     """
     kind = dtype_name(out_dtype)
-    x = np.asarray(x, dtype=F32)
+    x = np.asarray(_real_values(x, "x"), dtype=F32)
     if kind == "float32":
         return x
     if kind == "float16":
@@ -266,6 +279,10 @@ def normalize_axis(axis: int, ndim: int) -> int:
     """A possibly negative axis as a non-negative one, with a clear error when out of range."""
     if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
         raise TypeError(f"axis must be an int, got {axis!r}")
+    if isinstance(ndim, (bool, np.bool_)) or not isinstance(ndim, (int, np.integer)):
+        raise TypeError(f"ndim must be an int, got {ndim!r}")
+    if ndim < 0:
+        raise ValueError(f"ndim must be an int >= 0, got {ndim}")
     if not -ndim <= axis < ndim:
         raise ValueError(f"axis={axis} is out of range for an array with {ndim} dimension(s)")
     return int(axis) % ndim

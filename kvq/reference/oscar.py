@@ -32,11 +32,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import attention as attn
+from . import checks
 from . import numerics as nx
 from .state import FlatArrays, cfg_field, check_config, check_dims, check_host_device, check_state, check_str
 from .packing import pack, unpack
 from .quant import dequantize as _dequantize
-from .rotations import _heads, _mat, compose, eig_desc, quantize_tokens, rotate, target_covariances
+from .rotations import ROTATIONS, _heads, _mat, _real64, compose, eig_desc, quantize_tokens, rotate
+from .rotations import target_covariances
 
 F16 = np.float16
 __all__ = ["DEFAULT_CLIP_K", "DEFAULT_CLIP_V", "CLIP_GRID", "OSCARCalibration", "identity_calibration",
@@ -83,6 +85,14 @@ class OSCARCalibration:
             c = getattr(self, name)
             if isinstance(c, bool) or not isinstance(c, (float, int, np.floating)) or not 0 < c <= 1:
                 raise ValueError(f"{name}={c!r} must be a ratio in (0, 1]")
+        for name in ("lam_K", "lam_V"):
+            lam = getattr(self, name)
+            if lam is not None and np.asarray(lam).dtype.kind not in "fiu":
+                raise TypeError(f"{name} must be None or a real array (the target spectrum), got "
+                                f"{type(lam).__name__} of dtype {np.asarray(lam).dtype}")
+        if not isinstance(self.rotation, str):
+            raise TypeError(f"rotation must be a str (a kind of rotations.ROTATIONS, e.g. 'oscar'), got "
+                            f"{self.rotation!r}")
 
     @property
     def head_dim(self) -> int:
@@ -102,7 +112,9 @@ class OSCARCalibration:
 
 
 def identity_calibration(head_dim: int, clip_k: float = 1.0, clip_v: float = 1.0) -> OSCARCalibration:
-    """No rotation (naive INT2 with ``clip = 1``; "clip only" with the default ratios)."""
+    """No rotation (naive INT2 with ``clip = 1``; "clip only" with the default ratios). ``head_dim`` an
+    int >= 1; the clip ratios in (0, 1] (checked by :class:`OSCARCalibration`)."""
+    head_dim = checks.int_arg(head_dim, "head_dim", lo=1)
     eye = np.eye(head_dim, dtype=np.float32)
     return OSCARCalibration(eye, eye.copy(), clip_k, clip_v, rotation="identity")
 
@@ -115,9 +127,18 @@ def calibrate_clip(x_rot, M, group_size: int, bits: int = 2, ratios=CLIP_GRID, m
     ``M = R^T C R`` the target covariance there ((D, D) or (H, D, D)). For keys with ``C = C_Q`` it is
     the mean squared logit error ``|q (k - k_hat)^T|^2`` over the calibration queries (eq. 1).
     Returns ``(best ratio, objective per ratio (len(ratios),) float64)``; ties go to the larger ratio.
+    ``ratios``: a non-empty sequence of ratios in (0, 1]; M finite, (D, D) or (H, D, D).
     """
     x = nx.as_f32(x_rot, "x_rot")
-    M = _mat(M, x.shape[1])
+    if x.ndim != 4:
+        raise ValueError(f"x_rot must be (B, H, T, D) rotated tokens, got shape {x.shape}")
+    B, H, T, D = x.shape
+    M = _real64(M, "M", ndim=(2, 3), square=True)
+    if M.shape[-1] != D or (M.ndim == 3 and M.shape[0] != H):
+        raise ValueError(f"M has shape {M.shape}; tokens x_rot {x.shape} need ({D}, {D}) or ({H}, {D}, {D})")
+    nx.check_finite(M, "M")
+    ratios = _check_ratios(ratios)
+    M = _mat(M, H)
     obj = []
     for c in ratios:
         codes, s, m = quantize_tokens(x, c, group_size, bits, meta_dtype)
@@ -126,6 +147,28 @@ def calibrate_clip(x_rot, M, group_size: int, bits: int = 2, ratios=CLIP_GRID, m
     obj = np.array(obj)
     best = max(i for i in range(len(obj)) if obj[i] == obj.min())
     return float(ratios[best]), obj
+
+
+def _check_ratios(ratios) -> tuple:
+    """``ratios`` (a non-empty sequence of clip ratios in (0, 1]) as a tuple of floats."""
+    if isinstance(ratios, (str, bytes)) or not hasattr(ratios, "__iter__") or isinstance(ratios, dict):
+        raise TypeError(f"ratios must be a sequence of clip ratios in (0, 1], got {ratios!r}")
+    out = tuple(checks.real_arg(c, f"ratios[{i}]", 0.0, 1.0, lo_open=True) for i, c in enumerate(ratios))
+    if not out:
+        raise ValueError("ratios is empty; give at least one clip ratio in (0, 1]")
+    return out
+
+
+def _check_clip_pair(clip):
+    """``clip``: "fit" or a pair ``(c_K, c_V)`` of ratios in (0, 1] (returned as floats)."""
+    if isinstance(clip, str):
+        if clip != "fit":
+            raise ValueError(f"clip={clip!r} must be a pair (c_K, c_V) or 'fit'")
+        return clip
+    if not isinstance(clip, (tuple, list, np.ndarray)) or len(clip) != 2:
+        raise (ValueError if isinstance(clip, (tuple, list, np.ndarray)) else TypeError)(
+            f"clip must be a pair (c_K, c_V) of ratios in (0, 1] or 'fit', got {clip!r}")
+    return tuple(checks.real_arg(c, f"clip[{i}]", 0.0, 1.0, lo_open=True) for i, c in enumerate(clip))
 
 
 def calibrate(q, k, v, *, rotation: str = "oscar", target: str = "attention", per_head: bool = False,
@@ -144,8 +187,19 @@ def calibrate(q, k, v, *, rotation: str = "oscar", target: str = "attention", pe
         targets: the output of ``rotations.target_covariances(q, k, v, per_head=per_head)`` when it is
             already computed (calibrating several ablations on one layer); None computes it.
     """
-    if target not in ("attention", "tensor"):
+    if not isinstance(target, str) or target not in ("attention", "tensor"):
         raise ValueError(f"target={target!r} must be 'attention' or 'tensor'")
+    if not isinstance(rotation, str) or rotation not in ROTATIONS:
+        raise ValueError(f"rotation={rotation!r} is unknown; choose one of {tuple(ROTATIONS)}")
+    per_head = checks.bool_arg(per_head, "per_head")
+    clip = _check_clip_pair(clip)
+    if clip == "fit":                                   # the quantizer the fit assumes
+        group_size = checks.int_arg(group_size, "group_size", lo=1, optional=True)
+        bits = nx.check_bits(bits)
+    seed = checks.int_arg(seed, "seed", lo=0)
+    if targets is not None and (not isinstance(targets, dict)
+                                or not {"C_Q", "C_S", "C_K", "C_V"} <= set(targets)):
+        raise TypeError("targets must be None or the dict of rotations.target_covariances (C_Q, C_S, C_K, C_V)")
     cov = target_covariances(q, k, v, per_head=per_head, scale=scale) if targets is None else targets
     C_K, C_V = (cov["C_Q"], cov["C_S"]) if target == "attention" else (cov["C_K"], cov["C_V"])
     (lam_K, U_K), (lam_V, U_V) = eig_desc(C_K), eig_desc(C_V)
@@ -153,11 +207,9 @@ def calibrate(q, k, v, *, rotation: str = "oscar", target: str = "attention", pe
     R_K, R_V = (np.stack([compose(rotation, u, rng=rng) for u in U]) if per_head else compose(rotation, U, rng=rng)
                 for U in (U_K, U_V))
     if isinstance(clip, str):
-        if clip != "fit":
-            raise ValueError(f"clip={clip!r} must be a pair (c_K, c_V) or 'fit'")
         H = np.shape(k)[1]
-        xs = [rotate(np.asarray(x, np.float32), _heads(R.astype(np.float32), H)).astype(F16)
-              for x, R in ((k, R_K), (v, R_V))]
+        xs = [_rotate16(np.asarray(x, np.float32), R.astype(np.float32), name)
+              for x, R, name in ((k, R_K, "k"), (v, R_V, "v"))]
         clip = tuple(calibrate_clip(x, np.swapaxes(R, -1, -2) @ C @ R, group_size, bits)[0]
                      for x, R, C in zip(xs, (R_K, R_V), (C_K, C_V)))
     return OSCARCalibration(R_K.astype(np.float32), R_V.astype(np.float32), float(clip[0]), float(clip[1]),
@@ -228,7 +280,10 @@ class OSCARState(FlatArrays):
 
 def counts(cfg: OSCARConfig, T: int) -> dict:
     """Where T tokens live: ``n_sink`` [0, S0), ``n_hist`` INT2 history, ``n_win`` FP16 recent (the
-    logical layout of section 4: sink || history || recent); ``post`` = tokens after the sink."""
+    logical layout of section 4: sink || history || recent); ``post`` = tokens after the sink.
+    ``T`` an int >= 0."""
+    check_cfg(cfg)
+    T = checks.int_arg(T, "T", lo=0)
     n_sink = min(T, cfg.sink)
     post = T - n_sink
     n_win = min(post, cfg.window)
@@ -391,6 +446,9 @@ def decode_attention(cfg: OSCARConfig, calib: OSCARCalibration, state: OSCARStat
     check_state(state, cfg, OSCARConfig, OSCARState)
     B, H, D = state.shape
     q = np.asarray(q)
+    if q.dtype not in (np.float16, np.float32, np.float64):
+        raise TypeError(f"q has dtype {q.dtype}; decode_attention takes float16 / float32 queries (float64: "
+                        f"the exact ground truth)")
     if q.ndim != 4 or q.shape[0] != B or q.shape[3] != D or q.shape[1] % H:
         raise ValueError(f"q has shape {q.shape}; this cache takes (B={B}, H_q (a multiple of {H}), T_q, D={D})")
     if state.length == 0:
@@ -415,15 +473,25 @@ def fold_value_rotation(W_V, W_O, R_V, n_heads: int):
     Row-vector convention: ``v = x W_V`` with W_V (d_model, H_kv * D); the layer output is
     ``concat_h(o_h) W_O`` with W_O (H_q * D, d_model). With the folded weights the values come out
     rotated (``v' = v R_V``), attention gives ``o'_h = o_h R_V``, and ``o'_h (R_V^T W_O[h]) = o_h W_O[h]``:
-    the layer's output is unchanged. R_V: (D, D) or (H_kv, D, D); n_heads: H_q.
+    the layer's output is unchanged. R_V: (D, D) or (H_kv, D, D); n_heads: H_q, a multiple of H_kv.
+    Real arrays (float or integer; NaN / inf propagate into the result).
     """
-    W_V, W_O, R = (np.asarray(a, dtype=np.float64) for a in (W_V, W_O, R_V))
+    W_V, W_O = _real64(W_V, "W_V", ndim=2), _real64(W_O, "W_O", ndim=2)
+    R = _real64(R_V, "R_V", ndim=(2, 3), square=True)
+    n_heads = checks.int_arg(n_heads, "n_heads", lo=1)
     D = R.shape[-1]
-    if W_V.ndim != 2 or W_V.shape[1] % D or W_O.ndim != 2 or W_O.shape[0] != n_heads * D:
-        raise ValueError(f"W_V {W_V.shape} must be (d_model, H_kv * {D}) and W_O {W_O.shape} ({n_heads} * {D}, d_model)")
+    if D == 0 or W_V.shape[1] % D:
+        raise ValueError(f"W_V has shape {W_V.shape}; with R_V of shape {R.shape} it must be (d_model, H_kv * {D})")
     H_kv = W_V.shape[1] // D
-    if n_heads % H_kv or (R.ndim == 3 and R.shape[0] != H_kv):
-        raise ValueError(f"n_heads={n_heads}, H_kv={H_kv} and R_V {R.shape} do not fit together")
+    if H_kv == 0:
+        raise ValueError(f"W_V has shape {W_V.shape}: no value heads (it must be (d_model, H_kv * {D}), H_kv >= 1)")
+    if R.ndim == 3 and R.shape[0] != H_kv:
+        raise ValueError(f"R_V has shape {R.shape}; W_V {W_V.shape} holds H_kv={H_kv} heads of D={D}")
+    if n_heads % H_kv:
+        raise ValueError(f"n_heads={n_heads} must be a multiple of H_kv={H_kv} (W_V {W_V.shape}, D={D})")
+    if W_O.shape[0] != n_heads * D:
+        raise ValueError(f"W_O has shape {W_O.shape}; n_heads={n_heads} query heads of D={D} need "
+                         f"({n_heads * D}, d_model)")
     R = _mat(R, H_kv)                                                     # (H_kv, D, D)
     W_V2 = np.einsum("mhd,hde->mhe", W_V.reshape(-1, H_kv, D), R).reshape(W_V.shape)
     Rq = R[np.arange(n_heads) // (n_heads // H_kv)]                       # (H_q, D, D)

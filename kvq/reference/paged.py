@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import attention as attn
+from . import checks
 from . import numerics as nx
 from .packing import pack, unpack
 from .quant import dequantize, quantize
@@ -86,13 +87,25 @@ class PagedState:
 # counts: everything derives from the number of tokens T
 
 
+def _check_paged_cfg(cfg) -> None:
+    """``cfg`` must configure a paged cache: a ``kivi.KIVIConfig`` or a ``kitty.KittyConfig`` (TypeError)."""
+    from .kitty import KittyConfig                      # (kivi and kitty import this module)
+    from .kivi import KIVIConfig
+
+    if not isinstance(cfg, (KIVIConfig, KittyConfig)):
+        raise TypeError(f"cfg must be a KIVIConfig or a KittyConfig (the configuration of a paged cache), got "
+                        f"{type(cfg).__name__}")
+
+
 def counts(cfg, T: int) -> dict:
     """Where the T tokens of a sequence live (the bookkeeping of Fig. 1).
 
     ``n_sink`` sink tokens; ``n_kpages`` full key pages and ``n_kbuf`` tokens in the key Q-buffer;
     ``n_vq`` values quantized into pages (``n_vpages`` pages touched), ``n_vbuf`` values in the
-    value Q-buffer, ``n_win`` in the local window.
+    value Q-buffer, ``n_win`` in the local window. ``cfg``: a KIVIConfig / KittyConfig; ``T`` an int >= 0.
     """
+    _check_paged_cfg(cfg)
+    T = checks.int_arg(T, "T", lo=0)
     S, G, R = cfg.sink, cfg.group_size, cfg.residual
     n_sink = min(T, S)
     post = T - n_sink
@@ -107,6 +120,8 @@ def counts(cfg, T: int) -> dict:
 
 
 def max_pages(cfg) -> int:
+    """Key (and value) pages one sequence may need: ``ceil((max_tokens - sink) / group_size)``."""
+    _check_paged_cfg(cfg)
     return -(-max(cfg.max_tokens - cfg.sink, 0) // cfg.group_size)
 
 
@@ -312,8 +327,9 @@ def dequantize_cache(cfg, codec, st: PagedState):
 
 def segment_bounds(cfg, T: int) -> list[tuple[int, int]]:
     """Token ranges over which both K and V have one representation each (sink, quantized, buffer,
-    window): the boundaries of the key layout and of the value layout, merged."""
+    window): the boundaries of the key layout and of the value layout, merged. ``T`` an int >= 0."""
     c = counts(cfg, T)
+    T = int(T)
     S, G = cfg.sink, cfg.group_size
     cuts = {0, T, c["n_sink"], S + c["n_kpages"] * G, S + c["n_vq"], S + c["n_vq"] + c["n_vbuf"]}
     cuts = sorted(x for x in cuts if 0 <= x <= T)

@@ -15,6 +15,8 @@ Shapes: ``x`` has any shape; ``codes`` has the shape of ``x`` (uint8, one code p
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 
 from . import numerics as nx
@@ -132,6 +134,17 @@ def dequantize(codes, scale, mn, group_size, axis: int = -1, out_dtype=np.float1
     return nx.to_out(x.reshape(codes.shape), out_dtype)
 
 
+def check_ratio(rho, name: str = "rho") -> float:
+    """A quantile ratio: a real number in (0, 1] (a bool, a string or None is refused with TypeError, a
+    value outside (0, 1] or NaN with ValueError, both naming ``name``); returned as a float. Shared with
+    the fast tiers, which raise the same errors."""
+    if isinstance(rho, (bool, np.bool_)) or not isinstance(rho, numbers.Real):
+        raise TypeError(f"{name} must be a real number in (0, 1] (a quantile ratio), got {rho!r}")
+    if not (0.0 < float(rho) <= 1.0):
+        raise ValueError(f"quantile ratio {name}={rho!r} must lie in (0, 1]")
+    return float(rho)
+
+
 def quantile(a, rho: float, axis: int = -1) -> np.ndarray:
     """The ``rho``-quantile along ``axis`` by linear interpolation between order statistics.
 
@@ -143,17 +156,17 @@ def quantile(a, rho: float, axis: int = -1) -> np.ndarray:
     NaN input raises ValueError (contract rule 8: a sort would place NaN as the largest value and
     return a silently wrong threshold); +-inf is ordered and accepted (the interpolation follows IEEE,
     so ``inf - inf`` gives NaN, never a finite value).
+    ``rho`` must be a real number in (0, 1] (:func:`check_ratio`; ``True`` is not 1).
     """
+    rho = check_ratio(rho, "rho")
     a = nx.as_f32(a, "a")
     axis = nx.normalize_axis(axis, a.ndim)
-    if not (0.0 < float(rho) <= 1.0):
-        raise ValueError(f"quantile ratio rho={rho!r} must lie in (0, 1]")
     n = a.shape[axis]
     if n == 0:
         raise ValueError("cannot take a quantile over an empty axis")
     nx.check_no_nan(a, "a")
     s = np.sort(a, axis=axis)
-    h = (n - 1) * float(rho)
+    h = (n - 1) * rho
     lo = int(np.floor(h))
     hi = min(lo + 1, n - 1)
     frac = F32(h - lo)
@@ -172,7 +185,11 @@ def percentile_clip(x, ratio: float, axis: int = -1):
 
     Returns:
         ``(x_clipped, tau)``: fp32, x's shape; tau with ``axis`` removed.
+    Raises:
+        TypeError / ValueError naming ``ratio`` unless it is a real number in (0, 1]; TypeError on a
+        non-float ``x``; ValueError on NaN / inf in ``x``.
     """
+    ratio = check_ratio(ratio, "ratio")
     xf = nx.as_f32(x)
     axis = nx.normalize_axis(axis, xf.ndim)
     nx.check_finite(xf)

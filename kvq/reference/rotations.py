@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import attention as attn
+from . import checks
 from . import metrics
 from . import numerics as nx
 from .quant import dequantize, percentile_clip, quantize
@@ -44,6 +45,39 @@ ROTATIONS = {
 }
 
 
+def _real64(x, name: str, *, ndim=None, min_ndim: int | None = None, square: bool = False) -> np.ndarray:
+    """``x`` as a float64 ndarray for the float64 analysis functions (eigenbases, compositions, folds).
+
+    Real numbers only: float16 / 32 / 64 and integer arrays convert exactly (as ``np.asarray(x, float64)``
+    always did here); bool, complex, string and object arrays (and None) are refused with a TypeError
+    naming ``name``. ``ndim``: an int or a tuple of allowed numbers of dimensions; ``square``: the last two
+    axes must be equal (a (..., D, D) matrix). NaN / inf are left to the caller.
+    """
+    if x is None:
+        raise TypeError(f"{name} must be an array, got None")
+    a = np.asarray(x)
+    if not (a.dtype.kind in "iu" or a.dtype.name in ("float16", "float32", "float64")):
+        raise TypeError(f"{name} must be a real array (float16 / float32 / float64 or integer), got dtype {a.dtype}")
+    allowed = (ndim,) if isinstance(ndim, int) else ndim
+    if allowed is not None and a.ndim not in allowed:
+        raise ValueError(f"{name} must have {' or '.join(map(str, allowed))} dimension(s), got shape {a.shape}")
+    if min_ndim is not None and a.ndim < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dimension(s), got shape {a.shape}")
+    if square and (a.ndim < 2 or a.shape[-1] != a.shape[-2]):
+        raise ValueError(f"{name} must be square (..., D, D), got shape {a.shape}")
+    return a.astype(np.float64)
+
+
+def _check_rng(rng, name: str = "rng", optional: bool = False):
+    """``rng`` must be a NumPy random Generator (or None where ``optional``): TypeError otherwise."""
+    if optional and rng is None:
+        return None
+    if not isinstance(rng, (np.random.Generator, np.random.RandomState)):
+        raise TypeError(f"{name} must be {'None or ' if optional else ''}a numpy.random.Generator "
+                        f"(e.g. np.random.default_rng(0)), got {type(rng).__name__}")
+    return rng
+
+
 def _check_pow2(d) -> int:
     if not is_power_of_two(d):
         raise ValueError(f"head dim d={d!r} is not a power of two; the Walsh-Hadamard matrix and the "
@@ -52,7 +86,13 @@ def _check_pow2(d) -> int:
 
 
 def bit_reverse(k: int, n_bits: int) -> int:
-    """``k`` with its lowest ``n_bits`` bits in reverse order (bit 0 <-> bit n_bits - 1)."""
+    """``k`` with its lowest ``n_bits`` bits in reverse order (bit 0 <-> bit n_bits - 1).
+
+    ``n_bits`` an int >= 0; ``k`` an int in [0, 2**n_bits) (higher bits would be dropped silently)."""
+    n_bits = checks.int_arg(n_bits, "n_bits", lo=0)
+    k = checks.int_arg(k, "k", lo=0)
+    if k >> n_bits:
+        raise ValueError(f"k={k} must be < 2**n_bits = 2**{n_bits} (it has {k.bit_length()} bits)")
     out = 0
     for _ in range(n_bits):
         out = (out << 1) | (k & 1)
@@ -95,11 +135,10 @@ def eig_desc(C) -> tuple[np.ndarray, np.ndarray]:
 
     Float64. Returns ``(lam (..., D), U (..., D, D))``, column j of U the j-th eigenvector. Signs are
     fixed so that each eigenvector's entry of largest magnitude is positive (eigenvectors are defined up
-    to sign; this makes the result deterministic). Raises on NaN / inf or a non-square C.
+    to sign; this makes the result deterministic). Raises on NaN / inf, a non-square or a non-real C
+    (complex, bool, strings).
     """
-    C = np.asarray(C, dtype=np.float64)
-    if C.ndim < 2 or C.shape[-1] != C.shape[-2]:
-        raise ValueError(f"C must be square (..., D, D), got shape {C.shape}")
+    C = _real64(C, "C", square=True)
     nx.check_finite(C, "C")
     lam, U = np.linalg.eigh((C + np.swapaxes(C, -1, -2)) / 2)     # ascending
     lam, U = lam[..., ::-1], U[..., ::-1]
@@ -109,7 +148,11 @@ def eig_desc(C) -> tuple[np.ndarray, np.ndarray]:
 
 
 def random_orthogonal(d: int, rng) -> np.ndarray:
-    """A Haar-random orthogonal (d, d) float64 matrix: QR of a Gaussian matrix, signs fixed by diag(R)."""
+    """A Haar-random orthogonal (d, d) float64 matrix: QR of a Gaussian matrix, signs fixed by diag(R).
+
+    ``d`` an int >= 0; ``rng`` a ``numpy.random.Generator`` (or a legacy ``RandomState``)."""
+    d = checks.int_arg(d, "d", lo=0)
+    rng = _check_rng(rng)
     Z = rng.standard_normal((d, d))
     Qm, Rm = np.linalg.qr(Z)
     return Qm * np.sign(np.diag(Rm))
@@ -120,13 +163,19 @@ def compose(kind: str, U=None, d: int | None = None, rng=None) -> np.ndarray:
 
     ``U`` (..., D, D): an eigenbasis from :func:`eig_desc` (needed by every kind with U in it); ``d``:
     the head dim when U is not given; ``rng``: a NumPy Generator for ``"random"`` (default seed 0).
-    ``"oscar"`` is ``U @ H @ P_br`` (eq. 3); the others drop factors as their names say.
+    ``"oscar"`` is ``U @ H @ P_br`` (eq. 3); the others drop factors as their names say. U must be
+    finite and square; ``d``, where given with U, must be U's size.
     """
-    if kind not in ROTATIONS:
+    if not isinstance(kind, str) or kind not in ROTATIONS:
         raise ValueError(f"rotation kind={kind!r} is unknown; choose one of {tuple(ROTATIONS)}")
     factors = ROTATIONS[kind]
+    d = checks.int_arg(d, "d", lo=1, optional=True)
+    rng = _check_rng(rng, optional=True)
     if U is not None:
-        U = np.asarray(U, dtype=np.float64)
+        U = _real64(U, "U", square=True)
+        nx.check_finite(U, "U")
+        if d is not None and d != U.shape[-1]:
+            raise ValueError(f"d={d} does not match U of shape {U.shape}; give one of them")
         d = U.shape[-1]
     elif "U" in factors:
         raise ValueError(f"rotation kind={kind!r} needs an eigenbasis U")
@@ -152,12 +201,20 @@ def rotate(x, R) -> np.ndarray:
     lets it use another, and compares against float64.
     """
     x = nx.as_f32(x, "x")
+    if x.ndim == 0:
+        raise ValueError("x is a scalar (0-d); rotate takes vectors (..., D)")
     R = np.asarray(R)
     if R.dtype != np.float32:
         raise TypeError(f"R has dtype {R.dtype}; the cache keeps its rotations in float32")
     D = x.shape[-1]
     if R.shape[-2:] != (D, D):
         raise ValueError(f"R has shape {R.shape}; rotating vectors of length {D} needs (..., {D}, {D})")
+    try:
+        np.broadcast_shapes(x.shape[:-1], R.shape[:-2])
+    except ValueError:
+        raise ValueError(f"R has shape {R.shape}; its leading axes {R.shape[:-2]} do not broadcast against "
+                         f"x's {x.shape[:-1]} (x is {x.shape}; per-head rotations of (B, H, T, D) are "
+                         f"(H, 1, D, D))") from None
     acc = nx.mul(x[..., 0:1], R[..., 0, :])
     for i in range(1, D):
         acc = nx.add(acc, nx.mul(x[..., i:i + 1], R[..., i, :]))
@@ -165,8 +222,11 @@ def rotate(x, R) -> np.ndarray:
 
 
 def frozen_surrogate(R, C, E) -> float:
-    """Theorem 1's frozen-error surrogate ``tr(R^T C R E)``, float64 (all three (D, D))."""
-    R, C, E = (np.asarray(a, dtype=np.float64) for a in (R, C, E))
+    """Theorem 1's frozen-error surrogate ``tr(R^T C R E)``, float64 (all three (D, D), real; NaN
+    propagates)."""
+    R, C, E = (_real64(a, n, ndim=2, square=True) for a, n in ((R, "R"), (C, "C"), (E, "E")))
+    if not R.shape == C.shape == E.shape:
+        raise ValueError(f"R {R.shape}, C {C.shape} and E {E.shape} must all be (D, D) with the same D")
     return float(np.trace(R.T @ C @ R @ E))
 
 
@@ -244,20 +304,31 @@ def quantize_tokens(x_rot, clip: float, group_size: int, bits: int = 2, meta_dty
     """App. A.5 on rotated tokens (..., D): per-token percentile clip at ``quantile_clip(|x~|)``
     (``quant.percentile_clip``), then per-token asymmetric ``bits``-bit quantization in groups of
     ``group_size`` channels (``quant.quantize``, the numerics contract). Returns ``(codes (..., D)
-    uint8, scale, mn (..., D / G))``."""
+    uint8, scale, mn (..., D / G))``. ``clip``: a ratio in (0, 1] (1 = no clip)."""
+    clip = checks.real_arg(clip, "clip", 0.0, 1.0, lo_open=True)
     xc, _ = percentile_clip(x_rot, clip, axis=-1)
     return quantize(xc, bits, group_size, axis=-1, meta_dtype=meta_dtype)
 
 
 def fake_quantize(x, R, clip: float, group_size: int, bits: int = 2) -> np.ndarray:
     """``x_hat = Q(clip(fp16(x R))) R^T`` as the cache computes it, for x (B, H, T, D) and R fp32
-    (D, D) or (H, D, D): the reconstruction of App. A.5 in the original frame, fp32."""
+    (D, D) or (H, D, D): the reconstruction of App. A.5 in the original frame, fp32. A per-head R needs
+    x (B, H, T, D) with H = R.shape[0]."""
     x = nx.as_f32(x, "x")
-    R = np.asarray(R, np.float32)
-    xr = rotate(x, _heads(R, x.shape[1])).astype(np.float16)
+    if x.ndim == 0:
+        raise ValueError("x is a scalar (0-d); fake_quantize takes tokens (B, H, T, D)")
+    R = _real64(R, "R", ndim=(2, 3), square=True).astype(np.float32)
+    if R.shape[-1] != x.shape[-1]:
+        raise ValueError(f"R has shape {R.shape}; tokens of x {x.shape} need ({x.shape[-1]}, {x.shape[-1]})")
+    if R.ndim == 3 and (x.ndim != 4 or x.shape[1] != R.shape[0]):
+        raise ValueError(f"R has shape {R.shape} (one rotation per KV head); x must be (B, H={R.shape[0]}, T, D), "
+                         f"got {x.shape}")
+    clip = checks.real_arg(clip, "clip", 0.0, 1.0, lo_open=True)
+    H = R.shape[0] if R.ndim == 3 else 1
+    xr = rotate(x, _heads(R, H)).astype(np.float16)
     codes, s, m = quantize_tokens(xr, clip, group_size, bits)
     xq = dequantize(codes, s, m, group_size, -1, np.float32)
-    return rotate(xq, _heads(np.ascontiguousarray(np.swapaxes(R, -1, -2)), x.shape[1]))
+    return rotate(xq, _heads(np.ascontiguousarray(np.swapaxes(R, -1, -2)), H))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -112,11 +112,14 @@ def _cfg_alts():
     ]
 
 
-def _P_alts(read: bool = False):
-    """Predictors that do not fit, or hold NaN / 1e30 weights (``read``: a reader may propagate NaN)."""
+def _P_alts(read: bool = False, single_layer: bool = False):
+    """Predictors that do not fit, or hold NaN / 1e30 weights (``read``: a reader may propagate NaN).
+    ``single_layer``: the function works on one layer ``l`` (aqua.encode / decode), which cannot know the
+    model's layer count: predictors for one more layer, valid for ``l``, may be used (error or result)."""
     from kvq.reference import aqua
 
     bad = dict(expect=OK_OR_ERROR, oracle=lambda r, c: None) if read else {}
+    more = dict(expect=OK_OR_ERROR, oracle=lambda r, c: None) if single_layer else {}
 
     def nan_pred(x, c):
         fk = list(x.f_key)
@@ -139,7 +142,7 @@ def _P_alts(read: bool = False):
         return predictors(1, len(x.f_key), F * 2)
 
     return [
-        alt("other_layers", lambda x, c: predictors(1, len(x.f_key) + 1, np.shape(x.f_key[1].mats[0])[0])),
+        alt("other_layers", lambda x, c: predictors(1, len(x.f_key) + 1, np.shape(x.f_key[1].mats[0])[0]), **more),
         alt("nan_weights", nan_pred, **bad),
         alt("huge_weights", big_pred, **bad),
         alt("other_F", other_F),
@@ -445,7 +448,7 @@ def aqua_specs():
             _encode_base,
             [
                 Arg("cfg", "object", names=CFG_WORDS),
-                Arg("P", "object", names=P_WORDS, alts=_P_alts()),
+                Arg("P", "object", names=P_WORDS, alts=_P_alts(single_layer=True)),
                 Arg("l", "int", dict(lo=0), names=("l", "layer"), alts=_layer_alts()),
                 Arg("K", "data", dict(fixed_ndim=False), alts=[alt("other_F", _tok_other_F)]),
                 Arg("V", "data", dict(fixed_ndim=False), alts=[alt("other_F", _tok_other_F)]),
@@ -469,7 +472,7 @@ def aqua_specs():
             lambda d, t: _encode_base(d, t, decode=True),
             [
                 Arg("cfg", "object", names=CFG_WORDS),
-                Arg("P", "object", names=P_WORDS, alts=_P_alts(read=True)),
+                Arg("P", "object", names=P_WORDS, alts=_P_alts(read=True, single_layer=True)),
                 Arg("l", "int", dict(lo=0), names=("l", "layer"), alts=_layer_alts()),
                 Arg("Kq", None, alts=_codes_dict_alts()),
                 Arg("F", "int", alts=[alt("too_big", lambda x, c: x * 2)]),

@@ -508,7 +508,7 @@ ATTN += [
                     alt("triple", lambda x, c: [(x[0][0], x[0][1], x[0][1])] + list(x[1:])),
                     alt(
                         "lse_wrong_shape",
-                        lambda x, c: [(x[0][0], like(x[0][1], np_of(x[0][1])[..., :1]))] + list(x[1:]),
+                        lambda x, c: [(x[0][0], like(x[0][1], np_of(x[0][1])[..., None]))] + list(x[1:]),
                     ),
                     alt("o_mismatch", lambda x, c: list(x) + [(like(x[0][0], np_of(x[0][0])[..., :1]), x[0][1])]),
                     alt("lse_nan", _partial_nan_lse, OK_OR_ERROR, oracle=lambda r, c: _nonfinite(r)),
@@ -839,12 +839,14 @@ def encode_page_base(d, tier):
 
 
 def _boost_unequal(x, c):
-    b = np_of(x).copy()
-    if b.ndim < 2:
+    b = np.ascontiguousarray(np_of(x)).copy()
+    rows = b.reshape(-1, b.shape[-1])                       # one row of channel flags per page (a view)
+    if rows.shape[0] < 2:
         raise Skip("one page")
-    b[0, ...] = False
-    b[-1, ..., 0] = True
-    b[-1, ..., -1] = True
+    k = int(rows[1].sum())
+    n = k + 1 if k + 1 <= rows.shape[1] else k - 1          # page 0 boosts a count unlike the others'
+    rows[0] = False
+    rows[0, :n] = True
     return like(x, b)
 
 

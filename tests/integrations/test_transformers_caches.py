@@ -397,8 +397,8 @@ def test_fast_backend_in_model(backend, name):
     out = model.generate(prompt(20).cuda(), max_new_tokens=32, min_new_tokens=32, do_sample=False,
                          past_key_values=cache)
     assert out.shape == (1, 52) and compressed_tokens(cache) > 0 and cache.store.backend == backend
-    ref = M.KVStore(name, n_layers=2, batch=1, kv_heads=2, head_dim=32, max_tokens=512, backend="reference",
-                    calibration=calib, **SMALL[name])
+    ref = M.KVStore(name, n_layers=2, batch=1, kv_heads=2, head_dim=32, max_tokens=cache.store.max_tokens,
+                    backend="reference", calibration=calib, **SMALL[name])   # the cache's capacity now (it grows)
     for l, k, v in log:
         ref.append(l, k.cpu(), v.cpu())
     for l in (0, 1):

@@ -301,3 +301,133 @@ def test_bits_per_value_counts_the_stored_codes(name):
     if name == "uniform":
         assert Fraction(per_chunk(st.res_k, (0, slice(None), 0)), values) == cfg.backbone.bits_per_value(F)
     assert C.state_bytes(st) > 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# bad input (issue 36): a clear error naming the argument, before anything is read or written
+
+
+def _small(F=16, seed=0, fill=None):
+    """A two-layer uniform config and random predictors for token vectors of F values (``fill``: every
+    weight of f_key[1] set to that value)."""
+    rng = np.random.default_rng(seed)
+    cfg = A.AquaConfig(backbone=A.Uniform(2, 8), first_layer=A.Uniform(4, 8), buffer=4, max_tokens=32)
+    wk = (rng.standard_normal((F, F)) * 0.1).astype(np.float32)
+    if fill is not None:
+        wk[:] = fill
+    P = A.AquaPredictors((None, A.Predictor((wk,), np.zeros(F, np.float32))),
+                         (None, A.Predictor(((rng.standard_normal((2 * F, F)) * 0.1).astype(np.float32),),
+                                            np.zeros(F, np.float32))))
+    K, V = (rng.standard_normal((1, 4, F)).astype(np.float32) for _ in range(2))
+    return cfg, P, K, V
+
+
+@pytest.mark.parametrize("fill,msg", [(np.nan, "NaN or inf"), (np.inf, "NaN or inf"),
+                                      (1e30, r"\|w\| = 1e\+30 > .*MAX_PREDICTOR_ABS")])
+def test_corrupted_predictors_are_refused_naming_them(fill, msg):
+    """NaN / inf / 1e30 weights (a corrupted calibration) are refused by encode, decode (any layer, even one
+    that does not read them) and the cache, naming the predictor; the cache is left unchanged."""
+    cfg, P, K, V = _small()
+    _, bad, _, _ = _small(fill=fill)
+    Kq, Vq, Kh, Vh = A.encode(cfg, P, 0, K, V)
+    where = r"P\.f_key\[1\]\.mats\[0\] holds " + msg
+    with pytest.raises(ValueError, match=where):
+        A.encode(cfg, bad, 0, K, V)
+    with pytest.raises(ValueError, match=where):
+        A.encode(cfg, bad, 1, K, V, Kh, Vh)
+    with pytest.raises(ValueError, match=where):
+        A.decode(cfg, bad, 0, Kq, Vq, K.shape[-1])
+    st = C.init(cfg, 2, 1, 2, 8)
+    C.append(cfg, P, st, np.zeros((2, 1, 2, 3, 8), np.float16), np.zeros((2, 1, 2, 3, 8), np.float16))
+    ref = st.copy()
+    with pytest.raises(ValueError, match=where):
+        C.append(cfg, bad, st, np.zeros((2, 1, 2, 1, 8), np.float16), np.zeros((2, 1, 2, 1, 8), np.float16))
+    with pytest.raises(ValueError, match=where):
+        C.dequantize(cfg, bad, st)
+    same_state(st, ref)
+
+
+def test_encode_decode_check_layer_config_and_shapes():
+    cfg, P, K, V = _small()
+    Kq, Vq, Kh, Vh = A.encode(cfg, P, 0, K, V)
+    for l, err in ((True, TypeError), (1.0, TypeError), (None, TypeError), (-1, ValueError), (2, ValueError)):
+        with pytest.raises(err, match=r"\bl\b"):
+            A.encode(cfg, P, l, K, V, Kh, Vh)
+        with pytest.raises(err, match=r"\bl\b"):
+            A.decode(cfg, P, l, Kq, Vq, 16, Kh, Vh)
+    with pytest.raises(TypeError, match="cfg must be a AquaConfig"):
+        A.encode("cfg", P, 0, K, V)
+    with pytest.raises(TypeError, match="P must be AquaPredictors"):
+        A.decode(cfg, {}, 0, Kq, Vq, 16)
+    with pytest.raises(ValueError, match="K and V must have the same shape"):
+        A.encode(cfg, P, 0, K, V[..., :8])
+    with pytest.raises(ValueError, match="K_prev_hat must have shape"):
+        A.encode(cfg, P, 1, K, V, Kh[..., :8], Vh)
+    with pytest.raises(ValueError, match="K contains non-finite"):
+        A.encode(cfg, P, 0, np.where(K > 1, np.nan, K).astype(np.float32), V)
+    with pytest.raises(ValueError, match="F=32"):
+        A.decode(cfg, P, 0, Kq, Vq, 32)
+    with pytest.raises(TypeError, match=r"F must be an int"):
+        A.decode(cfg, P, 0, Kq, Vq, True)
+    with pytest.raises(ValueError, match=r"Kq must hold exactly the arrays \['codes', 'mn', 'scale'\]"):
+        A.decode(cfg, P, 0, {"scale": Kq["scale"], "mn": Kq["mn"]}, Vq, 16)
+    with pytest.raises(TypeError, match=r"Kq\['codes'\] has dtype int64"):
+        A.decode(cfg, P, 0, dict(Kq, codes=Kq["codes"].astype(np.int64)), Vq, 16)
+    with pytest.raises(TypeError, match="Vq must be a dict"):
+        A.decode(cfg, P, 0, Kq, list(Vq.values()), 16)
+
+
+def test_a_residual_the_backbone_cannot_hold_names_its_layer_and_predictor():
+    """A prediction that pushes the residual past float16 (finite, bounded weights): the backbone's error,
+    with what was quantized (the same message in the fast tiers)."""
+    F = 16
+    cfg = A.AquaConfig(backbone=A.KeepFP16(), first_layer=A.KeepFP16(), predict_values=False, buffer=4, max_tokens=32)
+    P = A.AquaPredictors((None, A.Predictor((np.zeros((F, F), np.float32),), np.full(F, -3e4, np.float32))),
+                         (None, None))
+    K = np.full((1, 4, F), 5e4, np.float32)
+    with pytest.raises(ValueError, match=r"K of layer 1 minus its prediction by P\.f_key\[1\] cannot be quantized "
+                                         r"by the FP16 backbone: x overflows float16"):
+        A.encode(cfg, P, 1, K, K, K, K)
+
+
+def test_fits_and_layout_helpers_refuse_bad_input():
+    rng = np.random.default_rng(3)
+    X, Y = rng.standard_normal((20, 3)), rng.standard_normal((20, 2))
+    Xn = X.copy()
+    Xn[0, 0] = np.nan
+    cases = [(lambda: A.fit_ridge(Xn, Y), ValueError, "X contains non-finite"),
+             (lambda: A.fit_ridge(X, Y.astype(np.complex64)), TypeError, "Y must be a real matrix"),
+             (lambda: A.fit_ridge(X, Y, ridge=-1.0), ValueError, "ridge"),
+             (lambda: A.fit_ridge(X, Y, ridge="0.1"), TypeError, "ridge"),
+             (lambda: A.fit_ridge(np.ones((20, 3)), Y), ValueError, "X gives a singular system"),
+             (lambda: A.fit_reduced_rank(X, Y[:-1], 1), ValueError, "X .* and Y"),
+             (lambda: A.to_tokens(np.zeros((2, 3, 4))), ValueError, "x must have 4 dimensions"),
+             (lambda: A.from_tokens(np.zeros((1, 2, 8)), 3), ValueError, "H=3 does not divide"),
+             (lambda: A.from_tokens(np.zeros((1, 2, 8)), True), TypeError, "H must be an int"),
+             (lambda: C.bits_per_value(A.AquaConfig(), 0, 1024), ValueError, "n_layers"),
+             (lambda: C.bits_per_value(A.AquaConfig(), 2, 1024.0), TypeError, "F must be an int"),
+             (lambda: C.state_bytes(None), TypeError, "st must be an AquaState"),
+             (lambda: A.Higgs("bogus"), TypeError, "cfg must be a kvq.reference.higgs.HiggsConfig")]
+    for fn, err, msg in cases:
+        with pytest.raises(err, match=msg):
+            fn()
+    assert A.from_tokens(A.to_tokens(np.arange(48.0).reshape(1, 2, 3, 8)).tolist(), 2).shape == (1, 2, 3, 8)
+
+
+def test_explained_variance_of_a_constant_target_is_refused():
+    """1 - Var(y - y_hat) / Var(y) is 0 / 0 for a constant y: a ValueError, never a non-finite number."""
+    y = np.random.default_rng(4).standard_normal((50, 3))
+    with pytest.raises(ValueError, match="y is constant in every channel"):
+        PR.explained_variance(np.full((50, 3), 0.1), y)
+    with pytest.raises(ValueError, match="y is constant"):
+        PR.explained_variance(y[:1], y[:1])                                   # one row
+    with pytest.raises(ValueError, match="y and y_hat must have one shape"):
+        PR.explained_variance(y, y[:, :2])
+    with pytest.raises(TypeError, match="y_hat must be a real matrix"):
+        PR.explained_variance(y, y.astype(np.complex128))
+    with pytest.raises(TypeError, match="y_hat"):
+        PR.explained_variance(y, None)
+    assert PR.explained_variance(y[:, 0], y[:, 0] * 0.5) == pytest.approx(0.75)   # (N,): one channel
+    nan = y.copy()
+    nan[3, 1] = np.nan
+    assert np.isnan(PR.explained_variance(nan, y))                                # NaN propagates

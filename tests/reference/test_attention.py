@@ -292,3 +292,16 @@ def test_merge_and_decode_errors():
         decode_attention(q, [])
     with pytest.raises(ValueError, match="segment 1: .*head dims differ"):
         decode_attention(q, [(o[:, :1], o[:, :1]), (o[:, :1, :, :2], o[:, :1, :, :2])])
+
+
+def test_partials_and_segments_must_be_sequences():
+    """Issue 36: None (or a string) as the partials / segments raises TypeError naming the argument."""
+    q = np.ones((1, 1, 1, 4), np.float32)
+    for bad in (None, "kv", 3):
+        with pytest.raises(TypeError, match="partials must be a list of"):
+            merge(bad)
+        with pytest.raises(TypeError, match="segments must be a list of"):
+            decode_attention(q, bad)
+    kv = np.ones((1, 1, 2, 4), np.float32)
+    o, lse = decode_attention(q, ((kv, kv),))                           # a tuple of pairs is a sequence
+    np.testing.assert_allclose(o, attention(q, kv, kv), rtol=1e-6)

@@ -414,3 +414,37 @@ def test_capacity_fills_exactly():
     assert st.next_page == cfg.max_tokens // cfg.n_r and (st.table[0] >= 0).all()
     with pytest.raises(ValueError, match="capacity"):
         bd.append(cfg, st, K[:, :, :1], V[:, :, :1])
+
+
+# ---------------------------------------------------------------------------------------------------
+# issue 36: bad arguments raise a clear error naming them
+
+
+@pytest.mark.parametrize("cfg", SMALL, ids=IDS)
+def test_page_functions_check_their_arguments(cfg):
+    k = page(cfg)
+    kw, kp = bd.pack_keys(cfg, k)
+    vw, vp = bd.pack_values(cfg, k)
+    for bad in ("bogus", 3, {}, None):
+        for call in (lambda c: bd.pack_keys(c, k), lambda c: bd.pack_values(c, k), lambda c: bd.unpack_keys(c, kw),
+                     lambda c: bd.unpack_values(c, vw), lambda c: bd.dequantize_page(c, kw, kp, vw, vp),
+                     lambda c: bl.residual_kernel_keys(c, k), lambda c: bl.value_fragments(c, vw, vp, 0, 0)):
+            with pytest.raises(TypeError, match="cfg must be a BitDecodingConfig"):
+                call(bad)
+    bad_params = [(lambda p: p[..., :1], ValueError), (lambda p: None, TypeError),
+                  (lambda p: p.astype(np.int32), TypeError), (lambda p: p.astype(np.float64), TypeError)]
+    for make_bad, err in bad_params:
+        with pytest.raises(err, match="k_params"):
+            bd.dequantize_page(cfg, kw, make_bad(kp), vw, vp)
+        with pytest.raises(err, match="v_params"):
+            bd.dequantize_page(cfg, kw, kp, vw, make_bad(vp))
+    with pytest.raises(ValueError, match="v_words"):
+        bd.dequantize_page(cfg, kw, kp, vw[:-1], vp)
+    K, V = bd.dequantize_page(cfg, kw, kp.astype(np.float32), vw, vp)      # fp32 pairs hold the same values
+    np.testing.assert_array_equal(K, bd.dequantize_page(cfg, kw, kp, vw, vp)[0])
+    with pytest.raises(ValueError, match="w must be"):
+        bl.key_fragments(cfg, kw, kp, cfg.warps_n, 0, 0)
+    with pytest.raises(TypeError, match="kk must be"):
+        bl.key_fragments(cfg, kw, kp, 0, 0, True)
+    with pytest.raises(ValueError, match="j must be"):
+        bl.value_fragments(cfg, vw, vp, 0, k.shape[-1] // 8)

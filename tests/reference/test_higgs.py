@@ -170,3 +170,32 @@ def test_nearest_validates_with_clear_errors():
         higgs.nearest(np.zeros((3, 2), np.float32), np.zeros((0, 2), np.float32))
     with pytest.raises(ValueError, match=r"v \(\)"):
         higgs.nearest(np.float32(1.0), grid)
+
+
+def test_bad_arguments_name_the_argument():
+    """Issue 36: a config of another class, a bool or float size, NaN in nearest's vectors: clear errors."""
+    from kvq.reference import kivi
+
+    cfg = higgs.HiggsConfig(d=2, n=16, group_size=64)
+    x = np.ones((2, 64), np.float32)
+    for bad in (kivi.KIVIConfig(), "cfg", None):
+        with pytest.raises(TypeError, match="cfg must be a HiggsConfig"):
+            higgs.quantize(bad, x)
+        with pytest.raises(TypeError, match="cfg must be a HiggsConfig"):
+            higgs.bits_per_value(bad, 64)
+    idx, scale = higgs.quantize(cfg, x)
+    with pytest.raises(TypeError, match="cfg must be a HiggsConfig"):
+        higgs.dequantize(kivi.KIVIConfig(), idx, scale, 64)
+    for F, err in ((True, TypeError), (64.0, TypeError), ("64", TypeError), (None, TypeError), (0, ValueError)):
+        with pytest.raises(err, match="F must be"):
+            higgs.dequantize(cfg, idx, scale, F)
+    for n, err in ((True, TypeError), (16.0, TypeError), (0, ValueError), (-1, ValueError), (None, TypeError)):
+        with pytest.raises(err, match="n must be"):
+            higgs.index_dtype(n)
+    with pytest.raises(TypeError, match="d must be"):
+        higgs.load_grid(2.0, 16)
+    grid = higgs.load_grid(2, 16)
+    v = np.zeros((3, 2), np.float32)
+    v[1, 0] = np.nan                                   # a NaN distance is never "better": it would read index 0
+    with pytest.raises(ValueError, match="v contains non-finite"):
+        higgs.nearest(v, grid)

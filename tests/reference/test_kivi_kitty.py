@@ -265,3 +265,62 @@ def test_bad_configs():
         kivi.init(kivi.KIVIConfig(2, 2, v_group_size=5), 1, 1, 16)
     with pytest.raises(ValueError, match="batch"):
         kivi.init(kivi.CONFIGS["KIVI-K2V2"], 0, 1, 16)
+
+
+def test_paged_counts_check_their_arguments():
+    """issue 36: counts / segment_bounds / max_pages take a KIVIConfig or KittyConfig and an int T >= 0."""
+    cfg = kivi.KIVIConfig(group_size=8, residual=4, max_tokens=64)
+    for T in (True, -1, 1.0, float("nan"), None, "3"):
+        for fn in (paged.counts, paged.segment_bounds):
+            with pytest.raises((TypeError, ValueError), match="T"):
+                fn(cfg, T)
+    for bad in ("KIVI", 3, {}, None):
+        for call in (lambda c: paged.counts(c, 3), lambda c: paged.segment_bounds(c, 3), paged.max_pages):
+            with pytest.raises(TypeError, match="cfg must be a KIVIConfig or a KittyConfig"):
+                call(bad)
+    assert paged.segment_bounds(cfg, np.int64(30)) == paged.segment_bounds(cfg, 30)
+    c = paged.counts(kitty.KittyConfig(group_size=8, residual=4, max_tokens=64), 30)     # a KittyConfig too
+    assert c["n_sink"] + c["post"] == 30
+
+
+def test_bad_arguments_name_the_argument():
+    """Issue 36: config fields, select_boost's arguments and Kitty pages are refused naming the argument."""
+    for bad in (True, 2.0, "2", 3, None):
+        with pytest.raises(ValueError, match="k_bits="):
+            kivi.KIVIConfig(k_bits=bad)
+        with pytest.raises(ValueError, match="v_bits="):
+            kivi.KIVIConfig(v_bits=bad)
+        with pytest.raises(ValueError, match="v_bits="):
+            kitty.KittyConfig(v_bits=bad)
+    scores = np.abs(np.random.default_rng(0).standard_normal((2, 8))).astype(np.float32)
+    for bad in (np.nan, np.inf):
+        s = scores.copy()
+        s[0, 3] = bad                                  # NaN would sort as the largest score
+        with pytest.raises(ValueError, match="scores contains non-finite"):
+            kitty.select_boost(s, 2)
+    with pytest.raises(TypeError, match="scores"):
+        kitty.select_boost(scores.astype(np.complex64), 2)
+    with pytest.raises(TypeError, match="scores"):
+        kitty.select_boost(None, 2)
+    for d_boost, err in ((True, TypeError), (2.0, TypeError), (None, TypeError), (-1, ValueError), (9, ValueError)):
+        with pytest.raises(err, match="d_boost"):
+            kitty.select_boost(scores, d_boost)
+    with pytest.raises(TypeError, match="rng"):
+        kitty.select_boost(scores, 2, "random", rng="seed")
+    with pytest.raises(ValueError, match="kpage"):
+        kitty.channel_scores(np.float32(1))
+    kpage = np.random.default_rng(1).standard_normal((8, 16)).astype(np.float32)
+    boost = np.zeros(16, bool)
+    boost[:2] = True
+    nan = kpage.copy()
+    nan[0, 0] = np.nan
+    with pytest.raises(ValueError, match="kpage contains non-finite"):
+        kitty.encode_page(nan, boost)
+    with pytest.raises(TypeError, match="boost"):
+        kitty.encode_page(kpage, None)
+    page = kitty.encode_page(kpage, boost)
+    with pytest.raises(ValueError, match=r"page lacks \['low'\]"):
+        kitty.dequantize_page({n: a for n, a in page.items() if n != "low"}, 8)
+    with pytest.raises(TypeError, match="page must be a dict"):
+        kitty.dequantize_page(list(page.values()), 8)
+    np.testing.assert_array_equal(kitty.dequantize_page(page, 8).shape, kpage.shape)

@@ -109,3 +109,14 @@ def test_bad_inputs():
     with pytest.raises(Exception):
         fmt.k_bits = 4                                          # frozen
     assert isinstance(max_batch(fmt, np.int64(2 ** 33), 32, 8, 128, 1000), int)
+
+
+def test_format_argument_is_checked():
+    """issue 36: ``fmt`` must be a CacheFormat (a name is not: FORMATS[name] is)."""
+    for bad in ("OSCAR", 3, {}, None):
+        for call in (lambda f: quantized_bits(f), lambda f: bits_per_element(f, 1024),
+                     lambda f: cache_bytes(f, 1, 1, 128, 1024), lambda f: max_batch(f, 2 ** 30, 1, 1, 128, 1024)):
+            with pytest.raises(TypeError, match="fmt must be a CacheFormat"):
+                call(bad)
+    with pytest.raises(ValueError, match="accounting"):
+        bits_per_element(FORMATS["OSCAR"], 1024, accounting=["paper"])

@@ -102,3 +102,17 @@ def test_errors():
         attention_kl(q[:, :3], k, k_hat)
     with pytest.raises(ValueError, match="sees no key"):
         attention_kl(q, k[:, :, :3], k_hat[:, :, :3], causal=True)
+
+
+def test_nonfinite_inputs_are_named():
+    """Issue 36: NaN / inf in k_hat or v_hat raise naming them (not attention's own k / v)."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 3, 8)).astype(np.float32) for _ in range(3))
+    bad = k.copy()
+    bad[0, 0, 0, 0] = np.nan
+    with pytest.raises(ValueError, match="k_hat contains non-finite"):
+        logit_mse(q, k, bad)
+    with pytest.raises(ValueError, match="k_hat contains non-finite"):
+        attention_kl(q, k, bad)
+    with pytest.raises(ValueError, match="v_hat contains non-finite"):
+        output_mse(q, k, v, k, bad)

@@ -70,3 +70,52 @@ def test_bad_input(tiny):
         tiny.layer(3, np.zeros((1, 2, CFG.d_model), np.float32))
     with pytest.raises(TypeError, match="float64"):
         tiny.layer(0, np.zeros((1, 2, CFG.d_model)))
+
+
+def test_bad_arguments_name_the_argument(tiny):
+    """Issue 36: every public function refuses a bad argument with an error naming it, before any work."""
+    pos = np.arange(3)
+    with pytest.raises(TypeError, match="head_dim"):
+        M.rope_tables(pos, True, 1e4)                           # a bool is not a head dim
+    with pytest.raises(ValueError, match="head_dim"):
+        M.rope_tables(pos, 3, 1e4)                              # odd: RoPE rotates pairs
+    for theta, err in ((float("nan"), ValueError), (-1.0, ValueError), (0.0, ValueError), ("1e4", TypeError)):
+        with pytest.raises(err, match="theta"):
+            M.rope_tables(pos, 4, theta)
+    with pytest.raises(TypeError, match="positions"):
+        M.rope_tables(pos + 0.5, 4, 1e4)                        # float positions would be truncated
+    with pytest.raises(ValueError, match="positions"):
+        M.rope_tables(pos[None], 4, 1e4)
+    x = np.ones((1, 2, 3, 4), np.float32)
+    with pytest.raises(ValueError, match="odd head dim"):
+        M.apply_rope(x[..., :3], pos, 1e4)
+    with pytest.raises(ValueError, match="at least 2 dimensions"):
+        M.apply_rope(np.float32(1), pos, 1e4)
+    with pytest.raises(TypeError, match="positions"):
+        M.apply_rope(x, None, 1e4)
+    with pytest.raises(TypeError, match="x must be a real floating array"):
+        M.rms_norm(np.ones((2, 8), np.complex64), np.ones(8, np.float32), 1e-5)
+    with pytest.raises(ValueError, match="w must have shape"):
+        M.rms_norm(np.ones((2, 8), np.float32), np.ones(9, np.float32), 1e-5)
+    with pytest.raises(ValueError, match="eps"):
+        M.rms_norm(np.ones((2, 8), np.float32), np.ones(8, np.float32), -1.0)
+    with pytest.raises(ValueError, match="rope_theta"):
+        M.ModelConfig(rope_theta=0.0)
+    with pytest.raises(ValueError, match="eps"):
+        M.ModelConfig(eps=float("nan"))
+    with pytest.raises(TypeError, match="cfg must be a ModelConfig"):
+        M.sample_tokens("cfg", 1, 4)
+    for name, kw in (("batch", dict(batch=True)), ("T", dict(T=-1)), ("branching", dict(branching=0))):
+        args = dict(batch=1, T=4, branching=4)
+        args.update(kw)
+        with pytest.raises((TypeError, ValueError), match=name):
+            M.sample_tokens(CFG, **args)
+    tok = M.sample_tokens(CFG, 1, 4)
+    with pytest.raises(TypeError, match="model must implement KVModel"):
+        M.collect_kv({}, tok)
+    with pytest.raises(ValueError, match="past must be None or a list of n_layers=3"):
+        M.forward(tiny, tok, past=[(np.zeros((1, 2, 2, 32), np.float32),) * 2])
+    with pytest.raises(ValueError, match="past must"):
+        M.forward(tiny, tok, past="past")
+    with pytest.raises(ValueError, match="past_k must be"):
+        tiny.layer(0, tiny.embed(tok), np.zeros((1, 2, 2, 16), np.float32), np.zeros((1, 2, 2, 16), np.float32))

@@ -111,3 +111,18 @@ def test_check_no_nan():
     nx.check_no_nan(np.array([1.0, np.inf, -np.inf], np.float32))
     with pytest.raises(ValueError, match="a contains 2 NaN value"):
         nx.check_no_nan(np.array([np.nan, 1.0, np.nan], np.float32), "a")
+
+
+def test_argument_errors_name_the_argument():
+    """Issue 36: normalize_axis's ndim, to_meta / to_out of complex, strings or None, check_bits' name."""
+    for bad, err in ((True, TypeError), (2.0, TypeError), ("3", TypeError), (None, TypeError), (-1, ValueError)):
+        with pytest.raises(err, match="ndim"):
+            nx.normalize_axis(0, bad)
+    for bad in (np.ones(4, np.complex64), np.full(4, "a"), None):
+        with pytest.raises(TypeError, match="x must be an array of real numbers"):
+            nx.to_out(bad, "float16")
+        with pytest.raises(TypeError, match="scale must be an array of real numbers"):
+            nx.to_meta(bad, "float16", "scale")
+    np.testing.assert_array_equal(nx.to_out(np.arange(3), "float16"), np.arange(3, dtype=np.float16))
+    with pytest.raises(ValueError, match="k_bits=3 is not supported"):
+        nx.check_bits(3, (2, 4, 8), "k_bits")

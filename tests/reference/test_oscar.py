@@ -327,3 +327,112 @@ def test_error_table_orders_naive_last():
     for m in t["OSCAR"]:
         assert t["naive INT2"][m] > max(t["Hadamard"][m], t["OSCAR"][m]) > 0, m
     assert t["OSCAR"]["sv_mse"] < t["Hadamard"]["sv_mse"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# issue 36: bad arguments raise a clear error naming them (or give the correct result)
+
+
+def test_oscar_offline_arguments_are_checked():
+    with pytest.raises(TypeError, match="head_dim"):
+        oscar.identity_calibration(True)
+    with pytest.raises(ValueError, match="head_dim"):
+        oscar.identity_calibration(-4)
+    with pytest.raises(TypeError, match="rotation must be a str"):
+        oscar.OSCARCalibration(np.eye(4, dtype=np.float32), np.eye(4, dtype=np.float32), rotation=5)
+    with pytest.raises(TypeError, match=r"clip must be a pair"):
+        oscar.calibrate(Q, K, V, clip=0.9)
+    with pytest.raises(ValueError, match=r"clip must be a pair"):
+        oscar.calibrate(Q, K, V, clip=(0.9, 0.9, 0.9))
+    with pytest.raises(ValueError, match=r"clip\[0\]"):
+        oscar.calibrate(Q, K, V, clip=(0.0, 0.9))
+    with pytest.raises(ValueError, match=r"k R overflows float16"):    # the clip fit sees fp16(k R_K)
+        oscar.calibrate(Q, K * np.float32(1e6), V, clip="fit", group_size=16)
+    x = rot.rotate(K[:, :, :4], CAL.R_K).astype(np.float16)
+    M = np.eye(32)
+    with pytest.raises(ValueError, match="x_rot"):
+        oscar.calibrate_clip(x[0], M, 16)
+    with pytest.raises(ValueError, match="M has shape"):
+        oscar.calibrate_clip(x, np.eye(33), 16)
+    with pytest.raises(ValueError, match="M contains non-finite"):
+        oscar.calibrate_clip(x, M * np.nan, 16)
+    with pytest.raises(ValueError, match="ratios is empty"):
+        oscar.calibrate_clip(x, M, 16, ratios=())
+    with pytest.raises(TypeError, match="ratios must be a sequence"):
+        oscar.calibrate_clip(x, M, 16, ratios="0.9")
+    with pytest.raises(ValueError, match=r"ratios\[0\]"):
+        oscar.calibrate_clip(x, M, 16, ratios=(1.5,))
+    for bad_clip, err in ((True, TypeError), ("0.9", TypeError), (None, TypeError), (0.0, ValueError)):
+        with pytest.raises(err, match="clip"):
+            oscar.quantize_tokens(x, bad_clip, 16)
+        with pytest.raises(err, match="clip"):
+            rot.fake_quantize(K, CAL.R_K, bad_clip, 16)
+    assert all(np.array_equal(a, b) for a, b in zip(oscar.quantize_tokens(x, np.float64(0.9), 16),
+                                                    oscar.quantize_tokens(x, 0.9, 16)))
+
+
+def test_fold_value_rotation_names_the_argument():
+    rng = np.random.default_rng(0)
+    W_V, W_O, R = rng.standard_normal((16, 8)), rng.standard_normal((16, 16)), rot.random_orthogonal(4, rng)
+    for kw, word in ((dict(W_V=W_V.astype(np.complex64)), "W_V"), (dict(W_O=np.full(W_O.shape, "a")), "W_O"),
+                     (dict(R_V=np.eye(5)), "R_V"), (dict(R_V=np.stack([R] * 5)), "R_V"),
+                     (dict(n_heads=True), "n_heads"), (dict(n_heads=0), "n_heads"), (dict(n_heads=4.0), "n_heads"),
+                     (dict(n_heads=3), "n_heads"), (dict(W_O=W_O[:8]), "W_O")):
+        args = dict(W_V=W_V, W_O=W_O, R_V=R, n_heads=4) | kw
+        with pytest.raises((TypeError, ValueError), match=word):
+            oscar.fold_value_rotation(**args)
+    a = oscar.fold_value_rotation(W_V, W_O, R, 4)                  # integer weights convert exactly
+    b = oscar.fold_value_rotation(np.rint(W_V).astype(np.int32), W_O, R, np.int64(4))
+    np.testing.assert_array_equal(b[0], oscar.fold_value_rotation(np.rint(W_V), W_O, R, 4)[0])
+    assert a[0].shape == b[0].shape
+
+
+def test_oscar_counts_and_decode_arguments():
+    for T in (True, -1, 1.0, float("nan"), None, "3"):
+        with pytest.raises((TypeError, ValueError), match="T"):
+            oscar.counts(CFG, T)
+    with pytest.raises(TypeError, match="cfg"):
+        oscar.counts("OSCAR", 3)
+    assert oscar.counts(CFG, np.int64(40)) == oscar.counts(CFG, 40)
+    st = oscar.append(CFG, CAL, oscar.init(CFG, 2, 2, 32), K, V)
+    for bad in (np.int32, np.bool_, np.complex64):
+        with pytest.raises(TypeError, match="q has dtype"):
+            oscar.decode_attention(CFG, CAL, st, np.zeros((2, 4, 1, 32), bad))
+
+
+def test_rotations_arguments_are_checked():
+    assert rot.bit_reverse(1, 3) == 4 and rot.bit_reverse(np.int64(6), 3) == 3
+    for k, n_bits, word in ((True, 3, "k"), (-1, 3, "k"), (8, 3, "k"), (1.0, 3, "k"), (1, True, "n_bits"),
+                            (1, -1, "n_bits"), (1, None, "n_bits")):
+        with pytest.raises((TypeError, ValueError), match=word):
+            rot.bit_reverse(k, n_bits)
+    with pytest.raises(TypeError, match="C must be a real array"):
+        rot.eig_desc(np.eye(4, dtype=np.complex64))
+    with pytest.raises(TypeError, match="C must be a real array"):
+        rot.eig_desc(np.full((4, 4), "a"))
+    for d in (True, -1, 4.0, None):
+        with pytest.raises((TypeError, ValueError), match="d"):
+            rot.random_orthogonal(d, np.random.default_rng(0))
+    for rng in ("seed", None, 0):
+        with pytest.raises(TypeError, match="rng"):
+            rot.random_orthogonal(4, rng)
+    U = rot.random_orthogonal(4, np.random.default_rng(0))
+    with pytest.raises(TypeError, match="rng"):
+        rot.compose("oscar", U, rng="seed")
+    with pytest.raises(ValueError, match="U contains non-finite"):
+        rot.compose("oscar", U * np.nan)
+    with pytest.raises(ValueError, match="U must be square"):
+        rot.compose("oscar", U[:, :-1])
+    with pytest.raises(ValueError, match="unknown"):
+        rot.compose(["oscar"], U)
+    x = np.zeros((1, 2, 3, 4), np.float32)
+    with pytest.raises(ValueError, match="x is a scalar"):
+        rot.rotate(np.float32(1.0), np.eye(4, dtype=np.float32))
+    with pytest.raises(ValueError, match="R has shape"):               # 3 heads for x's 2
+        rot.rotate(x, np.stack([np.eye(4, dtype=np.float32)] * 3)[:, None])
+    with pytest.raises(ValueError, match="C"):
+        rot.frozen_surrogate(np.eye(4), np.eye(5), np.eye(4))
+    with pytest.raises(ValueError, match="R has shape"):
+        rot.fake_quantize(x, np.eye(5, dtype=np.float32), 0.9, 4)
+    with pytest.raises(ValueError, match="x is a scalar"):
+        rot.fake_quantize(np.float32(1.0), np.eye(4, dtype=np.float32), 0.9, 4)

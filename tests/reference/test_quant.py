@@ -203,3 +203,16 @@ def test_quantile_refuses_nan_and_orders_inf():
         quant.quantile(a, 2.0)
     with pytest.raises(ValueError, match="non-finite"):                  # percentile_clip: NaN and inf
         quant.percentile_clip(b, 0.9)
+
+
+def test_ratio_must_be_a_real_number():
+    """Issue 36: a quantile ratio True is not 1, a string is not a number; the error names the argument."""
+    a = np.array([[4.0, 1.0, 3.0, 2.0]], np.float32)
+    for bad in (True, np.bool_(True), "0.5", None, 1j):
+        with pytest.raises(TypeError, match="rho must be a real number"):
+            quant.quantile(a, bad)
+        with pytest.raises(TypeError, match="ratio must be a real number"):
+            quant.percentile_clip(a, bad)
+    with pytest.raises(ValueError, match=r"quantile ratio ratio=1\.5 must lie in \(0, 1\]"):
+        quant.percentile_clip(a, 1.5)
+    assert quant.quantile(a, np.float64(0.5))[0] == np.float32(2.5)      # NumPy scalars are real numbers

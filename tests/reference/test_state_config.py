@@ -247,9 +247,10 @@ BAD_CONFIGS = [                                   # (class, the bad field, what 
     (RA.AquaConfig, dict(rope_theta=float("inf")), "rope_theta"),
     (RA.AquaConfig, dict(pre_rope=False, rope_theta=-1.0), "rope_theta"), (RA.AquaConfig, dict(sink=True), "sink"),
     (RA.AquaConfig, dict(buffer=0), "buffer"), (RA.AquaConfig, dict(max_tokens=2.5), "max_tokens"),
-    (RA.AquaConfig, dict(backbone=RA.Uniform(2, 0)), "backbone.group_size"),
-    (RA.AquaConfig, dict(first_layer=RA.Uniform(2, True)), "first_layer.group_size"),
-    (RA.AquaConfig, dict(backbone=RA.Uniform(2, 32, meta_dtype="float64")), "backbone.meta_dtype"),
+    # a Uniform backbone checks its fields itself (issue 36's battery): refused before any AquaConfig holds it
+    (RA.Uniform, dict(bits=2, group_size=0), "group_size"),
+    (RA.Uniform, dict(bits=2, group_size=True), "group_size"),
+    (RA.Uniform, dict(bits=2, group_size=32, meta_dtype="float64"), "meta_dtype"),
 ]
 
 

@@ -153,7 +153,8 @@ def encode(cfg: AquaConfig, P: AquaPredictors, l: int, K, V, K_prev_hat=None, V_
     (contract rule 7), so codes of layers >= 1 may differ from the reference's by one step where its
     pre-rounding value lies within the products' rounding of a boundary; the quantization of a given
     residual is bit-identical (the HIGGS kernel, ``packing.quantize_pack``). Backbones: Uniform, Higgs,
-    KeepFP16 (TypeError for others).
+    KeepFP16 (TypeError for others). The reference's argument checks, with its messages; the NaN / inf
+    checks of K, V and the previous layer's reconstructions run while ``kvq.fast.validation`` is on.
     """
     return _A.encode(OPS, cfg, P, l, K, V, K_prev_hat, V_prev_hat)
 
@@ -164,6 +165,8 @@ def decode(cfg: AquaConfig, P: AquaPredictors, l: int, Kq: dict, Vq: dict, F: in
 
     One fused kernel per K / V (:func:`reconstruct`) after the predictor's product.
     Differences: torch tensors; the predictions are fp32 matrix products (tolerance rule, contract rule 7);
-    ``Q^-1`` and the additions are bit-identical given the same product.
+    ``Q^-1`` and the additions are bit-identical given the same product. The reference's argument checks on
+    tensor metadata (the codes' names, dtypes, shapes, devices); no value is read on the host, so NaN in
+    the previous layer's reconstructions propagates (the reference refuses it).
     """
     return _A.decode(OPS, cfg, P, l, Kq, Vq, F, K_prev_hat, V_prev_hat)

@@ -27,6 +27,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kvq.fast import _common as C
+from kvq.reference.attention import pairs_arg
 
 from .quant import _store_out
 
@@ -350,7 +351,7 @@ def decode_attention(q, segments, *, scale=None):
     rounded once to q's dtype; inputs are not checked for NaN / inf (a full read of the cache), NaN
     propagates; float64 is refused.
     """
-    segments = list(segments)
+    segments = pairs_arg(segments, "segments", "(k, v)")       # the reference's TypeError for None / a string
     if not segments:
         raise ValueError("decode_attention needs at least one (k, v) segment; got an empty list")
     allow = C.interpreting()
@@ -471,6 +472,7 @@ def merge(partials):
     float32), lse float32; the partials' lse are checked for NaN / +inf only while
     ``kvq.fast.validation`` is on, and their o is not checked for NaN / inf.
     """
+    partials = pairs_arg(partials, "partials", "(o, lse)")      # the reference's TypeError for None / a string
     os_, lses = C.check_partials(partials, allow_cpu=C.interpreting())
     shape = tuple(os_[0].shape)
     D = shape[-1]

@@ -270,12 +270,19 @@ def nearest(v, grid) -> torch.Tensor:
     ValueError, as the reference. Differences: torch tensors.
     """
     C.check_tensor(v, "v", allow_cpu=C.interpreting())
-    g = grid if isinstance(grid, torch.Tensor) else torch.from_numpy(np.array(grid))   # a copy: grids may be read-only
+    if not isinstance(grid, torch.Tensor):
+        ga = np.array(grid)                                      # a copy: grids may be read-only
+        if ga.dtype != np.float32:                               # None, strings, objects: no tensor to make
+            raise TypeError(f"v and grid must be float32; got {v.dtype} and {ga.dtype}")
+        grid = torch.from_numpy(ga)
+    g = grid
     if v.dtype != torch.float32 or g.dtype != torch.float32:
         raise TypeError(f"v and grid must be float32; got {v.dtype} and {g.dtype}")
     if v.dim() == 0 or g.dim() != 2 or g.shape[0] == 0 or v.shape[-1] != g.shape[1]:
         raise ValueError(f"v {tuple(v.shape)} and grid {tuple(g.shape)}: need v (..., d) and grid (n, d) "
                          f"with n >= 1")
+    C.check_finite(v, "v")                                       # rule 8, as the reference (validation on)
+    C.check_finite(g, "grid")
     D = int(g.shape[1])
     g = g.to(v.device).contiguous()
     x = v.contiguous()
@@ -302,6 +309,7 @@ def quantize(cfg: HiggsConfig, x):
     omits the reference's largest |scale|); with it off such groups get a NaN / inf scale. The grid is
     copied to x's device (shipped grids once per device, an explicit ``cfg.grid`` on every call).
     """
+    RG.check_config(cfg)
     C.check_float(x, "x", allow_cpu=C.interpreting())
     if x.dim() == 0 or x.numel() == 0:
         raise ValueError(f"x is empty or a scalar (shape {tuple(x.shape)}); HIGGS quantizes (..., F) vectors")

@@ -46,8 +46,10 @@ def select_boost(scores, d_boost: int, selection: str = "magnitude", rng=None):
 
     Largest scores first, ties to the lower channel (a stable sort on -score); ``selection="random"``
     draws ``rng.random(scores.shape)`` with the NumPy generator ``rng`` on the host (bit-identical to
-    the reference's choice). Differences: torch tensors in and out.
+    the reference's choice). Differences: torch tensors in and out; NaN / inf scores raise ValueError
+    only while ``kvq.fast.validation`` is on (a read of the scores).
     """
+    d_boost = K.check_select_boost(scores, d_boost, selection, rng, allow_cpu=C.interpreting())
     return K.select_boost(scores, d_boost, selection, rng)
 
 
@@ -60,8 +62,11 @@ def encode_page(kpage, boost, meta_dtype="float16") -> dict:
     Differences: torch tensors in and out.
     """
     K.check_kpage(kpage, allow_cpu=C.interpreting())
+    C.check_tensor(boost, "boost", allow_cpu=C.interpreting())
     boost = boost.to(torch.bool)
-    return K.encode(paged.OPS, kpage, boost, K.check_boost(kpage, boost), meta_dtype)
+    d_boost = K.check_boost(kpage, boost)
+    C.check_finite(kpage, "kpage")                               # rule 8, naming kpage (validation on)
+    return K.encode(paged.OPS, kpage, boost, d_boost, meta_dtype)
 
 
 def dequantize_page(page: dict, group_size: int):
@@ -69,6 +74,7 @@ def dequantize_page(page: dict, group_size: int):
 
     Differences: torch tensors; unpack, gather and dequantize run as Triton kernels plus torch gathers.
     """
+    K.check_page(page)
     return K.dequantize_page(paged.OPS, page, group_size)
 
 

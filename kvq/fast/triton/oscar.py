@@ -22,6 +22,7 @@ from __future__ import annotations
 from kvq.fast import _common as C
 from kvq.fast import _oscar as _O
 from kvq.fast._oscar import OSCARTensorState, counts, identity_calibration  # noqa: F401
+from kvq.reference import checks
 from kvq.reference.oscar import (CLIP_GRID, CONFIGS, DEFAULT_CLIP_K, DEFAULT_CLIP_V,  # noqa: F401
                                  OSCARCalibration, OSCARConfig)              # (the reference's objects)
 
@@ -44,8 +45,10 @@ def quantize_tokens(x_rot, clip: float, group_size: int, bits: int = 2, meta_dty
     """Mirrors `kvq.reference.oscar.quantize_tokens`: per-token percentile clip + per-token INT-b codes.
 
     Differences: torch tensors; ONE fused kernel (``kvq.fast.triton.oscar_quant.quantize_tokens`` with
-    ``packed=False``: the reference's unpacked uint8 codes (..., D)); the same bits.
+    ``packed=False``: the reference's unpacked uint8 codes (..., D)); the same bits. ``clip`` is checked
+    as the reference checks it (a ratio in (0, 1]; a bool or a string is refused).
     """
+    clip = checks.real_arg(clip, "clip", 0.0, 1.0, lo_open=True)
     return OQ.quantize_tokens(x_rot, clip, group_size, bits, meta_dtype, packed=False)
 
 

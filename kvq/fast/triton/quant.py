@@ -45,6 +45,7 @@ import triton.language as tl
 from kvq.fast import _common as C
 from kvq.reference import numerics as nx
 from kvq.reference.quant import check_groups
+from kvq.reference.quant import check_ratio as check_quantile_ratio
 
 __all__ = ["quantize", "dequantize", "quantile", "percentile_clip"]
 
@@ -771,6 +772,7 @@ def quantile(a, rho: float, axis: int = -1):
     on (with it off NaN sorts last, as in NumPy). One kernel: a program sorts whole rows (``tl.sort``); rows longer than ``MAX_SORT`` are
     sorted by ``torch.sort`` and interpolated by torch's fp32 elementwise ops (the same bits).
     """
+    rho = check_quantile_ratio(rho, "rho")                   # the reference's first check: True is not 1
     return C.quantile_rows(a, rho, axis, _launch_quantile_no_nan, clip=False, allow_cpu=C.interpreting())
 
 
@@ -789,6 +791,7 @@ def percentile_clip(x, ratio: float, axis: int = -1):
     :func:`quantile`); NaN / inf raise ValueError while ``kvq.fast.validation`` is on (a full read of
     ``x``); with it off NaN propagates into the clipped values and tau.
     """
+    ratio = check_quantile_ratio(ratio, "ratio")             # the reference's first check, its message
     return C.quantile_rows(x, ratio, axis, launch_quantile_rows, clip=True, allow_cpu=C.interpreting())
 
 
