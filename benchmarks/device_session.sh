@@ -12,6 +12,7 @@
 #             from .whl/ (carried) into /tmp/site for this step only
 #   host      benchmarks/profile_host.py (HOST_METHODS, HOST_BACKEND, HOST_ARGS) -> host.json, host.log,
 #             host-profiles.tar.gz
+#   syncs     lab/2026-11-28-step-syncs/step_syncs.py (SYNCS_ARGS) -> step_syncs.json, step_syncs.log
 # KVQ_COMMIT names the commit in the results (the device copy's .git may be stale).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -62,6 +63,13 @@ for step in $STEPS; do
     cp /tmp/host/host.json "$OUT/host.json" 2>/dev/null
     tar -czf "$OUT/host-profiles.tar.gz" -C /tmp/host . 2>/dev/null
     tail -n 20 "$OUT/host.log"
+    ;;
+  syncs)
+    # lab/2026-11-28-step-syncs: a model's decode step with validation on / off (syncs counted)
+    timeout -k 10 "${SYNCS_TIMEOUT:-200}" python3 lab/2026-11-28-step-syncs/step_syncs.py --out "$OUT/step_syncs.json" \
+        ${SYNCS_ARGS:-} > "$OUT/step_syncs.log" 2>&1
+    echo "syncs rc=$?"
+    grep -v -i warn "$OUT/step_syncs.log" | tail -n 20
     ;;
   *) echo "unknown step $step" ;;
   esac

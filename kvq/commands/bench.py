@@ -1,4 +1,5 @@
-"""``kvq bench quant|decode``: time kvq's kernels from an installed package, on the CPU or a CUDA GPU.
+"""``kvq bench quant|decode|e2e``: time kvq's kernels (and a model's decode step) from an installed package,
+on the CPU or a CUDA GPU.
 
 ``quant``: quantize + pack and unpack + dequantize (``kvq.reference.packing`` on the CPU,
 ``kvq.fast.quantize_pack`` / ``unpack_dequantize`` on the GPU) of an fp16 tensor (B, H, T, D) in KIVI's
@@ -24,6 +25,13 @@ Requests are checked before any tensor is allocated (:func:`validate`: device, s
     kvq bench quant                                    # CPU, NumPy reference, small shape (seconds)
     kvq bench decode --device cuda --backend cupy --shape 8,32,8,32768,128 --json
     kvq bench quant --device cuda --repeats 50 --out results/quant.json
+
+``e2e``: one decode step of a Llama-3.1-8B-shaped model (random weights; ``--tiny``: 2 layers) through
+``model(...)`` with each cache, transformers' and kvq's (:mod:`kvq.commands.bench_e2e`, also
+``benchmarks/bench_e2e.py``; its own options and JSON, ``{"info", "rows"}``).
+
+    kvq bench e2e --out e2e.json                       # the default grid, on a CUDA GPU
+    kvq bench e2e --tiny --device cpu --shapes 1x64 --caches DynamicCache KIVI-K2V2:reference --steps 2
 """
 
 from __future__ import annotations
@@ -385,12 +393,13 @@ def _parse_shape(text: str, n: int, what: str) -> tuple:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``kvq bench`` argument parser (subcommands ``quant`` and ``decode``)."""
-    from kvq.commands import Parser, non_negative_int, positive_int
+    """The ``kvq bench`` argument parser (subcommands ``quant``, ``decode`` and ``e2e``)."""
+    from kvq.commands import Parser, bench_e2e, non_negative_int, positive_int
 
     p = Parser(prog="kvq bench", description="Time kvq's quantize / pack and decode-attention "
-               "kernels on the CPU (NumPy reference) or a CUDA GPU (Triton / CuPy).")
-    sub = p.add_subparsers(dest="what", required=True, metavar="{quant,decode}")
+               "kernels on the CPU (NumPy reference) or a CUDA GPU (Triton / CuPy), and a model's decode step "
+               "with each cache (e2e).")
+    sub = p.add_subparsers(dest="what", required=True, metavar="{quant,decode,e2e}")
 
     def common(sp, shape_help):
         sp.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where to run (default cpu)")
@@ -415,6 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
     common(sd, "B,H_q,H_kv,T,D (default 1,8,2,4096,128 on the CPU, 8,32,8,32768,128 on CUDA)")
     sd.add_argument("--methods", nargs="+", default=list(DEFAULT_DECODE_METHODS), metavar="METHOD",
                     help=f"methods (default {' '.join(DEFAULT_DECODE_METHODS)}; any of {' '.join(DECODE_METHODS)})")
+    se = sub.add_parser("e2e", help="one decode step of a Llama-shaped model through model(...) with each cache",
+                        description=bench_e2e.__doc__.split("\n")[0])
+    bench_e2e.add_arguments(se)
     return p
 
 
@@ -527,12 +539,16 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
-    """``kvq bench quant|decode [options]``; returns the exit status (2 for a request it cannot serve)."""
+    """``kvq bench quant|decode|e2e [options]``; returns the exit status (2 for a request it cannot serve)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:                                 # --help (0) or a usage error (2)
         return int(e.code or 0) if not isinstance(e.code, str) else 2
+    if args.what == "e2e":                                  # its own checks, run and JSON (kvq.commands.bench_e2e)
+        from kvq.commands import bench_e2e
+
+        return bench_e2e.execute(args, "kvq bench e2e")
     try:
         res = run(args)
     except BenchError as e:

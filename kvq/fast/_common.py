@@ -104,9 +104,16 @@ def check_float(x, name: str = "x", *, allow_cpu: bool = False) -> None:
                         f"Convert explicitly, e.g. {name}.float()")
 
 
+def _capturing(x) -> bool:
+    """Whether ``x`` is a CUDA tensor and the current stream is capturing a CUDA graph (where a device read,
+    a synchronization, is not permitted: a captured call is checked when it is called eagerly)."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def check_finite(x, name: str = "x", what: str = "quantize them") -> None:
-    """Rule 8 at the Python boundary (only while validation is on): NaN / inf raise (one device read)."""
-    if validation_enabled() and x.numel() and not bool(torch.isfinite(x).all()):
+    """Rule 8 at the Python boundary (only while validation is on, and not while a CUDA graph is being
+    captured): NaN / inf raise (one device read)."""
+    if validation_enabled() and x.numel() and not _capturing(x) and not bool(torch.isfinite(x).all()):
         n_nan = int(torch.isnan(x).sum())
         n_inf = int(torch.isinf(x).sum())
         raise ValueError(f"{name} contains non-finite values ({n_nan} NaN, {n_inf} inf); "

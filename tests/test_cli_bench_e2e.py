@@ -1,0 +1,216 @@
+"""Tests of ``kvq bench e2e`` (issue 37): the end-to-end decode-step benchmark from an installed kvq, and
+``benchmarks/bench_e2e.py``, now a thin wrapper of ``kvq.commands.bench_e2e``.
+
+On the CPU, offline, in seconds: one tiny run (a 2-layer random Llama, two caches, two steps) whose JSON
+is checked for the rows ``benchmarks/e2e_table.py`` reads; bad invocations that end in one line on stderr
+and exit status 2 before any model is built (the model builder and the runner are tripwires); the
+script's ``--help`` and a bad invocation of it in real subprocesses. Timings are checked for being
+positive, never for speed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from kvq import cli  # noqa: E402
+from kvq.commands import bench, bench_e2e  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "bench_e2e.py"
+
+
+class WorkStarted(AssertionError):
+    """Raised by a tripwire: the benchmark began its work before refusing a bad invocation."""
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Building the model, timing a cache and reading the card raise WorkStarted; no GPU is visible."""
+    import torch
+
+    def trip(name):
+        def f(*a, **k):
+            raise WorkStarted(f"bench_e2e.{name} was called: the invocation was not refused before the work")
+        return f
+
+    for name in ("build_model", "run_one", "max_batch", "device_info", "run"):
+        monkeypatch.setattr(bench_e2e, name, trip(name))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def _run(argv, capsys, main=cli.main):
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _e2e_table():
+    spec = importlib.util.spec_from_file_location("e2e_table", ROOT / "benchmarks" / "e2e_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ------------------------------------------------------------------------------------------ a tiny run
+
+def test_tiny_cpu_run_writes_the_json_e2e_table_reads(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))   # torch may set it itself
+    out = tmp_path / "new-dir" / "e2e.json"                                     # the folder is created
+    caches = ["DynamicCache", "StaticCache", "KIVI-K2V2:reference", "FP16"]
+    rc, stdout, err = _run(["bench", "e2e", "--tiny", "--device", "cpu", "--shapes", "1x64", "2x40", "--caches",
+                            *caches, "--steps", "2", "--warmup", "1", "--chunk", "32", "--out", str(out)], capsys)
+    assert rc == 0, err
+    doc = json.loads(out.read_text())
+    assert set(doc) == {"info", "rows"}
+    info = doc["info"]
+    assert info["device"] == "cpu" and {"date", "torch", "commit"} <= set(info)
+    assert stdout.splitlines()[0].startswith("# {")                             # the info line, then a line per row
+    rows = doc["rows"]
+    assert [(r["cache"], r["batch"], r["context"]) for r in rows] == \
+        [(c, b, t) for b, t in ((1, 64), (2, 40)) for c in caches]
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["steps"] == 2 and 0 < r["ms_min"] <= r["ms_per_step"] <= r["ms_max"]
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] / r["ms_per_step"] * 1e3)
+        assert "cache_bytes" not in r and "peak_extra_bytes" not in r           # CUDA allocator figures only
+        if r["cache"] in ("KIVI-K2V2:reference", "FP16"):                       # kvq caches: their own bytes
+            assert isinstance(r["fused"], bool) and r["kvq_memory_bytes"] > 0 and r["kvq_allocated_bytes"] > 0
+        else:
+            assert "kvq_memory_bytes" not in r
+    assert sum(f"{c}" in line for line in stdout.splitlines() for c in caches) >= len(rows)
+    table = _e2e_table().table(doc)                                             # the README table's consumer
+    assert "| KIVI-K2V2:reference |" in table and re.search(r"\| FP16 \| [\d.]+ \([\d.]+x\) \|", table), table
+
+
+def test_default_caches_are_valid_where_they_run():
+    for name in bench_e2e.DEFAULT_CACHES:
+        bench_e2e.check_cache_name(name, "cuda")
+    for name in bench_e2e.DEFAULT_CPU_CACHES:
+        bench_e2e.check_cache_name(name, "cpu")
+    assert not any(n.endswith((":triton", ":cupy")) for n in bench_e2e.DEFAULT_CPU_CACHES)
+    assert bench_e2e.model_bytes(False, "cuda") == pytest.approx(16.06e9, rel=1e-3)   # Llama-3.1-8B in fp16
+
+
+# ------------------------------------------------------------------------------------- bad invocations
+
+# (argv after `kvq bench e2e`, a fragment of the one-line message)
+BAD = [
+    (["--shapes", "8x"], "argument --shapes: shape '8x' must be BATCHxCONTEXT"),
+    (["--shapes", "8"], "must be BATCHxCONTEXT"),
+    (["--shapes", "1x2x3"], "must be BATCHxCONTEXT"),
+    (["--shapes", "0x64"], "batch and context must be positive"),
+    (["--shapes", "1x-64"], "batch and context must be positive"),
+    (["--steps", "0"], "argument --steps: must be a positive integer"),
+    (["--steps", "-2"], "argument --steps"),
+    (["--steps", "x"], "'x' is not an integer"),
+    (["--warmup", "-1"], "argument --warmup: must be a non-negative integer"),
+    (["--chunk", "0"], "argument --chunk"),
+    (["--max-batch", "0"], "argument --max-batch"),
+    (["--margin-gib", "-1"], "argument --margin-gib"),
+    (["--margin-gib", "nan"], "argument --margin-gib"),
+    (["--caches"], "argument --caches: expected at least one argument"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--tiny", "--caches", "NoSuch"], "--caches 'NoSuch': unknown cache"),
+    (["--tiny", "--caches", "KIVI-K2V2:bogus"], "unknown backend 'bogus'"),
+    (["--tiny", "--caches", "KIVI-K2V2:"], "unknown backend ''"),
+    (["--tiny", "--caches", "quanto-3"], "quanto takes 2, 4 bits"),
+    (["--tiny", "--caches", "HQQ-5"], "HQQ takes 1, 2, 3, 4, 8 bits"),
+    (["--tiny", "--caches", "quanto-2-x"], "unknown cache"),
+    (["--tiny", "--device", "cpu", "--caches", "DynamicCache", "KIVI-K2V2:cupy"], "cupy backend needs a CUDA device"),
+    (["--tiny", "--device", "cuda"], "--device cuda: torch sees no CUDA GPU"),
+    (["--tiny", "--device", "cuda:1"], "--device cuda:1"),
+    (["--tiny", "--device", "tpu"], "--device 'tpu': expected cpu, cuda or cuda:N"),
+    (["--tiny", "--max-batch", "1024"], "--max-batch: sizes the batch to a CUDA card's free memory"),
+    (["--tiny", "--max-batch-caches", "FP16"], "--max-batch-caches: needs --max-batch"),
+    (["--tiny", "--out", "{file}/r.json"], "is not a directory"),
+    (["--tiny", "--out", "{dir}"], "is a directory, not a file"),
+    (["--tiny", "--out", ""], "--out is empty"),
+]
+
+
+@pytest.mark.parametrize("argv, fragment", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_invocation_one_line_status_2_before_any_work(argv, fragment, tmp_path, no_work, capsys):
+    file = tmp_path / "file.txt"
+    file.write_text("x")
+    argv = [a.format(file=file, dir=tmp_path) for a in argv]
+    for main, args, prog in ((cli.main, ["bench", "e2e", *argv], "kvq bench( e2e)?"),     # argparse: extras
+                             (bench_e2e.main, argv, "kvq bench e2e")):                 # named by `kvq bench`
+        rc, out, err = _run(args, capsys, main)
+        assert rc == 2, (rc, err)
+        assert out == "" and "Traceback" not in err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1, err
+        assert re.match(rf"{prog}: error: ", lines[0]) and fragment in lines[0], lines[0]
+    assert [p.name for p in tmp_path.iterdir()] == ["file.txt"]                 # nothing written
+
+
+def test_triton_on_the_cpu_only_under_the_interpreter(monkeypatch, no_work, capsys):
+    from kvq.fast import _common
+
+    monkeypatch.setattr(_common, "interpreting", lambda: False)
+    rc, out, err = _run(["bench", "e2e", "--tiny", "--device", "cpu", "--caches", "KIVI-K2V2:triton"], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert "the triton backend needs a CUDA device, or Triton's CPU interpreter" in err
+    assert "KIVI-K2V2:reference" in err
+    monkeypatch.setattr(_common, "interpreting", lambda: True)
+    bench_e2e.check_cache_name("KIVI-K2V2:triton", "cpu")                        # accepted under the interpreter
+
+
+def test_max_batch_caches_must_be_among_caches(monkeypatch, no_work, capsys):
+    """On a (pretended) CUDA device: --max-batch-caches names only caches that are timed."""
+    monkeypatch.setattr(bench_e2e, "check_device", lambda *a, **k: None)
+    monkeypatch.setattr(bench_e2e, "_device_memory", lambda device: 80 * 2 ** 30)
+    rc, out, err = _run(["bench", "e2e", "--device", "cuda", "--caches", "FP16", "--max-batch", "1024",
+                         "--max-batch-caches", "FP16", "HQQ-2"], capsys)
+    assert rc == 2 and err.strip() == ("kvq bench e2e: error: --max-batch-caches HQQ-2: not among --caches (each "
+                                       "is sized from its measured rows)")
+    with pytest.raises(WorkStarted):                                            # a good request reaches the run
+        cli.main(["bench", "e2e", "--device", "cuda", "--caches", "FP16", "--max-batch", "1024"])
+
+
+def test_full_model_on_a_small_machine_is_refused(monkeypatch, no_work, capsys):
+    monkeypatch.setattr(bench_e2e, "_device_memory", lambda device: 16 * 2 ** 30)
+    rc, out, err = _run(["bench", "e2e", "--device", "cpu", "--caches", "DynamicCache"], capsys)
+    assert rc == 2 and "more than half of the 16 GiB" in err and "use --tiny" in err
+    with pytest.raises(WorkStarted):
+        cli.main(["bench", "e2e", "--device", "cpu", "--tiny", "--caches", "DynamicCache"])
+
+
+def test_help(capsys):
+    assert cli.main(["bench", "e2e", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "usage: kvq bench e2e" in out and "--shapes" in out and "--max-batch-caches" in out
+    assert bench.main(["--help"]) == 0
+    assert "e2e" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------- the script
+
+def _script(*argv):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}      # a copy: nothing leaks
+    return subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=str(ROOT.parent))
+
+
+def test_script_help_and_bad_invocation():
+    r = _script("--help")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: bench_e2e.py") and "--shapes" in r.stdout and "--out" in r.stdout
+    assert "One decode step of a Llama-3.1-8B-shaped model" in r.stdout
+    r = _script("--shapes", "8x", "--out", "x.json")
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
+    assert re.fullmatch(r"bench_e2e\.py: error: argument --shapes: shape '8x' must be BATCHxCONTEXT.*\n", r.stderr)
