@@ -76,7 +76,7 @@ def run_fast(k, v, group=128):
     try:
         import torch
     except ImportError:
-        return "fast tier: torch is not installed (pip install 'kvq[fast]'); reference tier only"
+        return "fast tier: torch is not installed (pip install 'kvq-cache[fast]', or pip install -e '.[fast]' in a checkout); reference tier only"
     if not torch.cuda.is_available():
         return "fast tier: no CUDA GPU found; reference tier only (the parity tests cover Triton on the CPU interpreter)"
     import kvq.fast

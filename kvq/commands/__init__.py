@@ -225,7 +225,7 @@ def check_device(device, option: str = "--device", prog: str = "kvq") -> None:
     try:
         import torch
     except ImportError:
-        raise CommandError(f"{option} {device}: needs torch (pip install 'kvq[fast]')", prog) from None
+        raise CommandError(f"{option} {device}: needs torch (pip install 'kvq-cache[fast]', or pip install -e '.[fast]' in a checkout)", prog) from None
     if not torch.cuda.is_available():
         raise CommandError(f"{option} {device}: torch sees no CUDA GPU on this machine (use {option} cpu)", prog)
     n = torch.cuda.device_count()

@@ -442,7 +442,7 @@ def _check_device(device: str, backend: str) -> None:
         try:
             import torch
         except ImportError:
-            raise BenchError("--device cuda needs torch (pip install kvq[fast])") from None
+            raise BenchError("--device cuda needs torch (pip install 'kvq-cache[fast]', or pip install -e '.[fast]' in a checkout)") from None
         if not torch.cuda.is_available():
             raise BenchError("--device cuda: torch sees no CUDA GPU on this machine (use --device cpu)")
         try:

