@@ -94,12 +94,12 @@ def _window_nll(model, ids, *, method, chunk, backend, calibration, max_tokens, 
             out = model(input_ids=ids, use_cache=False)
             nll, n = _nll(out.logits, targets)
             return nll, n, None
-        from kvq.integrations.transformers import make_cache
+        from kvq.integrations.transformers import cache_argument, make_cache
         cache = make_cache(method, model, backend=backend, calibration=calibration, max_tokens=max_tokens,
                            **overrides)
         nll, n = 0.0, 0
         for c0 in range(0, S, chunk):
-            out = model(input_ids=ids[:, c0:c0 + chunk], past_key_values=cache, use_cache=True)
+            out = model(input_ids=ids[:, c0:c0 + chunk], use_cache=True, **{cache_argument(model): cache})
             a, b = _nll(out.logits, targets[:, c0:c0 + chunk])
             nll += a
             n += b

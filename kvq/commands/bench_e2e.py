@@ -8,7 +8,8 @@
 The model has random fp16 weights (nothing to download): 32 layers, hidden 4096, 32 query / 8 KV heads of
 dim 128, MLP 14336, vocabulary 128256 (``--tiny``: 2 layers of 4 / 2 heads of 64). Each cache is filled
 through its own ``update`` with random keys and values (N(0, 1), fp16), layer by layer in chunks, to the
-context; then one new token is decoded by ``model(input_ids, past_key_values=cache)`` with the model's
+context; then one new token is decoded by ``model(input_ids, cache=cache)`` (``past_key_values=`` on
+transformers without the new argument) with the model's
 attention implementation set as a user of that cache would have it (``"kvq"`` for kvq caches, which
 ``make_cache`` sets; SDPA for transformers' caches). The step is timed by wall clock around the call with a
 device synchronization on both sides (eager: Python included), median of ``--steps`` after ``--warmup``
@@ -145,16 +146,19 @@ def sync(device: str):
 def step_fn(model, cache, batch: int, context: int):
     """One decode step's call (a new token at position ``context + i`` for the i-th call)."""
     import torch
+
+    from kvq.integrations.transformers import cache_argument
     dev = model.device
     ids = torch.randint(0, model.config.vocab_size, (batch, 1), device=dev)
     count = [0]
+    arg = cache_argument(model)                  # "cache" on newer transformers 5, else "past_key_values"
 
     def step():
         p = context + count[0]
         count[0] += 1
         pos = torch.full((1,), p, device=dev, dtype=torch.long)
         with torch.no_grad():
-            return model(input_ids=ids, past_key_values=cache, cache_position=pos,
+            return model(input_ids=ids, **{arg: cache}, cache_position=pos,
                          position_ids=pos.expand(batch, 1), use_cache=True).logits
     return step
 

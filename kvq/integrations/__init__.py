@@ -11,9 +11,10 @@ Two modules, imported on demand (importing this package imports neither torch no
 ``kvq.integrations.transformers``
     ``KVQCache`` and its per-family factories (``KIVICache``, ``KittyCache``, ``OSCARCache``,
     ``AquaKVCache``, ``BitDecodingCache``, ``FP16Cache``, ``make_cache``): ``transformers`` Cache
-    objects to pass as ``past_key_values=`` to ``model(...)`` and ``model.generate(...)``.
+    objects to pass as ``cache=`` (older transformers: ``past_key_values=``) to ``model(...)`` and
+    ``model.generate(...)``.
 
     from kvq.integrations.transformers import make_cache
     cache = make_cache("KIVI-K2V2", model)
-    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
+    out = model.generate(input_ids, cache=cache, max_new_tokens=64)
 """

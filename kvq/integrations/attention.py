@@ -7,7 +7,7 @@ same name). ``make_cache(name, model)`` switches the model to it, so a user writ
 
     from kvq.integrations.transformers import make_cache
     cache = make_cache("KIVI-K2V2", model)            # model.config._attn_implementation becomes "kvq"
-    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
+    out = model.generate(input_ids, cache=cache, max_new_tokens=64)
 
 The road of one attention layer, with a kvq cache:
 

@@ -1,11 +1,12 @@
 """kvq's compressed KV caches as Hugging Face ``transformers`` (5.x) Cache objects.
 
-A ``KVQCache`` is what a user passes as ``past_key_values=`` to ``model(...)`` or ``model.generate(...)``
+A ``KVQCache`` is what a user passes as ``cache=`` (``past_key_values=`` before transformers renamed it;
+``cache_argument(model)`` says which) to ``model(...)`` or ``model.generate(...)``
 of a decoder with RoPE and (grouped-query) full attention: Llama, Mistral, Qwen2, Qwen3 and alike.
 
     from kvq.integrations.transformers import make_cache
     cache = make_cache("Kitty", model)                                   # or KittyCache(model)
-    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=64, do_sample=False)
+    out = model.generate(input_ids, cache=cache, max_new_tokens=64, do_sample=False)
     cache.bits_per_element(), cache.memory_bytes()
 
 Building the cache switches the model's attention to ``"kvq"`` (``kvq.integrations.attention``; for every
@@ -43,7 +44,7 @@ from . import methods as M
 from .attention import ATTN_IMPLEMENTATION, _tag, use_kvq_attention
 
 __all__ = ["DEFAULT_MAX_TOKENS", "KVQLayer", "KVQCache", "KIVICache", "KittyCache", "OSCARCache", "AquaKVCache",
-           "BitDecodingCache", "FP16Cache", "make_cache", "model_dims"]
+           "BitDecodingCache", "FP16Cache", "cache_argument", "make_cache", "model_dims"]
 
 #: ``attention=``: "auto" attends through kvq's fused decode where the model can ("kvq" attention, which
 #: :class:`KVQCache` switches a model to); "dequantize" hands the model every layer dequantized (the slow path
@@ -498,6 +499,19 @@ class BitDecodingCache(KVQCache):
 
 
 _BY_FAMILY = {c.family: c for c in (FP16Cache, KIVICache, KittyCache, OSCARCache, AquaKVCache, BitDecodingCache)}
+
+
+def cache_argument(model) -> str:
+    """The keyword ``model(...)`` and ``model.generate(...)`` take a cache by: ``"cache"`` where the model's
+    ``forward`` has that argument (newer transformers 5, which deprecate the old name), else
+    ``"past_key_values"``. ``model(ids, **{cache_argument(model): cache})`` works on either."""
+    import inspect
+    forward = getattr(type(model), "forward", None)
+    try:
+        params = inspect.signature(forward).parameters if forward is not None else {}
+    except (TypeError, ValueError):
+        params = {}
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def make_cache(method_name: str, model_or_config, **kwargs) -> KVQCache:

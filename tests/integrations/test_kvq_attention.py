@@ -173,3 +173,27 @@ def test_fused_decode_in_model_gpu(monkeypatch, backend, dtype, name):
     fused, got, want = _fused_and_dequantized(model, name, ids, 36, calib=calib, backend=backend)
     assert calls["decode"] == 2 * 24 and fused.store.dequantize_calls == 0
     assert _rel(got, want) < (2e-3 if dtype == torch.float16 else 1e-2)
+
+
+def test_the_new_cache_argument_and_the_old_one_give_the_same_generation():
+    """transformers is renaming ``past_key_values`` to ``cache``: kvq caches work under either name, and
+    ``cache_argument`` names the one this transformers takes (the old one where ``forward`` lacks ``cache``)."""
+    import inspect
+    import warnings
+
+    from kvq.integrations.transformers import cache_argument
+    model = tiny()
+    arg = cache_argument(model)
+    has_new = "cache" in inspect.signature(type(model).forward).parameters
+    assert arg == ("cache" if has_new else "past_key_values")
+    outs = []
+    for name in {arg, "past_key_values"}:
+        cache = make_cache("KIVI-K2V2", model, **SMALL["KIVI-K2V2"])
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            outs.append(model.generate(prompt(20), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                       **{name: cache}))
+        assert cache.get_seq_length() == 31
+        if name == arg:
+            assert not [x for x in w if "past_key_values" in str(x.message)]
+    assert all(torch.equal(outs[0], o) for o in outs)
