@@ -15,8 +15,16 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)                        ## virtualenv .venv with kvq and its CPU dependencies
 
-demo: $(STAMP)                         ## the main demo (CPU; uses the GPU too if there is one)
-	$(BIN)/kvq demo
+# The demo needs NumPy only: kvq alone in its own virtualenv (seconds to install, not the test set-up's GBs).
+DEMO   ?= .venv-demo
+$(DEMO)/.kvq-setup: pyproject.toml
+	$(PYTHON) -m venv $(DEMO)
+	$(DEMO)/bin/python -m pip install -q --upgrade pip
+	$(DEMO)/bin/python -m pip install -q -e .
+	touch $@
+
+demo: $(DEMO)/.kvq-setup               ## the main demo (CPU, NumPy reference; `.venv/bin/kvq demo` adds the GPU tier)
+	$(DEMO)/bin/kvq demo
 
 test: $(STAMP)                         ## CPU test suite: reference, Triton via interpreter, nvcc compile, the battery
 	$(BIN)/python -m pytest -m "not gpu and not browser" -q
@@ -58,4 +66,4 @@ bench:                                 ## on a CUDA machine: ceilings, quantize+
 	$(PYTHON) benchmarks/run_all.py --out benchmarks/results/latest
 
 clean:
-	rm -rf $(VENV) $(LATEST) book/_build .pytest_cache .hypothesis
+	rm -rf $(VENV) $(LATEST) $(DEMO) book/_build .pytest_cache .hypothesis
