@@ -87,6 +87,17 @@ def model_dims(model_or_config) -> dict:
                 rope_theta=None if theta is None else float(theta))
 
 
+def _sliding_window(config):
+    """The sliding window of a model whose layers (some or all) attend over one, else None."""
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
+    if types is not None:
+        return int(window) if "sliding_attention" in types else None
+    return int(window) if getattr(config, "use_sliding_window", True) else None
+
+
 def _check_attention_layers(config, max_tokens: int) -> None:
     """Refuse layers that are not plain full attention over the whole cache (sliding windows shorter
     than the capacity, chunked / linear attention)."""
@@ -216,9 +227,9 @@ class KVQCache(Cache):
             from ``kvq calibrate`` (checked against this model's shape; an AQUA-KV file also gives the
             configuration its predictors were fit for, which explicit overrides still replace).
         max_tokens: a fixed capacity per sequence, every page preallocated (what a captured CUDA graph
-            needs). Default None: the capacity starts at ``DEFAULT_MAX_TOKENS`` (at most the model's
-            max_position_embeddings) and grows with the tokens (``KVStore(grow=True)``: doubling, pages copied)
-            up to max_position_embeddings.
+            needs). Default None: the capacity starts at ``DEFAULT_MAX_TOKENS`` and grows with the tokens
+            (``KVStore(grow=True)``: doubling, pages copied) up to max_position_embeddings, or up to the
+            sliding window of a model that has one (beyond it the window's attention is not the whole cache's).
         validate: True (default): each appended token is scanned for NaN / inf on the fast backends (a
             device read per layer and step; a NaN key is refused with the cache unchanged). False: no scan,
             so a decode step never waits on the GPU (``KVStore(validate=)``; in lab/2026-11-28-step-syncs a
@@ -255,9 +266,12 @@ class KVQCache(Cache):
         dims = model_dims(config)
         mpe = dims["max_position_embeddings"]
         self.grow = max_tokens is None
-        self.max_capacity = int(mpe) if (self.grow and mpe) else None
+        # a growing cache stops at the model's length, and at its sliding window where it has one (kvq caches
+        # attend over the whole cache, which equals the window's attention only up to the window)
+        limits = [int(x) for x in (mpe, _sliding_window(config)) if x]
+        self.max_capacity = min(limits) if (self.grow and limits) else None
         if max_tokens is None:
-            max_tokens = min(int(mpe), DEFAULT_MAX_TOKENS) if mpe else DEFAULT_MAX_TOKENS
+            max_tokens = min(self.max_capacity, DEFAULT_MAX_TOKENS) if self.max_capacity else DEFAULT_MAX_TOKENS
         max_tokens = M._check_pos_int("max_tokens", max_tokens)
         _check_attention_layers(config, self.max_capacity or max_tokens)
         if isinstance(calibration, (str, os.PathLike)) and str(calibration) != "identity":

@@ -186,3 +186,18 @@ def test_validate_is_checked_and_reaches_the_store():
     with torch.no_grad():
         model(prompt(10), past_key_values=cache)
     assert cache.store.validate is False
+
+
+def test_a_growing_cache_of_a_sliding_window_model_stops_at_the_window():
+    """Mistral-style models (sliding window 4096 of 32K positions, say): the default cache grows up to the
+    window, where kvq's whole-cache attention still equals the window's, and refuses a token beyond it."""
+    model = tiny("mistral")
+    model.config.sliding_window = 300
+    cache = make_cache("KIVI-K2V2", model, **SMALL["KIVI-K2V2"])
+    assert cache.max_capacity == 300 and cache.max_tokens == DEFAULT_MAX_TOKENS
+    with torch.no_grad():
+        model(prompt(290), past_key_values=cache)
+        assert cache.store.max_tokens == 300                  # grown, capped at the window
+        with pytest.raises(ValueError, match="exceeds max_capacity=300"):
+            model(prompt(20), past_key_values=cache)
+    assert cache.get_seq_length() == 290

@@ -307,7 +307,9 @@ def test_errors():
     mistral = tiny("mistral")
     mistral.config.sliding_window = 100
     with pytest.raises(ValueError, match="sliding window of 100 tokens < max_tokens=512"):
-        make_cache("Kitty", mistral)
+        make_cache("Kitty", mistral, max_tokens=512)
+    grown = make_cache("Kitty", mistral)          # a growing cache stops at the window: the same attention
+    assert grown.max_capacity == 100 and grown.max_tokens == 100
 
 
 def _bad_updates(k, v):
