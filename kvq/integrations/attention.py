@@ -131,13 +131,18 @@ def decode(store, layer: int, q: torch.Tensor, scale=None) -> torch.Tensor:
             out, _ = store._mod.decode_attention(store.cfg, store.calibration[layer], st, qn, scale=scale)
         else:
             out, _ = store._mod.decode_attention(store.cfg, st, qn, scale=scale)
-        return torch.from_numpy(np.ascontiguousarray(out)).to(device=q.device, dtype=q.dtype)
+        return _to_out(torch.from_numpy(np.ascontiguousarray(out)).to(q.device), q.dtype)
     with store._device_ctx(), _no_value_scan():
         if fam == "oscar":
             out, _ = store._mod.decode_attention(store.cfg, store.calibration[layer], st, q, scale=scale)
         else:
             out, _ = store._mod.decode_attention(store.cfg, st, q, scale=scale)
-    return out.to(q.dtype)
+    return _to_out(out, q.dtype)
+
+
+def _to_out(x: torch.Tensor, dtype) -> torch.Tensor:
+    """An attention output in the model's dtype by the contract's last rounding (fp16 saturates at +-65504)."""
+    return importlib.import_module("kvq.fast._common").to_out(x, dtype)
 
 
 def _no_value_scan():
@@ -160,7 +165,7 @@ def _decode_aqua(store, layer: int, q: torch.Tensor, scale) -> torch.Tensor:
         if pk is not None:
             segs.append((pk.astype(np.float32), pv.astype(np.float32)))
         out, _ = RA.decode_attention(q.detach().float().cpu().numpy(), segs, scale=scale)
-        return torch.from_numpy(np.ascontiguousarray(out)).to(device=q.device, dtype=q.dtype)
+        return _to_out(torch.from_numpy(np.ascontiguousarray(out)).to(q.device), q.dtype)
     st = store._state
     segs = []
     if st.length:
@@ -172,7 +177,7 @@ def _decode_aqua(store, layer: int, q: torch.Tensor, scale) -> torch.Tensor:
     attn = importlib.import_module(f"kvq.fast.{store.backend}.attention")
     with store._device_ctx(), _no_value_scan():
         out, _ = attn.decode_attention(q.float(), segs, scale=scale)
-    return out.to(q.dtype)
+    return _to_out(out, q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------

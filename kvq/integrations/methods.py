@@ -400,11 +400,9 @@ OUT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 def _to_out(x, dtype):
     """Dequantized fp32 ``x`` in ``dtype``: float16 saturates finite values beyond +-65504 (the numerics
-    contract's ``to_out``: a group holding 65504 has a top code whose fp32 value rounds to inf in fp16)."""
-    torch = _torch()
-    if dtype == torch.float16:
-        x = torch.where(torch.isfinite(x), x.clamp(-65504.0, 65504.0), x)
-    return x.to(dtype)
+    contract's ``to_out``, on torch tensors ``kvq.fast._common.to_out``: a group holding 65504 has a top code
+    whose fp32 value rounds to inf in fp16)."""
+    return importlib.import_module("kvq.fast._common").to_out(x, dtype)
 
 
 def _out_dtype(dtype):
