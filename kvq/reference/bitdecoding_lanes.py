@@ -26,6 +26,7 @@ from . import checks
 from . import fragments as fr
 from . import numerics as nx
 from .bitdecoding import P_N, BitDecodingConfig, _check_cfg, _pack_words
+from .bitdecoding import _check_params as _params   # a page's (scale, min) pairs: dtype and shape
 from .quant import quantize as _quantize
 
 __all__ = ["residual_kernel_keys", "residual_kernel_values", "key_fragments", "value_fragments",
@@ -55,16 +56,6 @@ def _words(a, name: str, shape: tuple) -> np.ndarray:
     a = np.asarray(a)
     if a.dtype != np.uint16 or a.shape != shape:
         raise ValueError(f"{name} has dtype {a.dtype}, shape {a.shape}; expected uint16 {shape}")
-    return a
-
-
-def _params(a, name: str, shape: tuple) -> np.ndarray:
-    """A page's (scale, min) half2 pairs: float16 / float32 of exactly ``shape``."""
-    a = np.asarray(a)
-    if a.dtype not in (np.float16, np.float32):
-        raise TypeError(f"{name} has dtype {a.dtype}; the page's (scale, min) pairs are float16 (half2)")
-    if a.shape != shape:
-        raise ValueError(f"{name} has shape {a.shape}; this page needs {shape} (scale, min) pairs")
     return a
 
 
