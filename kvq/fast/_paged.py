@@ -144,6 +144,8 @@ def append(cfg, codec, st: PagedState, k, v) -> PagedState:
         return st
     c0 = counts(cfg, T0)
     dev = st.device
+    if n == 1 and T0 >= S and c0["n_kbuf"] + 1 < G:
+        return _append_token(cfg, codec, st, k16, v16, c0)
     # 1. sink
     n_s = max(0, min(S - T0, n))
     if n_s:
@@ -184,6 +186,31 @@ def append(cfg, codec, st: PagedState, k, v) -> PagedState:
         st.v_win[:, :, slots] = values[:, :, e:]
     _evict_values(cfg, codec, st, evicted, c0)
     st.length = T0 + n
+    return st
+
+
+def _append_token(cfg, codec, st: PagedState, k16: torch.Tensor, v16: torch.Tensor, c0: dict) -> PagedState:
+    """``append`` of one decode token past the sink whose key does not complete a page (G - 1 steps of every
+    G): the same state as the general routing, with a few writes in place instead of its concatenations
+    and its rewrite of the whole window. The key goes to slot n_kbuf of the Q-buffer (the slots after it
+    are zero, as the general routing leaves them); the value takes the window slot of the oldest value
+    (token order mod R), which, with the window full, is evicted first; an evicted value goes to the
+    value Q-buffer's next slot (Kitty) or is quantized into its page (_evict_values)."""
+    R, p0 = cfg.residual, c0["post"]
+    nb = c0["n_kbuf"]
+    st.k_buf[:, :, nb:nb + 1] = k16
+    if R == 0:
+        evicted = v16
+    else:
+        slot = p0 % R
+        evicted = st.v_win[:, :, slot:slot + 1].clone() if c0["n_win"] == R else None
+        st.v_win[:, :, slot:slot + 1] = v16
+    if evicted is not None:
+        if cfg.v_qbuffer and c0["n_vbuf"] + 1 < cfg.group_size:
+            st.v_buf[:, :, c0["n_vbuf"]:c0["n_vbuf"] + 1] = evicted
+        else:
+            _evict_values(cfg, codec, st, evicted, c0)
+    st.length += 1
     return st
 
 

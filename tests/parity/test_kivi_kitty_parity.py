@@ -143,8 +143,9 @@ def _chunks(kind, T, seed=1):
     return out
 
 
-# every case in bulk and random chunks; one token per call (decode) for two of them (interpreter time)
-STATE = [(c, ch) for c in CASES for ch in ("bulk", "random")] + [(CASES[1], "ones"), (CASES[3], "ones")]
+# every case in bulk and random chunks; one token per call (decode, ``_paged._append_token``) for four of them
+# (interpreter time): a sink or none, a value Q-buffer (Kitty) or none (KIVI)
+STATE = [(c, ch) for c in CASES for ch in ("bulk", "random")] + [(CASES[i], "ones") for i in (0, 1, 3, 5)]
 
 
 @pytest.mark.parametrize("case, chunks", STATE, ids=[f"{c[0]}-{ch}" for c, ch in STATE])
@@ -169,6 +170,26 @@ def test_state_parity(target, case, chunks):
     assert Kf.dtype == torch.float32 and Vf.dtype == torch.float32
     assert_bits_equal(Kf, K, "dequantized K")
     assert_bits_equal(Vf, V, "dequantized V")
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=[IDS[1], IDS[3]])
+def test_state_after_every_token(target, case):
+    """A prompt, then one token per append (the decode path, ``kvq.fast._paged._append_token``, and the
+    general routing at each page boundary): after every token the fast state equals the reference state of
+    the same prefix, bit for bit (window filling, values evicted into pages or the value Q-buffer, key pages
+    completed)."""
+    _, device = target
+    cfg, ref, fast, (B, H, D) = _setup(case, target)
+    T0, T = 5, 5 + 2 * cfg.group_size + cfg.residual + 3
+    k, v = _kv(B, H, T, D, cfg.group_size, start=cfg.sink, seed=4)
+    kt, vt = torch.from_numpy(k).to(device), torch.from_numpy(v).to(device)
+    fs = fast.init(cfg, B, H, D)
+    fast.append(cfg, fs, kt[:, :, :T0], vt[:, :, :T0])
+    for t in range(T0, T):
+        fast.append(cfg, fs, kt[:, :, t:t + 1], vt[:, :, t:t + 1])
+        rs = ref.init(cfg, B, H, D)
+        ref.append(cfg, rs, k[:, :, :t + 1], v[:, :, :t + 1])
+        assert_same_state(fs, rs, f"after token {t}: ")
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=[IDS[0], IDS[3]])

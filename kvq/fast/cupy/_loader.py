@@ -460,6 +460,89 @@ def run(fn, grid, block, args, device: torch.device, shared_mem: int = 0, stream
         fn(tuple(int(g) for g in grid), tuple(int(b) for b in block), cargs, shared_mem=int(shared_mem))
 
 
+class Slot:
+    """A placeholder in a :class:`Prepared` launch's arguments: value ``index`` of the list given to each
+    launch (a torch tensor: its device address; a scalar: packed as the template's type says)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = int(index)
+
+    def __repr__(self) -> str:
+        return f"Slot({self.index})"
+
+
+class Prepared:
+    """One kernel launch whose kernel, grid, block, shared memory, stream role and argument layout are
+    fixed once (a launch plan's entry), and whose per-call values (tensor addresses, strides, a scale)
+    fill :class:`Slot` placeholders of ``args``: ``launch(values, dev, stream)`` packs and launches with
+    no per-call layout work (:func:`run` derives the layout from the arguments' types each call).
+
+    ``types``: for each Slot of ``args``, the type its values take (``torch.Tensor`` for an address,
+    ``np.int32`` / ``np.int64`` / ``np.float32`` for a scalar); constants are typed by themselves.
+    """
+
+    __slots__ = ("fn", "grid", "block", "shared_mem", "args", "_lay", "_consts", "_fill", "_cast")
+
+    def __init__(self, fn, grid, block, args, shared_mem: int = 0, types: dict | None = None):
+        types = types or {}
+        self.fn = fn
+        self.grid = (tuple(int(x) for x in grid) + (1, 1))[:3]
+        self.block = (tuple(int(x) for x in (block if isinstance(block, tuple) else (block,))) + (1, 1))[:3]
+        self.shared_mem = int(shared_mem)
+        self.args = tuple(args)
+        kinds = tuple(types[a.index] if isinstance(a, Slot) else type(a) for a in self.args)
+        self._lay = _layout(kinds)
+        if any(isinstance(a, torch.Tensor) for a in self.args):
+            raise TypeError("a Prepared launch outlives the call that plans it: pass tensors as Slots, "
+                            "their addresses are taken at each launch")
+        self._consts = [None if isinstance(a, Slot) else a for a in self.args]
+        self._fill = tuple((i, a.index) for i, a in enumerate(self.args) if isinstance(a, Slot))
+        # scalar slots as their declared NumPy type for CuPy's launcher (a Python float would go as a double)
+        self._cast = {i: kinds[i] for i, _ in self._fill if kinds[i] is not torch.Tensor}
+
+    def bind(self, values) -> tuple:
+        """The launch's arguments with every Slot replaced by its value (scalars as their declared type; a
+        tensor slot may hold a tensor or a device address)."""
+        out = list(self.args)
+        for i, k in self._fill:
+            v = values[k]
+            out[i] = self._cast[i](v) if i in self._cast else v
+        return tuple(out)
+
+    def launch(self, values, dev: int, stream_ptr: int) -> None:
+        """Launch on raw stream ``stream_ptr`` of device ``dev`` with the Slot ``values``."""
+        launch = _driver_launch() if LAUNCH_MODE == "packed" and ARG_MODE == "pointer" else None
+        if launch is None or self._lay is None:
+            run(self.fn, self.grid, self.block, self.bind(values), torch.device("cuda", dev),
+                shared_mem=self.shared_mem, stream=stream_ptr)
+            return
+        import cupy
+
+        buf, params = self.pack(values)
+        g, b = self.grid, self.block
+        with contextlib.nullcontext() if cupy.cuda.runtime.getDevice() == dev else cupy.cuda.Device(dev):
+            launch(_function_ptr(self.fn, dev), max(1, g[0]), max(1, g[1]), max(1, g[2]), b[0], b[1], b[2],
+                   self.shared_mem, stream_ptr, params, 0)
+        del buf                                         # the driver copied the parameters at the call
+
+    def pack(self, values) -> tuple:
+        """(ctypes buffer, address of its kernelParams array) of this launch with the Slot ``values``: the
+        bytes :func:`pack_args` makes of ``bind(values)``."""
+        import ctypes
+
+        vals = list(self._consts)
+        for i, k in self._fill:
+            v = values[k]
+            vals[i] = v.data_ptr() if isinstance(v, torch.Tensor) else v
+        st, offsets, ptr_off = self._lay
+        buf = ctypes.create_string_buffer(st.size)
+        base = ctypes.addressof(buf)
+        st.pack_into(buf, 0, *vals, *[base + o for o in offsets])
+        return buf, base + ptr_off
+
+
 _EVENTS = threading.local()
 
 

@@ -102,18 +102,34 @@ def merge_warps_per_row(S: int) -> int:
     return 1 if S <= MERGE_CHUNK else 2 if S <= 2 * MERGE_CHUNK else 4
 
 
+def _merge_geometry(rows: int, S: int, D: int) -> tuple:
+    """(dims per lane, warps per row, grid) of attn_merge over S partials of ``rows`` rows of D dims."""
+    ndl, wpr = L.merge_dims_per_lane(D), merge_warps_per_row(S)
+    blocks = -(-rows // (MERGE_WARPS // wpr))
+    if blocks > 2 ** 31 - 1:
+        raise ValueError(f"{rows} query rows exceed the merge kernel's grid (2^31 - 1 blocks)")
+    return ndl, wpr, (blocks, -(-D // (32 * ndl)))
+
+
 def _merge_launch(o_part, lse_part, out, lse, rows: int, S: int, D: int) -> None:
     """o_part (S, rows, D) fp32, lse_part (S, rows) fp32 -> out (rows, D) in out's dtype, lse (rows,):
     attention.cu attn_merge, blocks of 4 warps, ``merge_warps_per_row(S)`` warps per row, lane l holding
     dims 32 i + l of the block's 32 x ``L.merge_dims_per_lane(D)`` dims (more blocks along the grid's y for
     D > 256)."""
-    ndl, wpr = L.merge_dims_per_lane(D), merge_warps_per_row(S)
-    blocks = -(-rows // (MERGE_WARPS // wpr))
-    if blocks > 2 ** 31 - 1:
-        raise ValueError(f"{rows} query rows exceed the merge kernel's grid (2^31 - 1 blocks)")
+    ndl, wpr, grid = _merge_geometry(rows, S, D)
     fn = L.kernel(_SRC, f"attn_merge<{L.DT[out.dtype]}, {ndl}>")
-    L.run(fn, (blocks, -(-D // (32 * ndl))), (32 * MERGE_WARPS,),
+    L.run(fn, grid, (32 * MERGE_WARPS,),
           (o_part, lse_part, out, lse, np.int64(rows), np.int32(D), np.int32(S), np.int32(wpr)), out.device)
+
+
+def merge_prepared(rows: int, S: int, D: int, out_dtype: torch.dtype, slots: tuple) -> "L.Prepared":
+    """:func:`_merge_launch` planned once: a ``_loader.Prepared`` attn_merge whose (o_part, lse_part, out,
+    lse) are the ``slots`` (four ``_loader.Slot`` of the caller's per-call values)."""
+    ndl, wpr, grid = _merge_geometry(rows, S, D)
+    fn = L.kernel(_SRC, f"attn_merge<{L.DT[out_dtype]}, {ndl}>")
+    return L.Prepared(fn, grid, (32 * MERGE_WARPS,),
+                      (*slots, np.int64(rows), np.int32(D), np.int32(S), np.int32(wpr)),
+                      types={s.index: torch.Tensor for s in slots})
 
 
 # ----------------------------------------------------------------------------------------------------

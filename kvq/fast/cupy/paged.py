@@ -30,6 +30,7 @@ gathered into the fp32 segment (double accumulators in ``attn_split``), none goe
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -262,7 +263,11 @@ def _fused_splits(NP: int, n_base: int, nw: int, slots: int, sms: int, few_bases
 
 
 def _aligned(*ts) -> bool:
-    return all(t.data_ptr() % 16 == 0 and t.is_contiguous() for t in ts)
+    """Whether every tensor is contiguous with a 16-byte aligned start (the fused kernels' cp.async)."""
+    for t in ts:
+        if t.data_ptr() & 15 or not t.is_contiguous():
+            return False
+    return True
 
 
 def _tail_warp_bytes(D: int, fp16: bool = False) -> int:
@@ -469,40 +474,100 @@ def mma_ok(cfg, kp: dict, q, D: int, M: int) -> bool:
             and cfg.v_bits in MMA_BITS and cfg.v_group(D) == D and M <= 8)
 
 
-def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
-    """Attention of q (B, H_q, T_q, D) over the cache: ``(out in q's dtype, lse fp32)``."""
-    _paged.check_q(codec, st, q)
-    B, H, D = st.shape
-    _, H_q, T_q, _ = q.shape
-    sc = C.softmax_scale(scale, D)
+# ---------------------------------------------------------------------------------------------------
+# decode: a launch plan per (configuration, shape, length, dtype, device), then its launches
+
+# the per-call values of a plan's launches (``_loader.Slot`` indices): q, its strides, the two softmax scales
+# (base 2 and natural), the partials, the output, then the state's tensors
+(_Q, _QS0, _QS1, _QS2, _QK2, _QK, _O_PART, _LSE_PART, _OUT, _LSE, _K_CODES, _K_HIGH, _K_IDX, _K_SCALE, _K_MN,
+ _V_CODES, _V_SCALE, _V_MN, _K_TABLE, _V_TABLE, _SINK_K, _SINK_V, _K_BUF, _V_BUF, _V_WIN) = range(25)
+_SLOT_TYPES = {**{i: torch.Tensor for i in range(25)}, _QS0: np.int64, _QS1: np.int64, _QS2: np.int64,
+               _QK2: np.float32, _QK: np.float32}
+_S = L.Slot
+#: paged.cu's TailRows pointers (KVQ_TAIL_PARAMS), as slots
+_TAIL_PTRS = tuple(_S(i) for i in (_SINK_K, _SINK_V, _K_BUF, _V_BUF, _V_WIN, _K_CODES, _K_HIGH, _K_IDX, _K_SCALE,
+                                   _K_MN, _V_CODES, _V_SCALE, _V_MN, _K_TABLE, _V_TABLE))
+#: decode plans kept (least recently used dropped): a model step attends every layer at one length, so its
+#: layers share one plan, and a generation moves on by one token per step
+PLAN_CACHE_SIZE = 256
+
+
+@dataclass(frozen=True)
+class _Gather:
+    """The precise path's tail (float32 q, or ``TUNE["fused_tail"] = False``): paged_gather_tail copies the
+    tail into fp32 at each call, then attention.cu's split kernel reads the copy."""
+
+    NF: int
+    fn: object
+    grid: tuple
+    block: int
+    side: object          # the side torch stream, or None: the caller's stream
+    dims: tuple           # B, H_q, H, T_q
+    common: tuple         # rows, keys per split, splits, first split
+    precise: bool
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Every launch of one decode call, planned once (``decode_plan``): ``fallback`` (the configuration is
+    not the fused kernel's: dequantize and attend), else ``launches`` ((raw side stream or None for the
+    caller's stream, ``_loader.Prepared`` or ``_Gather``) in launch order), ``sides`` (the side streams to
+    fork from and join back into the caller's stream), ``n_partials`` x ``rows`` fp32 partials, ``merge``."""
+
+    fallback: bool
+    launches: tuple = ()
+    sides: tuple = ()
+    n_partials: int = 0
+    rows: int = 0
+    merge: object = None
+    device_index: int = 0
+
+
+class _QMeta:
+    """What the planning rules read of q (its dtype): a plan outlives the call's tensors."""
+
+    __slots__ = ("dtype",)
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+
+def decode_plan(cfg, codec, st: PagedState, q, kp: dict | None = None) -> DecodePlan:
+    """The launch plan of ``decode_attention(cfg, codec, st, q)``: computed once per (configuration, codec,
+    cache shape and length, q's dtype and query shape, device, ``TUNE``) and reused (an LRU of
+    PLAN_CACHE_SIZE plans); it holds kernels, grids, shared memory and every integer argument, and the
+    call fills in the tensors' addresses, q's strides and the scale. ``kp``: the codec's kernel arrays of
+    ``st``, where the caller has them."""
+    kp = codec.kernel_arrays(cfg, st) if kp is None else kp
     dev = q.device
-    out = torch.empty(tuple(q.shape), dtype=q.dtype, device=dev)
-    lse = torch.empty((B, H_q, T_q), dtype=torch.float32, device=dev)
-    if out.numel() == 0:
-        return out, lse
-    if B > 65535 or H > 65535:
-        raise ValueError(f"B={B} and H_kv={H} must be at most 65535 (CUDA grid limits)")
-    T = st.length
+    aligned = _aligned(kp["codes"], kp["high"], kp["idx"], kp["scale"], kp["mn"], st.v_codes, st.v_scale, st.v_mn)
+    return _decode_plan(cfg, st.shape, st.length, q.dtype, q.shape[1], q.shape[2],
+                        dev.index if dev.index is not None else torch.cuda.current_device(),
+                        kp["bits"], bool(kp["kitty"]), int(kp["d_boost"]), kp["scale"].dtype == torch.float32,
+                        int(st.k_table.shape[1]), aligned, tuple(TUNE.items()))
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def _decode_plan(cfg, shape, T, q_dtype, H_q, T_q, dev_index, k_bits, kitty, db, scale_f32, n_table, aligned,
+                 tune) -> DecodePlan:
+    """decode_plan's cached body (``tune``: TUNE's items, so that a tuning run's settings plan anew)."""
+    B, H, D = shape
+    if not (fused_ok(cfg, D) and aligned):
+        return DecodePlan(True, device_index=dev_index)
+    q = _QMeta(q_dtype)
+    kp = {"bits": k_bits, "kitty": kitty, "d_boost": db}
     c = counts(cfg, T)
     G = cfg.group_size
-    kp = codec.kernel_arrays(cfg, st)
-    arrays = [kp["codes"], kp["high"], kp["idx"], kp["scale"], kp["mn"], st.v_codes, st.v_scale, st.v_mn]
-    if not (fused_ok(cfg, D) and _aligned(*arrays)):
-        K, V = dequantize_cache(cfg, codec, st)
-        o, ls = A.decode_attention(q.float(), [(K, V)], scale=sc)
-        return o.to(q.dtype), ls
     # float32 q is the precise path: every token goes through the fp32 segment kernel (double
     # accumulators, natural-log softmax), none through the fused 2-bit kernel
-    NF = 0 if q.dtype == torch.float32 else min(c["n_kpages"] * G, c["n_vq"])
+    NF = 0 if q_dtype == torch.float32 else min(c["n_kpages"] * G, c["n_vq"])
     NP = -(-NF // G)
     G_q = H_q // H
     M = G_q * T_q
     QT = 4 if M <= 4 else 8
     qtiles = -(-M // QT)
-    dev_index = dev.index if dev.index is not None else torch.cuda.current_device()
     sms = L.sm_count(dev_index)
     ngv = D // cfg.v_group(D)
-    k_bits, kitty, db = kp["bits"], bool(kp["kitty"]), kp["d_boost"]
     mma = mma_ok(cfg, kp, q, D, M)
     nr = 4 if M <= 4 else 8                           # the tensor-core kernel's query rows
     if mma:
@@ -535,7 +600,7 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     # precise path: double accumulators, natural units) and TUNE["fused_tail"] = False gather the tail
     # into one fp32 segment (paged_gather_tail) for attention.cu's split kernel.
     NT = c["n_sink"] + c["post"] - NF
-    precise = q.dtype == torch.float32
+    precise = q_dtype == torch.float32
     in_place = not precise and TUNE["fused_tail"]
     tqt = 4 if M <= 4 else 8                          # the tail's own query tile (attention.cu's QT)
     tqtiles = -(-M // tqt)
@@ -557,6 +622,7 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
             parts = [("fp16", NT - n_mixed, 0), (mixed, n_mixed, c["n_sink"])]
         else:
             parts = [("mixed", NT, 0)]
+
     def tail_warps(kind):
         if kind == "gather":
             return L.attn_warps(L.DT[torch.float32], D)
@@ -567,7 +633,7 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
         other = (_tail_mma_warps(dev_index, per_sm) * L.tail_mma_warp_bytes()
                  if any(p[0] == "mma" and p[1] > 0 for p in parts) else 0)
         static = ((lambda n: L.static_smem(_mixed_mma_kernel(n, dev_index))) if mm else
-                  (lambda n: L.static_smem(_tail_kernel(D, tqt, L.DT[q.dtype], f16, n, dev_index, sums))))
+                  (lambda n: L.static_smem(_tail_kernel(D, tqt, L.DT[q_dtype], f16, n, dev_index, sums))))
         return _tail_warps(D, dev_index, fused_block, f16, static, per_sm, resident, pps // nw if NP else 0, other,
                            L.mixed_mma_warp_bytes() if mm else 0)
 
@@ -580,75 +646,119 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     nt = sum(p[-1] for p in parts)
     S_TOTAL = n_split + nt
     rows = B * H_q * T_q
-    o_part = torch.empty((S_TOTAL, rows, D), dtype=torch.float32, device=dev)
-    lse_part = torch.empty((S_TOTAL, rows), dtype=torch.float32, device=dev)
-    main = L.raw_stream(dev_index)
-    # the tail's parts each on their own side stream (side by side with the fused kernel and each other),
-    # as raw stream handles: the launches name their stream (no torch stream context per launch)
+    # the tail's parts each on their own side stream (side by side with the fused kernel and each other)
     side_objs = [_side_stream(dev_index, k) if n_split and TUNE["side_stream"] else None for k in range(len(parts))]
-    sides = [main if so is None else so.cuda_stream for so in side_objs]
 
-    rows_args = _tail_rows(cfg, codec, st, NF, kp)[1:] if in_place and nt else None   # paged_tail*_attn's TailRows
-    qf = q if q.stride(-1) == 1 else q.contiguous()   # the kernels read q rows with a unit last stride
-
-    def launch_tail():
-        qs = tuple(np.int64(s) for s in qf.stride()[:3])
-        qk = np.float32(sc if precise else sc * LOG2E)
-        split0 = n_split
-        for side, side_obj, (kind, n_rows, u, nw_t, chunk, n) in zip(sides, side_objs, parts):
-            grid, dims = (n * qtiles_of.get(kind, tqtiles), H, B), (np.int32(B), np.int32(H_q))
-            common = (np.int64(n_rows), np.int64(chunk), np.int32(n), np.int32(split0), qk)
-            if kind == "mma":
-                ptrs, ints = rows_args
-                L.run(_tail_mma_kernel(nw_t, dev_index), grid, (32 * nw_t,),
-                      (qf, *ptrs, np.int32(c["n_sink"]), np.int32(n_mixed), o_part, lse_part, *qs, *dims,
-                       np.int32(T_q), *common, *ints), dev, shared_mem=nw_t * L.tail_mma_warp_bytes(), stream=side)
-            elif kind == "mixed_mma":
-                ptrs, ints = rows_args
-                L.run(_mixed_mma_kernel(nw_t, dev_index), grid, (32 * nw_t,),
-                      (qf, *ptrs, np.int32(k_bits), np.int32(kitty), np.int32(u), o_part, lse_part, *qs, *dims,
-                       np.int32(T_q), *common, *ints), dev, shared_mem=nw_t * L.mixed_mma_warp_bytes(), stream=side)
-            elif kind == "gather":
-                # the gather allocates its fp32 copy: on the side stream, so that the allocator orders its
-                # reuse after the attention that reads it
-                with torch.cuda.stream(side_obj if side_obj is not None else torch.cuda.current_stream(dev)):
-                    tk, tv = gather_tail(cfg, codec, st, NF)
-                    fn_t = (A._split_kernel(L.DT[torch.float32], D, tqt, nw_t) if precise else
-                            A._split_kernel(L.DT[torch.float32], D, tqt, nw_t, L.DT[q.dtype], sums=sums))
-                    L.run(fn_t, grid, (32 * nw_t,),
-                          (qf, tk, tv, o_part, lse_part, *qs, *(np.int64(s) for s in tk.stride()[:3]),
-                           *(np.int64(s) for s in tv.stride()[:3]), *dims, np.int32(H), np.int32(T_q), *common),
-                          dev)
-            else:
-                ptrs, ints = rows_args
-                f16 = kind == "fp16"
-                fn_t = _tail_kernel(D, tqt, L.DT[q.dtype], f16, nw_t, dev_index, sums)
-                where = ((np.int32(c["n_sink"]), np.int32(n_mixed)) if f16 else
-                         (np.int32(k_bits), np.int32(cfg.v_bits), np.int32(kitty), np.int32(u)))
-                L.run(fn_t, grid, (32 * nw_t,),
-                      (qf, *ptrs, *where, o_part, lse_part, *qs, *dims, np.int32(T_q), *common, *ints), dev,
-                      shared_mem=nw_t * _tail_warp_bytes(D, f16), stream=side)         # dynamic: the tiles
+    # paged.cu's TailRows integers (KVQ_TAIL_INTS): _tail_rows's, for this plan
+    ints = tuple(np.int32(x) for x in (
+        H, cfg.sink, c["n_sink"], NF, c["n_kpages"] * G, c["n_vq"], c["n_vbuf"], max(cfg.residual, 1), n_table,
+        D // cfg.v_group(D), db, int(scale_f32)))
+    if in_place and nt and (G != G_FUSED or D > GATHER_MAXD or _GATHER_THREADS % D):
+        raise ValueError(f"group_size={G}, head_dim={D}: the tail takes G = {G_FUSED} and a head dim "
+                         f"that divides {_GATHER_THREADS}")
+    qs = (_S(_QS0), _S(_QS1), _S(_QS2))
+    dims = (np.int32(B), np.int32(H_q))
+    tail = []
+    split0 = n_split
+    for side_obj, (kind, n_rows, u, nw_t, chunk, n) in zip(side_objs, parts):
+        side = None if side_obj is None else side_obj.cuda_stream
+        grid = (n * qtiles_of.get(kind, tqtiles), H, B)
+        if kind == "gather":
+            fn_t = (A._split_kernel(L.DT[torch.float32], D, tqt, nw_t) if precise else
+                    A._split_kernel(L.DT[torch.float32], D, tqt, nw_t, L.DT[q_dtype], sums=sums))
+            tail.append((side, _Gather(NF, fn_t, grid, 32 * nw_t, side_obj, (B, H_q, H, T_q),
+                                       (n_rows, chunk, n, split0), precise)))
             split0 += n
+            continue
+        common = (np.int64(n_rows), np.int64(chunk), np.int32(n), np.int32(split0), _S(_QK2))
+        parts_o = (_S(_O_PART), _S(_LSE_PART))
+        if kind == "mma":
+            fn_t, sm = _tail_mma_kernel(nw_t, dev_index), nw_t * L.tail_mma_warp_bytes()
+            args = (_S(_Q), *_TAIL_PTRS, np.int32(c["n_sink"]), np.int32(n_mixed), *parts_o, *qs, *dims,
+                    np.int32(T_q), *common, *ints)
+        elif kind == "mixed_mma":
+            fn_t, sm = _mixed_mma_kernel(nw_t, dev_index), nw_t * L.mixed_mma_warp_bytes()
+            args = (_S(_Q), *_TAIL_PTRS, np.int32(k_bits), np.int32(kitty), np.int32(u), *parts_o, *qs, *dims,
+                    np.int32(T_q), *common, *ints)
+        else:
+            f16 = kind == "fp16"
+            fn_t, sm = _tail_kernel(D, tqt, L.DT[q_dtype], f16, nw_t, dev_index, sums), nw_t * _tail_warp_bytes(D, f16)
+            where = ((np.int32(c["n_sink"]), np.int32(n_mixed)) if f16 else
+                     (np.int32(k_bits), np.int32(cfg.v_bits), np.int32(kitty), np.int32(u)))
+            args = (_S(_Q), *_TAIL_PTRS, *where, *parts_o, *qs, *dims, np.int32(T_q), *common, *ints)
+        tail.append((side, L.Prepared(fn_t, grid, (32 * nw_t,), args, sm, _SLOT_TYPES)))   # dynamic: the tiles
+        split0 += n
 
-    def launch_fused():
-        L.run(fn, (n_split * qtiles, H, B), (32 * nw,),
-              (qf, np.int32(L.DT[q.dtype]), *(np.int64(s) for s in qf.stride()[:3]),
-               kp["codes"], kp["high"], kp["idx"], kp["scale"], kp["mn"], st.v_codes, st.v_scale, st.v_mn,
-               st.k_table, st.v_table, np.int32(st.k_table.shape[1]), o_part, lse_part,
-               np.int32(B), np.int32(H_q), np.int32(H), np.int32(T_q), np.int32(NF), np.int32(NP),
-               np.int32(pps), np.int32(n_split), np.int32(db), np.int32(ngv), np.float32(sc * LOG2E)),
-              dev, shared_mem=smem, stream=main)
-
-    forked = sorted(set(sides) - {main})
-    for k, side in enumerate(forked):
-        L.stream_wait(side, main, dev_index, k)       # fork before any launch: they run side by side
+    fused = []
+    if n_split:
+        args = (_S(_Q), np.int32(L.DT[q_dtype]), *qs, _S(_K_CODES), _S(_K_HIGH), _S(_K_IDX), _S(_K_SCALE),
+                _S(_K_MN), _S(_V_CODES), _S(_V_SCALE), _S(_V_MN), _S(_K_TABLE), _S(_V_TABLE), np.int32(n_table),
+                _S(_O_PART), _S(_LSE_PART), np.int32(B), np.int32(H_q), np.int32(H), np.int32(T_q), np.int32(NF),
+                np.int32(NP), np.int32(pps), np.int32(n_split), np.int32(db), np.int32(ngv), _S(_QK2))
+        fused = [(None, L.Prepared(fn, (n_split * qtiles, H, B), (32 * nw,), args, smem, _SLOT_TYPES))]
     # the tail's blocks first (they take SM slots before the fused grid fills them: the latency of a
     # small step) or the fused grid first (TUNE["tail_first"] = False: its makespan model sees every slot)
-    launches = [(nt, launch_tail), (n_split, launch_fused)]
-    for needed, launch in (launches if TUNE["tail_first"] else launches[::-1]):
-        if needed:
-            launch()
-    for k, side in enumerate(forked):
+    launches = tail + fused if TUNE["tail_first"] else fused + tail
+    sides = tuple(sorted({side for side, _ in tail if side is not None}))
+    merge = A.merge_prepared(rows, S_TOTAL, D, q_dtype, (_S(_O_PART), _S(_LSE_PART), _S(_OUT), _S(_LSE)))
+    return DecodePlan(False, tuple(launches), sides, S_TOTAL, rows, merge, dev_index)
+
+
+def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
+    """Attention of q (B, H_q, T_q, D) over the cache: ``(out in q's dtype, lse fp32)``, by the cached
+    launch plan of this call's shape (``decode_plan``)."""
+    _paged.check_q(codec, st, q)
+    B, H, D = st.shape
+    sc = C.softmax_scale(scale, D)
+    dev = q.device
+    out = torch.empty(tuple(q.shape), dtype=q.dtype, device=dev)
+    lse = torch.empty(tuple(q.shape[:3]), dtype=torch.float32, device=dev)
+    if out.numel() == 0:
+        return out, lse
+    if B > 65535 or H > 65535:
+        raise ValueError(f"B={B} and H_kv={H} must be at most 65535 (CUDA grid limits)")
+    kp = codec.kernel_arrays(cfg, st)
+    plan = decode_plan(cfg, codec, st, q, kp)
+    if plan.fallback:
+        K, V = dequantize_cache(cfg, codec, st)
+        o, ls = A.decode_attention(q.float(), [(K, V)], scale=sc)
+        return o.to(q.dtype), ls
+    dev_index = plan.device_index
+    qf = q if q.stride(-1) == 1 else q.contiguous()   # the kernels read q rows with a unit last stride
+    # the fp32 partials, o (n_partials, rows, D) then lse (n_partials, rows), in one allocation: the kernels
+    # take addresses
+    n_o = plan.n_partials * plan.rows * D
+    parts = torch.empty(n_o + plan.n_partials * plan.rows, dtype=torch.float32, device=dev)
+    o_part, lse_part = parts, parts.data_ptr() + 4 * n_o
+    s0, s1, s2 = qf.stride()[:3]
+    values = (qf, s0, s1, s2, sc * LOG2E, sc, o_part, lse_part, out, lse, kp["codes"], kp["high"], kp["idx"],
+              kp["scale"], kp["mn"], st.v_codes, st.v_scale, st.v_mn, st.k_table, st.v_table, st.sink_k, st.sink_v,
+              st.k_buf, st.v_buf, st.v_win)
+    main = L.raw_stream(dev_index)
+    for k, side in enumerate(plan.sides):
+        L.stream_wait(side, main, dev_index, k)       # fork before any launch: they run side by side
+    for side, launch in plan.launches:
+        if isinstance(launch, _Gather):
+            _gather_launch(launch, cfg, codec, st, qf, values, dev)
+        else:
+            launch.launch(values, dev_index, main if side is None else side)
+    for k, side in enumerate(plan.sides):
         L.stream_wait(main, side, dev_index, k)       # the tail's partials are written
-    A._merge_launch(o_part, lse_part, out, lse, rows, S_TOTAL, D)
+    plan.merge.launch(values, dev_index, main)
     return out, lse
+
+
+def _gather_launch(g: _Gather, cfg, codec, st: PagedState, qf, values, dev) -> None:
+    """The precise path's tail: gather it into fp32, then attention.cu's split kernel over the copy. The
+    gather allocates its copy on the side stream, so that the allocator orders its reuse after the
+    attention that reads it."""
+    with torch.cuda.stream(g.side if g.side is not None else torch.cuda.current_stream(dev)):
+        tk, tv = gather_tail(cfg, codec, st, g.NF)
+        B, H_q, H, T_q = g.dims
+        n_rows, chunk, n, split0 = g.common
+        sc = values[_QK] if g.precise else values[_QK2]
+        L.run(g.fn, g.grid, (g.block,),
+              (qf, tk, tv, values[_O_PART], values[_LSE_PART], *(np.int64(s) for s in qf.stride()[:3]),
+               *(np.int64(s) for s in tk.stride()[:3]), *(np.int64(s) for s in tv.stride()[:3]), np.int32(B),
+               np.int32(H_q), np.int32(H), np.int32(T_q), np.int64(n_rows), np.int64(chunk), np.int32(n),
+               np.int32(split0), np.float32(sc)), dev)

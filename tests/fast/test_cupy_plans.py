@@ -1,0 +1,158 @@
+"""The CuPy paged decode's launch plans, on the CPU: a plan is computed once per (configuration, shape,
+length, dtype, device, TUNE) and reused, holds no tensor, and its prepared launches pack exactly the bytes
+the generic launcher packs. The driver, the kernels and the device properties are stand-ins here (the
+launches are recorded, not run); the kernels' results are the GPU parity tests'
+(tests/parity/test_kivi_kitty_parity.py, ``-m gpu``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import kvq.fast.cupy._loader as L  # noqa: E402
+import kvq.fast.cupy.paged as P  # noqa: E402
+
+_PROPS = {"regsPerMultiprocessor": 65536, "sharedMemPerMultiprocessor": 233472, "maxThreadsPerMultiProcessor": 2048,
+          "reservedSharedMemPerBlock": 1024, "sharedMemPerBlockOptin": 232448}
+
+
+class _Fn:
+    """A compiled kernel's stand-in: its name and the attributes the planner reads."""
+
+    def __init__(self, name):
+        self.name, self.num_regs, self.shared_size_bytes = name, 96, 0
+
+
+class _Stream:
+    def __init__(self, k):
+        self.cuda_stream = 100 + k
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """CuPy and CUDA stand-ins (132 SMs, H100-like limits); returns the list the launches are recorded in:
+    ("launch", kernel name, grid, block, shared memory, stream, bound arguments) and ("wait", ...)."""
+    if torch.cuda.is_available():
+        pytest.skip("the stand-in device is for machines without a GPU")
+    log = []
+    fns = {}
+    monkeypatch.setattr(L, "kernel", lambda src, expr: fns.setdefault((src, expr), _Fn(expr)))
+    monkeypatch.setattr(L, "sm_count", lambda i: 132)
+    monkeypatch.setattr(L, "raw_stream", lambda dev: 7)
+    monkeypatch.setattr(L, "stream_wait", lambda a, b, dev, k=0: log.append(("wait", a, b, k)))
+    monkeypatch.setattr(L, "run", lambda fn, grid, block, args, device, shared_mem=0, stream=None:
+                        log.append(("launch", fn.name, tuple(grid), tuple(block), shared_mem, stream, tuple(args))))
+    monkeypatch.setattr(L.Prepared, "launch", lambda self, values, dev, stream:
+                        log.append(("launch", self.fn.name, self.grid, self.block, self.shared_mem, stream,
+                                    self.bind(values))))
+    monkeypatch.setattr(P, "_allow_smem", lambda fn, smem, dev: fn)
+    monkeypatch.setattr(P, "_device_props", lambda i: _PROPS)
+    monkeypatch.setattr(P, "_side_stream", lambda dev, k=0: _Stream(k))
+    monkeypatch.setattr(P._paged, "check_q", lambda *a, **k: None)     # CuPy refuses CPU tensors
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: None)
+    P._decode_plan.cache_clear()
+    P._device_limits.cache_clear()
+    yield log
+    P._decode_plan.cache_clear()
+    P._device_limits.cache_clear()
+
+
+def _cache(name="KIVI-K2V2", T=300, B=2, kitty=False):
+    """A CPU cache built by the Triton backend (the state class is shared: ``kvq.fast._paged``) and the CuPy
+    key codec of its method."""
+    from kvq.fast.cupy import kitty as CT
+    from kvq.fast.cupy import kivi as CK
+    from kvq.fast.triton import kitty as TT
+    from kvq.fast.triton import kivi as TK
+    tmod, cmod = (TT, CT) if kitty else (TK, CK)
+    cfg = tmod.CONFIGS[name]
+    st = tmod.init(cfg, B, 2, 128)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn((B, 2, T, 128), generator=g).half()
+    tmod.append(cfg, st, k, torch.randn((B, 2, T, 128), generator=g).half())
+    return tmod, cfg, cmod.KeyCodec, st
+
+
+def _q(B=2, dtype=torch.float16):
+    return torch.randn((B, 8, 1, 128)).to(dtype)
+
+
+def test_plan_is_reused_per_shape_and_length(fake_device):
+    """The same call shape reuses one plan object; a new length, another q dtype or a TUNE setting plans
+    anew; a plan holds no tensor (a Prepared launch refuses one)."""
+    tmod, cfg, codec, st = _cache()
+    q = _q()
+    p1 = P.decode_plan(cfg, codec, st, q)
+    assert P.decode_plan(cfg, codec, st, _q()) is p1
+    assert not p1.fallback and p1.launches and p1.merge is not None
+    for _, launch in p1.launches:
+        assert not any(isinstance(a, torch.Tensor) for a in launch.args)
+    assert P.decode_plan(cfg, codec, st, _q(dtype=torch.bfloat16)) is not p1
+    tmod.append(cfg, st, torch.zeros((2, 2, 1, 128), dtype=torch.float16), torch.zeros((2, 2, 1, 128), dtype=torch.float16))
+    p2 = P.decode_plan(cfg, codec, st, q)
+    assert p2 is not p1 and P.decode_plan(cfg, codec, st, q) is p2
+    old = P.TUNE["side_stream"]
+    try:
+        P.TUNE["side_stream"] = False
+        p3 = P.decode_plan(cfg, codec, st, q)
+        assert p3 is not p2 and p3.sides == ()
+    finally:
+        P.TUNE["side_stream"] = old
+    assert P.decode_plan(cfg, codec, st, q) is p2
+    with pytest.raises(TypeError, match="Slots"):
+        L.Prepared(_Fn("k"), (1,), (32,), (torch.zeros(1),))
+
+
+@pytest.mark.parametrize("kitty, name, T", [(False, "KIVI-K2V2", 300), (False, "KIVI-K4V4", 1000),
+                                           (True, "Kitty", 333), (True, "Kitty-Pro", 700)])
+def test_decode_launches_bind_the_call_tensors(fake_device, kitty, name, T):
+    """decode_attention's launches (fused kernel, tail kernels on their side streams, merge), all from the
+    plan: every tensor argument is q, the output, the one partials buffer or a tensor of the state, and the
+    partials' two addresses lie inside that buffer; side streams are forked before and joined after."""
+    tmod, cfg, codec, st = _cache(name, T, kitty=kitty)
+    q = _q()
+    out, lse = P.decode_attention(cfg, codec, st, q)
+    plan = P.decode_plan(cfg, codec, st, q)
+    launches = [e for e in fake_device if e[0] == "launch"]
+    assert len(launches) == len(plan.launches) + 1 and launches[-1][1].startswith("attn_merge")
+    kp = codec.kernel_arrays(cfg, st)
+    known = {t.data_ptr() for t in list(st.arrays().values()) + [v for v in kp.values() if isinstance(v, torch.Tensor)]}
+    known |= {q.data_ptr(), out.data_ptr(), lse.data_ptr()}
+    parts = [a for e in launches for a in e[6] if isinstance(a, torch.Tensor) and a.data_ptr() not in known]
+    assert parts and all(p is parts[0] for p in parts)            # one partials buffer
+    buf = parts[0]
+    n_o = plan.n_partials * plan.rows * 128
+    assert buf.numel() == n_o + plan.n_partials * plan.rows
+    addrs = [a for e in launches for a in e[6] if isinstance(a, int) and not isinstance(a, bool) and a > 2 ** 20]
+    assert addrs and set(addrs) == {buf.data_ptr() + 4 * n_o}     # lse partials after the o partials
+    waits = [i for i, e in enumerate(fake_device) if e[0] == "wait"]
+    assert len(waits) == 2 * len(plan.sides)
+    if plan.sides:
+        first, last = waits[0], waits[-1]
+        tails = [i for i, e in enumerate(fake_device) if e[0] == "launch" and e[5] in plan.sides]
+        assert tails and first < min(tails) and max(tails) < last
+
+
+def test_prepared_packs_like_pack_args():
+    """A Prepared launch packs the bytes pack_args makes of its bound arguments (the parameters before the
+    address array), with tensors, device addresses, strides and a float32 scale in slots."""
+    t0, t1 = torch.zeros(4), torch.zeros(8)
+    types = {0: torch.Tensor, 1: torch.Tensor, 2: np.int64, 3: np.float32}
+    args = (L.Slot(0), np.int32(5), L.Slot(1), L.Slot(2), np.int32(-1), L.Slot(3), np.int64(9))
+    prep = L.Prepared(_Fn("k"), (3, 2), (64,), args, 128, types)
+    for values in ((t0, t1, 7, 0.125 * 1.4426950408889634), (t1, t0.data_ptr() + 8, 2 ** 40, -3.0)):
+        bound = prep.bind(values)
+        assert isinstance(bound[5], np.float32) and isinstance(bound[3], np.int64)
+        want_buf, want_params = L.pack_args(bound)
+        got_buf, got_params = prep.pack(values)
+        n = want_params - __import__("ctypes").addressof(want_buf)
+        assert got_params - __import__("ctypes").addressof(got_buf) == n
+        assert want_buf.raw[:n] == got_buf.raw[:n]
+    assert prep.grid == (3, 2, 1) and prep.block == (64, 1, 1) and prep.shared_mem == 128
