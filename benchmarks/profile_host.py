@@ -93,16 +93,24 @@ def breakdown(fn, calls: int) -> dict:
     import kvq.fast.cupy._loader as L
 
     real_run, real_wait = L.run, L.stream_wait
+    prepared = getattr(L, "Prepared", None)                 # planned launches (kvq.fast.cupy.paged's plans)
+    real_prep = prepared.launch if prepared is not None else None
     per = []
     L.run = lambda *a, **k: None
+    if prepared is not None:
+        prepared.launch = lambda self, values, dev, stream: None
     try:
         out = {"no_launch_us": host_rounds(fn, calls)[0]}
         L.stream_wait = lambda *a, **k: None
         out["no_launch_no_wait_us"] = host_rounds(fn, calls)[0]
         L.run = lambda fn_, grid, block, args, dev, shared_mem=0, stream=None: per.append(args)
+        if prepared is not None:
+            prepared.launch = lambda self, values, dev, stream: per.append(self.bind(values))
         fn()                                       # one call: its launches' arguments
     finally:
         L.run, L.stream_wait = real_run, real_wait
+        if prepared is not None:
+            prepared.launch = real_prep
     out["launches_per_call"] = len(per)
     out["args_per_launch"] = [len(a) for a in per]
     out["pack_us_per_call"] = host_rounds(lambda: [L.pack_args(a) for a in per], calls)[0]
