@@ -474,33 +474,51 @@ class Slot:
 
 
 class Prepared:
-    """One kernel launch whose kernel, grid, block, shared memory, stream role and argument layout are
-    fixed once (a launch plan's entry), and whose per-call values (tensor addresses, strides, a scale)
-    fill :class:`Slot` placeholders of ``args``: ``launch(values, dev, stream)`` packs and launches with
-    no per-call layout work (:func:`run` derives the layout from the arguments' types each call).
+    """One kernel launch whose kernel, grid, block, shared memory and argument layout are fixed once (a
+    launch plan's entry), and whose per-call values (tensor addresses, strides, a scale) fill
+    :class:`Slot` placeholders of ``args``: :meth:`launch` packs them with a packer made for this layout
+    (no per-call type or layout work, as :func:`run` does) into a parameter buffer kept per thread, and
+    calls ``cuLaunchKernel``.
 
-    ``types``: for each Slot of ``args``, the type its values take (``torch.Tensor`` for an address,
-    ``np.int32`` / ``np.int64`` / ``np.float32`` for a scalar); constants are typed by themselves.
+    ``types``: for each Slot of ``args``, the type its values take (``torch.Tensor`` for a device address,
+    ``np.int32`` / ``np.int64`` / ``np.float32`` for a scalar); constants are typed by themselves and must
+    not be tensors (a plan outlives the tensors of the call that made it).
     """
 
-    __slots__ = ("fn", "grid", "block", "shared_mem", "args", "_lay", "_consts", "_fill", "_cast")
+    __slots__ = ("fn", "grid", "block", "shared_mem", "args", "_lay", "_fill", "_cast", "_packer", "_tls")
 
     def __init__(self, fn, grid, block, args, shared_mem: int = 0, types: dict | None = None):
         types = types or {}
         self.fn = fn
-        self.grid = (tuple(int(x) for x in grid) + (1, 1))[:3]
-        self.block = (tuple(int(x) for x in (block if isinstance(block, tuple) else (block,))) + (1, 1))[:3]
+        self.grid = (tuple(max(1, int(x)) for x in grid) + (1, 1))[:3]
+        self.block = (tuple(max(1, int(x)) for x in (block if isinstance(block, tuple) else (block,))) + (1, 1))[:3]
         self.shared_mem = int(shared_mem)
         self.args = tuple(args)
-        kinds = tuple(types[a.index] if isinstance(a, Slot) else type(a) for a in self.args)
-        self._lay = _layout(kinds)
         if any(isinstance(a, torch.Tensor) for a in self.args):
             raise TypeError("a Prepared launch outlives the call that plans it: pass tensors as Slots, "
                             "their addresses are taken at each launch")
-        self._consts = [None if isinstance(a, Slot) else a for a in self.args]
+        kinds = tuple(types[a.index] if isinstance(a, Slot) else type(a) for a in self.args)
+        self._lay = _layout(kinds)
         self._fill = tuple((i, a.index) for i, a in enumerate(self.args) if isinstance(a, Slot))
         # scalar slots as their declared NumPy type for CuPy's launcher (a Python float would go as a double)
         self._cast = {i: kinds[i] for i, _ in self._fill if kinds[i] is not torch.Tensor}
+        self._packer = None if self._lay is None else self._make_packer()
+        self._tls = threading.local()
+
+    def _make_packer(self):
+        """A function (values, buffer, addresses) -> None packing this launch's arguments, Slots read from
+        ``values`` by index, constants bound in, then the kernelParams ``addresses`` (one struct call)."""
+        names = {"_p": self._lay[0].pack_into}
+        parts = []
+        for i, a in enumerate(self.args):
+            if isinstance(a, Slot):
+                parts.append(f"v[{a.index}]")
+            else:
+                names[f"c{i}"] = a
+                parts.append(f"c{i}")
+        src = f"def _pack(v, buf, addrs):\n    _p(buf, 0, {', '.join(parts)}, *addrs)\n"
+        exec(compile(src, "<kvq Prepared packer>", "exec"), names)
+        return names["_pack"]
 
     def bind(self, values) -> tuple:
         """The launch's arguments with every Slot replaced by its value (scalars as their declared type; a
@@ -511,36 +529,50 @@ class Prepared:
             out[i] = self._cast[i](v) if i in self._cast else v
         return tuple(out)
 
+    def _buffer(self):
+        """This thread's parameter buffer: (buffer, kernelParams addresses, address of that array). The
+        driver copies the parameters at the launch call, so the buffer is reused by the next launch."""
+        got = getattr(self._tls, "buf", None)
+        if got is None:
+            import ctypes
+
+            st, offsets, ptr_off = self._lay
+            buf = ctypes.create_string_buffer(st.size)
+            base = ctypes.addressof(buf)
+            got = self._tls.buf = (buf, tuple(base + o for o in offsets), base + ptr_off)
+        return got
+
+    def pack(self, values) -> tuple:
+        """(ctypes buffer, address of its kernelParams array) of this launch with the Slot ``values`` (tensor
+        slots: tensors or addresses): the bytes :func:`pack_args` makes of ``bind(values)``."""
+        vals = list(values)
+        for i, v in enumerate(vals):
+            if isinstance(v, torch.Tensor):
+                vals[i] = v.data_ptr()
+        buf, addrs, params = self._buffer()
+        self._packer(vals, buf, addrs)
+        return buf, params
+
     def launch(self, values, dev: int, stream_ptr: int) -> None:
-        """Launch on raw stream ``stream_ptr`` of device ``dev`` with the Slot ``values``."""
+        """Launch on raw stream ``stream_ptr`` of device ``dev``, which must be the current device
+        (:func:`on_device`), with the Slot ``values``: device addresses (ints) in the tensor slots, Python
+        numbers in the scalar ones."""
         launch = _driver_launch() if LAUNCH_MODE == "packed" and ARG_MODE == "pointer" else None
-        if launch is None or self._lay is None:
+        if launch is None or self._packer is None:
             run(self.fn, self.grid, self.block, self.bind(values), torch.device("cuda", dev),
                 shared_mem=self.shared_mem, stream=stream_ptr)
             return
-        import cupy
-
-        buf, params = self.pack(values)
+        buf, addrs, params = self._buffer()
+        self._packer(values, buf, addrs)
         g, b = self.grid, self.block
-        with contextlib.nullcontext() if cupy.cuda.runtime.getDevice() == dev else cupy.cuda.Device(dev):
-            launch(_function_ptr(self.fn, dev), max(1, g[0]), max(1, g[1]), max(1, g[2]), b[0], b[1], b[2],
-                   self.shared_mem, stream_ptr, params, 0)
-        del buf                                         # the driver copied the parameters at the call
+        launch(_function_ptr(self.fn, dev), g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem, stream_ptr, params, 0)
 
-    def pack(self, values) -> tuple:
-        """(ctypes buffer, address of its kernelParams array) of this launch with the Slot ``values``: the
-        bytes :func:`pack_args` makes of ``bind(values)``."""
-        import ctypes
 
-        vals = list(self._consts)
-        for i, k in self._fill:
-            v = values[k]
-            vals[i] = v.data_ptr() if isinstance(v, torch.Tensor) else v
-        st, offsets, ptr_off = self._lay
-        buf = ctypes.create_string_buffer(st.size)
-        base = ctypes.addressof(buf)
-        st.pack_into(buf, 0, *vals, *[base + o for o in offsets])
-        return buf, base + ptr_off
+def on_device(dev: int):
+    """A context in which CUDA device ``dev`` is current (nothing to do where it is already)."""
+    import cupy
+
+    return contextlib.nullcontext() if cupy.cuda.runtime.getDevice() == dev else cupy.cuda.Device(dev)
 
 
 _EVENTS = threading.local()

@@ -729,22 +729,26 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     # take addresses
     n_o = plan.n_partials * plan.rows * D
     parts = torch.empty(n_o + plan.n_partials * plan.rows, dtype=torch.float32, device=dev)
-    o_part, lse_part = parts, parts.data_ptr() + 4 * n_o
+    o_part = parts.data_ptr()
     s0, s1, s2 = qf.stride()[:3]
-    values = (qf, s0, s1, s2, sc * LOG2E, sc, o_part, lse_part, out, lse, kp["codes"], kp["high"], kp["idx"],
-              kp["scale"], kp["mn"], st.v_codes, st.v_scale, st.v_mn, st.k_table, st.v_table, st.sink_k, st.sink_v,
-              st.k_buf, st.v_buf, st.v_win)
+    # the slots' values (_Q ... _V_WIN): tensors as their device addresses, taken once per call
+    values = (qf.data_ptr(), s0, s1, s2, sc * LOG2E, sc, o_part, o_part + 4 * n_o, out.data_ptr(), lse.data_ptr(),
+              *(t.data_ptr() for t in (kp["codes"], kp["high"], kp["idx"], kp["scale"], kp["mn"], st.v_codes,
+                                       st.v_scale, st.v_mn, st.k_table, st.v_table, st.sink_k, st.sink_v, st.k_buf,
+                                       st.v_buf, st.v_win)))
     main = L.raw_stream(dev_index)
-    for k, side in enumerate(plan.sides):
-        L.stream_wait(side, main, dev_index, k)       # fork before any launch: they run side by side
-    for side, launch in plan.launches:
-        if isinstance(launch, _Gather):
-            _gather_launch(launch, cfg, codec, st, qf, values, dev)
-        else:
-            launch.launch(values, dev_index, main if side is None else side)
-    for k, side in enumerate(plan.sides):
-        L.stream_wait(main, side, dev_index, k)       # the tail's partials are written
-    plan.merge.launch(values, dev_index, main)
+    with L.on_device(dev_index):
+        for k, side in enumerate(plan.sides):
+            L.stream_wait(side, main, dev_index, k)       # fork before any launch: they run side by side
+        for side, launch in plan.launches:
+            if isinstance(launch, _Gather):
+                _gather_launch(launch, cfg, codec, st, qf, values, dev)
+            else:
+                launch.launch(values, dev_index, main if side is None else side)
+        for k, side in enumerate(plan.sides):
+            L.stream_wait(main, side, dev_index, k)       # the tail's partials are written
+        plan.merge.launch(values, dev_index, main)
+    del parts                                             # (freed after the merge, in stream order)
     return out, lse
 
 
