@@ -478,7 +478,18 @@ def _patch_decode_glue(monkeypatch, sms=132, per_sm_max=4):
         rec.append((fn, grid, block, shared_mem, args))
         rec.streams.append(MAIN_STREAM if stream is None else stream)
 
+    def launch(self, values, dev, stream):           # a planned launch (_loader.Prepared), recorded as run's
+        args = self.bind(values)
+        if str(self.fn).startswith("attn_merge"):   # as _merge_launch(o_part, lse_part, out, lse, rows, S, D)
+            rec.append(("merge", *args[:4], int(args[4]), int(args[6]), int(args[5])))
+            return
+        run(self.fn, self.grid, self.block[:1] if self.block[1:] == (1, 1) else self.block, args, dev,
+            self.shared_mem, stream)
+
     monkeypatch.setattr(L, "run", run)
+    monkeypatch.setattr(L.Prepared, "launch", launch)
+    monkeypatch.setattr(L, "on_device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(PD, "_decode_plan", PD._decode_plan.__wrapped__)   # plan every call: the stand-ins change
     monkeypatch.setattr(L, "raw_stream", lambda d: MAIN_STREAM)
     monkeypatch.setattr(L, "stream_wait", lambda waiter, waited, d, k=0: rec.waits.append((len(rec), waiter, waited)))
     monkeypatch.setattr(L, "kernel", lambda src, name: K(name))
