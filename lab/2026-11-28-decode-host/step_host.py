@@ -2,7 +2,7 @@
 save? (issue 37, item 3: host overhead)
 
     python3 lab/2026-11-28-decode-host/step_host.py --out $OUT/step_host.json
-    PYTHONPATH=.before python3 lab/2026-11-28-decode-host/step_host.py --out ...   # another checkout's kvq
+    python3 lab/2026-11-28-decode-host/step_host.py --kvq .before --out ...   # another checkout's kvq
 
 One Llama-3.1-8B-shaped model (random fp16 weights: the end-to-end benchmark's model and fill), each cache
 filled to the context, then decode steps: wall ms per step (synchronized on both sides, median), host ms
@@ -27,12 +27,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def main() -> None:
-    import torch
-
-    import kvq
-    from kvq.commands import bench_e2e as B
-    from kvq.fast import _common as C
     ap = argparse.ArgumentParser()
+    ap.add_argument("--kvq", default=None, help="import kvq from this directory (another checkout's, e.g. .before)")
     ap.add_argument("--shapes", nargs="+", default=["1x32768", "8x32768"])
     ap.add_argument("--caches", nargs="+", default=["StaticCache", "KIVI-K2V2:cupy", "Kitty:cupy"])
     ap.add_argument("--steps", type=int, default=5)
@@ -40,6 +36,13 @@ def main() -> None:
     ap.add_argument("--label", default="")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    if a.kvq:
+        sys.path.insert(0, os.path.abspath(a.kvq))
+    import torch
+
+    import kvq
+    from kvq.commands import bench_e2e as B
+    from kvq.fast import _common as C
     model = B.build_model(False, "cuda", 131072 + 64)
     rows = []
     for shp in a.shapes:
