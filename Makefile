@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvq-setup
 LATEST ?= .venv-triton-latest
 
-.PHONY: setup demo test battery test-triton-latest test-reference test-parity gpu-test book browser-test bench clean
+.PHONY: setup demo test battery test-triton-latest test-reference test-parity gpu-test book browser-test bench results clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -62,8 +62,11 @@ book: $(STAMP)                         ## build the Jupyter Book with execution 
 browser-test: $(STAMP)                 ## headless Chromium over the built book (run `make book` first)
 	$(BIN)/python -m pytest -m browser tests/browser -v --tb=short
 
-bench:                                 ## on a CUDA machine: ceilings, quantize+pack, FP16 decode
-	$(PYTHON) benchmarks/run_all.py --out benchmarks/results/latest
+bench:                                 ## on a CUDA machine, `make bench CARD=h100`: the suite's latest run into benchmarks/results/$(CARD)/
+	$(PYTHON) benchmarks/run_all.py --out benchmarks/results/$(or $(CARD),$(error name the card: make bench CARD=h100))
+
+results: $(STAMP)                      ## docs/results.md and README.md's method table, from benchmarks/results/<card>/*.json
+	$(BIN)/python benchmarks/results_page.py
 
 clean:
 	rm -rf $(VENV) $(LATEST) $(DEMO) book/_build .pytest_cache .hypothesis

@@ -25,8 +25,8 @@ Sections (all times: ``common.bench``, median, CUDA graphs where capture works):
 * ``attention``: per (B, T) in {1, 8} x {32K, 64K, 128K}: ``step`` = ``decode_layer(1, hat_0)`` +
   ``decode_attention(1, q, hat_1)`` (the per-layer cost of a decode step, Algorithm 4: layer 0's
   reconstruction held from the step before), and ``attention`` alone (hat given); FP16 baselines on K / V of
-  the shape (``common.fp16_decode_baselines``: SDPA fold / gqa and kvq's FP16 decode). Batch element 0 of
-  ``attention`` is checked against float64 attention over the reconstructed segments (``bench_decode``'s
+  the shape (``baselines.fp16_decode_baselines``: SDPA fold / gqa and kvq's FP16 decode). Batch element 0 of
+  ``attention`` is checked against float64 attention over the reconstructed segments (``baselines``'
   tolerances). Bytes: ``stored`` (layer 1's codes + FP16 sink / buffer + q / out: what the cache holds) and
   ``actual_est`` (the traffic of this unfused path: the previous layer's fp32 reconstruction read by the
   products, the products, the fp32 reconstruction written, RoPE'd keys, attention's fp32 reads); GB/s and %
@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 import common as C
-from bench_decode import LSE_TOL, OUT_TOL, reference as ref_attention
+import baselines as BL
 
 BATCHES, CONTEXTS = (1, 8), (32768, 65536, 131072)
 QUICK_BATCHES, QUICK_CONTEXTS = (1, 8), (65536, 131072)
@@ -208,12 +208,7 @@ def check_one(cfg, st, hat, q, out, lse, scale) -> dict:
     from kvq.fast import _aqua_cache
     segs = _aqua_cache.segments(cfg, st, 1, hat)
     K, V = (torch.cat([s[i][:1] for s in segs], dim=2) for i in (0, 1))
-    ro, rl = ref_attention(q[:1], K, V, scale)
-    o = out[:1].double()
-    res = {"out_max_rel_err": float((o - ro).abs().max() / ro.abs().max()),
-           "lse_max_err": float(((lse[:1].double() - rl).abs() / rl.abs().clamp(min=1.0)).max())}
-    res["ok"] = bool(torch.isfinite(o).all()) and res["out_max_rel_err"] <= OUT_TOL and res["lse_max_err"] <= LSE_TOL
-    return res
+    return BL.check_first(q, out, lse, K, V, scale)
 
 
 def measure_backend(backend, cfg, P, q, B, T, Hq, Hkv, Dh, scale, base, device, copy_gbps, quick, deadline) -> dict:
@@ -259,7 +254,7 @@ def run_shape(B, T, Hq, Hkv, Dh, device, copy_gbps, quick, dry, deadline) -> dic
              "aqua": {}}
     gen = torch.Generator(device=device).manual_seed(B * 7919 + T)
     q = torch.randn((B, Hq, T_Q, Dh), generator=gen, device=device, dtype=torch.float16)
-    shape["fp16"] = C.fp16_decode_baselines(q, B, T, Hkv, Dh, scale, device, quick, deadline, MEM_FRACTION)
+    shape["fp16"] = BL.fp16_decode_baselines(q, B, T, Hkv, Dh, scale, device, quick, deadline, MEM_FRACTION)
     cfg, P = config(T, dry), predictors(Hkv * Dh)
     for backend in backends():
         if deadline is not None and deadline.expired():
@@ -293,7 +288,7 @@ def run(device, *, copy_gbps=None, quick=False, dry_run=False, deadline=None) ->
             "fused": "lookup + scale + inverse Hadamard + (y + bias) in one kernel; products by torch (fp32); "
                      "history reconstructed to fp32 per call, RoPE by torch, attention by kvq's flash-decoding "
                      "kernel in fp32",
-            "out_tol": OUT_TOL, "lse_tol": LSE_TOL, "backends": per_backend, "shapes": shapes}
+            "out_tol": BL.OUT_TOL, "lse_tol": BL.LSE_TOL, "backends": per_backend, "shapes": shapes}
 
 
 def summary_lines(res: dict) -> list[str]:
@@ -338,7 +333,7 @@ def summary_lines(res: dict) -> list[str]:
 
 
 def main():
-    C.standalone_main(__doc__, "aqua.json", run, summary_lines)
+    BL.standalone_main(__doc__, "aqua.json", run, summary_lines)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,13 @@ Rows per shape (``shapes[i]["rows"]``):
 * ``KIVI-K2V2``, ``Kitty``: ``kvq.fast.triton.{kivi,kitty}.decode_attention`` on caches built as in
   ``bench_kivi_kitty`` (its ``config`` / ``build_cache``);
 * ``fp16``: torch SDPA two ways (``sdpa_best`` = the faster) and kvq's FP16 decode on FP16 K / V of the
-  same shape (``common.fp16_decode_baselines``; skipped when FP16 K + V exceed 40% of free memory).
+  same shape (``baselines.fp16_decode_baselines``; skipped when FP16 K + V exceed 40% of free memory).
 
 The BitDecoding cache is BUILT DIRECTLY on the GPU (random words, scales in [0.5, 2] / qmax, minima in
 [-2, -0.5], pages in table order), with ``length = T - N_r / 2``: T / N_r - 1 packed pages and a
 half-full FP16 residual, the mid-page state of a decode. Before timing, batch element 0 is checked
 against a float64 attention over the pages dequantized by ``kvq.fast.cupy.bitdecoding.dequantize_page``
-(bit-exact with the reference) and the residual (``bench_decode``'s tolerances). Timings: medians of
+(bit-exact with the reference) and the residual (``baselines``' tolerances). Timings: medians of
 CUDA-graph replays over cache copies beyond L2 (``common.bench``). ``bytes`` = words + params + residual +
 q + out, each read once; ``pct_read_ceiling``: a read-only kernel over the same bytes.
 
@@ -36,7 +36,7 @@ from types import SimpleNamespace
 import torch
 
 import common as C
-from bench_decode import LSE_TOL, OUT_TOL, reference as ref_attention
+import baselines as BL
 
 BATCHES, CONTEXTS, GQS, BITS = (1, 8, 32), (8192, 32768, 131072), (1, 4, 8), (2, 4)
 H_KV, D, T_Q = 8, 128, 1
@@ -91,12 +91,7 @@ def check(cfg, st, q, out, lse, scale) -> dict:
     res = st.length % cfg.n_r
     K = torch.cat([K, st.res_k[:1, :, :res]], 2)
     V = torch.cat([V, st.res_v[:1, :, :res]], 2)
-    ro, rl = ref_attention(q[:1], K, V, scale)
-    o = out[:1].double()
-    r = {"out_max_rel_err": float((o - ro).abs().max() / ro.abs().max()),
-         "lse_max_err": float(((lse[:1].double() - rl).abs() / rl.abs().clamp(min=1.0)).max())}
-    r["ok"] = bool(torch.isfinite(o).all()) and r["out_max_rel_err"] <= OUT_TOL and r["lse_max_err"] <= LSE_TOL
-    return r
+    return BL.check_first(q, out, lse, K, V, scale)
 
 
 def _bd_row(backend, cfg, B, T, q, scale, device, quick, base):
@@ -154,7 +149,7 @@ def run_shape(B, T, gq, device, quick, backends, others, deadline) -> dict:
     shape = {"B": B, "T": T, "g_q": gq, "H_q": Hq, "H_kv": H_KV, "D": D, "T_q": T_Q, "rows": {}}
     gen = torch.Generator(device=device).manual_seed(B * 7919 + T + gq)
     q = torch.randn((B, Hq, T_Q, D), generator=gen, device=device, dtype=torch.float16)
-    base = C.fp16_decode_baselines(q, B, T, H_KV, D, scale, device, quick, deadline, MEM_FRACTION)
+    base = BL.fp16_decode_baselines(q, B, T, H_KV, D, scale, device, quick, deadline, MEM_FRACTION)
     shape["fp16"] = base
     cfgs = {b: dataclasses.replace(R.CONFIGS[f"BitDecoding-KC{b}"], max_tokens=T) for b in BITS}
     jobs = [(f"BitDecoding-KC{b} [{be}]", lambda b=b, be=be: _bd_row(be, cfgs[b], B, T, q, scale, device, quick, base))

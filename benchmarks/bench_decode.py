@@ -27,28 +27,17 @@ import torch
 import torch.nn.functional as F
 
 import common as C
+from baselines import LSE_TOL, OUT_TOL, reference, sdpa_fold, sdpa_gqa, standalone_main
 
 BATCHES, CONTEXTS = (1, 8, 32), (4096, 32768, 131072)
 QUICK_BATCHES, QUICK_CONTEXTS = (1, 32), (4096, 131072)
 DRY_BATCHES, DRY_CONTEXTS = (1, 2), (256,)
 H_Q, H_KV, D, T_Q = 32, 8, 128, 1
 DRY_H_Q, DRY_H_KV = 4, 2
-OUT_TOL, LSE_TOL = 1e-2, 1e-3
 MEM_FRACTION = 0.4
 
 
-# ------------------------------------------------------------------------------------ reference & check
-
-def reference(q, k, v, scale):
-    """float64 attention with GQA (query head h reads KV head h // (H_q / H_kv)); returns (out, lse)."""
-    B, Hq, Tq, Dh = q.shape
-    Hkv = k.shape[1]
-    qg = q.double().reshape(B, Hkv, (Hq // Hkv) * Tq, Dh)             # (B, H_kv, group * T_q, D)
-    s = torch.matmul(qg, k.double().transpose(-1, -2)) * scale         # (B, H_kv, group * T_q, T)
-    lse = torch.logsumexp(s, dim=-1)
-    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.double())
-    return out.reshape(B, Hq, Tq, Dh), lse.reshape(B, Hq, Tq)
-
+# ------------------------------------------------------------------------------------ check
 
 def check(result, q, k, v, scale) -> dict:
     """Compare batch elements 0 and B-1 of an implementation's (out, lse or None) with float64."""
@@ -89,17 +78,6 @@ def kvq_fn(backend, scale):
     def fn(q, k, v):
         return _fast().decode_attention(q, [(k, v)], scale=scale, backend=backend)
     return fn
-
-
-def sdpa_gqa(q, k, v, scale):
-    return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True), None
-
-
-def sdpa_fold(q, k, v, scale):
-    B, Hq, Tq, Dh = q.shape
-    Hkv = k.shape[1]
-    o = F.scaled_dot_product_attention(q.view(B, Hkv, (Hq // Hkv) * Tq, Dh), k, v, scale=scale)
-    return o.view(B, Hq, Tq, Dh), None
 
 
 def sdpa_plain(q, k, v, scale):                    # K / V already repeated to H_q heads
@@ -244,7 +222,7 @@ def summary_lines(res: dict) -> list[str]:
 
 
 def main():
-    C.standalone_main(__doc__, "decode.json", run, summary_lines)
+    standalone_main(__doc__, "decode.json", run, summary_lines)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ Per shape and method: ``decode_attention`` (validation off) timed with ``common.
 replay where capture works); bytes read = packed K / V pages + their metadata (the fused kernel) +
 the FP16 tokens the small tail segment reads (sink, buffers, window, mixed tokens) + page tables + q +
 out; GB/s and % of the copy bandwidth; speedup vs torch SDPA FP16 (GQA folded into the query axis, as
-``bench_decode.sdpa_fold`` and ``sdpa_gqa``, the faster of the two per shape) and vs kvq's own FP16 decode (``kvq.fast.decode_attention``) on FP16 K / V
+``baselines.sdpa_fold`` and ``sdpa_gqa``, the faster of the two per shape) and vs kvq's own FP16 decode (``kvq.fast.decode_attention``) on FP16 K / V
 of the same shape. Before timing, batch element 0 is checked against a float64 attention over the
 dequantized cache (``dequantize`` of that element): max |out - ref| / max |ref| <= 1e-2,
 |lse - ref| / max(1, |ref|) <= 1e-3.
@@ -32,7 +32,7 @@ import sys
 import torch
 
 import common as C
-from bench_decode import OUT_TOL, LSE_TOL, reference as ref_attention
+import baselines as BL
 
 BATCHES, CONTEXTS = (1, 8, 32), (8192, 32768, 131072)
 QUICK_BATCHES, QUICK_CONTEXTS = (8,), (32768, 131072)
@@ -133,11 +133,7 @@ def bytes_read(cfg, st, T, Hq) -> dict:
 def check_one(mod, cfg, st, q, out, lse, scale) -> dict:
     """Batch element 0 against float64 attention over its dequantized cache."""
     K, V = mod.dequantize(cfg, _one(st, 0))
-    ro, rl = ref_attention(q[:1], K, V, scale)
-    o = out[:1].double()
-    res = {"out_max_rel_err": float((o - ro).abs().max() / ro.abs().max()),
-           "lse_max_err": float(((lse[:1].double() - rl).abs() / rl.abs().clamp(min=1.0)).max())}
-    res["ok"] = bool(torch.isfinite(o).all()) and res["out_max_rel_err"] <= OUT_TOL and res["lse_max_err"] <= LSE_TOL
+    res = BL.check_first(q, out, lse, K, V, scale)
     del K, V
     return res
 
@@ -156,7 +152,7 @@ def run_shape(B, T, Hq, Hkv, Dh, device, copy_gbps, quick, dry, deadline) -> dic
     gen = torch.Generator(device=device).manual_seed(B * 7919 + T)
     q = torch.randn((B, Hq, T_Q, Dh), generator=gen, device=device, dtype=torch.float16)
     # FP16 baselines on K / V of the same shape
-    base = C.fp16_decode_baselines(q, B, T, Hkv, Dh, scale, device, quick, deadline, MEM_FRACTION)
+    base = BL.fp16_decode_baselines(q, B, T, Hkv, Dh, scale, device, quick, deadline, MEM_FRACTION)
     shape["fp16"] = base
     for backend, method in [(b, m) for b in BACKENDS for m in METHODS]:
         row = {"ms": None, "valid": False, "backend": backend}
@@ -292,7 +288,7 @@ def run(device, *, copy_gbps=None, quick=False, dry_run=False, deadline=None) ->
     return {"tune": tuning, "copy_gbps": copy_gbps, "amortized_flush": amortized_flush(shapes, flush), "methods": list(METHODS), "targets": {"pct_copy_at_32k_plus": 70.0,
             "kivi_k2v2_speedup_vs_sdpa_128k_b8": 4.0},
             "bytes_rule": "packed K/V pages + metadata + page tables (fused) + FP16 tail tokens + q + out",
-            "out_tol": OUT_TOL, "lse_tol": LSE_TOL, "shapes": shapes, "flush": flush}
+            "out_tol": BL.OUT_TOL, "lse_tol": BL.LSE_TOL, "shapes": shapes, "flush": flush}
 
 
 def amortized_flush(shapes, flush) -> dict:
@@ -355,7 +351,7 @@ def summary_lines(res: dict) -> list[str]:
 
 
 def main():
-    C.standalone_main(__doc__, "kivi_kitty.json", run, summary_lines)
+    BL.standalone_main(__doc__, "kivi_kitty.json", run, summary_lines)
 
 
 if __name__ == "__main__":

@@ -33,8 +33,8 @@ was taken).
 Per shape and backend: batch element 0 checked against a float64 attention over the cache's
 ``dequantize`` (original frame) before timing: max |out - ref| / max |ref| <= 1e-2,
 |lse - ref| / max(1, |ref|) <= 1e-3; the decode (validation off) timed with ``common.bench``; speedup vs
-torch SDPA FP16 (the faster of ``sdpa_fold`` / ``sdpa_gqa`` of ``bench_decode``) and vs kvq's FP16 decode on
-FP16 K / V of the same shape (``common.fp16_decode_baselines``, once per shape; skipped when FP16 K + V
+torch SDPA FP16 (the faster of ``sdpa_fold`` / ``sdpa_gqa`` of ``baselines``) and vs kvq's FP16 decode on
+FP16 K / V of the same shape (``baselines.fp16_decode_baselines``, once per shape; skipped when FP16 K + V
 exceed 40% of the free GPU memory).
 
 Also per backend (``quantize``, ``quantize [cupy]``): the fused quantize cost per token: ``append`` of one
@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 import common as C
-from bench_decode import OUT_TOL, LSE_TOL, reference as ref_attention
+import baselines as BL
 from bench_kivi_kitty import BACKENDS, row_name
 
 BATCHES, CONTEXTS = (1, 8, 32), (32768, 65536, 131072)
@@ -162,11 +162,7 @@ def fused_applies(backend: str, cfg, st, q) -> bool:
 def check_one(oscar, cfg, calib, st, q, out, lse, scale) -> dict:
     """Batch element 0 against float64 attention over its dequantized cache (original frame)."""
     K, V = oscar.dequantize(cfg, calib, _one(st, 0))
-    ro, rl = ref_attention(q[:1], K, V, scale)
-    o = out[:1].double()
-    res = {"out_max_rel_err": float((o - ro).abs().max() / ro.abs().max()),
-           "lse_max_err": float(((lse[:1].double() - rl).abs() / rl.abs().clamp(min=1.0)).max())}
-    res["ok"] = bool(torch.isfinite(o).all()) and res["out_max_rel_err"] <= OUT_TOL and res["lse_max_err"] <= LSE_TOL
+    res = BL.check_first(q, out, lse, K, V, scale)
     del K, V
     return res
 
@@ -230,7 +226,7 @@ def run_shape(B, T, Hq, Hkv, Dh, device, copy_gbps, quick, dry, deadline) -> dic
              "fp16_kv_bytes": 2 * B * Hkv * T * Dh * 2}
     gen = torch.Generator(device=device).manual_seed(B * 7919 + T)
     q = torch.randn((B, Hq, T_Q, Dh), generator=gen, device=device, dtype=torch.float16)
-    shape["fp16"] = C.fp16_decode_baselines(q, B, T, Hkv, Dh, scale, device, quick, deadline, MEM_FRACTION)
+    shape["fp16"] = BL.fp16_decode_baselines(q, B, T, Hkv, Dh, scale, device, quick, deadline, MEM_FRACTION)
     for backend in BACKENDS:
         shape[row_name("oscar", backend)] = run_backend(backend, shape, q, scale, device, copy_gbps, quick, dry,
                                                         deadline)
@@ -323,7 +319,7 @@ def run(device, *, copy_gbps=None, quick=False, dry_run=False, deadline=None) ->
                        "paper_b1_step_attention_ms": {"fp16": 3.8, "oscar": 1.3}},
            "bytes_rule": "min: what the fused kernels read, once: INT2 pages + metadata + page table + FP16 "
                          "sink / window + rotations + q + out (gbps / pct_copy / floor_ms)",
-           "out_tol": OUT_TOL, "lse_tol": LSE_TOL, "shapes": shapes}
+           "out_tol": BL.OUT_TOL, "lse_tol": BL.LSE_TOL, "shapes": shapes}
     for backend in BACKENDS:
         try:
             res[row_name("quantize", backend)] = time_quantize(backend, device, quick, dry_run, deadline)
@@ -383,7 +379,7 @@ def summary_lines(res: dict) -> list[str]:
 
 
 def main():
-    C.standalone_main(__doc__, "oscar.json", run, summary_lines)
+    BL.standalone_main(__doc__, "oscar.json", run, summary_lines)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+import baselines as BL
 import common as C
 
 SHAPE = (8, 8, 16384, 128)                # (B, H, T, D)
@@ -217,7 +218,7 @@ def summary_lines(res: dict) -> list[str]:
 
 
 def main():
-    C.standalone_main(__doc__, "quant.json", run, summary_lines)
+    BL.standalone_main(__doc__, "quant.json", run, summary_lines)
 
 
 if __name__ == "__main__":

@@ -371,46 +371,6 @@ def run_shapes(run_shape, batches, contexts, device) -> list:
     return shapes
 
 
-def fp16_decode_baselines(q, B, T, Hkv, Dh, scale, device, quick, deadline, mem_fraction=0.4) -> dict:
-    """FP16 decode baselines on random FP16 K / V (B, Hkv, T, Dh) for the query q: torch SDPA two ways
-    (``bench_decode.sdpa_fold`` / ``sdpa_gqa``) and kvq's FP16 ``decode_attention``, each timed with
-    :func:`bench`; ``sdpa_best`` is the faster SDPA variant. Skipped (with the reason) when K + V exceed
-    ``mem_fraction`` of the free GPU memory; a deadline past its end skips the rest."""
-    import kvq.fast as fast
-    from bench_decode import sdpa_fold, sdpa_gqa
-    base = {}
-    fp16_kv = 2 * B * Hkv * T * Dh * 2
-    if torch.device(device).type == "cuda":
-        free = torch.cuda.mem_get_info()[0]
-        if fp16_kv > mem_fraction * free:
-            return {"skipped": f"FP16 K+V {fp16_kv / 1e9:.1f} GB > {mem_fraction:.0%} of free {free / 1e9:.1f} GB"}
-    gen = torch.Generator(device=device).manual_seed(B * 31 + T)
-    try:
-        copies = copies_for(fp16_kv, device)
-        ins = [(q, torch.randn((B, Hkv, T, Dh), generator=gen, device=device, dtype=torch.float16),
-                torch.randn((B, Hkv, T, Dh), generator=gen, device=device, dtype=torch.float16))
-               for _ in range(copies)]
-        for name, fn in (("sdpa_fold", lambda q_, k_, v_: sdpa_fold(q_, k_, v_, scale)),
-                         ("sdpa_gqa", lambda q_, k_, v_: sdpa_gqa(q_, k_, v_, scale)),
-                         ("kvq_fp16", lambda q_, k_, v_: fast.decode_attention(q_, [(k_, v_)], scale=scale))):
-            if deadline is not None and deadline.expired():
-                base[name] = {"skipped": "time budget exhausted"}
-                continue
-            try:
-                t = bench(fn, ins, device=device, quick=quick)
-                base[name] = {"ms": t["ms"], "timing": t, "n_copies": copies}
-            except Exception as e:
-                base[name] = {"error": err_str(e)}
-        del ins
-    except Exception as e:
-        base["error"] = err_str(e)
-    free_cuda(device)
-    sdpas = [(base[n]["ms"], n) for n in ("sdpa_gqa", "sdpa_fold") if base.get(n, {}).get("ms")]
-    if sdpas:                                      # the baseline is the faster SDPA variant
-        base["sdpa_best"] = {"ms": min(sdpas)[0], "impl": min(sdpas)[1]}
-    return base
-
-
 def device_or_exit(dry_run: bool, script: str) -> str:
     """"cuda" when there is a GPU; else "cpu" for a ``--dry-run``, else exit with a message."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -425,27 +385,3 @@ def write_result(out_dir, json_name: str, res: dict, summary_lines, device) -> N
     path = write_json(out_dir, json_name, res)
     print("\n".join(summary_lines(res)))
     print("wrote", path)
-
-
-def standalone_main(doc: str, json_name: str, run, summary_lines) -> None:
-    """Command line of one benchmark module run on its own (``--out``, ``--quick``, ``--dry-run``,
-    ``--copy-gbps``): measures the copy ceiling unless given, runs, writes ``json_name``, prints the
-    summary. ``run_all.py`` runs the same ``run`` functions in one process."""
-    import argparse
-
-    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--dry-run", action="store_true", help="tiny shapes; runs on the CPU if there is no GPU")
-    ap.add_argument("--copy-gbps", type=float, default=None, help="copy ceiling; measured if omitted")
-    a = ap.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dry = a.dry_run or device == "cpu"
-    if device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    copy_gbps = a.copy_gbps
-    if copy_gbps is None:
-        import bench_ceilings
-        copy_gbps = bench_ceilings.run(device, quick=True, dry_run=dry)["copy_gbps"]
-    write_result(a.out, json_name, run(device, copy_gbps=copy_gbps, quick=a.quick, dry_run=dry), summary_lines,
-                 device)

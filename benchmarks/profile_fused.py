@@ -4,7 +4,7 @@
     python benchmarks/profile_fused.py --backend cupy --grid "num_warps=2,4;waves=2,3,4"       # the CuPy kernel
     python benchmarks/profile_fused.py --backend cupy --grid "side_stream=True,False"   # knob values: ints, True / False, strings
     ncu --set full -k regex:_fused -c 1 python benchmarks/profile_fused.py --once   # one decode, for ncu
-    (benchmarks/ncu_page.sh runs that for the CuPy page kernel; --tune sets paged.TUNE for the --once decode)
+    (lab/2026-11-22-kivi-kitty-decode/ncu_page.sh runs that for the CuPy page kernel; --tune sets paged.TUNE for the --once decode)
 
 Shape: B = 8, T = 32K, 32 query / 8 KV heads, head dim 128 (the issue's "batch 8" row). The cache is
 filled with random codes (``bench_kivi_kitty.build_cache``); times are medians of CUDA-graph replays

@@ -1,0 +1,116 @@
+"""benchmarks/results_page.py: docs/results.md and README.md's method table come from the committed JSON.
+
+A page generated into a temporary folder from small fixture JSON holds each benchmark's table under its
+card, commit, date and protocol; a cell without a measurement is "—"; a JSON of no known benchmark is an
+error; and the committed docs/results.md and README.md table equal what the command makes of the committed
+JSON, so neither can go stale.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import results_page as RP  # noqa: E402
+
+META = {"device": {"name": "Test GPU"}, "commit": "abc1234" + "0" * 33, "date_utc": "2026-01-02T03:04:05",
+        "argv": ["benchmarks/run_all.py", "--out", "/tmp/x"], "mode": "quick"}
+
+
+def _write(folder: Path, name: str, doc: dict) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(json.dumps(doc))
+
+
+def _kivi_shape(B, T, sdpa, rows):
+    return {"B": B, "T": T, "fp16": {"sdpa_best": {"ms": sdpa}}, "methods": rows}
+
+
+@pytest.fixture()
+def results(tmp_path):
+    r = tmp_path / "results"
+    _write(r / "h100", "ceilings.json", {"meta": META, "copy_gbps": 3000.4, "matmul_tflops": 800.2})
+    _write(r / "h100", "kivi_kitty.json", {"meta": META, "shapes": [
+        _kivi_shape(8, 32768, 0.4, {"KIVI-K2V2 [cupy]": {"ms": 0.1, "valid": True, "pct_copy": 66.0},
+                                    "Kitty [cupy]": {"ms": 0.2, "valid": False, "pct_copy": 10.0}}),
+        _kivi_shape(1, 8192, 0.02, {"KIVI-K2V2 [cupy]": {"error": "boom"}})]})
+    _write(r / "h100-abc1234", "ceilings.json", {"meta": META, "copy_gbps": 1.0})        # an older run: not a card
+    _write(r / "cpu", "ppl.json", {"meta": dict(META, device="cpu", argv=["ppl", "--windows", "2"]),
+                                   "protocol": "Perplexity of a cache. More words.", "seq_len": 64, "rows": [
+        {"method": "no cache", "ppl": 2.0, "bits_per_element": 32.0, "bits_per_element_paper": 32.0},
+        {"method": "KIVI-K2V2", "ppl": 2.5, "bits_per_element": 2.5, "bits_per_element_paper": 2.25},
+        {"method": "OSCAR", "ppl": 2.1, "bits_per_element": 4.4, "bits_per_element_paper": 4.4}]})
+    _write(r / "h200", "e2e.json", {"info": {"device": "Test GPU 2", "commit": "def5678", "date": "2026-01-03"},
+                                    "rows": [
+        {"cache": "StaticCache", "batch": 8, "context": 32768, "ms_per_step": 100.0, "status": "ok", "cache_bytes": 8},
+        {"cache": "KIVI-K2V2:triton", "batch": 8, "context": 32768, "ms_per_step": 50.0, "status": "ok"},
+        {"cache": "KIVI-K2V2:cupy", "batch": 8, "context": 32768, "ms_per_step": 25.0, "status": "ok"},
+        {"cache": "StaticCache", "batch": 1, "context": 32768, "ms_per_step": 30.0, "status": "ok"},
+        {"cache": "KIVI-K2V2:cupy", "batch": 1, "context": 32768, "ms_per_step": 60.0, "status": "ok"}]})
+    return r
+
+
+def _rows(table: str, first: str):
+    return [[c.strip() for c in ln.strip("|").split("|")] for ln in table.splitlines() if ln.startswith(f"| {first}")]
+
+
+def test_page_has_one_table_per_benchmark_under_its_run_line(results):
+    page = RP.page(results)
+    assert page.index("## h100") < page.index("## h200") < page.index("## cpu")      # GPU cards first
+    assert "h100-abc1234" not in page and "| 1 |" not in page                       # commit folders are not read
+    assert "Card `h100` (Test GPU), commit `abc1234`, 2026-01-02; `ceilings.json`." in page
+    assert "Run: `benchmarks/run_all.py --out /tmp/x` (quick)." in page
+    assert "| 3000 | 800 |" in page                                                  # the ceilings table
+    assert "Protocol: Perplexity of a cache." in page and "More words" not in page   # the protocol's first sentence
+    (row8,) = _rows(page, "8 x 32K | 0.400")
+    assert row8 == ["8 x 32K", "0.400", "0.100", "4.00x", "66%", "—", "—", "—"]      # Kitty failed its check
+    (row1,) = _rows(page, "1 x 8K")
+    assert row1[2:5] == ["—", "—", "—"]                                              # an error is no number
+    assert "| KIVI-K2V2 | 2.250 | 2.500 | 2.5000 | +25.00% |" in page                # ppl.json's table
+
+
+def test_method_table_from_the_json_and_dashes_where_nothing_was_measured(results):
+    table = RP.methods_table(results)
+    rows = {r[0]: r for r in _rows(table, "") if r[0] not in ("method", "---")}
+    assert list(rows) == ["KIVI-K2V2", "OSCAR"]                                      # the evaluated methods
+    assert rows["KIVI-K2V2"][1:] == ["2.25 / 2.50", "2.500 (+25.00%)", "—", "4.00x / 0.50x (CuPy)", "no"]
+    assert rows["OSCAR"][4:] == ["— / —", "yes (`kvq calibrate oscar`)"]            # no e2e row: no speed
+    assert "`benchmarks/results/h200/e2e.json` (Test GPU 2, commit `def5678`, 2026-01-03)" in table
+    assert "Attention KL: no `attention.json` committed." in table
+
+
+def test_unknown_json_and_missing_markers_are_errors(results, tmp_path):
+    _write(results / "h100", "mystery.json", {"meta": META})
+    with pytest.raises(ValueError, match="mystery"):
+        RP.page(results)
+    with pytest.raises(ValueError, match="results:methods"):
+        RP.fill_markers("# a README without the markers\n", "| t |")
+    with pytest.raises(ValueError, match="not a folder"):
+        RP.page(tmp_path / "nowhere")
+
+
+def test_main_writes_then_check_passes(results, tmp_path, capsys):
+    out, readme = tmp_path / "docs" / "results.md", tmp_path / "README.md"
+    readme.write_text(f"# kvq\n\n{RP.BEGIN}\nold table\n{RP.END}\n\nmore text\n")
+    args = ["--results", str(results), "--out", str(out), "--readme", str(readme)]
+    assert RP.main(args + ["--check"]) == 1                                          # nothing generated yet
+    assert "out of date" in capsys.readouterr().err
+    assert RP.main(args) == 0
+    assert out.read_text() == RP.page(results)
+    text = readme.read_text()
+    assert "old table" not in text and text.endswith(f"{RP.END}\n\nmore text\n")
+    assert RP.methods_table(results) in text
+    assert RP.main(args + ["--check"]) == 0
+
+
+def test_committed_results_page_and_readme_table_are_current():
+    """docs/results.md and README.md's method table equal what `make results` makes of the committed JSON."""
+    assert (ROOT / "docs" / "results.md").read_text() == RP.page(RP.RESULTS)
+    readme = (ROOT / "README.md").read_text()
+    assert RP.fill_markers(readme, RP.methods_table(RP.RESULTS)) == readme
