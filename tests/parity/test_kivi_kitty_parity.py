@@ -421,7 +421,7 @@ def test_decode_tail_in_place(cupy_target, a, monkeypatch):
 # caches whose mixed tail rows have their key in a page and their value in fp16 (paged_mixed_mma): config,
 # T, GQA ratio, T_q. R = G: up to 127 mixed rows; R > G: mixed rows over two key pages; 4- and 8-bit keys
 # (8-bit: the CUDA-core page kernel beside them, whose one fp32 chain per score put this cache's lse at
-# 1.27x the bound on the H100 before its scores took interleaved chains; benchmarks/results/h100-mixed-mma);
+# 1.27x the bound on the H100 before its scores took interleaved chains; lab/2026-11-22-kivi-kitty-decode/results/h100-mixed-mma);
 # Kitty (the high plane) with its sink; 8 query rows; a mixed run starting mid-tile
 MIXED = [
     ("K2V2-T3001", lambda: RK.KIVIConfig(2, 2, **CUDA), 3001, 4, 1),
@@ -530,7 +530,7 @@ def test_decode_tensor_cores_large_operands_sweep(kb, vb, sums, tmma, sink, mm, 
     (the automatic rule takes them at batch >= 8), or on the CUDA cores (False); the CUDA-core tail's score
     sums as four fp32 fma chains,
     the default, or in float64, ``TUNE["tail_sums"]`` = 2 / 1: with one fp32 fma chain per score the worst
-    cache was 1.71x the bound, ``benchmarks/model_tail_scores.py``); the mixed rows (keys in a page, values
+    cache was 1.71x the bound, ``lab/2026-11-22-large-operand-accuracy/model_tail_scores.py``); the mixed rows (keys in a page, values
     fp16) on the tensor cores as hi + 2^-11 lo fp16 key tiles (``TUNE["mixed_mma"]`` None, the default) or as
     fp32 tiles (False)."""
     monkeypatch.setitem(_paged("cupy").TUNE, "tail_sums", sums)

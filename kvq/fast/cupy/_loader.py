@@ -349,7 +349,7 @@ ARG_MODE = "pointer"
 #: ``cuLaunchKernel`` itself; "cupy": the RawKernel call, which converts every argument to a CuPy
 #: object one by one. Both launch the same kernel with the same bytes. Host time of a whole decode call,
 #: medians on the H100 machine's host (``benchmarks/profile_host.py --ab-launch``, results in
-#: benchmarks/results/h100-host-overhead): KIVI-K2V2 1 x 32K 206 -> 188 us, 8 x 32K 242 -> 196 us,
+#: lab/2026-11-23-host-overhead/results/h100-host-overhead): KIVI-K2V2 1 x 32K 206 -> 188 us, 8 x 32K 242 -> 196 us,
 #: Kitty 1 x 32K 520 -> 403 us, OSCAR 300 -> 239 us (cupy -> packed).
 LAUNCH_MODE = "packed"
 

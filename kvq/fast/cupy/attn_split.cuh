@@ -157,7 +157,7 @@ struct TwoSegmentTiles {
 // order of d) added pairwise at the end, (c0 + c1) + (c2 + c3) (not with PRECISE). The paged decode's
 // FP16 tail for half-precision q takes 2 (TUNE["tail_sums"]) or 1: one 128-term fp32 chain per score
 // reached several fp32 ulps at |score| ~ 1e3, beyond the tolerance rule, where four chains stay at about
-// a fifth of the bound (benchmarks/model_tail_scores.py) with no conversions to double.
+// a fifth of the bound (lab/2026-11-22-large-operand-accuracy/model_tail_scores.py) with no conversions to double.
 // Accumulator of the dot products and of P.V: float, or double when PRECISE = 1 (the default for float32
 // inputs: the fp32 path is the precise one, its sums then carry no more rounding than the float32
 // reference's pairwise sums; PRECISE also means natural-log units, else base 2 with log2(e) in the

@@ -129,7 +129,7 @@ struct BdSlot {
 
 // Registers: up to 255 a thread (2 blocks of 4 warps per SM). Capping them at 168 (3 blocks) spilled and
 // was slower on the H100 (8 x 128K, g_q = 1: KC2 610 / KC4 703 us against 519 / 652 us uncapped;
-// benchmarks/results/h100-bitdecoding-decode).
+// lab/2026-11-24-bitdecoding/results/h100-bitdecoding-decode).
 template <int BITS, bool KC, int NW, bool M16>
 __global__ void __launch_bounds__(NW * 32)
 bd_decode(const u16* __restrict__ q, i64 sq_b, i64 sq_h, i64 sq_t, const u16* __restrict__ kw,

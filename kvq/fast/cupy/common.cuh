@@ -249,7 +249,7 @@ __device__ __forceinline__ void load_bytes(const u8* p, u32* b) {
 // without keys) and L in s_l[0][qi]; then every element is o = (sum_w f_w acc_w) / L (fma chain in warp
 // order): the same operations as per element, without each thread redoing the row's exponentials, its
 // logarithm and its integer division (a latency-bound tail kernel spent 28% of its instructions there
-// under ncu: benchmarks/results/h100-07376b6).
+// under ncu: lab/2026-11-22-oscar-decode/results/h100-07376b6).
 // Overwrites s_m and s_l. Ends the kernel's use of them: call it from every thread of the block.
 template <int QT, int D>
 __device__ __forceinline__ void combine_warps(float* s_m, float* s_l, const float* cacc, int NW,

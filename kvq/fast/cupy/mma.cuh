@@ -520,7 +520,7 @@ __device__ __forceinline__ void ldsm_x4(u32* a, const void* p) {
 //   k-step (16 channels) sums from zero accumulators and the 8 k-step sums are added pairwise in fp32,
 //   ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)): one accumulator over all 8 k-steps (the
 //   tensor cores' truncating accumulation at every step) reached 1.8x the tolerance rule's bound on
-//   the large-operand caches, the pairwise sums 0.3x (benchmarks/model_tail_scores.py); then s = S *
+//   the large-operand caches, the pairwise sums 0.3x (lab/2026-11-22-large-operand-accuracy/model_tail_scores.py); then s = S *
 //   qk_scale (log2 units), online softmax per row (ex2.approx), P to fp16 and transposed into the B
 //   fragments by movmatrix, O^T (channels x rows) += V^T . P^T (ldmatrix.trans of the V tile). The NW
 //   warps take tiles w, w + NW, ... of the split and are combined as attn_split_body's.
@@ -530,7 +530,7 @@ __device__ __forceinline__ void ldsm_x4(u32* a, const void* p) {
 //   fp16(k 2^-KVQ_KLO_E) and lo = fp16(2^11 (k 2^-KVQ_KLO_E - hi)), k to 22 bits or more (the 2^-1 keeps
 //   the largest dequantized fp16 key finite), lo [32][KVQ_TMMA_ROW] after the warp's V tile: each k-step
 //   pair's sum is (hi sums) + 2^-11 (lo sums), the score times 2^KVQ_KLO_E. (A third tile, holding k
-//   exactly, moved no error the H100 parity tests measure: benchmarks/results/h100-mixed-mma.)
+//   exactly, moved no error the H100 parity tests measure: lab/2026-11-22-kivi-kitty-decode/results/h100-mixed-mma.)
 // Dynamic shared memory: NW * (KLO ? 3 : 2) * 32 * KVQ_TMMA_ROW * 2 bytes (the combine area [NW][8][128]
 //   fp32 reuses it).
 template <int NW, bool KLO, class Tiles>

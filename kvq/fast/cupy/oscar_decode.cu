@@ -32,7 +32,7 @@
 //   m-tile; the 4 fields of a word are 4 registers by a shift and a mask), k 4t + i <-> channel 32 t + 4 i +
 //   kq, k 16 + 4t + i <-> channel 32 t + 16 + 4 i + kq. (On fp16 tensor cores, the codes as exact fp16 by a
 //   lop3 and a fma.f16x2 per two codes and q~ as fp16 hi + 2^-11 lo, the decode took 12% longer at 8 x
-//   64K and 9% at 1 x 128K: benchmarks/results/h100-imma-ab.)
+//   64K and 9% at 1 x 128K: lab/2026-11-22-oscar-decode/results/h100-imma-ab.)
 // Softmax and P . V: page_softmax_pv (mma.cuh), the value page has the layout of a KIVI value page.
 // Grid: (num_splits, H_kv, B); block NW * 32 threads, each warp its own pages with a key and a value
 //   slot in shared memory (cp.async: the next page's keys load during this page's softmax and P . V,

@@ -120,7 +120,7 @@ def decode(cfg, st, q_rot, *, scale=None, out_dtype=torch.float32, R_out=None):
         # (H100, R_V folded, ms, auto (3 blocks per SM) / 2: 8 x 32K 0.0842 / 0.0798, 8 x 64K 0.1362 / 0.1302,
         # 8 x 128K 0.2337 / 0.2322; but 32 x 32K, 256 blocks a split, 0.2770 / 0.3388, kept at 3; batch 1
         # already at 2: 2 / 3 blocks per SM 1 x 64K 0.0343 / 0.0353, 1 x 128K 0.0475 / 0.0496;
-        # benchmarks/results/h100-oscar-plan)
+        # lab/2026-11-22-oscar-decode/results/h100-oscar-plan)
         n_split, pps = PD._fused_splits(NP, B * H, nw, slots, sms, few_bases=True)
     S_TOTAL = n_split + nt
     rows = B * H_q * T_q
