@@ -8,7 +8,8 @@ One Llama-3.1-8B-shaped model (random fp16 weights: the end-to-end benchmark's m
 filled to the context, then decode steps: wall ms per step (synchronized on both sides, median), host ms
 (until ``model(...)`` returns, before the synchronization: the Python a user pays), with kvq.fast's
 validation on (the library default) and off, in alternating blocks; and a cProfile of three steps with
-validation off (the 30 functions with the most own time), kept in the JSON.
+validation off (the 30 functions with the most own time, and kvq's / the caches' functions by cumulative
+time), kept in the JSON.
 """
 
 from __future__ import annotations
@@ -83,6 +84,9 @@ def main() -> None:
             s = io.StringIO()
             pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
             row["profile_tottime"] = s.getvalue()
+            s = io.StringIO()
+            pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats("kvq|cache_utils|sdpa", 60)
+            row["profile_cumulative_kvq"] = s.getvalue()
             print(json.dumps({k: v for k, v in row.items() if not k.startswith("profile")}), flush=True)
             rows.append(row)
             del cache, step
