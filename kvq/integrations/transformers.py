@@ -230,10 +230,13 @@ class KVQCache(Cache):
             needs). Default None: the capacity starts at ``DEFAULT_MAX_TOKENS`` and grows with the tokens
             (``KVStore(grow=True)``: doubling, pages copied) up to max_position_embeddings, or up to the
             sliding window of a model that has one (beyond it the window's attention is not the whole cache's).
-        validate: True (default): each appended token is scanned for NaN / inf on the fast backends (a
-            device read per layer and step; a NaN key is refused with the cache unchanged). False: no scan,
-            so a decode step never waits on the GPU (``KVStore(validate=)``; in lab/2026-11-28-step-syncs a
-            Llama-3.1-8B-shaped step at 1 x 32K took 54.7 ms with the scans, 45.1 ms without, H200).
+        validate: whether each appended token is scanned for NaN / inf on the fast backends, so that a NaN
+            key is refused with the cache unchanged (``KVStore(validate=)``). None (default): where the scan
+            costs no GPU synchronization, on a store in CPU memory (the reference tier, Triton's
+            interpreter), and not on a CUDA device, where it is a device read per layer and step that stalls
+            the host (lab/2026-11-28-step-syncs, H200: a Llama-3.1-8B-shaped step at 1 x 32K 54.7 ms with
+            the scans, 45.1 ms without); a model's keys and values are its own, and NaN there comes from NaN
+            hidden states, which reach the logits anyway. True / False: always / never.
         attention: "auto" (default): switch a model to kvq's attention function (``use_kvq_attention``) and
             decode through the method's fused decode; "dequantize": ``update`` returns the whole cache
             dequantized for the model's own attention (the slow path; for comparisons).
@@ -249,7 +252,7 @@ class KVQCache(Cache):
     default_method: str | None = None
 
     def __init__(self, model_or_config, method: str | None = None, *, backend: str = "auto", calibration=None,
-                 max_tokens: int | None = None, attention: str = "auto", validate: bool = True, **overrides):
+                 max_tokens: int | None = None, attention: str = "auto", validate: bool | None = None, **overrides):
         method = method if method is not None else self.default_method
         if method is None:
             raise ValueError(f"name a kvq method; known methods: {', '.join(M.METHODS)}")
@@ -257,8 +260,9 @@ class KVQCache(Cache):
         if self.family is not None and spec.family != self.family:
             fam = [n for n, s in M.METHODS.items() if s.family == self.family]
             raise ValueError(f"{type(self).__name__} serves {', '.join(fam)}; got {method!r} (use make_cache)")
-        if not isinstance(validate, bool):
-            raise TypeError(f"validate must be True or False, got {validate!r}")
+        if validate is not None and not isinstance(validate, bool):
+            raise TypeError(f"validate must be True or False, or None (scan where it costs no GPU "
+                            f"synchronization), got {validate!r}")
         self.validate = validate
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention={attention!r} is unknown; choose one of {ATTENTION_MODES}")
@@ -334,10 +338,11 @@ class KVQCache(Cache):
     def _ensure_store(self, key_states: torch.Tensor) -> M.KVStore:
         """The cache's store, created for ``key_states`` (checked by :meth:`_check_states`) if there is none."""
         if self._store is None:
+            validate = self.validate if self.validate is not None else key_states.device.type != "cuda"
             self._store = M.KVStore(self.method, n_layers=self.n_layers, batch=int(key_states.shape[0]),
                                     kv_heads=self.kv_heads, head_dim=self.head_dim, max_tokens=self.max_tokens,
                                     backend=self.backend, calibration=self._calibration,
-                                    device=key_states.device, memoize=False, grow=self.grow, validate=self.validate,
+                                    device=key_states.device, memoize=False, grow=self.grow, validate=validate,
                                     max_capacity=self.max_capacity, **self._overrides)
         return self._store
 

@@ -188,6 +188,39 @@ def test_validate_is_checked_and_reaches_the_store():
     assert cache.store.validate is False
 
 
+def test_validate_default_scans_only_off_the_gpu():
+    """make_cache's default (validate=None): the store scans appended tokens where that costs no GPU
+    synchronization (a CPU store: NaN refused, the cache unchanged) and not on a CUDA device; True / False
+    override it either way."""
+    model = tiny()
+    cache = make_cache("KIVI-K2V2", model, **SMALL["KIVI-K2V2"])
+    assert cache.validate is None
+    with torch.no_grad():
+        model(prompt(10), past_key_values=cache)
+    assert cache.store.validate is True
+    k = torch.randn((1, 2, 1, 32))
+    k[0, 1, 0, 5] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        cache.update(k, torch.zeros_like(k), 0)
+    assert cache.get_seq_length() == 10
+    for want in (True, False):
+        c = make_cache("KIVI-K2V2", model, validate=want, **SMALL["KIVI-K2V2"])
+        with torch.no_grad():
+            model(prompt(10), past_key_values=c)
+        assert c.store.validate is want
+
+
+@pytest.mark.gpu
+def test_validate_default_is_off_on_cuda():
+    """On a CUDA device the default store makes no scan (a decode step never waits on the GPU)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = tiny()
+    g = make_cache("KIVI-K2V2", model, **SMALL["KIVI-K2V2"])
+    g.update(torch.randn((1, 2, 3, 32), device="cuda"), torch.randn((1, 2, 3, 32), device="cuda"), 0)
+    assert g.store.validate is False and g.get_seq_length() == 3
+
+
 def test_a_growing_cache_of_a_sliding_window_model_stops_at_the_window():
     """Mistral-style models (sliding window 4096 of 32K positions, say): the default cache grows up to the
     window, where kvq's whole-cache attention still equals the window's, and refuses a token beyond it."""
