@@ -96,7 +96,8 @@ def test_plan_is_reused_per_shape_and_length(fake_device):
     for _, launch in p1.launches:
         assert not any(isinstance(a, torch.Tensor) for a in launch.args)
     assert P.decode_plan(cfg, codec, st, _q(dtype=torch.bfloat16)) is not p1
-    tmod.append(cfg, st, torch.zeros((2, 2, 1, 128), dtype=torch.float16), torch.zeros((2, 2, 1, 128), dtype=torch.float16))
+    z = torch.zeros((2, 2, 1, 128), dtype=torch.float16)
+    tmod.append(cfg, st, z, z.clone())
     p2 = P.decode_plan(cfg, codec, st, q)
     assert p2 is not p1 and P.decode_plan(cfg, codec, st, q) is p2
     old = P.TUNE["side_stream"]

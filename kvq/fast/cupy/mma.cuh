@@ -520,7 +520,8 @@ __device__ __forceinline__ void ldsm_x4(u32* a, const void* p) {
 //   k-step (16 channels) sums from zero accumulators and the 8 k-step sums are added pairwise in fp32,
 //   ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)): one accumulator over all 8 k-steps (the
 //   tensor cores' truncating accumulation at every step) reached 1.8x the tolerance rule's bound on
-//   the large-operand caches, the pairwise sums 0.3x (lab/2026-11-22-large-operand-accuracy/model_tail_scores.py); then s = S *
+//   the large-operand caches, the pairwise sums 0.3x
+//   (lab/2026-11-22-large-operand-accuracy/model_tail_scores.py); then s = S *
 //   qk_scale (log2 units), online softmax per row (ex2.approx), P to fp16 and transposed into the B
 //   fragments by movmatrix, O^T (channels x rows) += V^T . P^T (ldmatrix.trans of the V tile). The NW
 //   warps take tiles w, w + NW, ... of the split and are combined as attn_split_body's.

@@ -247,8 +247,8 @@ __global__ void __launch_bounds__(128, 2)
 
         // ---- scores: lane owns tokens 4*lane .. 4*lane + 3; each score as NCH interleaved fp32 fma
         // chains (channel d in chain d % NCH) added pairwise at the end: one 128-term chain put a K8V4
-        // cache's lse at 1.27x the tolerance bound on the H100 (lab/2026-11-22-kivi-kitty-decode/results/h100-mixed-mma), as
-        // it did the FP16 tail's (attn_split.cuh SD); QT = 8 takes 2 chains (registers)
+        // cache's lse at 1.27x the tolerance bound on the H100
+        // (lab/2026-11-22-kivi-kitty-decode/results/h100-mixed-mma), as it did the FP16 tail's (attn_split.cuh SD); QT = 8 takes 2 chains (registers)
         constexpr int NCH = QT == 4 ? 4 : 2;
         float sch[QT][4][NCH];
 #pragma unroll
@@ -454,8 +454,8 @@ __device__ __forceinline__ void qk_bfrag(u32* b, float f0, float f1, float f2, f
 //   NR = 8: two mma. The key codes enter CENTERED, code - KOFF (KOFF = 2^(KB-1): the unpacking fma
 //   produces it at no cost), and the bias q . (mn_k + KOFF scale_k) is an fp32 dot on the CUDA cores:
 //   with raw codes, codes . B and q . mn_k are two large sums of opposite sign whose roundings the
-//   cancellation amplifies (lab/2026-11-22-large-operand-accuracy/model_mma_scores.py). s = (S_hi + 2^-11 S_lo) max|q_row| 2^ek
-//   + bias (log2 units).
+//   cancellation amplifies (lab/2026-11-22-large-operand-accuracy/model_mma_scores.py).
+//   s = (S_hi + 2^-11 S_lo) max|q_row| 2^ek + bias (log2 units).
 //   Softmax and P . V: page_softmax_pv (mma.cuh).
 // Fragment orders (mma.cuh mtile_pos): m-tile mt of S^T, row g <-> token mtile_pos<KB>(g, mt), row g + 8
 //   <-> the next token (KB = 2: 16 g + 2 mt, word g of a key row holds tokens 16 g .. 16 g + 15: byte
@@ -1084,7 +1084,8 @@ struct PagedMixedTiles {
 //   key is in a page and whose value is fp16, fp16 q and D = 128, on the tensor cores: attn_mma_body with
 //   each key as hi + 2^-11 lo fp16 tiles (PagedMixedTiles), each score's k-step sums added pairwise in
 //   fp32, P in fp16. The half-precision-q decode's mixed rows where all of them are such rows
-//   (TUNE["mixed_mma"]; H100, KIVI-K2V2 1 x 32K: steps 0.0252 -> 0.0231 ms, lab/2026-11-22-kivi-kitty-decode/results/h100-mixed-mma).
+//   (TUNE["mixed_mma"]; H100, KIVI-K2V2 1 x 32K: steps 0.0252 -> 0.0231 ms,
+//   lab/2026-11-22-kivi-kitty-decode/results/h100-mixed-mma).
 // Grid: (num_splits * ceil(G_q T_q / 8), H_kv, B); block NW * 32 threads; NW * 3 * 32 * KVQ_TMMA_ROW * 2
 //   bytes of dynamic shared memory.
 template <int NW>

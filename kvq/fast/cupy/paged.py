@@ -236,7 +236,8 @@ def _n_splits(NP: int, n_base: int, nw: int, slots: int) -> tuple:
 #: 2 blocks per SM (H100, auto vs 4 blocks per SM, ms: KIVI-K2V2 1 x 32K 0.0269 / 0.0338, 1 x 128K 0.0545 /
 #: 0.0588, 8 x 8K 0.0393 / 0.0474, Kitty 1 x 128K 0.0592 / 0.0633). 8 pages per warp (8 x 32K, 32 x 8K)
 #: since the page loop's copies took immediate offsets (5cbc693; 4 / 2 blocks per SM, cold caches,
-#: lab/2026-11-22-kivi-kitty-decode/results/h100-76e4402: 32 x 8K KIVI-K2V2 0.1010 / 0.0908, Kitty 0.1205 / 0.1171, Kitty-Pro 0.1253 / 0.1226;
+#: lab/2026-11-22-kivi-kitty-decode/results/h100-76e4402: 32 x 8K KIVI-K2V2 0.1010 / 0.0908, Kitty 0.1205 /
+#: 0.1171, Kitty-Pro 0.1253 / 0.1226;
 #: 8 x 32K 0.0848 / 0.0827, 0.0987 / 0.0964, 0.1039 / 0.1024; KIVI-K4V4 level at both); before that
 #: kernel 2 blocks were 2-3% slower at 8 x 32K
 FEW_PAGES_PER_WARP = 8
