@@ -14,6 +14,10 @@ train split for byte-level models; the head of the English text, evaluation on i
 Arguments are checked before the model is loaded (:func:`validate`: method names, ``--set`` fields,
 calibration files, ``--out``, device, window lengths); a bad one ends in one line and exit status 2. A
 ``--set`` value the model's configuration rejects is an error (exit status 1), never a skipped method.
+
+Output: ``--json`` prints the result as JSON, ``--out FILE`` also writes it there; otherwise the protocol,
+the run's metadata (``field  value`` lines) and, last, a table with one row per method and one column per
+metric (:func:`result_table`).
 """
 
 from __future__ import annotations
@@ -393,32 +397,96 @@ def validate(args) -> None:
                 raise CommandError(f"{option} {n} exceeds the model's {positions} positions", prog)
 
 
+def format_table(header, rows, align=None) -> list[str]:
+    """Aligned plain-text lines: ``header``, a rule of dashes, then one line per row.
+
+    header: column names; rows: sequences of cells (``str()`` is applied), each as long as ``header``.
+    align: one of "<" (left) / ">" (right) per column; default: the first column left, the others right
+    (names, then numbers). Columns are separated by two spaces; a left-aligned last column is neither
+    padded nor ruled past its header, so a long note there widens no other line. ValueError if a row's
+    length differs from the header's.
+    """
+    header = [str(h) for h in header]
+    n = len(header)
+    cells = [[str(c) for c in r] for r in rows]
+    for i, r in enumerate(cells):
+        if len(r) != n:
+            raise ValueError(f"row {i} has {len(r)} cells; the header has {n}")
+    align = list(align) if align is not None else ["<"] + [">"] * (n - 1)
+    if len(align) != n or any(a not in "<>" for a in align):
+        raise ValueError(f"align must give '<' or '>' for each of the {n} columns; got {align!r}")
+    width = [max(len(r[j]) for r in [header, *cells]) for j in range(n)]
+    rule = ["-" * w for w in width]
+    if align[-1] == "<":
+        rule[-1] = "-" * len(header[-1])
+
+    def line(r):
+        parts = [f"{c:{a}{w}}" for c, a, w in zip(r, align, width)]
+        if align[-1] == "<":
+            parts[-1] = r[-1]
+        return "  ".join(parts).rstrip()
+    return [line(header), line(rule)] + [line(r) for r in cells]
+
+
+def _meta_lines(meta: dict) -> list[str]:
+    """The run's metadata, one ``field  value`` line each (``argv`` as the command line it was)."""
+    import shlex
+
+    items = [(k, "kvq eval " + shlex.join(v) if k == "argv" else v) for k, v in meta.items()]
+    width = max((len(k) for k, _ in items), default=0)
+    return [f"{k:<{width}}  {v}" for k, v in items]
+
+
+#: the table columns of each evaluation: (header, how a row's value is read and formatted)
+_PPL_COLUMNS = (
+    ("bits/elem", lambda r: f"{r['bits_per_element']:.3f}"),
+    ("bits/elem (paper)", lambda r: f"{r['bits_per_element_paper']:.3f}"),
+    ("nll (nats/token)", lambda r: f"{r['nll']:.4f}"),
+    ("ppl", lambda r: f"{r['ppl']:.4f}"),
+    ("seconds", lambda r: f"{r['seconds']:.1f}"),
+)
+_ATTENTION_COLUMNS = (
+    ("bits/elem", lambda r: f"{r['bits_per_element']:.3f}"),
+    ("K relMSE", lambda r: f"{r['mean']['k_rel_mse']:.4g}"),
+    ("V relMSE", lambda r: f"{r['mean']['v_rel_mse']:.4g}"),
+    ("logit MSE", lambda r: f"{r['mean']['logit_mse']:.4g}"),
+    ("attn KL (nats)", lambda r: f"{r['mean']['attention_kl']:.4g}"),
+    ("out MSE", lambda r: f"{r['mean']['output_mse']:.4g}"),
+)
+
+
+def result_table(res: dict) -> list[str]:
+    """The result of :func:`run_ppl` or :func:`run_attention` as table lines: one row per method, one
+    column per metric, and (when a method was skipped) a final ``note`` column saying why, with "-" in
+    its metric cells."""
+    columns = _PPL_COLUMNS if "chunk" in res else _ATTENTION_COLUMNS
+    header = ["method", *(name for name, _ in columns)]
+    rows = [[r["method"], *(["-"] * len(columns) if "skipped" in r else [cell(r) for _, cell in columns])]
+            for r in res["rows"]]
+    if not any("skipped" in r for r in res["rows"]):
+        return format_table(header, rows)
+    notes = [f"skipped: {r['skipped']}" if "skipped" in r else "" for r in res["rows"]]
+    return format_table([*header, "note"], [[*row, note] for row, note in zip(rows, notes)],
+                        align=["<"] + [">"] * len(columns) + ["<"])
+
+
 def _print(res: dict) -> None:
-    print(res["protocol"])
+    """The human-readable report: the protocol, the run's metadata, the setting, then the table last."""
+    import textwrap
+
+    print(textwrap.fill(res["protocol"], width=100))
+    print()
+    for line in _meta_lines(res.get("meta", {})):
+        print(line)
     print()
     if "chunk" in res:
         print(f"{res['windows']} windows x {res['seq_len']} tokens, chunk {res['chunk']}, backend {res['backend']}")
-        print(f"{'method':18s} {'bits/elem':>9s} {'(paper)':>8s} {'ppl':>10s} {'seconds':>8s}")
-        for r in res["rows"]:
-            if "skipped" in r:
-                print(f"{r['method']:18s} skipped: {r['skipped']}")
-                continue
-            b = r["bits_per_element"]
-            print(f"{r['method']:18s} {b:9.3f} {r['bits_per_element_paper']:8.3f} {r['ppl']:10.4f} {r['seconds']:8.1f}")
     else:
         s = res["shape"]
         print(f"{s['layers']} layers, {s['batch']} windows x {s['tokens']} tokens, {s['kv_heads']} KV heads of "
               f"{s['head_dim']}, causal={res['causal']}; means over layers")
-        print(f"{'method':18s} {'bits/elem':>9s} {'K relMSE':>9s} {'V relMSE':>9s} {'logit MSE':>10s} "
-              f"{'attn KL':>9s} {'out MSE':>9s}")
-        for r in res["rows"]:
-            if "skipped" in r:
-                print(f"{r['method']:18s} skipped: {r['skipped']}")
-                continue
-            m = r["mean"]
-            print(f"{r['method']:18s} {r['bits_per_element']:9.3f} {m['k_rel_mse']:9.4f} {m['v_rel_mse']:9.4f} "
-                  f"{m['logit_mse']:10.4g} {m['attention_kl']:9.4g} {m['output_mse']:9.4g}")
-    print(f"\n{res['meta']}")
+    for line in result_table(res):
+        print(line)
 
 
 def main(argv=None) -> int:

@@ -4,6 +4,11 @@ Every ``plot_*(data, ..., ax=None)`` returns a ``matplotlib.figure.Figure``. Wit
 new Figure with an Agg canvas; ``matplotlib.pyplot`` (and its global state) is never imported, nor is
 torch. matplotlib itself is imported only when a function is called.
 
+Every figure has a title (``title=`` where the function takes one, else a default; a title already on
+a caller's Axes is kept), axis labels with units where the quantity has one, and any legend outside the
+data area (``_common.set_title`` / ``_common.legend_outside``), so it covers nothing;
+``tests/viz/test_figure_labels.py`` checks each function's figure for all three.
+
     from kvq.viz import plot_channel_magnitudes
     fig = plot_channel_magnitudes(k[0, 0], title="layer 10, KV head 0")   # k: (B, H_kv, T, D)
     fig.savefig("keys.png", dpi=150)

@@ -7,6 +7,13 @@ whose global figure registry would leak figures in long-running notebooks and se
     fig, ax = new_axes(None, figsize=(6, 4))        # a fresh Figure and one Axes
     fig, ax = new_axes(ax)                          # the caller's Axes and its (root) Figure
     k = as_array("k", k, ndim=2)                    # ValueError naming the argument and its shape
+
+Every figure has a title, labelled axes (with units where the quantity has one) and, where it has a
+legend, a legend outside the data area, so that it covers nothing:
+
+    set_title(ax, title, "KL divergence against context length")   # the caller's title, else a default
+    legend_outside(ax)                                              # right of the Axes
+    legend_outside(ax, "below", ncol=2)                             # under the x label (long labels)
 """
 
 from __future__ import annotations
@@ -43,6 +50,55 @@ def new_axes(ax, figsize=(6.4, 4.8), layout="constrained"):
     if not hasattr(ax, "figure") or not hasattr(ax, "plot"):
         raise TypeError(f"ax must be a matplotlib Axes or None, got {type(ax).__name__}")
     return root_figure(ax), ax
+
+
+def set_title(ax, title, default: str, **kwargs):
+    """Title ``ax`` with ``title``; when it is None, keep a title the Axes already has (a caller's, or
+    a previous call's on the same Axes), else use ``default``. ``kwargs`` go to ``ax.set_title``."""
+    if title is None:
+        if ax.get_title():
+            return ax.title
+        title = default
+    return ax.set_title(str(title), **kwargs)
+
+
+def _below_offset_points(ax) -> float:
+    """Points between the bottom of ``ax`` and a legend placed below it: tick, pad, tick labels, label
+    pad, the x label (if any), a margin; sizes from rcParams and the label's own font."""
+    from matplotlib import rcParams
+    from matplotlib.font_manager import FontProperties
+
+    tick = FontProperties(size=rcParams["xtick.labelsize"]).get_size_in_points()
+    label = ax.xaxis.label.get_fontsize() if ax.xaxis.label.get_text() else 0.0
+    return (rcParams["xtick.major.size"] + rcParams["xtick.major.pad"] + 1.25 * tick
+            + rcParams["axes.labelpad"] + 1.25 * label + 4.0)
+
+
+def legend_outside(ax, where: str = "right", **kwargs):
+    """A legend of ``ax`` placed outside the Axes, so that it covers no data; returns the Legend.
+
+    where="right": to the right of the Axes, top-aligned (short labels, few entries).
+    where="below": centred under the x label (long labels; pass ``ncol``).
+    where="above": left-aligned just above the Axes (a title then needs ``pad``).
+    With ``layout="constrained"`` (``new_figure``'s default) the Axes shrink to make room; figures
+    laid out by hand leave the margin themselves. ``kwargs`` go to ``ax.legend`` (fontsize, ncol,
+    handles, title, ...). ``frameon`` defaults to False: outside the Axes a frame only adds clutter.
+    """
+    from matplotlib.transforms import ScaledTranslation
+
+    kwargs.setdefault("frameon", False)
+    if where == "right":
+        kwargs.update(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+    elif where == "above":
+        kwargs.update(loc="lower left", bbox_to_anchor=(0.0, 1.01), borderaxespad=0.0)
+    elif where == "below":
+        fig = root_figure(ax)
+        down = ScaledTranslation(0.0, -_below_offset_points(ax) / 72.0, fig.dpi_scale_trans)
+        kwargs.update(loc="upper center", bbox_to_anchor=(0.5, 0.0), bbox_transform=ax.transAxes + down,
+                      borderaxespad=0.0)
+    else:
+        raise ValueError(f"where must be 'right', 'below' or 'above'; got {where!r}")
+    return ax.legend(**kwargs)
 
 
 def as_array(name: str, x, ndim: int | tuple[int, ...], *, numeric: bool = True) -> np.ndarray:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import as_array, new_axes
+from ._common import as_array, legend_outside, new_axes, set_title
 
 __all__ = ["plot_explained_variance", "plot_higgs_grid", "plot_residual_variance"]
 
@@ -24,6 +24,7 @@ def plot_explained_variance(probes, ax=None, title=None, quantizer_lines=True):
     probes: ``{"K": {source: ev}, "V": {source: ev}}`` (``aqua_probes.probe_explained_variance``);
     the sources of the two roles are aligned by position (the last one is the other role).
     quantizer_lines: dashed lines at the 1-bit and 2-bit quantizers' explained variance (0.75, 0.89).
+    title: default "explained variance of linear probes (held out)"; the legend sits right of the Axes.
     Returns the Figure.
     """
     if not isinstance(probes, dict) or not probes or not all(isinstance(v, dict) and v for v in probes.values()):
@@ -51,16 +52,19 @@ def plot_explained_variance(probes, ax=None, title=None, quantizer_lines=True):
                         fontsize=7, color="grey")
     ax.axhline(0, color="black", lw=0.6)
     ax.set_xticks(x, [f"{' / '.join(list(probes[r])[j] for r in roles)}" for j in range(n)], fontsize=7)
-    ax.set_ylabel("explained variance (held out)")
+    ax.set_xlabel("probe source (" + " / ".join(f"predicting {r}" for r in roles) + ")")
+    ax.set_ylabel("explained variance, held out (fraction)")
     ax.set_ylim(min(0.0, vals.min() - 0.05), 1.12)
-    ax.legend(loc="upper left", fontsize=8)
-    if title:
-        ax.set_title(title)
+    legend_outside(ax, fontsize=8)
+    set_title(ax, title or None, "explained variance of linear probes (held out)")
     return fig
 
 
 def plot_higgs_grid(grid, ax=None, samples=4000, seed=0, title=None):
-    """A d = 2 HIGGS grid (n, 2) drawn over ``samples`` draws of N(0, I_2), with each point's index."""
+    """A d = 2 HIGGS grid (n, 2) drawn over ``samples`` draws of N(0, I_2), with each point's index.
+
+    title: default "HIGGS grid d = 2, n = <n> (<bits> bits / value)"; the legend sits under the Axes.
+    Returns the Figure."""
     grid = as_array("grid", grid, 2)
     if grid.shape[1] != 2:
         raise ValueError(f"grid must have shape (n, 2) to be drawn in the plane; got {grid.shape}")
@@ -75,7 +79,9 @@ def plot_higgs_grid(grid, ax=None, samples=4000, seed=0, title=None):
     ax.set_xlim(-lim, lim)
     ax.set_ylim(-lim, lim)
     ax.set_aspect("equal")
-    ax.legend(loc="upper right", fontsize=7)
+    ax.set_xlabel("coordinate 1 (standard deviations)")
+    ax.set_ylabel("coordinate 2 (standard deviations)")
+    legend_outside(ax, "below", fontsize=7, ncol=2)
     ax.set_title(title or f"HIGGS grid d = 2, n = {len(grid)} ({np.log2(len(grid)) / 2:g} bits / value)")
     return fig
 
@@ -85,6 +91,8 @@ def plot_residual_variance(before, after, ax=None, roles=("K", "V"), title=None)
 
     before, after: (R, L) arrays (``aqua_probes.residual_variance``: row 0 keys, row 1 values) or (L,).
     Drawn on a log scale; the ratio after / before is what the predictor leaves to the quantizer.
+    title: default "variance to quantize per layer, before and after prediction"; the legend sits
+    right of the Axes. Returns the Figure.
     """
     b = as_array("before", before, (1, 2)).astype(np.float64)
     a = as_array("after", after, (1, 2)).astype(np.float64)
@@ -103,9 +111,8 @@ def plot_residual_variance(before, after, ax=None, roles=("K", "V"), title=None)
         ax.plot(layers, a[i], "o-", color=c, label=f"{roles[i]}: residual after prediction")
     ax.set_yscale("log")
     ax.set_xticks(layers)
-    ax.set_xlabel("layer")
+    ax.set_xlabel("layer (index)")
     ax.set_ylabel("total variance (sum over channels)")
-    ax.legend(fontsize=7)
-    if title:
-        ax.set_title(title)
+    legend_outside(ax, fontsize=7)
+    set_title(ax, title or None, "variance to quantize per layer, before and after prediction")
     return fig

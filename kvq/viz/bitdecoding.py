@@ -140,7 +140,7 @@ def plot_induced_packing(cfg=None, tensor="k", ax=None, lane=5):
     figsize = (min(16.0, cell * total_w + 1.5), min(16.0, cell * total_h + 3.4))
     fig, host = new_axes(ax, figsize=figsize, layout=None)
     if ax is None:
-        fig.subplots_adjust(left=0.02, right=0.98, bottom=0.02, top=0.98)
+        fig.subplots_adjust(left=0.02, right=0.98, bottom=0.02, top=0.94)   # the title above
     host.set_axis_off()
     x0, x1, y0, y1 = 0.06, 0.97, 0.2, 0.86                             # panel area (host fractions)
     sx, sy = (x1 - x0) / total_w, (y1 - y0) / total_h
@@ -192,9 +192,9 @@ def plot_induced_packing(cfg=None, tensor="k", ax=None, lane=5):
 
     rule = ("word (8w + g, c), slot i  <-  K[w 8R + 8i + g, c]" if tensor == "k"
             else "word (t, 8u + g), slot i  <-  V[t, 8(uR + i) + g]")
-    host.text(0.01, 0.99, f"BitDecoding induced layout, {name}: {cfg.bits}-bit, R = {R} codes per word, "
-              f"W_n = {cfg.warps_n}, N_r = {cfg.n_r}, lane {lane} (g = {lane >> 2})\n{rule}",
-              transform=host.transAxes, fontsize=9, va="top")
+    host.set_title(f"BitDecoding induced layout, {name}: {cfg.bits}-bit, R = {R} codes per word, "
+                   f"W_n = {cfg.warps_n}, N_r = {cfg.n_r}, lane {lane} (g = {lane >> 2})\n{rule}",
+                   loc="left", fontsize=9)
     if len(words) <= 16:
         handles = []
         for (wr, wc), j in index.items():

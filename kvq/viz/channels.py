@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import as_array, check_top, new_axes
+from ._common import as_array, check_top, legend_outside, new_axes, set_title
 
 __all__ = ["plot_channel_magnitudes", "plot_channel_sensitivity", "plot_error_vs_boost"]
 
 _TOP_COLOR = "#d62728"
+_MEAN_COLOR = "#1f77b4"
 _MAX_TOP_LABELS = 8  # channel numbers written on the figure; more would overlap
 
 
@@ -48,9 +49,11 @@ def plot_channel_magnitudes(k, ax=None, title=None, top=None):
 
     k: (T, D) keys of one head (tokens x channels), any real dtype.
     ax: Axes for the heatmap (the strip and colour bar are split off it), or None for a new Figure.
-    title: text above the strip.  top: how many channels to mark, default ``max(1, D // 8)`` (12.5%).
+    title: text above the strip (default: "|k| per token and channel"); the legend sits between it and
+    the strip.  top: how many channels to mark, default ``max(1, D // 8)`` (12.5%).
     Returns the Figure (3 Axes are added: heatmap, strip, colour bar).
     """
+    from matplotlib.patches import Patch
     from mpl_toolkits.axes_grid1 import make_axes_locatable
 
     k = as_array("k", k, 2)  # (T, D)
@@ -66,7 +69,7 @@ def plot_channel_magnitudes(k, ax=None, title=None, top=None):
     own = ax is None
     fig, ax = new_axes(ax, figsize=(8.0, 5.6), layout=None)  # the divider places the extra Axes
     if own:
-        fig.subplots_adjust(left=0.09, right=0.9, bottom=0.09, top=0.92)
+        fig.subplots_adjust(left=0.09, right=0.9, bottom=0.09, top=0.87)   # title and legend above
     divider = make_axes_locatable(ax)
     strip = divider.append_axes("top", size="30%", pad=0.08, sharex=ax)
     cax = divider.append_axes("right", size="2.5%", pad=0.08)
@@ -74,23 +77,23 @@ def plot_channel_magnitudes(k, ax=None, title=None, top=None):
     im = ax.imshow(mag, aspect="auto", interpolation="nearest", cmap="magma",
                    extent=(-0.5, D - 0.5, T - 0.5, -0.5))
     fig.colorbar(im, cax=cax, label="|k|")
-    ax.set_xlabel("channel")
-    ax.set_ylabel("token")
+    ax.set_xlabel("key channel (index)")
+    ax.set_ylabel("token (position)")
 
     x = np.arange(D)
-    colors = np.where(np.isin(x, top_idx), _TOP_COLOR, "#1f77b4")
-    strip.bar(x, peak, width=1.0, color="0.8", label="max |k| over tokens")
-    strip.bar(x, s, width=1.0, color=colors, label="mean |k| (Eq. 2)")
-    strip.bar([np.nan], [np.nan], color=_TOP_COLOR, label=f"top {top} by mean")  # legend entry only
+    colors = np.where(np.isin(x, top_idx), _TOP_COLOR, _MEAN_COLOR)
+    strip.bar(x, peak, width=1.0, color="0.8")
+    strip.bar(x, s, width=1.0, color=colors)
     _label_top(strip, top_idx, peak)
     strip.set_ylim(0, peak.max() * 1.7 if peak.max() > 0 else 1.0)
     strip.set_xlim(-0.5, D - 0.5)
     strip.tick_params(axis="x", labelbottom=False)
     strip.set_ylabel("|k| per\nchannel", fontsize=8)
     strip.tick_params(axis="y", labelsize=7)
-    strip.legend(loc="upper left", fontsize=7, frameon=False, ncol=3, borderaxespad=0.2)
-    if title is not None:
-        strip.set_title(title)
+    keys = [Patch(color="0.8", label="max |k| over tokens"), Patch(color=_MEAN_COLOR, label="mean |k| (Eq. 2)"),
+            Patch(color=_TOP_COLOR, label=f"top {top} by mean")]        # not the bars': a top bar may come first
+    legend_outside(strip, "above", handles=keys, fontsize=7, ncol=3)
+    set_title(strip, title, "|k| per token and channel", pad=18)      # above the legend
     return fig
 
 
@@ -103,7 +106,8 @@ def plot_channel_sensitivity(mse, ax=None, top=None, yscale="linear", title=None
 
     mse: (H_group, D), or (D,) for one head; non-negative.
     ax: Axes to draw on, or None.  top: int or None.  yscale: "linear" or "log".
-    Returns the Figure (one Line2D per head on ``ax``).
+    title: default "attention-score MSE when one key channel is INT2"; the legend (one entry per
+    head) sits right of the Axes. Returns the Figure (one Line2D per head on ``ax``).
     """
     mse = as_array("mse", mse, (1, 2))
     if mse.ndim == 1:
@@ -130,14 +134,13 @@ def plot_channel_sensitivity(mse, ax=None, top=None, yscale="linear", title=None
     ax.set_xlim(-0.5, D - 0.5)
     if yscale == "linear":
         ax.set_ylim(0, mse.max() * (1.2 if top else 1.05) if mse.max() > 0 else 1.0)
-    ax.set_xlabel("key channel quantized to INT2")
-    ax.set_ylabel("attention-score MSE")
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))   # 1.5 x 1e-4, not 0.000150
+    ax.set_xlabel("key channel quantized to INT2 (index)")
+    ax.set_ylabel("attention-score MSE (squared logits)")
     ax.grid(axis="y", alpha=0.3)
     if H > 1:  # outside, on the right: the peaks are the point of the figure
-        ax.legend(fontsize=7, ncol=1 if H <= 16 else 2, frameon=False, loc="upper left",
-                  bbox_to_anchor=(1.0, 1.0))
-    if title is not None:
-        ax.set_title(title)
+        legend_outside(ax, fontsize=7, ncol=1 if H <= 16 else 2)
+    set_title(ax, title, "attention-score MSE when one key channel is INT2")
     return fig
 
 
@@ -150,7 +153,9 @@ def plot_error_vs_boost(rates, errors, labels=None, ax=None, ylabel="error", ysc
 
     rates: (n_rates,) boost fractions in [0, 1], drawn as percent.
     errors: (n_series, n_rates), or (n_rates,) for one series.
-    labels: n_series strings for the legend, or None.  yscale: "linear" or "log".
+    labels: n_series strings for the legend (drawn right of the Axes), or None.
+    ylabel: the error's name and unit.  yscale: "linear" or "log".
+    title: default "error against the share of key channels boosted to INT4".
     Returns the Figure (one Line2D per series on ``ax``).
     """
     rates = as_array("rates", rates, 1).astype(np.float64)  # (n_rates,)
@@ -179,7 +184,6 @@ def plot_error_vs_boost(rates, errors, labels=None, ax=None, ylabel="error", ysc
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     if labels is not None:
-        ax.legend(frameon=False)
-    if title is not None:
-        ax.set_title(title)
+        legend_outside(ax, fontsize=8)
+    set_title(ax, title, "error against the share of key channels boosted to INT4")
     return fig

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import new_axes
+from ._common import legend_outside, new_axes, set_title
 
 __all__ = ["group_ranges", "plot_group_ranges"]
 
@@ -53,8 +53,11 @@ def plot_group_ranges(x, group_size: int, axis: int = -1, ax=None, label=None, k
     per-channel grouping (the argument of KIVI section 3.1, and Kitty Figure 2a's outlier channels).
     kind="map": for 2-D ``x``, a heatmap of the ranges: rows index the other axis, columns the groups.
 
-    x: array, length along ``axis`` a multiple of ``group_size``.  label: legend text (hist).
+    x: array, length along ``axis`` a multiple of ``group_size``.  label: legend text (hist, the
+    legend sits under the Axes) or the title (map).
     bins: histogram bins.  xscale: "linear" or "log" for the range axis of the histogram.
+    Titles: hist "range (max - min) of each quantization group" unless the Axes has one already;
+    map ``label`` or "group ranges, groups of <group_size> along axis <axis>".
     Returns the Figure (hist: one filled patch set + one median Line2D per call; map: an image and a
     colour bar Axes).
     """
@@ -70,10 +73,9 @@ def plot_group_ranges(x, group_size: int, axis: int = -1, ax=None, label=None, k
         fig, ax = new_axes(ax, figsize=(6.4, 4.8))
         im = ax.imshow(r, aspect="auto", interpolation="nearest", cmap="viridis")
         fig.colorbar(im, ax=ax, label="group range (max - min)")
-        ax.set_xlabel(f"group of {group_size} along axis {ax_norm}")
-        ax.set_ylabel(f"index along axis {1 - ax_norm}")
-        if label is not None:
-            ax.set_title(str(label))
+        ax.set_xlabel(f"group of {group_size} along axis {ax_norm} (index)")
+        ax.set_ylabel(f"position along axis {1 - ax_norm} (index)")
+        set_title(ax, label, f"group ranges, groups of {group_size} along axis {ax_norm}")
         return fig
 
     fig, ax = new_axes(ax, figsize=(6.4, 4.0))
@@ -94,6 +96,7 @@ def plot_group_ranges(x, group_size: int, axis: int = -1, ax=None, label=None, k
     ax.axvline(med, color=color, ls="--", lw=1.2)
     ax.set_xscale(xscale)
     ax.set_xlabel("group range (max - min)")
-    ax.set_ylabel("groups")
-    ax.legend(fontsize=8, frameon=False)
+    ax.set_ylabel("groups (count)")
+    legend_outside(ax, "below", fontsize=8)
+    set_title(ax, None, "range (max - min) of each quantization group")
     return fig

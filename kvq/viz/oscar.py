@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import as_array, check_top, new_axes, new_figure
+from ._common import as_array, check_top, legend_outside, new_axes, new_figure, set_title
 
 __all__ = ["plot_token_groups", "plot_spectra", "plot_alignment", "plot_kl_vs_context", "plot_error_table"]
 
@@ -31,7 +31,8 @@ def plot_token_groups(rows: dict, group_size: int, ax=None, title=None):
 
     rows: name -> (D,) values (e.g. ``k_t``, ``k_t H``, ``k_t R_K``), all of the same D, a multiple of
     ``group_size``. ax: None (a new Figure) or a sequence of ``len(rows)`` Axes. Panels share the y
-    range, so the ranges compare by eye. Returns the Figure.
+    range, so the ranges compare by eye. title: default "one token's channels under each rotation".
+    Returns the Figure.
     """
     if not isinstance(rows, dict) or not rows:
         raise ValueError("rows must be a non-empty dict name -> (D,) values")
@@ -45,6 +46,7 @@ def plot_token_groups(rows: dict, group_size: int, ax=None, title=None):
     if ax is None:
         fig = new_figure((8.0, 1.7 * len(vals) + 0.6))
         axes = fig.subplots(len(vals), 1, sharex=True, squeeze=False)[:, 0]
+        fig.supylabel("value per channel (each panel: one rotation)", fontsize=9)
     else:
         axes = list(ax) if not hasattr(ax, "plot") else [ax]
         if len(axes) != len(vals):
@@ -65,9 +67,8 @@ def plot_token_groups(rows: dict, group_size: int, ax=None, title=None):
         a.set_xlim(-0.5, D - 0.5)
         a.set_ylabel(name, fontsize=8)
         a.tick_params(labelsize=7)
-    axes[-1].set_xlabel(f"channel (groups of {group_size}; numbers: max - min per group)")
-    if title is not None:
-        axes[0].set_title(title)
+    axes[-1].set_xlabel(f"channel (index; groups of {group_size}; numbers: max - min per group)")
+    set_title(axes[0], title, "one token's channels under each rotation")
     return fig
 
 
@@ -75,7 +76,8 @@ def plot_spectra(spectra: dict, ax=None, normalize: bool = True, title=None):
     """Eigenvalue spectra (descending) on a log scale, one line per target (Fig. 7, third panel).
 
     spectra: name -> (D,) non-negative eigenvalues. normalize: divide each by its trace (fractions of
-    the total energy), so targets of different scales compare. Returns the Figure.
+    the total energy), so targets of different scales compare. title: default "eigenvalue spectra";
+    the legend sits right of the Axes. Returns the Figure.
     """
     if not isinstance(spectra, dict) or not spectra:
         raise ValueError("spectra must be a non-empty dict name -> (D,) eigenvalues")
@@ -89,12 +91,11 @@ def plot_spectra(spectra: dict, ax=None, normalize: bool = True, title=None):
             lam = lam / lam.sum() if lam.sum() > 0 else lam
         ax.plot(np.arange(1, lam.size + 1), np.where(lam > 0, lam, np.nan), marker="o", ms=2.5, lw=1.2, label=str(name))
     ax.set_yscale("log")
-    ax.set_xlabel("eigenvalue rank")
-    ax.set_ylabel("eigenvalue / trace" if normalize else "eigenvalue")
+    ax.set_xlabel("eigenvalue rank (1 = largest)")
+    ax.set_ylabel("eigenvalue / trace (fraction of energy)" if normalize else "eigenvalue")
     ax.grid(alpha=0.3)
-    ax.legend(frameon=False, fontsize=8)
-    if title is not None:
-        ax.set_title(title)
+    legend_outside(ax, fontsize=8)
+    set_title(ax, title, "eigenvalue spectra" + (", normalized by the trace" if normalize else ""))
     return fig
 
 
@@ -124,7 +125,9 @@ def plot_alignment(U_a, U_b, top=None, ax=None, labels=("U_Q", "U_K"), title=Non
 def plot_kl_vs_context(lengths, kl, labels=None, ax=None, title=None):
     """Attention KL against context length, one line per method (Fig. 3).
 
-    lengths: (n,) positive context lengths; kl: (n_series, n) or (n,) non-negative. Returns the Figure."""
+    lengths: (n,) positive context lengths (tokens); kl: (n_series, n) or (n,) non-negative, in nats
+    (``kvq.reference.metrics.attention_kl``). labels: one per series, drawn right of the Axes.
+    title: default "attention KL divergence against context length". Returns the Figure."""
     lengths = as_array("lengths", lengths, 1).astype(np.float64)
     kl = as_array("kl", kl, (1, 2)).astype(np.float64)
     kl = kl[None] if kl.ndim == 1 else kl
@@ -140,12 +143,11 @@ def plot_kl_vs_context(lengths, kl, labels=None, ax=None, title=None):
     ax.set_xscale("log", base=2)
     ax.set_yscale("log" if kl.min() > 0 else "linear")
     ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("KL(p_fp || p_quantized)")
+    ax.set_ylabel("KL(p_fp || p_quantized) (nats)")
     ax.grid(alpha=0.3)
     if labels is not None:
-        ax.legend(frameon=False, fontsize=8)
-    if title is not None:
-        ax.set_title(title)
+        legend_outside(ax, fontsize=8)
+    set_title(ax, title, "attention KL divergence against context length")
     return fig
 
 
@@ -154,7 +156,9 @@ def plot_error_table(table: dict, ax=None, metrics=None, title=None):
 
     table: method -> {metric: value}, e.g. ``rotations.error_table``; metrics: which keys (default:
     all of the first method's). Each metric is divided by the first method's value, so 1 = as bad as
-    it (e.g. naive INT2) and lower is better; log y axis. Returns the Figure."""
+    it (e.g. naive INT2) and lower is better; log y axis. The legend (one entry per method) sits right
+    of the Axes. title: default "errors relative to <first method> (lower is better)". Returns the
+    Figure."""
     if not isinstance(table, dict) or not table:
         raise ValueError("table must be a non-empty dict method -> {metric: value}")
     methods = list(table)
@@ -174,9 +178,9 @@ def plot_error_table(table: dict, ax=None, metrics=None, title=None):
     ax.set_yscale("log")
     ax.set_xticks(x, metrics, fontsize=8)
     ax.axhline(1.0, color="0.4", lw=0.8)
-    ax.set_ylabel(f"error / error of {methods[0]}")
-    ax.legend(frameon=False, fontsize=8, ncol=min(len(methods), 3))
+    ax.set_xlabel("metric")
+    ax.set_ylabel(f"error / error of {methods[0]} (ratio)")
+    legend_outside(ax, fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    if title is not None:
-        ax.set_title(title)
+    set_title(ax, title, f"errors relative to {methods[0]} (lower is better)")
     return fig

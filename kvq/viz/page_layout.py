@@ -101,7 +101,7 @@ def plot_page_layout(low_plane, high_plane, boost_idx, scale, mn, ax=None, senti
     d_boost = high.shape[0]
     fig, host = new_axes(ax, figsize=(11.0, 5.6), layout=None)
     if ax is None:
-        fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.99)
+        fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.93)   # the title above
     host.set_axis_off()
     small = D <= 32
     code_norm = BoundaryNorm(np.arange(-0.5, 4.5), 4)
@@ -167,6 +167,8 @@ def plot_page_layout(low_plane, high_plane, boost_idx, scale, mn, ax=None, senti
         rows = np.arange(0, d_boost, step)
         p.set_yticks(rows, [f"{r}: ch {row_to_channel[r]}" for r in rows], fontsize=6)
         p.yaxis.tick_right()
+        p.yaxis.set_label_position("right")
+        p.set_ylabel("compact row: channel", fontsize=8)
         for label, r in zip(p.get_yticklabels(), rows):
             label.set_color(row_colors[r])
         if small and G <= 32:
@@ -197,9 +199,9 @@ def plot_page_layout(low_plane, high_plane, boost_idx, scale, mn, ax=None, senti
         cb = fig.colorbar(im, cax=cax, orientation="horizontal", ticks=range(4))
         cb.ax.tick_params(labelsize=7)
         cb.set_label(label, fontsize=7)
-    host.text(0.01, 0.99, f"Kitty key page: {d_boost} of {D} channels boosted to INT4; "
-              f"boost_idx[c] = compact row, or {sentinel} (sentinel) for INT2 channels",
-              transform=host.transAxes, fontsize=9, va="top")
+    host.set_title(f"Kitty key page: {d_boost} of {D} channels boosted to INT4; "
+                   f"boost_idx[c] = compact row, or {sentinel} (sentinel) for INT2 channels",
+                   loc="left", fontsize=9)
     return fig
 
 
