@@ -4,8 +4,9 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvq-setup
 LATEST ?= .venv-triton-latest
+TFLOW  ?= .venv-tf-lowest
 
-.PHONY: setup demo test battery test-triton-latest test-reference test-parity gpu-test book browser-test bench results clean
+.PHONY: setup demo test battery test-triton-latest test-transformers-lowest test-reference test-parity gpu-test book browser-test bench results clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +28,10 @@ demo: $(DEMO)/.kvq-setup               ## the main demo (CPU, NumPy reference; `
 	$(DEMO)/bin/kvq demo
 
 test: $(STAMP)                         ## CPU test suite: reference, Triton via interpreter, nvcc compile, the battery
-	$(BIN)/python -m pytest -m "not gpu and not browser" -q
+	@echo "make test: the CPU suite, about 20 minutes on 2 cores (the slow parts: the nvcc compiles of"
+	@echo "  tests/fast/test_cuda_compile.py, a few minutes with no output between dots; Triton's interpreter; the"
+	@echo "  battery). The 10 slowest tests are listed at the end."
+	$(BIN)/python -m pytest -m "not gpu and not browser" -q --durations=10
 
 battery: $(STAMP)                      ## the bad-input battery alone, and its figures (make test runs it too)
 	KVQ_BATTERY_FIGURES=battery-figures.json $(BIN)/python -m pytest tests/battery -m battery -q -p no:randomly; \
@@ -46,6 +50,23 @@ $(LATEST)/.kvq-setup: pyproject.toml constraints.txt
 test-triton-latest: $(LATEST)/.kvq-setup  ## the CPU tests that run Triton (interpreter), with the newest Triton
 	$(LATEST)/bin/python -c "import triton, torch; print('triton', triton.__version__, 'torch', torch.__version__)"
 	$(LATEST)/bin/python -m pytest tests/parity tests/fast -m "not gpu and not nvcc" -q -p no:cacheprovider
+
+# The same torch and test tools as .venv, with the lowest transformers pyproject's hf extra allows
+# (constraints-transformers-lowest.txt); `make test` runs the newest (constraints.txt does not pin it).
+TF_TESTS := tests/integrations tests/battery/test_hf_battery.py tests/test_calibration_files.py \
+            tests/test_calibration_validation.py tests/test_evaluation.py tests/test_train_tiny_lm.py \
+            tests/test_cli_bad_input.py tests/test_cli_bench_e2e.py tests/test_cli_figures_bench.py
+$(TFLOW)/.kvq-setup: pyproject.toml constraints.txt constraints-transformers-lowest.txt
+	$(PYTHON) -m venv $(TFLOW)
+	$(TFLOW)/bin/python -m pip install -q --upgrade pip
+	grep -v '^transformers' constraints.txt > $(TFLOW)/constraints.txt
+	cat constraints-transformers-lowest.txt >> $(TFLOW)/constraints.txt
+	$(TFLOW)/bin/python -m pip install -q -c $(TFLOW)/constraints.txt -e ".[fast,hf,viz,test]"
+	touch $@
+
+test-transformers-lowest: $(TFLOW)/.kvq-setup  ## the tests that use transformers, with the lowest supported transformers
+	$(TFLOW)/bin/python -c "import transformers, torch; print('transformers', transformers.__version__, 'torch', torch.__version__)"
+	$(TFLOW)/bin/python -m pytest $(TF_TESTS) -m "not gpu and not browser" -q -p no:cacheprovider
 
 test-reference: $(STAMP)
 	$(BIN)/python -m pytest tests/reference -q
@@ -69,4 +90,4 @@ results: $(STAMP)                      ## docs/results.md and README.md's method
 	$(BIN)/python benchmarks/results_page.py
 
 clean:
-	rm -rf $(VENV) $(LATEST) $(DEMO) book/_build .pytest_cache .hypothesis
+	rm -rf $(VENV) $(LATEST) $(TFLOW) $(DEMO) book/_build .pytest_cache .hypothesis
