@@ -421,22 +421,32 @@ def _tail_warps(D: int, device_index: int, fused_block: int = 0, fp16: bool = Fa
     return 1
 
 
+def _check_tail_dims(G: int, D: int) -> None:
+    """The tail kernels' page size and head dims (ValueError otherwise)."""
+    if G != G_FUSED or D > GATHER_MAXD or _GATHER_THREADS % D:
+        raise ValueError(f"group_size={G}, head_dim={D}: the tail takes G = {G_FUSED} and a head dim "
+                         f"that divides {_GATHER_THREADS}")
+
+
+def _tail_ints(cfg, H: int, D: int, c: dict, NF: int, n_table: int, db: int, scale_f32: bool) -> tuple:
+    """paged.cu's TailRows integers (KVQ_TAIL_INTS) for counts ``c``, ``NF`` fused tokens, page tables of
+    ``n_table`` entries, ``db`` boosted channels and fp32 (or fp16) key metadata."""
+    return tuple(np.int32(x) for x in (
+        H, cfg.sink, c["n_sink"], NF, c["n_kpages"] * cfg.group_size, c["n_vq"], c["n_vbuf"], max(cfg.residual, 1),
+        n_table, D // cfg.v_group(D), db, int(scale_f32)))
+
+
 def _tail_rows(cfg, codec, st: PagedState, NF: int, kp: dict | None = None):
     """(NT, pointer arguments, int arguments) of paged.cu's TailRows (KVQ_TAIL_PARAMS, KVQ_TAIL_INTS): the
     tail's rows are the sink, then the post-sink tokens [NF, T - S) in token order."""
     B, H, D = st.shape
     c = counts(cfg, st.length)
-    G, R = cfg.group_size, cfg.residual
     NT = c["n_sink"] + (c["post"] - NF)
-    if G != G_FUSED or D > GATHER_MAXD or _GATHER_THREADS % D:
-        raise ValueError(f"group_size={G}, head_dim={D}: the tail takes G = {G_FUSED} and a head dim "
-                         f"that divides {_GATHER_THREADS}")
+    _check_tail_dims(cfg.group_size, D)
     kp = kp if kp is not None else codec.kernel_arrays(cfg, st)
     ptrs = (st.sink_k, st.sink_v, st.k_buf, st.v_buf, st.v_win, kp["codes"], kp["high"], kp["idx"], kp["scale"],
             kp["mn"], st.v_codes, st.v_scale, st.v_mn, st.k_table, st.v_table)
-    ints = tuple(np.int32(x) for x in (
-        H, cfg.sink, c["n_sink"], NF, c["n_kpages"] * G, c["n_vq"], c["n_vbuf"], max(R, 1), st.k_table.shape[1],
-        D // cfg.v_group(D), kp["d_boost"], int(kp["scale"].dtype == torch.float32)))
+    ints = _tail_ints(cfg, H, D, c, NF, st.k_table.shape[1], kp["d_boost"], kp["scale"].dtype == torch.float32)
     return NT, ptrs, ints
 
 
@@ -650,13 +660,9 @@ def _decode_plan(cfg, shape, T, q_dtype, H_q, T_q, dev_index, k_bits, kitty, db,
     # the tail's parts each on their own side stream (side by side with the fused kernel and each other)
     side_objs = [_side_stream(dev_index, k) if n_split and TUNE["side_stream"] else None for k in range(len(parts))]
 
-    # paged.cu's TailRows integers (KVQ_TAIL_INTS): _tail_rows's, for this plan
-    ints = tuple(np.int32(x) for x in (
-        H, cfg.sink, c["n_sink"], NF, c["n_kpages"] * G, c["n_vq"], c["n_vbuf"], max(cfg.residual, 1), n_table,
-        D // cfg.v_group(D), db, int(scale_f32)))
-    if in_place and nt and (G != G_FUSED or D > GATHER_MAXD or _GATHER_THREADS % D):
-        raise ValueError(f"group_size={G}, head_dim={D}: the tail takes G = {G_FUSED} and a head dim "
-                         f"that divides {_GATHER_THREADS}")
+    ints = _tail_ints(cfg, H, D, c, NF, n_table, db, scale_f32)           # paged.cu's TailRows integers
+    if in_place and nt:
+        _check_tail_dims(G, D)
     qs = (_S(_QS0), _S(_QS1), _S(_QS2))
     dims = (np.int32(B), np.int32(H_q))
     tail = []
