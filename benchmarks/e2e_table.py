@@ -4,7 +4,8 @@
 
 One row per cache, one column per (batch x context): ms per step (eager wall time around ``model(...)``,
 Python included), and in brackets the step relative to the FP16 StaticCache of the same shape (or "oom").
-Then the cache bytes at rest and the peak extra bytes during a step at the largest shape each cache ran.
+Then the cache bytes at rest and the peak extra bytes during a step at the largest shape each cache ran. Where
+the JSON has them, a table of the GPU time per step (``--graph``) and one of the largest batches (``--max-batch``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,57 @@ def table(doc: dict) -> str:
         mem = (f"{last['cache_bytes'] / 2 ** 30:.2f} / {last.get('peak_extra_bytes', 0) / 2 ** 30:.2f} "
                f"({last['batch']} x {last['context'] // 1024}K)" if last else "-")
         out.append(f"| {c} | " + " | ".join(cells) + f" | {mem} |")
+    graph = graph_table(rows, shapes, caches)
+    if graph:
+        out += ["", graph]
+    largest = max_batch_table(rows)
+    if largest:
+        out += ["", largest]
+    return "\n".join(out)
+
+
+def graph_table(rows: list, shapes: list, caches: list) -> str:
+    """GPU ms per step (``--graph``: one captured step replayed), x StaticCache's in brackets; "" when no
+    row has it. A cache whose step could not be captured shows "no capture"."""
+    if not any("graph_ms_per_step" in r for r in rows):
+        return ""
+    at = {(r["cache"], r["batch"], r["context"]): r for r in rows if not r.get("max_batch")}
+    out = ["GPU time per decode step, ms (the step captured once in a CUDA graph and replayed: no Python; "
+           "x StaticCache's in brackets)", "",
+           "| cache | " + " | ".join(f"{b} x {t // 1024}K" for b, t in shapes) + " |",
+           "| --- | " + " | ".join("---" for _ in shapes) + " |"]
+    for c in caches:
+        cells = []
+        for b, t in shapes:
+            r, base = at.get((c, b, t)), at.get(("StaticCache", b, t))
+            if r is None:
+                cells.append("-")
+            elif r["status"] != "ok":
+                cells.append(r["status"])
+            elif "graph_ms_per_step" in r:
+                ok = base and "graph_ms_per_step" in base and c != "StaticCache"
+                rel = f" ({r['graph_ms_per_step'] / base['graph_ms_per_step']:.2f}x)" if ok else ""
+                cells.append(f"{r['graph_ms_per_step']:.2f}{rel}")
+            else:
+                cells.append("no capture" if "graph_status" in r else "-")
+        out.append(f"| {c} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def max_batch_table(rows: list) -> str:
+    """The ``--max-batch`` rows: per cache the largest batch that ran at that context, its step and tokens
+    per second; "" when there are none."""
+    mb = [r for r in rows if r.get("max_batch")]
+    if not mb:
+        return ""
+    out = ["The largest batch that fits the card (eager step at that batch)", "",
+           "| cache | context | largest batch | ms per step | tokens per second |", "| --- | --- | --- | --- | --- |"]
+    for r in mb:
+        if r["status"] == "ok":
+            out.append(f"| {r['cache']} | {r['context'] // 1024}K | {r['batch']} | {r['ms_per_step']:.1f} | "
+                       f"{r['tokens_per_s']:.0f} |")
+        else:
+            out.append(f"| {r['cache']} | {r['context'] // 1024}K | {r['status']} (at {r['batch']}) | - | - |")
     return "\n".join(out)
 
 

@@ -136,6 +136,8 @@ BAD = [
     (["--tiny", "--device", "tpu"], "--device 'tpu': expected cpu, cuda or cuda:N"),
     (["--tiny", "--max-batch", "1024"], "--max-batch: sizes the batch to a CUDA card's free memory"),
     (["--tiny", "--max-batch-caches", "FP16"], "--max-batch-caches: needs --max-batch"),
+    (["--graph", "0"], "argument --graph"),
+    (["--tiny", "--device", "cpu", "--graph", "10"], "--graph: times a CUDA-graph replay of the step; needs --device cuda"),
     (["--tiny", "--out", "{file}/r.json"], "is not a directory"),
     (["--tiny", "--out", "{dir}"], "is a directory, not a file"),
     (["--tiny", "--out", ""], "--out is empty"),
@@ -214,3 +216,22 @@ def test_script_help_and_bad_invocation():
     r = _script("--shapes", "8x", "--out", "x.json")
     assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
     assert re.fullmatch(r"bench_e2e\.py: error: argument --shapes: shape '8x' must be BATCHxCONTEXT.*\n", r.stderr)
+
+
+def test_table_shows_graph_times_and_largest_batches():
+    """The JSON's --graph and --max-batch fields become two more tables; a step that was not captured says so."""
+    info = {"device": "card", "torch": "t", "transformers": "x", "triton": "y", "commit": "c", "date": "d"}
+    ok = lambda c, b, t, ms, **kw: dict(cache=c, batch=b, context=t, ms_per_step=ms, tokens_per_s=b / ms * 1e3,  # noqa: E731
+                                        status="ok", **kw)
+    rows = [ok("StaticCache", 1, 32768, 30.0, graph_ms_per_step=8.0),
+            ok("KIVI-K2V2:cupy", 1, 32768, 40.0, graph_ms_per_step=6.0),
+            ok("AQUA-KV:triton", 1, 32768, 60.0, graph_status="failed: RuntimeError: sync"),
+            ok("KIVI-K2V2:cupy", 96, 32768, 50.0, max_batch=True),
+            dict(cache="StaticCache", batch=3, context=32768, status="oom", max_batch=True)]
+    table = _e2e_table().table({"info": info, "rows": rows})
+    assert "| KIVI-K2V2:cupy | 40.0 (1.33x) |" in table
+    assert "| StaticCache | 8.00 |" in table and "| KIVI-K2V2:cupy | 6.00 (0.75x) |" in table
+    assert "| AQUA-KV:triton | no capture |" in table
+    assert "| KIVI-K2V2:cupy | 32K | 96 | 50.0 | 1920 |" in table and "| StaticCache | 32K | oom (at 3) | - | - |" in table
+    plain = _e2e_table().table({"info": info, "rows": [ok("StaticCache", 1, 32768, 30.0)]})
+    assert "GPU time" not in plain and "largest batch" not in plain

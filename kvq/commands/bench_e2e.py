@@ -21,7 +21,9 @@ as ``NAME:BACKEND`` (``KIVI-K2V2:triton``, ``BitDecoding-2:cupy``, ...; ``NAME``
 OSCAR and AQUA-KV are timed with their "identity" calibrations (no calibration data: the same kernels and
 bytes as a calibrated cache). Recorded per row: ms per step, tokens per second (batch / step), the cache's
 bytes at rest (allocator growth while filling), the peak extra memory during a step, and the card.
-``--max-batch`` adds, per cache, the largest batch that fits the card at that context (from the measured
+``--graph N`` adds the step's GPU time: the step captured once in a CUDA graph and replayed N times
+(``graph_ms_per_step``; the same step at the same context, no Python in the way; a cache whose step cannot
+be captured gets ``graph_status`` with the reason). ``--max-batch`` adds, per cache, the largest batch that fits the card at that context (from the measured
 bytes per sequence, confirmed by running a step at it) and its tokens per second. Rows that do not fit
 are recorded as ``"oom"``; a transformers cache whose package is missing as ``"unavailable: ..."``.
 
@@ -53,7 +55,7 @@ from kvq.commands import CommandError, Parser, check_device, check_out_file, non
     non_negative_int, positive_int, report
 
 __all__ = ["DEFAULT_SHAPES", "DEFAULT_CACHES", "DEFAULT_CPU_CACHES", "TRANSFORMERS_CACHES", "llama_config",
-           "build_model", "make", "fill", "step_fn", "run_one", "max_batch", "device_info", "parse_shape",
+           "build_model", "make", "fill", "step_fn", "run_one", "graph_time", "max_batch", "device_info", "parse_shape",
            "model_bytes", "check_cache_name", "add_arguments", "build_parser", "validate", "run", "execute", "main"]
 
 DEFAULT_SHAPES = ["8x32768", "1x32768", "1x131072", "32x32768", "8x8192", "1x8192", "32x8192"]   # the headline first
@@ -205,6 +207,8 @@ def run_one(model, name: str, batch: int, context: int, args) -> dict:
             row["fused"] = bool(cache.fused)
             row["kvq_memory_bytes"] = int(cache.memory_bytes())
             row["kvq_allocated_bytes"] = int(cache.store.allocated_bytes())
+        if getattr(args, "graph", None):
+            row.update(graph_time(step, args.graph))
     except torch.cuda.OutOfMemoryError if dev != "cpu" else MemoryError:
         row["status"] = "oom"
     except ImportError as e:
@@ -217,6 +221,54 @@ def run_one(model, name: str, batch: int, context: int, args) -> dict:
         model.set_attn_implementation("sdpa")
     row.setdefault("status", "ok")
     return row
+
+
+def graph_time(step, replays: int) -> dict:
+    """The GPU time of one decode step: ``step`` captured once in a CUDA graph (after one warm-up call on a
+    side stream, as torch asks) and replayed ``replays`` times between two CUDA events. The replays repeat
+    the captured step (the same token at the same context; the cache's host counters advanced once, by the
+    capture), so this is the step's GPU work with no Python in the way, not a generation. Returns
+    ``graph_ms_per_step`` (mean over the replays), or ``graph_status`` with the reason the capture failed
+    (a host synchronization or an allocation the step cannot make while captured, for example)."""
+    import torch
+
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        out = {"graph_ms_per_step": start.elapsed_time(end) / replays, "graph_replays": replays}
+        del graph
+        return out
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as e:                                   # noqa: BLE001 - recorded in the row
+        try:
+            torch.cuda.synchronize()
+        except Exception as e2:                              # noqa: BLE001
+            return {"graph_status": f"failed: {_err(e)}; then: {_err(e2)}"}
+        return {"graph_status": f"failed: {_err(e)}"}
+
+
+def _err(e: BaseException, limit: int = 300) -> str:
+    """One line for the JSON: the exception's type and message, and its innermost frame (file:line)."""
+    import traceback
+    msg = "".join(traceback.format_exception_only(type(e), e)).strip().replace("\n", " | ")
+    tb = traceback.extract_tb(e.__traceback__)
+    return msg[:limit] + (f" [at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno}]" if tb else "")
 
 
 def max_batch(model, name: str, context: int, per_seq: float, args) -> dict:
@@ -298,6 +350,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
                     help="the caches to size with --max-batch (default: all of --caches)")
     ap.add_argument("--margin-gib", type=non_negative_float, default=3.0,
                     help="memory left free when sizing --max-batch")
+    ap.add_argument("--graph", type=positive_int, default=None, metavar="REPLAYS",
+                    help="also time the step's GPU work: capture one decode step in a CUDA graph and replay it "
+                         "REPLAYS times (the same step at the same context; CUDA only)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     return ap
 
@@ -395,6 +450,8 @@ def validate(args, prog: str = "kvq bench e2e") -> None:
         if unknown:
             raise CommandError(f"--max-batch-caches {' '.join(unknown)}: not among --caches (each is sized from "
                                f"its measured rows)", prog)
+    if args.graph is not None and device == "cpu":
+        raise CommandError("--graph: times a CUDA-graph replay of the step; needs --device cuda", prog)
     weights, mem = model_bytes(args.tiny, device), _device_memory(device)
     if mem is not None and 2 * weights > mem:
         raise CommandError(f"--device {device}: the{' tiny' if args.tiny else ''} model's weights take "
@@ -468,6 +525,8 @@ def _line(r: dict) -> str:
     gib = lambda k: f"{r[k] / 2 ** 30:6.2f}" if k in r else "     -"  # noqa: E731
     return (f"{r['cache']:>22} {r['batch']:>3} x {r['context']:>6}: {r['ms_per_step']:8.2f} ms  "
             f"{r['tokens_per_s']:8.1f} tok/s  cache {gib('cache_bytes')} GiB  step +{gib('peak_extra_bytes')} GiB"
+            + (f"  graph {r['graph_ms_per_step']:7.2f} ms" if "graph_ms_per_step" in r else "")
+            + (f"  graph {r['graph_status']}" if "graph_status" in r else "")
             + ("  (max batch)" if r.get("max_batch") else ""))
 
 
