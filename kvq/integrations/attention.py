@@ -34,9 +34,6 @@ cache is left empty, as before the call.
 
 from __future__ import annotations
 
-import importlib
-
-import numpy as np
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -79,7 +76,7 @@ def kvq_attention_forward(module, query, key, value, attention_mask, dropout: fl
             raise ValueError(_PADDING)
         out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                      **kwargs)
-    elif T_q == 1 and cache.store.spec.family == "fp16":                    # DynamicCache's very call
+    elif T_q == 1 and cache.store.exact:                                     # FP16: DynamicCache's very call
         K, V = cache.store.keys_values(layer, query.dtype)
         out = sdpa_attention_forward(module, query, K, V, attention_mask, dropout=dropout, scaling=scaling,
                                      **kwargs)
@@ -113,71 +110,15 @@ def decode(store, layer: int, q: torch.Tensor, scale=None) -> torch.Tensor:
     """Attention of ``q`` (B, H_q, T_q, D) over everything ``store`` holds for ``layer``, by the method's
     fused decode on the store's backend; returns (B, H_q, T_q, D) in q's dtype on q's device.
 
-    The reference backend runs the reference's ``decode_attention`` (NumPy, fp32); AQUA-KV attends over
-    its committed cache (history reconstructed through the predictors, ``decode_layer``) and the tokens
-    still waiting for the other layers, merged by log-sum-exp; FP16 is SDPA over the stored tensors.
+    ``KVStore.decode_attention``, i.e. the method family's ``decode_attention``
+    (``kvq.integrations.families``): the reference backend runs the reference's ``decode_attention``
+    (NumPy, fp32); OSCAR rotates the queries by R_K and the output back by R_V^T; AQUA-KV attends over its
+    committed cache (history reconstructed through the predictors, ``decode_layer``) and the tokens still
+    waiting for the other layers, merged by log-sum-exp; FP16 is SDPA over the stored tensors. The fast
+    kernels run without their NaN / inf scan of q (a device synchronization per layer and step; a model's
+    query is its own) and under the layer's device.
     """
-    fam = store.spec.family
-    if fam == "fp16":
-        K, V = store.keys_values(layer, q.dtype)
-        return torch.nn.functional.scaled_dot_product_attention(q, K, V, scale=scale,
-                                                                enable_gqa=q.shape[1] != K.shape[1])
-    if fam == "aqua":
-        return _decode_aqua(store, layer, q, scale)
-    st = store.state(layer)
-    if store.backend == "reference":
-        qn = q.detach().float().cpu().numpy()
-        if fam == "oscar":
-            out, _ = store._mod.decode_attention(store.cfg, store.calibration[layer], st, qn, scale=scale)
-        else:
-            out, _ = store._mod.decode_attention(store.cfg, st, qn, scale=scale)
-        return _to_out(torch.from_numpy(np.ascontiguousarray(out)).to(q.device), q.dtype)
-    with store._device_ctx(), _no_value_scan():
-        if fam == "oscar":
-            out, _ = store._mod.decode_attention(store.cfg, store.calibration[layer], st, q, scale=scale)
-        else:
-            out, _ = store._mod.decode_attention(store.cfg, st, q, scale=scale)
-    return _to_out(out, q.dtype)
-
-
-def _to_out(x: torch.Tensor, dtype) -> torch.Tensor:
-    """An attention output in the model's dtype by the contract's last rounding (fp16 saturates at +-65504)."""
-    return importlib.import_module("kvq.fast._common").to_out(x, dtype)
-
-
-def _no_value_scan():
-    """The fast decode without its NaN / inf scan of q (``kvq.fast.validation(False)``): a scan is a device
-    synchronization per layer and step, and a model's query is its own (NaN there comes from NaN hidden
-    states, which reach the logits anyway). Triton's decodes give NaN out for a NaN query row; CuPy's may give
-    zeros (their running max skips NaN scores). Shapes, dtypes and devices are still checked."""
-    return importlib.import_module("kvq.fast._common").validation(False)
-
-
-def _decode_aqua(store, layer: int, q: torch.Tensor, scale) -> torch.Tensor:
-    """AQUA-KV: sink, reconstructed history and buffer of the committed cache, then the waiting tokens."""
-    pk, pv = store._pending_k[layer], store._pending_v[layer]
-    if store.backend == "reference":                     # the committed chunks, each decoded once, then waiting
-        from kvq.reference import attention as RA
-        segs = []
-        if store._state.length:
-            K, V = store._aqua_committed(layer)
-            segs.append((K.cpu().numpy(), V.cpu().numpy()))
-        if pk is not None:
-            segs.append((pk.astype(np.float32), pv.astype(np.float32)))
-        out, _ = RA.decode_attention(q.detach().float().cpu().numpy(), segs, scale=scale)
-        return _to_out(torch.from_numpy(np.ascontiguousarray(out)).to(q.device), q.dtype)
-    st = store._state
-    segs = []
-    if st.length:
-        fast = importlib.import_module("kvq.fast._aqua_cache")
-        segs = fast.segments(store.cfg, st, layer, store.aqua_history(layer))
-    if pk is not None:
-        segs.append((pk.float(), pv.float()))
-    segs = [s for s in segs if s[0].shape[2]]
-    attn = importlib.import_module(f"kvq.fast.{store.backend}.attention")
-    with store._device_ctx(), _no_value_scan():
-        out, _ = attn.decode_attention(q.float(), segs, scale=scale)
-    return _to_out(out, q.dtype)
+    return store.decode_attention(layer, q, scale)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -11,6 +11,10 @@ one batch's compressed cache on the reference (NumPy), Triton or CuPy backend, b
     store.append(0, k, v)                       # k, v: (B, H_kv, T_new, D) post-RoPE, numpy or torch
     K_hat, V_hat = store.keys_values(0)         # torch fp32 (B, H_kv, T, D): everything appended so far
 
+What differs between the methods' families (config adaptations, memory accounting, calibration, how a
+store writes, reads and decodes) is one class per family in ``kvq.integrations.families``; this module and
+the store dispatch through it and never branch on the family.
+
 This module imports NumPy and kvq.reference only; torch is imported when a store is built.
 """
 
@@ -25,8 +29,9 @@ from typing import Callable
 
 import numpy as np
 
-from kvq.reference import aqua, aqua_cache, bitdecoding, kitty, kivi, oscar, paged
-from kvq.reference.model import apply_rope
+from kvq.reference import aqua, bitdecoding, kitty, kivi, oscar
+
+from . import families as F
 
 __all__ = ["MethodSpec", "METHODS", "FP16Config", "BACKENDS", "ACCOUNTINGS", "get_method", "configure", "resolve_calibration",
            "bits_per_element", "KVStore"]
@@ -96,14 +101,6 @@ def _check_pos_int(name: str, v) -> int:
     return int(v)
 
 
-def _largest_divisor(n: int, cap: int, step: int = 1) -> int | None:
-    """The largest g <= cap, a multiple of ``step``, that divides n (None if there is none)."""
-    for g in range(min(cap, n) - min(cap, n) % step, 0, -step):
-        if n % g == 0:
-            return g
-    return None
-
-
 # ---------------------------------------------------------------------------------------------------
 # configure: a method's paper config adapted to a model
 
@@ -146,116 +143,20 @@ def configure(name: str, *, head_dim: int, max_tokens: int, kv_heads: int | None
     if unknown:
         raise ValueError(f"{name} has no option {', '.join(map(repr, unknown))}; its options are: "
                          f"{', '.join(sorted(fields)) or '(none)'}")
-    fam = spec.family
-    adapt = {}
-    if fam == "oscar" and "group_size" not in overrides and head_dim % base.group_size:
-        g = _largest_divisor(head_dim, base.group_size)
-        adapt["group_size"] = g
-    if fam == "bitdecoding":
-        bits = overrides.get("bits", base.bits)
-        step = 8 * (16 // bits) if bits in (2, 4) else 8
-        if head_dim % step:
-            raise ValueError(f"{name} cannot serve head_dim={head_dim}: BitDecoding's tensor-core fragment "
-                             f"layout needs head_dim to be a multiple of {step} at {bits} bits (8-channel "
-                             f"tiles x {16 // bits} codes per 16-bit word)")
-        k_mode = overrides.get("k_mode", base.k_mode)
-        groups = ["v_group"] + (["k_group"] if k_mode == "tensor" else [])
-        for gname in groups:
-            g0 = getattr(base, gname)
-            if gname not in overrides and head_dim % g0:
-                adapt[gname] = _largest_divisor(head_dim, g0, 8)
-    if fam == "aqua":
-        for bname in ("backbone", "first_layer"):
-            bb = overrides.get(bname, getattr(base, bname))
-            if bname not in overrides and isinstance(bb, aqua.Uniform) and head_dim % bb.group_size:
-                adapt[bname] = dataclasses.replace(bb, group_size=_largest_divisor(head_dim, bb.group_size))
-            if bname not in overrides and isinstance(bb, aqua.Higgs) and kv_heads is not None:
-                F = _check_pos_int("kv_heads", kv_heads) * head_dim
-                g = F & -F                                          # largest power of two dividing F
-                if g < bb.cfg.group_size and g % bb.cfg.d == 0:
-                    adapt[bname] = aqua.Higgs(dataclasses.replace(bb.cfg, group_size=g))
+    family = F.family_of(spec)
+    adapt = family.adapt(name, base, overrides, head_dim, kv_heads)
     try:
         cfg = dataclasses.replace(base, **{**adapt, **overrides, "max_tokens": max_tokens})
         if hasattr(cfg, "check_head_dim"):
             cfg.check_head_dim(head_dim)
     except (ValueError, TypeError) as e:
         raise type(e)(f"{name} cannot be configured for head_dim={head_dim}: {e}") from None
-    if fam == "aqua":
-        if cfg.pre_rope and head_dim % 2:
-            raise ValueError(f"{name} cannot serve head_dim={head_dim}: pre-RoPE keys need an even head_dim")
-        for bname in ("backbone", "first_layer"):
-            bb = getattr(cfg, bname)
-            if isinstance(bb, aqua.Uniform) and head_dim % bb.group_size:
-                raise ValueError(f"{name} cannot serve head_dim={head_dim}: the uniform {bname}'s "
-                                 f"group_size={bb.group_size} must divide head_dim")
+    family.check_config(name, cfg, head_dim)
     return cfg
 
 
 # ---------------------------------------------------------------------------------------------------
 # bits per element
-
-
-def _meta_bits(meta_dtype) -> int:
-    return 8 * np.dtype(np.float16 if str(meta_dtype) in ("float16", "fp16") else meta_dtype).itemsize
-
-
-def _quantized_bits(fam: str, cfg, head_dim: int, kv_heads: int, n_layers: int, accounting: str):
-    """(q_k, q_v): bits of one quantized key / value element, metadata (and index) included."""
-    D = head_dim
-    if fam == "kivi":
-        mb = _meta_bits(cfg.meta_dtype)
-        return (cfg.k_bits + Fraction(2 * mb, cfg.group_size), cfg.v_bits + Fraction(2 * mb, cfg.v_group(D)))
-    if fam == "kitty":
-        mb = _meta_bits(cfg.meta_dtype)
-        q_k = 2 + Fraction(2 * cfg.d_boost(D), D) + Fraction(2 * mb, cfg.group_size)
-        if accounting == "state":
-            q_k += Fraction(8, cfg.group_size)                   # the uint8 boost index per channel per page
-        return q_k, cfg.v_bits + Fraction(2 * mb, cfg.v_group(D))
-    if fam == "oscar":
-        q = cfg.bits + Fraction(2 * _meta_bits(cfg.meta_dtype), cfg.group_size)
-        return q, q
-    if fam == "bitdecoding":
-        return cfg.bits + Fraction(32, cfg.k_group), cfg.bits + Fraction(32, cfg.v_group)
-    if fam == "aqua":
-        q = aqua_cache.bits_per_value(cfg, n_layers, kv_heads * head_dim)
-        return q, q
-    raise AssertionError(fam)
-
-
-def _fp_and_quantized_tokens(fam: str, cfg, T: int, accounting: str):
-    """((fp_k, q_k_tokens), (fp_v, q_v_tokens)): tokens of one K / V stream in FP16 and quantized."""
-    if accounting == "paper":
-        if fam == "oscar":
-            fp = cfg.sink + cfg.window
-        elif fam == "bitdecoding":
-            fp = 0
-        else:
-            fp = cfg.sink                                         # KIVI / Kitty / AQUA-KV sink tokens
-        n_fp = min(fp, T)
-        return (n_fp, T - n_fp), (n_fp, T - n_fp)
-    if fam in ("kivi", "kitty"):
-        c = paged.counts(cfg, T)
-        fk = c["n_sink"] + c["n_kbuf"]
-        fv = c["n_sink"] + c["n_win"] + c["n_vbuf"]
-        return (fk, T - fk), (fv, T - fv)
-    if fam == "oscar":
-        c = oscar.counts(cfg, T)
-        f = c["n_sink"] + c["n_win"]
-        return (f, T - f), (f, T - f)
-    if fam == "bitdecoding":
-        n_p, res = bitdecoding.partition(T, cfg.n_r)
-        return (res, n_p), (res, n_p)
-    if fam == "aqua":
-        n_sink, n_chunks, n_buf = _aqua_counts(cfg, T)
-        return ((n_sink + n_buf, n_chunks * cfg.buffer),) * 2
-    raise AssertionError(fam)
-
-
-def _aqua_counts(cfg, T: int):
-    """(n_sink, n_chunks, n_buf) of T tokens in an AQUA-KV cache (``aqua_cache``'s bookkeeping)."""
-    n_sink = min(T, cfg.sink)
-    post = T - n_sink
-    return n_sink, post // cfg.buffer, post % cfg.buffer
 
 
 def bits_per_element(name: str, cfg, *, context: int, head_dim: int, kv_heads: int, n_layers: int,
@@ -285,12 +186,7 @@ def bits_per_element(name: str, cfg, *, context: int, head_dim: int, kv_heads: i
     T = _check_pos_int("context", context)
     for n, v in (("head_dim", head_dim), ("kv_heads", kv_heads), ("n_layers", n_layers)):
         _check_pos_int(n, v)
-    if spec.family == "fp16":
-        return 16.0
-    q_k, q_v = _quantized_bits(spec.family, cfg, head_dim, kv_heads, n_layers, accounting)
-    (fk, nk), (fv, nv) = _fp_and_quantized_tokens(spec.family, cfg, T, accounting)
-    total = 16 * fk + nk * q_k + 16 * fv + nv * q_v
-    return float(Fraction(total) / (2 * T))
+    return F.family_of(spec).bits_per_element(cfg, T, head_dim, kv_heads, n_layers, accounting)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -326,59 +222,7 @@ def resolve_calibration(name: str, calibration, *, n_layers: int, kv_heads: int,
     ``AquaPredictors`` (AQUA-KV). "identity" gives ``oscar.identity_calibration`` for every layer, or
     predictor-less AQUA-KV (empty predictors; the store then disables prediction). Errors name the
     method, the layer and the mismatch; a missing calibration names ``kvq calibrate``."""
-    spec = get_method(name)
-    kind, L, H, D = spec.calibration, n_layers, kv_heads, head_dim
-    if kind is None:
-        if calibration is not None:
-            raise ValueError(f"{name} takes no calibration (got {type(calibration).__name__})")
-        return None
-    if calibration is None:
-        what = ("a list of one kvq.reference.oscar.OSCARCalibration per layer" if kind == "oscar"
-                else "kvq.reference.aqua.AquaPredictors for every layer")
-        raise ValueError(f"{name} needs a calibration: {what}. Run `kvq calibrate` on the model (or "
-                         f"calibrate with kvq.reference.{kind}.calibrate), or pass calibration='identity' "
-                         f"for the uncalibrated baseline")
-    if isinstance(calibration, str):
-        if calibration != "identity":
-            raise ValueError(f"calibration={calibration!r} is unknown; pass calibration objects or 'identity'")
-        if kind == "oscar":
-            return [oscar.identity_calibration(D)] * L
-        return aqua.AquaPredictors((None,) * L, (None,) * L)
-    if kind == "oscar":
-        if isinstance(calibration, oscar.OSCARCalibration) or not hasattr(calibration, "__len__"):
-            raise TypeError(f"{name} calibration must be a list of {L} OSCARCalibration (one per "
-                            f"layer), got {type(calibration).__name__}")
-        cal = list(calibration)
-        if len(cal) != L:
-            raise ValueError(f"{name} calibration has {len(cal)} layers; the model has {L}")
-        for l, c in enumerate(cal):
-            if not isinstance(c, oscar.OSCARCalibration):
-                raise TypeError(f"calibration[{l}] must be an OSCARCalibration, got {type(c).__name__}")
-            try:
-                c.check(H, D)
-            except ValueError as e:
-                raise ValueError(f"{name} calibration of layer {l} does not fit this model "
-                                 f"(head_dim={D}, kv_heads={H}): {e}") from None
-        return cal
-    if not isinstance(calibration, aqua.AquaPredictors):
-        raise TypeError(f"{name} calibration must be kvq.reference.aqua.AquaPredictors, got "
-                        f"{type(calibration).__name__}")
-    if calibration.n_layers != L:
-        raise ValueError(f"{name} calibration has predictors for {calibration.n_layers} layers; the "
-                         f"model has {L}")
-    F = H * D
-    for l in range(1, L):
-        for which, p, f_in in (("f_key", calibration.f_key[l], F), ("f_value", calibration.f_value[l], 2 * F)):
-            if p is None:
-                continue
-            shp = (np.shape(p.mats[0])[0], np.shape(p.mats[-1])[-1])
-            if shp != (f_in, F):
-                raise ValueError(f"{name} calibration {which}[{l}] maps {shp[0]} -> {shp[1]} values; this "
-                                 f"model needs {f_in} -> {F} (kv_heads={H} x head_dim={D})")
-            if not all(np.isfinite(np.asarray(a)).all() for a in (*p.mats, p.bias)):
-                raise ValueError(f"{name} calibration {which}[{l}] has NaN or inf weights; every prediction "
-                                 f"would be NaN (recalibrate: `kvq calibrate aqua`)")
-    return calibration
+    return F.family_of(get_method(name)).resolve_calibration(name, calibration, n_layers, kv_heads, head_dim)
 
 
 def _checked_half(t, dtype, name: str):
@@ -449,6 +293,39 @@ def _copy_into(a, b, name: str):
     return a
 
 
+def _layer_devices(device, n_layers: int):
+    """``KVStore(device=)`` as one torch device per layer: None stays None (the backend's default), one device
+    (a ``torch.device``, its string or a CUDA index) serves every layer, a list or tuple gives one per layer.
+    ValueError for a wrong length or an unknown device string, TypeError for anything else."""
+    torch = _torch()
+
+    def one(d, what):
+        if isinstance(d, bool) or not isinstance(d, (str, int, np.integer, torch.device)):
+            raise TypeError(f"{what} must be a torch.device, a device string or a CUDA index, got "
+                            f"{type(d).__name__}")
+        try:
+            return torch.device(int(d) if isinstance(d, np.integer) else d)
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise ValueError(f"{what}={d!r} is not a torch device ({e})") from None
+
+    if device is None:
+        return None
+    if isinstance(device, (list, tuple)):
+        if len(device) != n_layers:
+            raise ValueError(f"device has {len(device)} entries; pass one device, or one per layer "
+                             f"({n_layers} layers)")
+        return [one(d, f"device[{l}]") for l, d in enumerate(device)]
+    if isinstance(device, (str, int, np.integer, torch.device)) and not isinstance(device, bool):
+        return [one(device, "device")] * n_layers
+    raise TypeError(f"device must be None, a torch.device (or its string / CUDA index) or a list of one per "
+                    f"layer ({n_layers}), got {type(device).__name__}")
+
+
+def _same_device(a, b) -> bool:
+    """Whether torch devices ``a`` and ``b`` are one device ("cuda" without an index matches any CUDA index)."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
 class KVStore:
     """All layers of one batch's compressed KV cache for method ``name``.
 
@@ -474,7 +351,15 @@ class KVStore:
             "w/o K and V predictor" ablation, ``predict_keys = predict_values = False``). Other
             methods take none. A method that needs one and gets none raises ValueError.
         device: where ``keys_values`` returns its tensors (and the fast tiers keep the state); default
-            the CPU for the reference, the current CUDA device for triton / cupy.
+            the CPU for the reference, the current CUDA device for triton / cupy. One device (a
+            ``torch.device``, its string or a CUDA index) serves every layer; a list or tuple of
+            ``n_layers`` devices places each layer on its own (a model spread over GPUs with
+            ``device_map``): every state, buffer and output of layer ``l`` then lives on ``devices[l]``, the
+            fast kernels of layer ``l`` run under that device, and a CUDA tensor appended to layer ``l`` from
+            another device is refused (ValueError, the store unchanged; host input, NumPy or CPU tensors, is
+            copied over). "auto" picks triton only when every layer is on a CUDA device. AQUA-KV keeps all
+            layers in one cross-layer state and refuses more than one distinct device (ValueError at
+            construction). ``devices`` is the tuple of one device per layer; ``device`` is layer 0's.
         overrides: config fields for :func:`configure`.
 
     ``append(layer, k, v)`` takes post-RoPE keys and values (B, H_kv, T_new, D), NumPy or torch, any
@@ -493,6 +378,13 @@ class KVStore:
     are refused by the append that brings them where that layer alone decides it; otherwise the commit
     fails and the append that completed it is undone (the store as before that call).
 
+    What differs between the methods is one object of their family's class (``kvq.integrations.families``):
+    the store checks, converts and keeps atomicity the same way for every method and hands the rest to it
+    (``prepare`` / ``write`` / ``commit`` an append, ``dequantize`` / ``read`` a layer, ``decode_attention``
+    a query). The store's state is ``_states`` (one entry per layer: the method's state, FP16's tensors,
+    AQUA-KV's waiting tokens) and ``_shared`` (what the layers share: AQUA-KV's cross-layer state, FP16's
+    dtype); a rejected call puts both back.
+
     Dequantized results are memoised per layer (and output dtype) and recomputed only after the layer's
     state changed (``dequantize_calls`` counts the recomputations). ``memoize=False`` keeps no dequantized
     copy: a transformer's cache changes at every step, so a memo would only hold every layer's whole cache
@@ -504,7 +396,6 @@ class KVStore:
     def __init__(self, name: str, *, n_layers: int, batch: int, kv_heads: int, head_dim: int, max_tokens: int,
                  backend: str = "auto", calibration=None, device=None, memoize: bool = True, grow: bool = False,
                  max_capacity: int | None = None, validate: bool = True, **overrides):
-        torch = _torch()
         self.spec = get_method(name)
         self.memoize = bool(memoize)
         self.name = name
@@ -523,69 +414,52 @@ class KVStore:
         if self.max_capacity is not None and self.max_capacity < self.max_tokens:
             raise ValueError(f"max_capacity={self.max_capacity} is below max_tokens={self.max_tokens}")
         self.growths = 0                                         # reallocations so far (grow=True)
-        self.backend, self.device = self._resolve_backend(backend, device)
-        fam = self.spec.family
-        if fam == "aqua" and isinstance(calibration, str) and calibration == "identity":
-            overrides = {"predict_keys": False, "predict_values": False, **overrides}
+        self.backend, self.devices = self._resolve_backend(backend, device)
+        self.device = self.devices[0]
+        family = F.family_of(self.spec)
+        family.check_devices(name, self.devices)
+        overrides = family.store_overrides(calibration, overrides)
         self.cfg = configure(name, head_dim=head_dim, max_tokens=max_tokens, kv_heads=kv_heads, **overrides)
         self.calibration = self._resolve_calibration(calibration)
         self.dequantize_calls = 0
-        L = self.n_layers
-        self._memo = [dict() for _ in range(L)]                 # layer -> {dtype: (K, V)}
-        self._mod = None
-        if fam == "fp16":
-            self._k = [None] * L
-            self._v = [None] * L
-            self._fp_dtype = None
-            self._len = [0] * L
-            return
-        if self.backend == "reference":
-            self._mod = importlib.import_module(f"kvq.reference.{self.spec.module}")
-        else:
-            self._mod = importlib.import_module(f"kvq.fast.{self.backend}.{self.spec.module}")
-        with self._device_ctx():
-            if fam == "aqua":
-                self._state = self._mod.init(self.cfg, L, self.batch, self.kv_heads, self.head_dim)
-                self._pending_k = [None] * L
-                self._pending_v = [None] * L
-                self._chunks = []                                    # reference: decoded chunks, all layers
-                self._aqua_all = None                                # fast: (length, [(K_l, V_l)])
-                self._history = None                                 # fast: (layer, chunks, hat) in a step
-            else:
-                self._states = [self._mod.init(self.cfg, self.batch, self.kv_heads, self.head_dim)
-                                for _ in range(L)]
-        del torch
+        self._memo = [dict() for _ in range(self.n_layers)]     # layer -> {dtype: (K, V)}
+        self._family = family(self)                            # the method's module and derived caches
+        # the whole state: one entry per layer (each on its layer's device) and what the layers share
+        self._states, self._shared = self._family.init(self.cfg)
 
     # ------------------------------------------------------------------ setup helpers
 
     def _resolve_backend(self, backend, device):
+        """(backend, devices): the backend "auto" resolves to and one torch device per layer (see the class)."""
         torch = _torch()
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is unknown; choose one of {BACKENDS}")
-        dev = None if device is None else torch.device(device)
+        devs = _layer_devices(device, self.n_layers)
         if backend == "auto":
-            backend = "triton" if (dev is not None and dev.type == "cuda") else "reference"
+            backend = "triton" if (devs is not None and all(d.type == "cuda" for d in devs)) else "reference"
         if backend == "reference":
-            return backend, dev if dev is not None else torch.device("cpu")
+            return backend, tuple(devs) if devs is not None else (torch.device("cpu"),) * self.n_layers
         if not torch.cuda.is_available():
             if backend == "triton" and _fast_interpreting():
-                return backend, torch.device("cpu")
+                return backend, (torch.device("cpu"),) * self.n_layers
             raise RuntimeError(f"backend={backend!r} keeps the cache on a CUDA device and none is available"
                                + (" (Triton can run on the CPU under TRITON_INTERPRET=1)" if backend == "triton"
                                   else "") + "; use backend='reference'")
-        if dev is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        if dev.type != "cuda":
-            raise ValueError(f"backend={backend!r} needs a CUDA device, got device={dev}")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        return backend, dev
+        if devs is None:
+            devs = [torch.device("cuda", torch.cuda.current_device())] * self.n_layers
+        for l, dev in enumerate(devs):
+            if dev.type != "cuda":
+                what = "device" if len(set(devs)) == 1 else f"device[{l}]"
+                raise ValueError(f"backend={backend!r} needs a CUDA device, got {what}={dev}")
+        return backend, tuple(torch.device("cuda", torch.cuda.current_device()) if d.index is None else d
+                              for d in devs)
 
-    def _device_ctx(self):
+    def _device_ctx(self, layer: int = 0):
+        """The fast tier's current-device context of ``layer``'s device (a no-op on the CPU and the reference)."""
         torch = _torch()
-        if self.device.type == "cuda" and self.backend != "reference":
-            return torch.cuda.device(self.device)
-        import contextlib
+        dev = self.devices[layer]
+        if dev.type == "cuda" and self.backend != "reference":
+            return torch.cuda.device(dev)
         return contextlib.nullcontext()
 
     def _resolve_calibration(self, calibration):
@@ -599,8 +473,10 @@ class KVStore:
             raise IndexError(f"layer={layer!r} is out of range for {self.n_layers} layers")
         return int(layer)
 
-    def _convert(self, x, name: str):
-        """x as the method's input: NumPy float16 / float32 (reference) or a torch tensor on the device."""
+    def _convert(self, x, name: str, layer: int):
+        """x as the method's input: NumPy float16 / float32 (reference) or a torch tensor on ``layer``'s device.
+        Host input (NumPy, CPU tensors) is copied over; a CUDA tensor must be on the layer's device where that
+        is a CUDA device (ValueError otherwise: a model spread over devices appends each layer on its own)."""
         torch = _torch()
         if not isinstance(x, (torch.Tensor, np.ndarray)):
             try:
@@ -615,6 +491,10 @@ class KVStore:
         if isinstance(x, torch.Tensor):
             if x.device.type not in ("cpu", "cuda"):
                 raise ValueError(f"{name} is on {x.device}; a kvq store takes CPU or CUDA tensors (or NumPy arrays)")
+            dev = self.devices[layer]
+            if x.device.type == "cuda" and dev.type == "cuda" and not _same_device(x.device, dev):
+                raise ValueError(f"{name} is on {x.device}; layer {layer} of this store lives on {dev} (a model "
+                                 f"spread over devices appends each layer's tokens on that layer's device)")
             x = x.detach()
             if not x.is_floating_point():
                 raise TypeError(f"{name} has dtype {x.dtype}; append takes a float tensor")
@@ -622,7 +502,7 @@ class KVStore:
                 x = x.to(torch.float32)                       # bf16: exact; fp64: rounded once
             if self.backend == "reference":
                 return x.cpu().numpy()
-            return x.to(self.device)
+            return x.to(self.devices[layer])
         a = np.asarray(x)
         if a.dtype.kind != "f":
             raise TypeError(f"{name} has dtype {a.dtype}; append takes a float array")
@@ -630,7 +510,7 @@ class KVStore:
             a = a.astype(np.float32)
         if self.backend == "reference":
             return a
-        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+        return torch.from_numpy(np.ascontiguousarray(a)).to(self.devices[layer])
 
     def _round16(self, x, name: str):
         """x (converted) rounded to fp16, refusing NaN / inf and fp16 overflow (the methods' rule); a new
@@ -669,18 +549,11 @@ class KVStore:
         array's pages, tables and counters keep their place: a state's capacity only sizes its pools and page
         tables, whose used part is a prefix). The config changes only in ``max_tokens``. Called by
         :meth:`_write` inside :meth:`_atomic`, which puts the old states back if the append then fails."""
-        fam = self.spec.family
-        if fam == "fp16" or need <= self.max_tokens:
+        if not self._family.grows or need <= self.max_tokens:
             return
         cap = self._grown_capacity(need)
         cfg = dataclasses.replace(self.cfg, max_tokens=cap)
-        with self._device_ctx():
-            if fam == "aqua":
-                new = self._mod.init(cfg, self.n_layers, self.batch, self.kv_heads, self.head_dim)
-                self._state = _copy_state(self._state, new, cfg)
-            else:
-                self._states = [_copy_state(old, self._mod.init(cfg, self.batch, self.kv_heads, self.head_dim), cfg)
-                                for old in self._states]
+        self._states, self._shared = self._family.grown(cfg)
         self.cfg, self.max_tokens = cfg, cap
         self.growths += 1
 
@@ -688,32 +561,16 @@ class KVStore:
 
     def length(self, layer: int) -> int:
         """Tokens appended to ``layer`` so far (AQUA-KV: committed plus waiting)."""
-        layer = self._check_layer(layer)
-        fam = self.spec.family
-        if fam == "fp16":
-            return self._len[layer]
-        if fam == "aqua":
-            p = self._pending_k[layer]
-            return int(self._state.length) + (0 if p is None else int(p.shape[2]))
-        return int(self._states[layer].length)
+        return self._family.length(self._check_layer(layer))
 
     def state(self, layer: int):
         """The kvq state object holding ``layer`` (AQUA-KV: the one cross-layer state of every layer;
         FP16: ``(K, V)`` as stored, or None before the first append)."""
-        layer = self._check_layer(layer)
-        fam = self.spec.family
-        if fam == "fp16":
-            return None if self._k[layer] is None else (self._k[layer], self._v[layer])
-        if fam == "aqua":
-            return self._state
-        return self._states[layer]
+        return self._family.state(self._check_layer(layer))
 
     def pending(self, layer: int) -> int:
         """AQUA-KV: tokens of ``layer`` waiting for the other layers (0 for the other methods)."""
-        layer = self._check_layer(layer)
-        if self.spec.family != "aqua" or self._pending_k[layer] is None:
-            return 0
-        return int(self._pending_k[layer].shape[2])
+        return self._family.pending(self._check_layer(layer))
 
     def append(self, layer: int, k, v, *, commit: bool = True) -> None:
         """Append post-RoPE tokens k, v (B, H_kv, T_new, D) to ``layer``. Everything is checked before any
@@ -733,26 +590,25 @@ class KVStore:
         """A model's attention of ``layer`` is done for this step: AQUA-KV commits the tokens every layer has
         received (a no-op for the other methods and while a layer still waits for its tokens), and forgets
         the history it reconstructed for the step once the last layer has attended."""
-        if self.spec.family != "aqua":
-            return
-        layer = self._check_layer(layer)
-        self._commit()
-        if layer == self.n_layers - 1:
-            self._history = None
+        self._family.attended(layer)
 
     def aqua_history(self, layer: int):
         """AQUA-KV, fast backends: layer ``layer``'s history reconstructed by the predictors (``decode_layer``:
         ``(K_hat, V_hat)`` token vectors of every encoded chunk), from layer ``layer - 1``'s, which the store
         keeps only during one model step (one layer at a time, never every layer), else decoded from layer 0."""
-        st = self._state
-        chunks = _aqua_counts(self.cfg, st.length)[1]
-        prev = None
-        if layer and self._history is not None and self._history[:2] == (layer - 1, chunks):
-            prev = self._history[2]
-        with self._device_ctx():
-            hat = self._mod.decode_layer(self.cfg, self.calibration, st, layer, prev)
-        self._history = (layer, chunks, hat)
-        return hat
+        return self._family.aqua_history(layer)
+
+    @property
+    def exact(self) -> bool:
+        """True where reads are the stored tokens themselves (FP16): a model may attend over ``keys_values``
+        with its own attention, as over a DynamicCache."""
+        return self._family.exact
+
+    def decode_attention(self, layer: int, q, scale=None):
+        """Attention of ``q`` (B, H_q, T_q, D) over everything held for ``layer``, by the method's fused decode
+        on the store's backend (the family's ``decode_attention``); (B, H_q, T_q, D) in q's dtype on q's
+        device."""
+        return self._family.decode_attention(self._check_layer(layer), q, scale)
 
     def update(self, layer: int, k, v, dtype=None):
         """Append k, v to ``layer`` and return its ``keys_values`` in ``dtype`` (for AQUA-KV read before the
@@ -769,28 +625,14 @@ class KVStore:
 
     def keys_values(self, layer: int, dtype=None):
         """(K_hat, V_hat): everything appended to ``layer``, dequantized, torch (B, H_kv, T, D) in ``dtype``
-        (None: float32; a torch dtype or a name of ``OUT_DTYPES``) on the store's device. Memoised until
+        (None: float32; a torch dtype or a name of ``OUT_DTYPES``) on the layer's device. Memoised until
         the layer's state changes."""
-        torch = _torch()
         layer = self._check_layer(layer)
         dtype = _out_dtype(dtype)
         memo = self._memo[layer] if self.memoize else {}
         if dtype in memo:
             return memo[dtype]
-        fam = self.spec.family
-        if fam == "fp16":
-            if self._k[layer] is None:
-                out = self._empty(dtype)
-            else:
-                out = (self._k[layer].to(dtype), self._v[layer].to(dtype))
-            memo[dtype] = out
-            return out
-        if torch.float32 in memo:
-            K, V = memo[torch.float32]
-        else:
-            K, V = self._dequantize(layer)
-            memo[torch.float32] = (K, V)
-        out = (_to_out(K, dtype), _to_out(V, dtype))
+        out = self._family.read(layer, dtype, memo)
         memo[dtype] = out
         return out
 
@@ -812,15 +654,7 @@ class KVStore:
 
     def allocated_bytes(self) -> int:
         """Bytes of every array the state holds, preallocated capacity included (FP16: the stored tensors)."""
-        fam = self.spec.family
-        if fam == "fp16":
-            return int(sum(t.numel() * t.element_size() for t in self._k + self._v if t is not None))
-        states = [self._state] if fam == "aqua" else self._states
-        total = 0
-        for st in states:
-            for a in st.arrays().values():
-                total += int(a.nbytes) if isinstance(a, np.ndarray) else int(a.numel() * a.element_size())
-        return total
+        return self._family.allocated_bytes()
 
     def state_arrays(self, layer: int) -> dict:
         """Every array of ``layer``'s state as NumPy (fast-tier tensors copied to the host), for comparisons."""
@@ -831,9 +665,9 @@ class KVStore:
 
     # ------------------------------------------------------------------ internals
 
-    def _empty(self, dtype):
+    def _empty(self, dtype, layer: int):
         torch = _torch()
-        z = torch.zeros((self.batch, self.kv_heads, 0, self.head_dim), dtype=dtype, device=self.device)
+        z = torch.zeros((self.batch, self.kv_heads, 0, self.head_dim), dtype=dtype, device=self.devices[layer])
         return z, z.clone()
 
     # ------------------------------------------------------------------ append: validate, then write
@@ -843,53 +677,21 @@ class KVStore:
         what the write needs (FP16: finite and within the store's dtype; AQUA-KV: finite, within fp16 and,
         where this layer alone decides it, quantizable by its chunk's commit). Returns the tokens as
         :meth:`_write` takes them (the other methods' appends check their inputs before writing)."""
-        kx, vx = self._convert(k, "k"), self._convert(v, "v")
+        kx, vx = self._convert(k, "k", layer), self._convert(v, "v", layer)
         if tuple(kx.shape) != tuple(vx.shape):
             raise ValueError(f"k and v must have the same shape, got {tuple(kx.shape)} and {tuple(vx.shape)}")
         self._check_capacity(layer, int(kx.shape[2]))
         if kx.shape[2] == 0:
             return kx, vx
-        fam = self.spec.family
-        if fam == "fp16":
-            dtype = self._fp16_dtype(k)
-            return self._fp16_tensor(kx, dtype, "k"), self._fp16_tensor(vx, dtype, "v")
-        if fam == "aqua":
-            k16, v16 = self._round16(kx, "k"), self._round16(vx, "v")
-            self._check_aqua_quantizable(layer, k16)
-            return k16, v16
-        return kx, vx
+        return self._family.prepare(layer, kx, vx, k)
 
     def _write(self, layer: int, kx, vx) -> None:
-        """Append tokens checked by :meth:`_validate_append` to ``layer``: FP16 tensors and AQUA-KV's waiting
-        tokens are concatenations that cannot fail on them; the other methods' appends validate first."""
-        torch = _torch()
-        n = int(kx.shape[2])
-        if n == 0:
+        """Append tokens checked by :meth:`_validate_append` to ``layer`` (the family's ``write``: FP16 tensors
+        and AQUA-KV's waiting tokens are concatenations that cannot fail on them; the other methods' appends
+        validate first)."""
+        if int(kx.shape[2]) == 0:
             return
-        fam = self.spec.family
-        if fam != "aqua":                       # AQUA-KV: the tokens wait; the commit grows the state
-            self._grow_to(self.length(layer) + n)
-        if fam == "fp16":
-            if self._fp_dtype is None:
-                self._fp_dtype = kx.dtype                     # fixed by the first accepted append
-            if self._k[layer] is None:
-                self._k[layer], self._v[layer] = kx, vx
-            else:
-                self._k[layer] = torch.cat([self._k[layer], kx], dim=2)
-                self._v[layer] = torch.cat([self._v[layer], vx], dim=2)
-            self._len[layer] += n
-        elif fam == "aqua":
-            cat = (lambda a, b: torch.cat([a, b], dim=2)) if isinstance(kx, torch.Tensor) else \
-                (lambda a, b: np.concatenate([a, b], axis=2))
-            pk, pv = self._pending_k[layer], self._pending_v[layer]
-            self._pending_k[layer] = kx if pk is None else cat(pk, kx)
-            self._pending_v[layer] = vx if pv is None else cat(pv, vx)
-        elif fam == "oscar":
-            with self._value_checks():
-                self._mod.append(self.cfg, self.calibration[layer], self._states[layer], kx, vx)
-        else:
-            with self._value_checks():
-                self._mod.append(self.cfg, self._states[layer], kx, vx)
+        self._family.write(layer, kx, vx)
         self._memo[layer].clear()
 
     def _value_checks(self):
@@ -900,179 +702,74 @@ class KVStore:
 
     @contextlib.contextmanager
     def _atomic(self, layer: int):
-        """Run an append of ``layer``; if it raises, put back what the store itself keeps of the layer (FP16
-        tensors, length and dtype; AQUA-KV's waiting tokens; the memo and counter) and re-raise. With the
+        """Run an append of ``layer``; if it raises, put back what the store itself keeps (every layer's entry of
+        ``_states``: FP16 tensors and length, AQUA-KV's waiting tokens, the per-layer states a growth replaced;
+        ``_shared``: FP16's dtype, AQUA-KV's state; the config and capacity; the memo and counter) and
+        re-raise. With the
         methods' appends validating before they write, a rejected call, AQUA-KV's failed commit included,
         leaves the store exactly as it was: the call that completed the commit gets the error and its
         tokens are taken back, so later appends work."""
-        fam = self.spec.family
         memo, calls = dict(self._memo[layer]), self.dequantize_calls
-        fp = (self._k[layer], self._v[layer], self._len[layer], self._fp_dtype) if fam == "fp16" else None
-        waiting = (self._pending_k[layer], self._pending_v[layer]) if fam == "aqua" else None
-        sized = (self.cfg, self.max_tokens, self.growths,
-                 None if fam == "fp16" else (self._state if fam == "aqua" else list(self._states)))
+        held = (list(self._states), self._shared, self.cfg, self.max_tokens, self.growths)
         try:
             yield
         except BaseException:
             self._memo[layer].clear()
             self._memo[layer].update(memo)
             self.dequantize_calls = calls
-            if sized[2] != self.growths:               # a growth happened: the old states are intact
-                self.cfg, self.max_tokens, self.growths = sized[:3]
-                if fam == "aqua":
-                    self._state = sized[3]
-                else:
-                    self._states = sized[3]
-            if fp is not None:
-                self._k[layer], self._v[layer], self._len[layer], self._fp_dtype = fp
-            if waiting is not None:
-                self._pending_k[layer], self._pending_v[layer] = waiting
+            self._states, self._shared, self.cfg, self.max_tokens, self.growths = held
             raise
 
-    def _fp16_dtype(self, k_in):
-        """FP16: the store's dtype, fixed by its first accepted append (that input's fp16 / bf16, else fp16)."""
-        torch = _torch()
-        if self._fp_dtype is not None:
-            return self._fp_dtype
-        src = getattr(k_in, "dtype", None)
-        return src if src in (torch.float16, torch.bfloat16) else torch.float16
-
-    def _fp16_tensor(self, x, dtype, name: str):
-        """FP16: x as a new tensor of ``dtype`` on the store's device, NaN / inf and overflow refused whatever
-        the input dtype (the quantized methods' rule); never the caller's memory."""
-        torch = _torch()
-        t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
-        t = t.to(self.device)
-        y = _checked_half(t, dtype, name)
-        return y.clone() if y is t else y
-
-    #: |k| up to which a key's pre-RoPE form fits fp16 (undoing RoPE rotates channel pairs: at most sqrt(2) |k|)
-    _ROPE_SAFE = 46000.0
-
-    def _check_aqua_quantizable(self, layer: int, k16) -> None:
-        """AQUA-KV: refuse keys of ``layer`` that its chunk's commit could not quantize, where the layer alone
-        decides it: tokens past the sink (sink tokens stay fp16) of a layer whose key residual is the
-        pre-RoPE key itself (layer 0, or no key predictor).
-
-        Every shipped quantizer (Uniform, HIGGS, KeepFP16) takes any vector within fp16's range: its scale
-        and minimum fit fp16 metadata. Values are fp16 already, and so are pre-RoPE keys while |k| <= 46000;
-        larger keys are undone from RoPE and run through the layer's quantizer on the host, the commit's
-        own computation for them. A residual after a prediction depends on the layers before: the commit
-        finds it, and :meth:`_atomic` takes the completing append back."""
-        cfg, P = self.cfg, self.calibration
-        if not cfg.pre_rope or (layer and cfg.predict_keys and P.f_key[layer] is not None):
-            return
-        t0 = self.length(layer)                               # the position of the first new token
-        skip = max(0, cfg.sink - t0)
-        k = k16[:, :, skip:]
-        if k.shape[2] == 0 or float(abs(k).max()) <= self._ROPE_SAFE:
-            return
-        pos = np.arange(t0 + skip, t0 + int(k16.shape[2]))
-        k_pre = apply_rope(_to_numpy(k).astype(np.float32), pos, cfg.rope_theta, inverse=True)   # (B, H, T, D)
-        quantizer = cfg.first_layer if layer == 0 else cfg.backbone
-        try:
-            quantizer.encode(aqua.to_tokens(k_pre))
-        except ValueError as e:
-            raise ValueError(f"k cannot be compressed by {self.name} at layer {layer}: undone from RoPE (keys are "
-                             f"quantized pre-RoPE) it leaves the range of the "
-                             f"{getattr(quantizer, 'label', type(quantizer).__name__)} quantizer ({e})") from None
-
     def _commit(self) -> None:
-        """AQUA-KV: append the tokens every layer has received (the common prefix) with one call. The method's
-        append validates and encodes before it writes, so a failure (a residual beyond fp16 metadata, NaN
-        predictions) leaves its state and every layer's waiting tokens as they were; the error names the
-        commit, and :meth:`_atomic` takes back the tokens of the append that completed it."""
-        torch = _torch()
-        L = self.n_layers
-        if self.spec.family != "aqua" or any(p is None for p in self._pending_k):
-            return
-        n = min(int(p.shape[2]) for p in self._pending_k)
-        if n == 0:
-            return
-        if isinstance(self._pending_k[0], torch.Tensor):
-            K = torch.stack([p[:, :, :n] for p in self._pending_k])
-            V = torch.stack([p[:, :, :n] for p in self._pending_v])
-        else:
-            K = np.stack([p[:, :, :n] for p in self._pending_k])
-            V = np.stack([p[:, :, :n] for p in self._pending_v])
-        before = (self.cfg, self.max_tokens, self.growths, self._state)
-        try:
-            self._grow_to(int(self._state.length) + n)
-            with self._device_ctx():
-                self._mod.append(self.cfg, self.calibration, self._state, K, V)
-        except (ValueError, TypeError) as e:
-            self.cfg, self.max_tokens, self.growths, self._state = before
-            raise type(e)(f"{self.name} could not compress the {n} token(s) of every layer that this append "
-                          f"completed, so the append was undone: {e}") from e
-        for l in range(L):
-            rest_k, rest_v = self._pending_k[l][:, :, n:], self._pending_v[l][:, :, n:]
-            keep = rest_k.shape[2] > 0
-            self._pending_k[l] = rest_k if keep else None
-            self._pending_v[l] = rest_v if keep else None
-            self._memo[l].clear()
+        """Write what every layer has received where the family holds tokens back for a cross-layer step
+        (AQUA-KV's commit; a no-op for the other methods)."""
+        self._family.commit()
 
-    def _tensor(self, a):
+    def _tensor(self, a, layer: int):
+        """``a`` (NumPy or torch) as a float32 tensor on ``layer``'s device."""
         torch = _torch()
         if isinstance(a, torch.Tensor):
-            return a.to(self.device, torch.float32)
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(self.device)
+            return a.to(self.devices[layer], torch.float32)
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(self.devices[layer])
 
     def _dequantize(self, layer: int):
-        """The layer's cache dequantized, fp32 torch (B, H, T, D) (AQUA-KV: committed, then waiting)."""
-        torch = _torch()
-        fam = self.spec.family
+        """The layer's cache dequantized, fp32 torch (B, H, T, D) (the family's ``dequantize``; AQUA-KV:
+        committed, then waiting)."""
         self.dequantize_calls += 1
-        if fam == "aqua":
-            K, V = self._aqua_committed(layer)
-            pk, pv = self._pending_k[layer], self._pending_v[layer]
-            if pk is not None:
-                K = torch.cat([K, self._tensor(pk)], dim=2)
-                V = torch.cat([V, self._tensor(pv)], dim=2)
-            return K, V
-        st = self._states[layer]
-        if st.length == 0:
-            return self._empty(torch.float32)
-        with self._device_ctx():
-            if fam == "oscar":
-                K, V = self._mod.dequantize(self.cfg, self.calibration[layer], st)
-            else:
-                K, V = self._mod.dequantize(self.cfg, st)
-        return self._tensor(K), self._tensor(V)
+        return self._family.dequantize(layer)
 
-    def _aqua_committed(self, layer: int):
-        """Layer ``layer``'s committed AQUA-KV cache, fp32 torch: sink, decoded chunks, buffer."""
-        torch = _torch()
-        st, cfg, P = self._state, self.cfg, self.calibration
-        if st.length == 0:
-            return self._empty(torch.float32)
-        if self.backend != "reference":
-            if self._aqua_all is None or self._aqua_all[0] != st.length:
-                with self._device_ctx():
-                    self._aqua_all = (st.length, self._mod.dequantize(cfg, P, st))
-            K, V = self._aqua_all[1][layer]
-            return self._tensor(K), self._tensor(V)
-        L, B, H, D = st.shape
-        n_sink, n_chunks, n_buf = _aqua_counts(cfg, st.length)
-        F, R = H * D, cfg.buffer
-        while len(self._chunks) < n_chunks:                  # decode each chunk once, all layers, layer 0 first
-            c = len(self._chunks)
-            pos = cfg.sink + c * R + np.arange(R)
-            K_hat = V_hat = None
-            per_layer = []
-            for l in range(L):
-                codes = (st.first_k, st.first_v) if l == 0 else (st.res_k, st.res_v)
-                Kq, Vq = ({n: (a[:, c] if l == 0 else a[l - 1, :, c]) for n, a in g.items()} for g in codes)
-                K_hat, V_hat = aqua.decode(cfg, P, l, Kq, Vq, F, K_hat, V_hat)      # (B, R, F)
-                k = aqua.from_tokens(K_hat, H)
-                if cfg.pre_rope:
-                    k = apply_rope(k, pos, cfg.rope_theta)
-                per_layer.append((k, aqua.from_tokens(V_hat, H)))
-            self._chunks.append(per_layer)
-        ks = [st.sink_k[layer][:, :, :n_sink].astype(np.float32)] + [ch[layer][0] for ch in self._chunks[:n_chunks]]
-        vs = [st.sink_v[layer][:, :, :n_sink].astype(np.float32)] + [ch[layer][1] for ch in self._chunks[:n_chunks]]
-        ks.append(st.buf_k[layer][:, :, :n_buf].astype(np.float32))
-        vs.append(st.buf_v[layer][:, :, :n_buf].astype(np.float32))
-        return self._tensor(np.concatenate(ks, axis=2)), self._tensor(np.concatenate(vs, axis=2))
+    # ------------------------------------------------------------------ read-only views of the family's parts
+    # (the names the store's attributes had before the families; tests and benchmarks read them)
+
+    @property
+    def _mod(self):
+        """The method's module on the store's backend (None for FP16)."""
+        return self._family.mod
+
+    @property
+    def _state(self):
+        """AQUA-KV: the one cross-layer state."""
+        return self._shared
+
+    @property
+    def _pending_k(self) -> list:
+        """AQUA-KV: every layer's waiting keys (None where none wait)."""
+        return self._family.pending_k
+
+    @property
+    def _pending_v(self) -> list:
+        """AQUA-KV: every layer's waiting values."""
+        return self._family.pending_v
+
+    @property
+    def _fp_dtype(self):
+        """FP16: the store's dtype, fixed by the first accepted append (None before)."""
+        return self._family.dtype
+
+    @property
+    def _chunks(self) -> list:
+        """AQUA-KV, reference: the chunks decoded so far (each once, every layer)."""
+        return self._family.chunks
 
     def __repr__(self):
         return (f"KVStore({self.name!r}, backend={self.backend!r}, n_layers={self.n_layers}, batch={self.batch}, "

@@ -20,6 +20,10 @@ whole cache dequantized, which any attention implementation can read, at the cos
 layout of ``transformers.cache_utils.QuantizedCache`` is followed: a ``Cache`` of one ``CacheLayerMixin``
 per model layer (:class:`KVQLayer`), all sharing one store.
 
+A model spread over several GPUs (``from_pretrained(..., device_map="auto")``) keeps each layer's compressed
+state on that layer's device, read from the model's ``hf_device_map`` (or given as ``device=``, one per layer);
+AQUA-KV, one cross-layer state, refuses such a model.
+
 Every update checks its states before the cache changes (torch float tensors of the model's shape; the
 store refuses NaN / inf and overflow), and a rejected update leaves the cache as it was.
 
@@ -35,16 +39,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import warnings
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import families as F
 from . import methods as M
 from .attention import ATTN_IMPLEMENTATION, _tag, use_kvq_attention
 
 __all__ = ["DEFAULT_MAX_TOKENS", "KVQLayer", "KVQCache", "KIVICache", "KittyCache", "OSCARCache", "AquaKVCache",
-           "BitDecodingCache", "FP16Cache", "cache_argument", "make_cache", "model_dims"]
+           "BitDecodingCache", "FP16Cache", "cache_argument", "hf_layer_devices", "make_cache", "model_dims"]
 
 #: ``attention=``: "auto" attends through kvq's fused decode where the model can ("kvq" attention, which
 #: :class:`KVQCache` switches a model to); "dequantize" hands the model every layer dequantized (the slow path
@@ -136,6 +142,37 @@ def load_calibration_file(method: str, path, dims: dict):
         raise ValueError(f"{path} was calibrated with the {type(cfg.backbone).__name__} backbone; {method} uses "
                          f"{want.__name__} (kvq calibrate aqua --backbone {want.__name__.lower()})")
     return P, {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "max_tokens"}
+
+
+_LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+def hf_layer_devices(model, n_layers: int):
+    """One device per decoder layer from a model's ``hf_device_map`` (``from_pretrained(device_map=...)``),
+    or None when the model has none (a config, a model on one device). Entries ``...layers.<i>`` (or a
+    submodule of it, its attention preferred) place layer ``i``; a map whose entries all name one device
+    places every layer there. ValueError when a layer's device cannot be told (pass ``device=``)."""
+    dmap = getattr(model, "hf_device_map", None)
+    if not isinstance(dmap, dict) or not dmap:
+        return None
+    per_layer: dict[int, list] = {}
+    for key, dev in dmap.items():
+        m = _LAYER_KEY.search(str(key))
+        if m:
+            per_layer.setdefault(int(m.group(1)), []).append((str(key), dev))
+    distinct = {str(d) for d in dmap.values()}
+    devices = []
+    for l in range(n_layers):
+        entries = per_layer.get(l)
+        if not entries:
+            if len(distinct) == 1:
+                devices.append(next(iter(dmap.values())))
+                continue
+            raise ValueError(f"the model's hf_device_map names no device for decoder layer {l} "
+                             f"(entries: {sorted(dmap)[:6]}...); pass make_cache(..., device=[one per layer])")
+        attn = [d for k, d in entries if "attn" in k.rsplit("layers.", 1)[-1]]
+        devices.append(attn[0] if attn else min(entries, key=lambda e: len(e[0]))[1])
+    return [torch.device("cuda", d) if isinstance(d, int) and not isinstance(d, bool) else d for d in devices]
 
 
 class KVQLayer(CacheLayerMixin):
@@ -240,6 +277,12 @@ class KVQCache(Cache):
         attention: "auto" (default): switch a model to kvq's attention function (``use_kvq_attention``) and
             decode through the method's fused decode; "dequantize": ``update`` returns the whole cache
             dequantized for the model's own attention (the slow path; for comparisons).
+        device: where each layer's state lives (``KVStore(device=)``): None (default) takes the model's
+            ``hf_device_map`` (a model loaded with ``device_map=...`` over several GPUs: each layer's state on
+            that layer's device, see :func:`hf_layer_devices`), else every layer on the device of the first
+            update's states; one device, or a list of one per layer. A layer's states arriving on another
+            device are refused (ValueError, the cache unchanged). AQUA-KV (one cross-layer state) refuses
+            layers on more than one device.
         overrides: method config fields (``methods.configure``), e.g. ``sink=4, residual=16``.
             AQUA-KV gets the model's ``rope_theta`` unless given.
 
@@ -252,7 +295,8 @@ class KVQCache(Cache):
     default_method: str | None = None
 
     def __init__(self, model_or_config, method: str | None = None, *, backend: str = "auto", calibration=None,
-                 max_tokens: int | None = None, attention: str = "auto", validate: bool | None = None, **overrides):
+                 max_tokens: int | None = None, attention: str = "auto", validate: bool | None = None, device=None,
+                 **overrides):
         method = method if method is not None else self.default_method
         if method is None:
             raise ValueError(f"name a kvq method; known methods: {', '.join(M.METHODS)}")
@@ -281,10 +325,8 @@ class KVQCache(Cache):
         if isinstance(calibration, (str, os.PathLike)) and str(calibration) != "identity":
             calibration, file_overrides = load_calibration_file(method, calibration, dims)
             overrides = {**file_overrides, **overrides}
-        if spec.family == "aqua" and "rope_theta" not in overrides and dims["rope_theta"] is not None:
-            overrides = {**overrides, "rope_theta": dims["rope_theta"]}
-        if spec.family == "aqua" and isinstance(calibration, str) and calibration == "identity":
-            overrides = {"predict_keys": False, "predict_values": False, **overrides}
+        family = F.family_of(spec)
+        overrides = family.model_overrides(dims, calibration, overrides)
         self.method = method
         self.backend = backend
         self.max_tokens = max_tokens
@@ -298,6 +340,10 @@ class KVQCache(Cache):
         self._calibration = calibration
         self._overrides = overrides
         self._device = getattr(model_or_config, "device", None) if not hasattr(model_or_config, "to_dict") else None
+        if device is None:
+            device = hf_layer_devices(model_or_config, self.n_layers)
+        self._layer_devices = M._layer_devices(device, self.n_layers)      # None: the first key states' device
+        family.check_devices(method, self._layer_devices)
         self._store: M.KVStore | None = None
         self.attention = attention
         self._model_config = config
@@ -335,14 +381,34 @@ class KVQCache(Cache):
             raise ValueError(f"the batch size of a kvq cache is fixed at its first update (B={self._store.batch}); "
                              f"got {key_states.shape[0]}. " + _BEAM)
 
+    def _check_device(self, layer_idx: int, key_states: torch.Tensor) -> None:
+        """Layer ``layer_idx``'s states must arrive on the device of its state: the ``device=`` / ``hf_device_map``
+        entry of the layer, else (no such entry) the device of the first update's states. ValueError before the
+        cache changes otherwise."""
+        devs = self._store.devices if self._store is not None else self._layer_devices
+        if devs is None:
+            return
+        dev = devs[layer_idx]
+        if not M._same_device(key_states.device, dev):
+            where = ("the model's hf_device_map or device=" if self._layer_devices is not None
+                     else "the device of the cache's first update")
+            raise ValueError(f"key_states of layer {layer_idx} are on {key_states.device}; this cache keeps layer "
+                             f"{layer_idx} on {dev} ({where}); pass make_cache(..., device=[one device per layer]) "
+                             f"for a model spread over devices")
+
     def _ensure_store(self, key_states: torch.Tensor) -> M.KVStore:
-        """The cache's store, created for ``key_states`` (checked by :meth:`_check_states`) if there is none."""
+        """The cache's store, created for ``key_states`` (checked by :meth:`_check_states`) if there is none:
+        each layer on its device (``device=`` or the model's ``hf_device_map``), else every layer on the
+        first key states' device."""
         if self._store is None:
-            validate = self.validate if self.validate is not None else key_states.device.type != "cuda"
+            devices = self._layer_devices if self._layer_devices is not None else key_states.device
+            on_cuda = key_states.device.type == "cuda" or (
+                self._layer_devices is not None and any(d.type == "cuda" for d in self._layer_devices))
+            validate = self.validate if self.validate is not None else not on_cuda
             self._store = M.KVStore(self.method, n_layers=self.n_layers, batch=int(key_states.shape[0]),
                                     kv_heads=self.kv_heads, head_dim=self.head_dim, max_tokens=self.max_tokens,
                                     backend=self.backend, calibration=self._calibration,
-                                    device=key_states.device, memoize=False, grow=self.grow, validate=validate,
+                                    device=devices, memoize=False, grow=self.grow, validate=validate,
                                     max_capacity=self.max_capacity, **self._overrides)
         return self._store
 
@@ -351,6 +417,7 @@ class KVQCache(Cache):
         A rejected call changes nothing: the store validates before it writes, and a store this call
         created is dropped again (the batch size is not fixed by a rejected first update)."""
         self._check_states(key_states, value_states)
+        self._check_device(layer_idx, key_states)
         fused = self.fused
         created = self._store is None
         store = self._ensure_store(key_states)
@@ -534,6 +601,12 @@ def cache_argument(model) -> str:
 
 
 def make_cache(method_name: str, model_or_config, **kwargs) -> KVQCache:
-    """The cache of ``method_name`` for ``model_or_config`` (the family's class; kwargs as :class:`KVQCache`)."""
+    """The cache of ``method_name`` for ``model_or_config`` (the family's class; kwargs as :class:`KVQCache`).
+
+    A model spread over several GPUs (``from_pretrained(..., device_map="auto")``) needs nothing more: the
+    cache reads the model's ``hf_device_map`` and keeps each layer's compressed state, buffers and outputs on
+    that layer's device, running the fused kernels of a layer under its device (``device=`` overrides it
+    with one device or one per layer). AQUA-KV, whose layers share one cross-layer state, refuses a model
+    spread over devices with a ValueError here."""
     spec = M.get_method(method_name)
     return _BY_FAMILY[spec.family](model_or_config, method_name, **kwargs)
