@@ -6,9 +6,9 @@ with large operands (keys and values scaled to |x| <= 3e4, |q| ~ 300, softmax sc
 For each of K2V2, K4V4, K4V2, K2V4 (group 128, window 128, B = 2, H_kv = 4, GQA 2, D = 128; and K2V2 /
 K4V4 with an FP16 sink of 32 tokens) and 8 random caches (4 seeds x T in {1500, 2348}) it prints max and
 mean of (lse error) / (bound), for each way the FP16 tail computes its scores: its fp16 rows on the tensor
-cores (``paged.TUNE["tail_mma"]`` True; the automatic rule takes them at batch >= 8 only, these caches have
+cores (``paged.Knobs.tail_mma`` True; the automatic rule takes them at batch >= 8 only, these caches have
 batch 2) or not, and the CUDA-core rows' sums
-(``paged.TUNE["tail_sums"]``: 2 four fp32 fma chains, 1 float64), where error =
+(``paged.Knobs.tail_sums``: 2 four fp32 fma chains, 1 float64), where error =
 max |lse - lse_float64| and bound = 2 x the float32 reference's error + one float32 step at the
 magnitude (contract rule 7, ``tests/parity/tolerance.py``); a ratio above 1 misses the rule.
 """
@@ -39,12 +39,16 @@ def large_case(kb: int, vb: int, seed: int, T: int, qs: float = 300.0, sink: int
     return cfg, rs, k, v, q
 
 
-def ratio(kb: int, vb: int, seed: int, T: int, qs: float = 300.0, sink: int = 0) -> float:
+def ratio(kb: int, vb: int, seed: int, T: int, qs: float = 300.0, sink: int = 0, knobs=None) -> float:
+    """The CuPy KIVI decode's lse error over its tolerance bound on one large-operand cache, with the
+    decode's launch knobs ``knobs`` (a ``kvq.fast.cupy.paged.Knobs``; None: the defaults)."""
+    from kvq.fast.cupy import paged
+
     cfg, rs, k, v, qn = large_case(kb, vb, seed, T, qs, sink)
     fs = FK.init(cfg, *rs.shape)
     FK.append(cfg, fs, torch.from_numpy(k).cuda(), torch.from_numpy(v).cuda())
     q = torch.from_numpy(qn).cuda()
-    _, lse = FK.decode_attention(cfg, fs, q, scale=1e-5)
+    _, lse = paged.decode_attention(cfg, FK.KeyCodec, fs, q, scale=1e-5, knobs=knobs)   # FK.decode_attention's call
     _, l64 = RK.decode_attention(cfg, rs, q.cpu().double().numpy(), scale=1e-5)
     _, l32 = RK.decode_attention(cfg, rs, q.cpu().float().numpy(), scale=1e-5)
     err = np.abs(lse.cpu().double().numpy() - l64).max()
@@ -56,9 +60,9 @@ def main() -> None:
     from kvq.fast.cupy import paged
 
     for tmma, sums in ((True, 2), (False, 2), (False, 1)):   # tensor-core fp16 rows; four fp32 chains / float64
-        paged.TUNE["tail_mma"], paged.TUNE["tail_sums"] = tmma, sums
+        knobs = paged.Knobs(tail_mma=tmma, tail_sums=sums)
         for kb, vb, sink in ((2, 2, 0), (4, 4, 0), (4, 2, 0), (2, 4, 0), (2, 2, 32), (4, 4, 32)):
-            rs = [ratio(kb, vb, s, T, sink=sink) for s in range(4) for T in (1500, 2348)]
+            rs = [ratio(kb, vb, s, T, sink=sink, knobs=knobs) for s in range(4) for T in (1500, 2348)]
             print(f"K{kb}V{vb}{'*' if sink else ''}, tail_mma={tmma}, tail_sums={sums}: lse error / bound over "
                   f"{len(rs)} caches: max {max(rs):.2f} mean {np.mean(rs):.2f}", flush=True)
 

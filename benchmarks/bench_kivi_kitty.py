@@ -15,7 +15,7 @@ of the same shape. Before timing, batch element 0 is checked against a float64 a
 dequantized cache (``dequantize`` of that element): max |out - ref| / max |ref| <= 1e-2,
 |lse - ref| / max(1, |ref|) <= 1e-3.
 
-Also: a small sweep of the fused kernel's launch knobs (``paged.TUNE``: num_warps, waves) at
+Also: a small sweep of the fused kernel's launch knobs (``paged.Knobs``: num_warps, waves) at
 B = 8, T = 32K, for the lead's choice of defaults; and per method: one page flush (quantize + pack of a full key Q-buffer of G tokens and one page of
 values, B = 8, H_kv = 8) timed the same way.
 
@@ -238,7 +238,7 @@ def time_flush(device, quick, dry, deadline, backend: str = "triton") -> dict:
 
 
 def tune(device, quick, dry, deadline) -> dict:
-    """Launch knobs of the fused kernel (``kvq.fast.triton.paged.TUNE``) at one shape, B = 8, T = 32K
+    """Launch knobs of the fused kernel (``kvq.fast.triton.paged.Knobs``) at one shape, B = 8, T = 32K
     (dry: the tiny shape): num_warps 4 / 8 x waves 2 / 4, and split_p off (P rounded once: one dot fewer
     per page; the parity tests check it meets the tolerance too), for KIVI-K2V2 and Kitty. ms per call."""
     from kvq.fast.triton import paged
@@ -246,33 +246,29 @@ def tune(device, quick, dry, deadline) -> dict:
     fast.set_validation(False)
     B, T, Hq, Hkv, Dh = (1, 60, DRY_H_Q, DRY_H_KV, DRY_D) if dry else (8, 32768, H_Q, H_KV, D)
     res = {"B": B, "T": T, "rows": []}
-    old = dict(paged.TUNE)
-    try:
-        for method in ("KIVI-K2V2", "Kitty"):
-            mod, cfg = config(method, T, dry)
-            st = build_cache(mod, cfg, B, Hkv, Dh, T, device)
-            q = torch.randn((B, Hq, T_Q, Dh), device=device, dtype=torch.float16)
-            copies = C.copies_for(bytes_read(cfg, st, T, Hq)["total"], device)
-            states = [st] + [build_cache(mod, cfg, B, Hkv, Dh, T, device, seed=i) for i in range(1, copies)]
-            combos = [(w, x, True) for w in (4, 8) for x in (2, 4)] + [(8, 3, False), (4, 3, False)]
-            for warps, waves, split_p in combos:
-                if deadline is not None and deadline.expired():
-                    res["skipped"] = "time budget exhausted"
-                    return res
-                paged.TUNE.update(num_warps=warps, waves=waves, split_p=split_p)
-                row = {"method": method, "num_warps": warps, "waves": waves, "split_p": split_p}
-                try:
-                    t = C.bench(lambda s: mod.decode_attention(cfg, s, q), [(s,) for s in states],
-                                device=device, quick=True)
-                    row["ms"] = t["ms"]
-                except Exception as e:
-                    row["error"] = C.err_str(e)
-                res["rows"].append(row)
-            del states, st
-            C.free_cuda(device)
-    finally:
-        paged.TUNE.clear()
-        paged.TUNE.update(old)
+    for method in ("KIVI-K2V2", "Kitty"):
+        mod, cfg = config(method, T, dry)
+        st = build_cache(mod, cfg, B, Hkv, Dh, T, device)
+        q = torch.randn((B, Hq, T_Q, Dh), device=device, dtype=torch.float16)
+        copies = C.copies_for(bytes_read(cfg, st, T, Hq)["total"], device)
+        states = [st] + [build_cache(mod, cfg, B, Hkv, Dh, T, device, seed=i) for i in range(1, copies)]
+        combos = [(w, x, True) for w in (4, 8) for x in (2, 4)] + [(8, 3, False), (4, 3, False)]
+        for warps, waves, split_p in combos:
+            if deadline is not None and deadline.expired():
+                res["skipped"] = "time budget exhausted"
+                return res
+            knobs = paged.Knobs(num_warps=warps, waves=waves, split_p=split_p)
+            row = {"method": method, "num_warps": warps, "waves": waves, "split_p": split_p}
+            try:
+                # mod.decode_attention's call, with these knobs instead of the defaults
+                t = C.bench(lambda s, kn=knobs: paged.decode_attention(cfg, mod.KeyCodec, s, q, knobs=kn),
+                            [(s,) for s in states], device=device, quick=True)
+                row["ms"] = t["ms"]
+            except Exception as e:
+                row["error"] = C.err_str(e)
+            res["rows"].append(row)
+        del states, st
+        C.free_cuda(device)
     return res
 
 

@@ -17,25 +17,29 @@ def bench_path(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
 
 
-def test_apply_tune_sets_and_checks_keys(bench_path, monkeypatch):
+def test_apply_tune_sets_and_checks_keys(bench_path):
+    """apply_tune returns {prefix: Knobs} with the values set (the library's modules hold no tuning dict
+    any more); unknown keys are refused, bad values by the Knobs."""
     PF = importlib.import_module("profile_fused")
     paged = importlib.import_module("kvq.fast.cupy.paged")
-    monkeypatch.setattr(paged, "TUNE", dict(paged.TUNE))
-    PF.apply_tune("cupy", "max_blocks_per_sm=4;side_stream=False;tail_mma=None")
-    assert paged.TUNE["max_blocks_per_sm"] == 4
-    assert paged.TUNE["side_stream"] is False and paged.TUNE["tail_mma"] is None
-    before = dict(paged.TUNE)
-    PF.apply_tune("cupy", "")                                  # nothing to set
-    assert paged.TUNE == before
+    assert not hasattr(paged, "TUNE")
+    kn = PF.apply_tune("cupy", "max_blocks_per_sm=4;side_stream=False;tail_mma=None")
+    assert kn[""].max_blocks_per_sm == 4
+    assert kn[""].side_stream is False and kn[""].tail_mma is None
+    assert kn[""] != paged.Knobs() and paged.DEFAULT_KNOBS == paged.Knobs()    # the defaults untouched
+    before = dict(kn)
+    assert PF.apply_tune("cupy", "", kn) == before                             # nothing to set
     with pytest.raises(SystemExit, match="not a TUNE key"):
         PF.apply_tune("cupy", "no_such_knob=1")
-    # OSCAR's decode knobs (kvq.fast.cupy.oscar_decode.TUNE) under the "oscar." prefix
+    with pytest.raises(ValueError, match="tail_sums"):
+        PF.apply_tune("cupy", "tail_sums=3")
+    # OSCAR's decode knobs (kvq.fast.cupy.oscar_decode.Knobs) under the "oscar." prefix
     OD = importlib.import_module("kvq.fast.cupy.oscar_decode")
-    monkeypatch.setattr(OD, "TUNE", dict(OD.TUNE))
-    PF.apply_tune("cupy", "oscar.tail_prec=1;oscar.tail_first=False")
-    assert OD.TUNE["tail_prec"] == 1 and OD.TUNE["tail_first"] is False
-    assert paged.TUNE == before
+    kn2 = PF.apply_tune("cupy", "oscar.tail_prec=1;oscar.tail_first=False", kn)
+    assert kn2["oscar."].tail_prec == 1 and kn2["oscar."].tail_first is False
+    assert kn2[""] == before[""] and OD.DEFAULT_KNOBS == OD.Knobs()
     with pytest.raises(SystemExit, match="not a TUNE key"):
         PF.apply_tune("cupy", "oscar.max_blocks_per_sm=1")      # a paged knob is not an OSCAR one
     with pytest.raises(SystemExit, match="not a TUNE key"):
         PF.apply_tune("triton", "oscar.tail_prec=1")            # OSCAR's knobs are the CuPy decode's
+    assert PF.apply_tune("triton", "split_p=True;num_warps=8")[""].split_p is True

@@ -8,13 +8,14 @@ Both decodes run with stand-ins for CuPy (kernels, device properties of an H100-
 CPU caches built by the Triton interpreter; every launch (kernel, grid, block, shared memory, stream,
 arguments with tensors named by role, packed layout) and every stream wait is recorded and compared, for
 KIVI / Kitty configurations, head dims 64 / 128, batch 1 / 3, eight lengths, q fp16 / bf16 / fp32, GQA,
-two query tokens, and 13 TUNE settings.
+two query tokens, and 13 knob settings (the old module's ``TUNE`` dict; the new one's ``Knobs``).
 """
 import contextlib, os, sys, itertools
 os.environ["TRITON_INTERPRET"] = "1"
 import numpy as np, torch
 import kvq.fast.cupy._loader as L
 import kvq.fast.cupy.paged as NEW
+import kvq.fast.cupy.plans as PL
 import kvq.fast.cupy._paged_old as OLD
 import kvq.fast.cupy.attention as A
 from kvq.fast import _paged
@@ -28,13 +29,15 @@ _fns = {}
 L.kernel = lambda src, expr: _fns.setdefault((src, expr), FakeFn(expr))
 props = {"regsPerMultiprocessor": 65536, "sharedMemPerMultiprocessor": 233472, "maxThreadsPerMultiProcessor": 2048,
          "reservedSharedMemPerBlock": 1024, "sharedMemPerBlockOptin": 232448}
+class FS:
+    def __init__(self, k): self.cuda_stream = 100 + k
+for M in (PL, OLD):       # the new module's device helpers live in kvq.fast.cupy.plans
+    M.allow_smem = M._allow_smem = lambda fn, smem, dev: fn
+    M.device_props = M._device_props = lambda i: props
+    M.side_stream = M._side_stream = lambda dev, k=0: FS(k)
+PL.device_limits.cache_clear()
+OLD._device_limits.cache_clear()
 for M in (NEW, OLD):
-    M._allow_smem = lambda fn, smem, dev: fn
-    M._device_props = lambda i: props
-    M._device_limits.cache_clear() if hasattr(M._device_limits, "cache_clear") else None
-    class FS:
-        def __init__(self, k): self.cuda_stream = 100 + k
-    M._side_stream = lambda dev, k=0: FS(k)
     M._paged.check_q = lambda *a, **k: None
 L.sm_count = lambda i: 132
 L.raw_stream = lambda dev: 7
@@ -111,11 +114,11 @@ for fam, name, cfg, tmod, cmod in cases:
                         del NAMES[kq]
                     NAMES[q.data_ptr()] = "q"
                     for tune in (TUNES if (qdt == torch.float16 and Tq == 1 and step in (0, 3, 5)) else [{}]):
-                        for M in (NEW, OLD):
-                            M.TUNE.update(tune)
+                        OLD.TUNE.update(tune)
                         LOG.clear(); OLD.decode_attention(cfg, cmod.KeyCodec, st, q); old = [fix_grid(e) for e in LOG]
-                        LOG.clear(); NEW.decode_attention(cfg, cmod.KeyCodec, st, q); new = [fix_grid(e) for e in LOG]
-                        for M in (NEW, OLD):
+                        LOG.clear(); NEW.decode_attention(cfg, cmod.KeyCodec, st, q, knobs=NEW.Knobs(**tune))
+                        new = [fix_grid(e) for e in LOG]
+                        for M in (OLD,):
                             for kk in tune:
                                 M.TUNE[kk] = {"num_warps": None, "waves": None, "mma": True, "side_stream": True, "fused_tail": True, "tail_tiles": 1,
         "tail_first": False, "tail16": None, "tail_warps": None, "tail16_warps": None, "max_blocks_per_sm": None,

@@ -216,11 +216,11 @@ def test_dtypes_round_trip(L, dtype):
                                                 (1024, 256, 4, 396), (3, 64, 4, 528), (250, 64, 4, 528),
                                                 (1, 1, 4, 528), (4096, 2, 1, 264), (64, 8, 2, 100)])
 def test_split_plan_covers_every_page_once(NP, n_base, nw, slots):
-    """_n_splits: the splits cover pages [0, NP) exactly once in whole pages per warp, no split is
+    """plans.n_splits: the splits cover pages [0, NP) exactly once in whole pages per warp, no split is
     empty, and no other count in 1..NP has a smaller makespan under the documented model."""
-    from kvq.fast.cupy import paged
+    from kvq.fast.cupy import plans
 
-    sp, pps = paged._n_splits(NP, n_base, nw, slots)
+    sp, pps = plans.n_splits(NP, n_base, nw, slots)
     assert pps % nw == 0 and pps >= nw
     assert sp == -(-NP // pps) and (sp - 1) * pps < NP <= sp * pps     # no empty split, all pages
 
@@ -235,28 +235,27 @@ def test_split_plan_covers_every_page_once(NP, n_base, nw, slots):
 def test_split_plan_fills_one_wave():
     """B = 8, 8 KV heads, 128K tokens on 132 SMs x 4 blocks: 8 splits (512 blocks: one wave), not the
     partial second wave that a fixed blocks-per-SM target gave (576 blocks)."""
-    from kvq.fast.cupy import paged
+    from kvq.fast.cupy import plans
 
-    assert paged._n_splits(1024, 64, 4, 528) == (8, 128)
+    assert plans.n_splits(1024, 64, 4, 528) == (8, 128)
 
 
 @pytest.mark.parametrize("NP,n_base,want", [(255, 8, (32, 8)), (1023, 8, (32, 32)), (63, 64, (4, 16)),
                                              (63, 256, (1, 64)), (255, 64, (4, 64)), (1023, 64, (8, 128)),
                                              (1023, 256, (2, 512))])
 def test_fused_splits_small_grids_at_two_blocks_per_sm(monkeypatch, NP, n_base, want):
-    """_fused_splits on 132 SMs x 4 blocks: a plan that leaves each warp at most FEW_PAGES_PER_WARP (8) pages
+    """plans.fused_splits on 132 SMs x 4 blocks: a plan that leaves each warp at most FEW_PAGES_PER_WARP (8) pages
     (batch 1; batch 8 up to 32K; batch 32 at 8K) is re-planned on 2 blocks per SM (1 x 32K: 64 splits of 1
     page per warp -> 32 of 2, measured 34 -> 27 us on the H100; 8 x 32K: 8 splits of 8 pages per warp -> 4
     of 16); a long grid (32 pages per warp: 8 x 128K, 32 x 32K) keeps the kernel's occupancy (OSCAR's
     decode adds few_bases: test_fused_splits_few_bases)."""
-    from kvq.fast.cupy import paged
+    from kvq.fast.cupy import plans
 
-    monkeypatch.setitem(paged.TUNE, "max_blocks_per_sm", None)
-    sp, pps = paged._fused_splits(NP, n_base, 4, 528, 132)
+    sp, pps = plans.fused_splits(NP, n_base, 4, 528, 132, max_blocks_per_sm=None)
     assert (sp, pps) == want
-    old_sp, old_pps = paged._n_splits(NP, n_base, 4, 528)
-    small = old_pps // 4 <= paged.FEW_PAGES_PER_WARP
-    assert (sp, pps) == (paged._n_splits(NP, n_base, 4, 264) if small else (old_sp, old_pps))
+    old_sp, old_pps = plans.n_splits(NP, n_base, 4, 528)
+    small = old_pps // 4 <= plans.FEW_PAGES_PER_WARP
+    assert (sp, pps) == (plans.n_splits(NP, n_base, 4, 264) if small else (old_sp, old_pps))
     assert n_base * sp <= (264 if small else 528)                  # one wave in either case
 
 
@@ -267,60 +266,57 @@ def test_fused_splits_few_bases(monkeypatch, NP, n_base):
     pages per warp at 3 blocks per SM, measured 0.136 -> 0.130 ms); a split of 132 or more (32 x 32K: 256
     blocks, measured 0.277 at 3 blocks per SM, 0.339 at 2) keeps the plain rule; without few_bases nothing
     changes."""
-    from kvq.fast.cupy import paged
+    from kvq.fast.cupy import plans
 
-    monkeypatch.setitem(paged.TUNE, "max_blocks_per_sm", None)
-    got = paged._fused_splits(NP, n_base, 4, 396, 132, few_bases=True)
-    plain = paged._fused_splits(NP, n_base, 4, 396, 132)
+    got = plans.fused_splits(NP, n_base, 4, 396, 132, few_bases=True, max_blocks_per_sm=None)
+    plain = plans.fused_splits(NP, n_base, 4, 396, 132)
     if n_base < 132:
-        assert got == paged._n_splits(NP, n_base, 4, 264)
+        assert got == plans.n_splits(NP, n_base, 4, 264)
         assert n_base * got[0] <= 264                               # one wave at 2 blocks per SM
     else:
         assert got == plain
     if n_base == 64:                                                # 22 / 43 pages per warp: the rule keeps 3
-        assert plain == paged._n_splits(NP, n_base, 4, 396) != got
+        assert plain == plans.n_splits(NP, n_base, 4, 396) != got
 
 
-def test_fused_splits_cap_from_tune(monkeypatch):
-    """TUNE["max_blocks_per_sm"] = n plans on at most n blocks per SM (never more than the kernel holds);
-    anything but a positive int or None is refused."""
-    from kvq.fast.cupy import paged
+def test_fused_splits_cap_from_knobs():
+    """max_blocks_per_sm = n (``paged.Knobs``) plans on at most n blocks per SM (never more than the kernel
+    holds); anything but a positive int or None is refused, by fused_splits and by the Knobs."""
+    from kvq.fast.cupy import paged, plans
 
-    monkeypatch.setitem(paged.TUNE, "max_blocks_per_sm", 1)
-    assert paged._fused_splits(1023, 8, 4, 528, 132) == paged._n_splits(1023, 8, 4, 132)
-    monkeypatch.setitem(paged.TUNE, "max_blocks_per_sm", 8)
-    assert paged._fused_splits(255, 8, 4, 528, 132) == paged._n_splits(255, 8, 4, 528)
+    assert plans.fused_splits(1023, 8, 4, 528, 132, max_blocks_per_sm=1) == plans.n_splits(1023, 8, 4, 132)
+    assert plans.fused_splits(255, 8, 4, 528, 132, max_blocks_per_sm=8) == plans.n_splits(255, 8, 4, 528)
     for bad in (0, -1, 2.5, "2"):
-        monkeypatch.setitem(paged.TUNE, "max_blocks_per_sm", bad)
         with pytest.raises(ValueError, match="max_blocks_per_sm"):
-            paged._fused_splits(255, 8, 4, 528, 132)
+            plans.fused_splits(255, 8, 4, 528, 132, max_blocks_per_sm=bad)
+        with pytest.raises(ValueError, match="max_blocks_per_sm"):
+            paged.Knobs(max_blocks_per_sm=bad)
 
 
 def test_blocks_per_sm_limits(monkeypatch):
     """blocks_per_sm: the least of the register (per-warp allocation in units of 256), shared-memory
     (plus the driver's reserve per block) and thread limits."""
-    from kvq.fast.cupy import paged
+    from kvq.fast.cupy import plans
 
-    monkeypatch.setattr(paged, "_device_limits", lambda i: (65536, 233472, 2048, 1024))
+    monkeypatch.setattr(plans, "device_limits", lambda i: (65536, 233472, 2048, 1024))
     fn = type("F", (), {"num_regs": 128, "shared_size_bytes": 288})()
-    assert paged.blocks_per_sm(fn, 128, 45056, 0) == 4                 # registers: 65536 / (4096 * 4)
+    assert plans.blocks_per_sm(fn, 128, 45056, 0) == 4                 # registers: 65536 / (4096 * 4)
     fn.num_regs = 168
-    assert paged.blocks_per_sm(fn, 128, 45056, 0) == 3                 # 5376 per warp
+    assert plans.blocks_per_sm(fn, 128, 45056, 0) == 3                 # 5376 per warp
     fn.num_regs = 32
-    assert paged.blocks_per_sm(fn, 128, 100000, 0) == 2                # shared memory
-    assert paged.blocks_per_sm(fn, 1024, 0, 0) == 2                    # threads
+    assert plans.blocks_per_sm(fn, 128, 100000, 0) == 2                # shared memory
+    assert plans.blocks_per_sm(fn, 1024, 0, 0) == 2                    # threads
 
 
 @pytest.mark.parametrize("optin, want, got", [(232448, 4, 4), (232448, 2, 2), (101376, 4, 2), (101376, 2, 2),
                                               (49152, 4, 1), (232448, 1, 1)])
 def test_tail_warps_fit_the_device(monkeypatch, optin, want, got):
-    """paged_tail_attn's warps per block as asked (``TUNE["tail_warps"]``), fewer where the device's opt-in
+    """paged_tail_attn's warps per block as asked (``Knobs.tail_warps``), fewer where the device's opt-in
     shared memory (H100 227 KiB, sm_86 99 KiB) cannot hold their fp32 tiles (33 KiB per warp at D = 128)."""
-    from kvq.fast.cupy import paged
+    from kvq.fast.cupy import paged, plans
 
-    monkeypatch.setattr(paged, "_smem_optin", lambda i: optin)
-    monkeypatch.setitem(paged.TUNE, "tail_warps", want)
-    assert paged._tail_warps(128, 0, 77824) == got
+    monkeypatch.setattr(plans, "smem_optin", lambda i: optin)
+    assert paged._tail_warps(128, 0, 77824, knobs=paged.Knobs(tail_warps=want)) == got
 
 
 def _tail_static(n: int, sums: int = 2) -> int:
@@ -335,20 +331,20 @@ def _tail_static(n: int, sums: int = 2) -> int:
     ("KIVI-K2V2", 2, 2, False, 0, 4), ("Kitty", 2, 2, True, 16, 2), ("Kitty-Pro", 2, 2, True, 32, 2),
     ("KIVI-K2V4", 2, 4, False, 0, 2), ("KIVI-K4V4", 4, 4, False, 0, 2), ("no pages", 4, 4, False, 0, 4)])
 def test_tail_warps_auto(monkeypatch, method, k_bits, v_bits, kitty, db, got):
-    """``TUNE["tail_warps"] = None``: where the tail would wait for the fused tensor-core kernel's blocks (two
+    """``Knobs.tail_warps = None`` (the default): where the tail would wait for the fused tensor-core kernel's blocks (two
     per SM all along, or a small grid of at most SHORT_PAGES_PER_WARP pages per warp), the most warps whose
     tail block leaves an H100 SM (228 KiB of shared memory) room for them; else the most warps; every block
     counted with its static shared memory (the fused kernel's 288 / 800 bytes, the tail's queries and
     probabilities) and the driver's 1 KiB reserve. KIVI-K2V2: 2 x 46.4 + 140.4 KiB fit; Kitty: 2 x 49.4 +
     140.4 KiB do not, so its tail takes 2 warps."""
-    from kvq.fast.cupy import paged
+    from kvq.fast.cupy import paged, plans
 
-    monkeypatch.setattr(paged, "_smem_optin", lambda i: 232448)
-    monkeypatch.setattr(paged, "_device_limits", lambda i: (65536, 233472, 2048, 1024))
-    monkeypatch.setitem(paged.TUNE, "tail_warps", None)
+    monkeypatch.setattr(plans, "smem_optin", lambda i: 232448)
+    monkeypatch.setattr(plans, "device_limits", lambda i: (65536, 233472, 2048, 1024))
+    assert paged.DEFAULT_KNOBS.tail_warps is None
     fused = 0 if method == "no pages" else paged._mma2_smem(kitty, db, 4, k_bits, v_bits) + (800 if kitty else 288)
     assert paged._tail_warps(128, 0, fused, tail_static=_tail_static) == got
-    # the float64 sums' larger static queries (TUNE["tail_sums"] = 1) change no choice on the H100
+    # the float64 sums' larger static queries (Knobs.tail_sums = 1) change no choice on the H100
     assert paged._tail_warps(128, 0, fused, tail_static=lambda n: _tail_static(n, 1)) == got
     # a fused grid of more than two blocks per SM leaves no room worth keeping: the most warps
     assert paged._tail_warps(128, 0, fused, tail_static=_tail_static, fused_per_sm=4, fused_resident=4) == 4
@@ -358,28 +354,28 @@ def test_tail_warps_auto(monkeypatch, method, k_bits, v_bits, kitty, db, got):
     short["fused_pages_per_warp"] += 1
     assert paged._tail_warps(128, 0, fused, tail_static=_tail_static, **short) == 4
     if method == "Kitty":                      # without the static parts and the reserve it looked like 4 fit
-        monkeypatch.setattr(paged, "_device_limits", lambda i: (65536, 233472, 2048, 0))
+        monkeypatch.setattr(plans, "device_limits", lambda i: (65536, 233472, 2048, 0))
         assert paged._tail_warps(128, 0, paged._mma2_smem(kitty, db, 4, k_bits, v_bits)) == 4
 
 
 @pytest.mark.parametrize("optin, want, got", [(232448, None, 4), (232448, 2, 2), (49152, 4, 2), (49152, None, 2)])
 def test_tail16_warps(monkeypatch, optin, want, got):
-    """paged_tail16_attn (fp16 tiles, 16.5 KiB per warp at D = 128): ``TUNE["tail16_warps"]`` or the auto
+    """paged_tail16_attn (fp16 tiles, 16.5 KiB per warp at D = 128): ``Knobs.tail16_warps`` or the auto
     rule, capped by the device (48 KiB holds two warps); KIVI-K4V4's fused blocks leave room for 4 warps."""
+    from kvq.fast.cupy import paged, plans
+
+    monkeypatch.setattr(plans, "smem_optin", lambda i: optin)
+    monkeypatch.setattr(plans, "device_limits", lambda i: (65536, 233472, 2048, 1024))
+    assert paged._tail_warps(128, 0, paged._mma2_smem(False, 0, 4, 4, 4), fp16=True,
+                             knobs=paged.Knobs(tail16_warps=want)) == got
+
+
+def test_tail_warps_rejects_unbuilt_counts():
     from kvq.fast.cupy import paged
 
-    monkeypatch.setattr(paged, "_smem_optin", lambda i: optin)
-    monkeypatch.setattr(paged, "_device_limits", lambda i: (65536, 233472, 2048, 1024))
-    monkeypatch.setitem(paged.TUNE, "tail16_warps", want)
-    assert paged._tail_warps(128, 0, paged._mma2_smem(False, 0, 4, 4, 4), fp16=True) == got
-
-
-def test_tail_warps_rejects_unbuilt_counts(monkeypatch):
-    from kvq.fast.cupy import paged
-
-    monkeypatch.setitem(paged.TUNE, "tail_warps", 3)
-    with pytest.raises(ValueError, match="built for"):
-        paged._tail_warps(128, 0)
+    for key in ("tail_warps", "tail16_warps"):
+        with pytest.raises(ValueError, match="built for"):
+            paged.Knobs(**{key: 3})
 
 
 @pytest.mark.parametrize("sms, per_sm_max", [(1, 3), (64, 4)])
@@ -395,20 +391,22 @@ def test_decode_tells_tail_warps_the_fused_blocks_per_sm(monkeypatch, sms, per_s
     real = PD._tail_warps
 
     def spy(D, dev, fused_block=0, fp16=False, tail_static=None, fused_per_sm=2, fused_resident=2,
-            fused_pages_per_warp=0, other=0, warp_bytes=0):
-        assert other == 0 and warp_bytes == 0  # no tensor-core tail beside (TUNE["tail_mma"], ["mixed_mma"] False)
-        n = real(D, dev, fused_block, fp16, tail_static, fused_per_sm, fused_resident, fused_pages_per_warp)
+            fused_pages_per_warp=0, other=0, warp_bytes=0, knobs=PD.DEFAULT_KNOBS):
+        assert other == 0 and warp_bytes == 0  # no tensor-core tail beside (knobs tail_mma, mixed_mma False)
+        n = real(D, dev, fused_block, fp16, tail_static, fused_per_sm, fused_resident, fused_pages_per_warp,
+                 knobs=knobs)
         asked.append((fused_block, fused_per_sm, fused_resident, fused_pages_per_warp,
                       tail_static(n) if tail_static else None, n))
         return n
 
     monkeypatch.setattr(PD, "_tail_warps", spy)
-    monkeypatch.setitem(PD.TUNE, "tail_mma", False)  # the fp16 rows too through paged_tail_attn / tail16
-    monkeypatch.setitem(PD.TUNE, "mixed_mma", False)  # ... and the mixed rows
+    kn = dict(tail_mma=False,    # the fp16 rows too through paged_tail_attn / tail16
+              mixed_mma=False)   # ... and the mixed rows
     cfg = RK.KIVIConfig(2, 2, group_size=128, residual=128, max_tokens=4096)
     B, H, D, T = 1, 4, 128, 1100
     st = _kivi_cache(cfg, B, H, D, T)
-    PD.decode_attention(cfg, TK.KeyCodec, st, torch.zeros((B, 4 * H, 1, D), dtype=torch.float16))
+    PD.decode_attention(cfg, TK.KeyCodec, st, torch.zeros((B, 4 * H, 1, D), dtype=torch.float16),
+                        knobs=PD.Knobs(**kn))
     fused = [r for r in rec if r[0] == "mma2"]
     tails = [r for r in rec if r[0].startswith("paged_tail")]
     assert len(fused) == 1 and tails and len(asked) == len(tails)
@@ -420,10 +418,11 @@ def test_decode_tells_tail_warps_the_fused_blocks_per_sm(monkeypatch, sms, per_s
         assert per_sm == min(per_sm_max, -(-blocks // sms)) and per_sm != 2 and resident == per_sm_max
         assert ppw == pps // (fblock[0] // 32)
         assert static == 288 and block == (32 * n,)
-    assert all(r[0].endswith(", 2>") for r in tails)  # TUNE["tail_sums"]: four fp32 chains per score
-    monkeypatch.setitem(PD.TUNE, "tail_sums", 1)
+    assert all(r[0].endswith(", 2>") for r in tails)  # Knobs.tail_sums: four fp32 chains per score
+    kn["tail_sums"] = 1
     rec.clear()
-    PD.decode_attention(cfg, TK.KeyCodec, st, torch.zeros((B, 4 * H, 1, D), dtype=torch.float16))
+    PD.decode_attention(cfg, TK.KeyCodec, st, torch.zeros((B, 4 * H, 1, D), dtype=torch.float16),
+                        knobs=PD.Knobs(**kn))
     tails = [r for r in rec if r[0].startswith("paged_tail")]
     assert tails and all(r[0].endswith(", 1>") for r in tails)
 
@@ -456,6 +455,7 @@ def _patch_decode_glue(monkeypatch, sms=132, per_sm_max=4):
     import kvq.fast.cupy.attention as A
     from kvq.fast import _common as C
     from kvq.fast.cupy import paged as PD
+    from kvq.fast.cupy import plans as PL
 
     class K(str):
         shared_size_bytes = 288
@@ -494,12 +494,12 @@ def _patch_decode_glue(monkeypatch, sms=132, per_sm_max=4):
     monkeypatch.setattr(L, "stream_wait", lambda waiter, waited, d, k=0: rec.waits.append((len(rec), waiter, waited)))
     monkeypatch.setattr(L, "kernel", lambda src, name: K(name))
     monkeypatch.setattr(L, "sm_count", lambda d: sms)
-    monkeypatch.setattr(PD, "resident_slots", lambda *a, **k: per_sm_max * sms)
-    monkeypatch.setattr(PD, "_smem_optin", lambda i: 232448)
-    monkeypatch.setattr(PD, "_device_limits", lambda i: (65536, 233472, 2048, 1024))
-    monkeypatch.setattr(PD, "_allow_smem", lambda fn, smem, dev: fn)
+    monkeypatch.setattr(PL, "resident_slots", lambda *a, **k: per_sm_max * sms)
+    monkeypatch.setattr(PL, "smem_optin", lambda i: 232448)
+    monkeypatch.setattr(PL, "device_limits", lambda i: (65536, 233472, 2048, 1024))
+    monkeypatch.setattr(PL, "allow_smem", lambda fn, smem, dev: fn)
     monkeypatch.setattr(PD, "_mma_kernel", lambda *a: K("mma2"))
-    monkeypatch.setattr(PD, "_side_stream", lambda d, k=0: type("Side", (), {"cuda_stream": SIDE_STREAM + k})())
+    monkeypatch.setattr(PL, "side_stream", lambda d, k=0: type("Side", (), {"cuda_stream": SIDE_STREAM + k})())
     monkeypatch.setattr(PD, "mma_ok", lambda *a: True)
     monkeypatch.setattr(PD, "fused_ok", lambda cfg, D: True)
     monkeypatch.setattr(PD, "_aligned", lambda *t: True)
@@ -529,9 +529,11 @@ def _record_decode_launches(monkeypatch, sms=132):
     B, H, D, T = 2, 4, 128, 1100
     st = _kivi_cache(cfg, B, H, D, T)
 
-    def decode(dtype=torch.float16, ratio=4):
+    def decode(dtype=torch.float16, ratio=4, **knobs):
+        """decode with these launch knobs (``PD.Knobs`` fields; none: the defaults)"""
         rec.clear()
-        PD.decode_attention(cfg, TK.KeyCodec, st, torch.zeros((B, ratio * H, 1, D), dtype=dtype))
+        PD.decode_attention(cfg, TK.KeyCodec, st, torch.zeros((B, ratio * H, 1, D), dtype=dtype),
+                            knobs=PD.Knobs(**knobs))
         return rec
 
     return cfg, PD.counts(cfg, T), decode
@@ -540,26 +542,26 @@ def _record_decode_launches(monkeypatch, sms=132):
 @pytest.mark.parametrize("ratio", [4, 8, 12])
 def test_decode_puts_fp16_tail_rows_on_tensor_cores(monkeypatch, ratio):
     """decode_attention's glue (CPU, launches recorded): with fp16 q and D = 128 the tail rows whose key and
-    value are both fp16 (sink, key buffer) go to paged_tail_mma (``TUNE["tail_mma"]`` None / True: 2 warps
+    value are both fp16 (sink, key buffer) go to paged_tail_mma (``Knobs.tail_mma`` None / True: 2 warps
     beside a small fused grid, else 4, their tiles in dynamic shared memory, query tiles of 8 rows, the mixed
     rows skipped by (gap_at, gap) =
-    (sink, mixed rows)) and the mixed rows (``TUNE["mixed_mma"] = False``) to paged_tail_attn, their partials
+    (sink, mixed rows)) and the mixed rows (``Knobs.mixed_mma = False``) to paged_tail_attn, their partials
     numbered after the fused
-    kernel's and each other's; bf16 q, or ``TUNE["tail_mma"] = False``, keep the tail off the tensor cores;
+    kernel's and each other's; bf16 q, or ``Knobs.tail_mma = False``, keep the tail off the tensor cores;
     the merge sees every partial."""
     import kvq.fast.cupy._loader as L
     from kvq.fast.cupy import paged as PD
 
     sms = 16                                   # B x H_kv = 8 (sequence, kv head) blocks fill a quarter of them
     cfg, c, decode = _record_decode_launches(monkeypatch, sms)
-    monkeypatch.setitem(PD.TUNE, "mixed_mma", False)   # the mixed rows: test_decode_puts_mixed_rows_on_tensor_cores
+    kn = {"mixed_mma": False}   # the mixed rows: test_decode_puts_mixed_rows_on_tensor_cores
     NF = min(c["n_kpages"] * 128, c["n_vq"])
     n_mixed = max(c["n_kpages"] * 128, c["n_vq"]) - NF
     NT = c["n_sink"] + c["post"] - NF
     assert c["n_sink"] == 32 and n_mixed > 0 and NT - n_mixed > 32        # sink, key-buffer and mixed rows
     for want in (None, True):
-        monkeypatch.setitem(PD.TUNE, "tail_mma", want)
-        rec = decode(ratio=ratio)
+        kn["tail_mma"] = want
+        rec = decode(ratio=ratio, **kn)
         fused = [r for r in rec if r[0] == "mma2"]
         mma = [r for r in rec if r[0].startswith("paged_tail_mma")]
         mixed = [r for r in rec if r[0].startswith("paged_tail_attn")]
@@ -584,8 +586,8 @@ def test_decode_puts_fp16_tail_rows_on_tensor_cores(monkeypatch, ratio):
         merge = [r for r in rec if r[0] == "merge"][0]
         assert merge[6] == n_fused + n + m_n                                # S_TOTAL partials
     for dtype, want in ((torch.bfloat16, None), (torch.float16, False)):
-        monkeypatch.setitem(PD.TUNE, "tail_mma", want)
-        rec = decode(dtype, ratio)
+        kn["tail_mma"] = want
+        rec = decode(dtype, ratio, **kn)
         assert not [r for r in rec if r[0].startswith("paged_tail_mma")]
         assert [r for r in rec if r[0].startswith("paged_tail")]
 
@@ -593,11 +595,11 @@ def test_decode_puts_fp16_tail_rows_on_tensor_cores(monkeypatch, ratio):
 @pytest.mark.parametrize("ratio", [4, 12])
 def test_decode_puts_mixed_rows_on_tensor_cores(monkeypatch, ratio):
     """decode_attention's glue (CPU, launches recorded): with fp16 q and D = 128 the mixed tail rows (key in a
-    page, value fp16) go to paged_mixed_mma by default (``TUNE["mixed_mma"]`` None / True): one launch of
+    page, value fp16) go to paged_mixed_mma by default (``Knobs.mixed_mma`` None / True): one launch of
     query tiles of 8 rows, u0 = the sink, T = the mixed rows, the key bits and Kitty flag, its warps' three
     tiles in dynamic shared memory, the fp16 rows beside it (paged_tail_mma, or paged_tail16_attn with
-    ``TUNE["tail_mma"] = False``), every partial numbered once and merged; False, bf16 q, or
-    ``TUNE["tail16"] = False`` keep them on paged_tail_attn."""
+    ``Knobs.tail_mma = False``), every partial numbered once and merged; False, bf16 q, or
+    ``Knobs.tail16 = False`` keep them on paged_tail_attn."""
     import kvq.fast.cupy._loader as L
     from kvq.fast.cupy import paged as PD
 
@@ -607,11 +609,12 @@ def test_decode_puts_mixed_rows_on_tensor_cores(monkeypatch, ratio):
     n_mixed = max(c["n_kpages"] * 128, c["n_vq"]) - NF
     NT = c["n_sink"] + c["post"] - NF
     assert c["n_kpages"] * 128 > c["n_vq"] and n_mixed > 0 and NT - n_mixed > 32
+    kn = {}
     for tmma, fp16_kernel in ((None, "paged_tail_mma"), (False, "paged_tail16_attn")):
-        monkeypatch.setitem(PD.TUNE, "tail_mma", tmma)
+        kn["tail_mma"] = tmma
         for want in (None, True):
-            monkeypatch.setitem(PD.TUNE, "mixed_mma", want)
-            rec = decode(ratio=ratio)
+            kn["mixed_mma"] = want
+            rec = decode(ratio=ratio, **kn)
             fused = [r for r in rec if r[0] == "mma2"]
             mixed = [r for r in rec if r[0].startswith("paged_mixed_mma")]
             fp16 = [r for r in rec if r[0].startswith(fp16_kernel)]
@@ -634,18 +637,18 @@ def test_decode_puts_mixed_rows_on_tensor_cores(monkeypatch, ratio):
                                                               [(n_fused, f_n), (n_fused + f_n, n)])
             merge = [r for r in rec if r[0] == "merge"][0]
             assert merge[6] == n_fused + n + f_n
-    monkeypatch.setitem(PD.TUNE, "tail_mma", None)
+    kn = {"tail_mma": None}
     for dtype, key, val in ((torch.float16, "mixed_mma", False), (torch.bfloat16, "mixed_mma", None),
                             (torch.float16, "tail16", False)):
-        monkeypatch.setitem(PD.TUNE, key, val)
-        rec = decode(dtype, ratio)
+        kn[key] = val
+        rec = decode(dtype, ratio, **kn)
         assert not [r for r in rec if r[0].startswith("paged_mixed_mma")]
         assert [r for r in rec if r[0].startswith("paged_tail_attn")]
-        monkeypatch.setitem(PD.TUNE, key, None)
+        kn[key] = None
 
 
 def test_mixed_mma_rule_keeps_one_tail_launch_beside_a_long_grid(monkeypatch):
-    """The automatic rule (``TUNE["mixed_mma"]`` None) leaves the mixed rows on paged_tail_attn where
+    """The automatic rule (``Knobs.mixed_mma`` None) leaves the mixed rows on paged_tail_attn where
     paged_mixed_mma would cost the fp16 rows a launch of their own beside a long fused grid (more than
     SHORT_PAGES_PER_WARP pages a warp, no other rule splitting the fp16 rows off): the whole tail in one
     launch; True puts them on the tensor cores there too (H100, Kitty 1 x 128K: 0.0497 ms with the one
@@ -658,11 +661,10 @@ def test_mixed_mma_rule_keeps_one_tail_launch_beside_a_long_grid(monkeypatch):
     cfg = RK.KIVIConfig(2, 2, group_size=128, residual=128, max_tokens=4096, sink=32)
     B, H, D, T = 1, 4, 128, 4050
     st = _kivi_cache(cfg, B, H, D, T)
-    monkeypatch.setitem(PD.TUNE, "tail_mma", False)
     for want, on in ((None, False), (True, True)):
-        monkeypatch.setitem(PD.TUNE, "mixed_mma", want)
         rec.clear()
-        PD.decode_attention(cfg, TK.KeyCodec, st, torch.zeros((B, 4 * H, 1, D), dtype=torch.float16))
+        PD.decode_attention(cfg, TK.KeyCodec, st, torch.zeros((B, 4 * H, 1, D), dtype=torch.float16),
+                            knobs=PD.Knobs(tail_mma=False, mixed_mma=want))
         fused = [r for r in rec if r[0] == "mma2"][0]
         assert int(fused[4][24]) // (fused[2][0] // 32) > PD.SHORT_PAGES_PER_WARP    # a long fused grid
         names = [r[0] for r in rec if r[0].startswith("paged_")]
@@ -677,13 +679,12 @@ def test_decode_forks_and_joins_side_streams(monkeypatch, side):
     """decode_attention's glue (CPU, launches recorded): the fused kernel launches on the caller's stream and
     each tail part on a side stream of its own (raw handles, no torch stream context), every side stream
     waits for the caller's stream before the first launch and the caller's stream waits for every side
-    stream after the last one, before the merge; ``TUNE["side_stream"] = False``: everything on the
+    stream after the last one, before the merge; ``Knobs.side_stream = False``: everything on the
     caller's stream, no waits."""
     from kvq.fast.cupy import paged as PD
 
     _, _, decode = _record_decode_launches(monkeypatch, 16)
-    monkeypatch.setitem(PD.TUNE, "side_stream", side)
-    rec = decode()
+    rec = decode(side_stream=side)
     launches = [r for r in rec if r[0] != "merge"]
     merge_at = [i for i, r in enumerate(rec) if r[0] == "merge"]
     assert merge_at == [len(rec) - 1] and len(launches) >= 3           # fused, fp16 rows, mixed rows
@@ -703,43 +704,37 @@ def test_decode_forks_and_joins_side_streams(monkeypatch, side):
 
 @pytest.mark.parametrize("bad", [1, "yes", 0])
 def test_mixed_mma_knob_rejects_bad_values(monkeypatch, bad):
-    """``TUNE["mixed_mma"]`` is None, True or False: anything else is a clear error before any launch."""
-    from kvq.fast.cupy import paged as PD
-
+    """``Knobs.mixed_mma`` is None, True or False: anything else is a clear error before any launch."""
     _, _, decode = _record_decode_launches(monkeypatch, 16)
-    monkeypatch.setitem(PD.TUNE, "mixed_mma", bad)
     with pytest.raises(ValueError, match="mixed_mma"):
-        decode()
+        decode(mixed_mma=bad)
 
 
 @pytest.mark.parametrize("key, bad", [("tail_mma", 1), ("tail_mma", "yes"), ("tail_mma_warps", 3),
                                       ("tail_mma_warps", 8)])
 def test_tail_mma_knobs_reject_bad_values(monkeypatch, key, bad):
-    """``TUNE["tail_mma"]`` is None, True or False and ``TUNE["tail_mma_warps"]`` one of the warp counts
+    """``Knobs.tail_mma`` is None, True or False and ``Knobs.tail_mma_warps`` one of the warp counts
     paged_tail_mma is built for: anything else is a clear error before any launch."""
-    from kvq.fast.cupy import paged as PD
-
     _, _, decode = _record_decode_launches(monkeypatch, 16)
-    monkeypatch.setitem(PD.TUNE, key, bad)
     with pytest.raises(ValueError, match=key):
-        decode()
+        decode(**{key: bad})
 
 
 def test_tail_mma_warps_fit_the_device(monkeypatch):
-    """paged_tail_mma's warps per block: ``TUNE["tail_mma_warps"]``, or 4 (2 beside a fused grid of at most
+    """paged_tail_mma's warps per block: ``Knobs.tail_mma_warps``, or 4 (2 beside a fused grid of at most
     two blocks per SM), capped by what one block may hold (17 KiB of tiles per warp)."""
     from kvq.fast.cupy import paged as PD
+    from kvq.fast.cupy import plans as PL
 
     for optin, want, per_sm, got in ((232448, None, 0, 4), (232448, None, 4, 4), (232448, None, 2, 2),
                                      (232448, None, 1, 2), (232448, 4, 2, 4), (232448, 2, 4, 2),
                                      (48 * 1024, None, 0, 2), (20 * 1024, None, 4, 1)):
-        monkeypatch.setattr(PD, "_smem_optin", lambda i, o=optin: o)
-        monkeypatch.setitem(PD.TUNE, "tail_mma_warps", want)
-        assert PD._tail_mma_warps(0, per_sm) == got
+        monkeypatch.setattr(PL, "smem_optin", lambda i, o=optin: o)
+        assert PD._tail_mma_warps(0, per_sm, PD.Knobs(tail_mma_warps=want)) == got
 
 
 def test_tail_mma_auto_rule(monkeypatch):
-    """``TUNE["tail_mma"]`` None: the tensor-core tail where it applies (fp16 q, D = 128, the tail read in
+    """``Knobs.tail_mma`` None: the tensor-core tail where it applies (fp16 q, D = 128, the tail read in
     place, some fp16 rows), its blocks fill a quarter of the SMs (batch 8 x 8 kv heads on 132 SMs, not
     batch 1) and its fp16 rows are at least 1 / TAIL_MMA_SHARE of the fused tokens (Kitty at 8K on the
     H100: 128 fp16 rows beside 7936 fused tokens; not at 32K), or, where they hold a sink and the blocks
@@ -750,8 +745,10 @@ def test_tail_mma_auto_rule(monkeypatch):
 
     h, f, b = (torch.zeros(1, dtype=t) for t in (torch.float16, torch.float32, torch.bfloat16))
 
+    kn = {}
+
     def ok(q, D, in_place, rows, fused, blocks=64, sink=0):
-        return PD._tail_mma_ok(q, D, in_place, rows, fused, blocks, 132, sink)
+        return PD._tail_mma_ok(q, D, in_place, rows, fused, blocks, 132, sink, PD.Knobs(**kn))
 
     assert ok(h, 128, True, 128, 7936) and ok(h, 128, True, 128, 128 * PD.TAIL_MMA_SHARE) and ok(h, 128, True, 5, 0)
     assert ok(h, 128, True, 128, 7936, 33) and not ok(h, 128, True, 128, 7936, 32) and not ok(h, 128, True, 128, 0, 8)
@@ -765,9 +762,9 @@ def test_tail_mma_auto_rule(monkeypatch):
     for args in ((f, 128, True, 128, 0), (b, 128, True, 128, 0), (h, 64, True, 128, 0), (h, 128, False, 128, 0),
                  (h, 128, True, 0, 0)):
         assert not ok(*args)
-    monkeypatch.setitem(PD.TUNE, "tail_mma", True)
+    kn["tail_mma"] = True
     assert ok(h, 128, True, 1, 10 ** 6, 1) and not ok(h, 64, True, 128, 0)
-    monkeypatch.setitem(PD.TUNE, "tail_mma", False)
+    kn["tail_mma"] = False
     assert not ok(h, 128, True, 128, 0) and not ok(h, 128, True, 32, 8064, 64, 32)
 
 
@@ -776,10 +773,10 @@ def test_tail_warps_leave_room_for_the_tensor_core_tail(monkeypatch):
     block too (``other``): Kitty's 4-warp mixed block (135 KiB) fitted beside two fused blocks' neighbours no
     longer, 2 warps do (H100, Kitty 8 x 8K: 0.0446 ms at 2 warps, 0.0499 at 4)."""
     import kvq.fast.cupy._loader as L
-    from kvq.fast.cupy import paged
+    from kvq.fast.cupy import paged, plans
 
-    monkeypatch.setattr(paged, "_smem_optin", lambda i: 232448)
-    monkeypatch.setattr(paged, "_device_limits", lambda i: (65536, 233472, 2048, 1024))
+    monkeypatch.setattr(plans, "smem_optin", lambda i: 232448)
+    monkeypatch.setattr(plans, "device_limits", lambda i: (65536, 233472, 2048, 1024))
     fused = paged._mma2_smem(True, 16, 4, 2, 2) + 1024
     long_grid = dict(fused_per_sm=2, fused_resident=4, fused_pages_per_warp=4)
     assert paged._tail_warps(128, 0, fused, tail_static=_tail_static, **long_grid) == 4
@@ -790,13 +787,11 @@ def test_tail_warps_leave_room_for_the_tensor_core_tail(monkeypatch):
 
 
 @pytest.mark.parametrize("bad", [0, 3, True, "2", None])
-def test_tail_sums_rejects_unbuilt_modes(monkeypatch, bad):
-    """``TUNE["tail_sums"]`` takes the summations the tail kernels are built for (1 float64, 2 four fp32
-    chains); anything else is a clear error before any launch."""
+def test_tail_sums_rejects_unbuilt_modes(bad):
+    """``Knobs.tail_sums`` takes the summations the tail kernels are built for (1 float64, 2 four fp32
+    chains); anything else is a clear error before any launch (when the knobs are made)."""
     from kvq.fast.cupy import paged
 
-    monkeypatch.setitem(paged.TUNE, "tail_sums", bad)
     with pytest.raises(ValueError, match="tail_sums"):
-        paged._tail_sums()
-    monkeypatch.setitem(paged.TUNE, "tail_sums", 1)
-    assert paged._tail_sums() == 1
+        paged.Knobs(tail_sums=bad)
+    assert paged._tail_sums(paged.Knobs(tail_sums=1)) == 1

@@ -1,5 +1,5 @@
 """The CuPy paged decode's launch plans, on the CPU: a plan is computed once per (configuration, shape,
-length, dtype, device, TUNE) and reused, holds no tensor, and its prepared launches pack exactly the bytes
+length, dtype, device, knobs) and reused, holds no tensor, and its prepared launches pack exactly the bytes
 the generic launcher packs. The driver, the kernels and the device properties are stand-ins here (the
 launches are recorded, not run); the kernels' results are the GPU parity tests'
 (tests/parity/test_kivi_kitty_parity.py, ``-m gpu``).
@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 
 import kvq.fast.cupy._loader as L  # noqa: E402
 import kvq.fast.cupy.paged as P  # noqa: E402
+import kvq.fast.cupy.plans as PL  # noqa: E402
 
 _PROPS = {"regsPerMultiprocessor": 65536, "sharedMemPerMultiprocessor": 233472, "maxThreadsPerMultiProcessor": 2048,
           "reservedSharedMemPerBlock": 1024, "sharedMemPerBlockOptin": 232448}
@@ -51,18 +52,20 @@ def fake_device(monkeypatch):
                         log.append(("launch", self.fn.name, self.grid, self.block, self.shared_mem, stream,
                                     self.bind(values))))
     monkeypatch.setattr(L, "on_device", lambda dev: contextlib.nullcontext())
-    monkeypatch.setattr(P, "_allow_smem", lambda fn, smem, dev: fn)
-    monkeypatch.setattr(P, "_device_props", lambda i: _PROPS)
-    monkeypatch.setattr(P, "_side_stream", lambda dev, k=0: _Stream(k))
+    monkeypatch.setattr(PL, "allow_smem", lambda fn, smem, dev: fn)
+    monkeypatch.setattr(PL, "device_props", lambda i: _PROPS)
+    monkeypatch.setattr(PL, "side_stream", lambda dev, k=0: _Stream(k))
     monkeypatch.setattr(P._paged, "check_q", lambda *a, **k: None)     # CuPy refuses CPU tensors
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: None)
     P._decode_plan.cache_clear()
-    P._device_limits.cache_clear()
+    PL.device_limits.cache_clear()
+    PL.resident_slots.cache_clear()
     yield log
     P._decode_plan.cache_clear()
-    P._device_limits.cache_clear()
+    PL.device_limits.cache_clear()
+    PL.resident_slots.cache_clear()
 
 
 def _cache(name="KIVI-K2V2", T=300, B=2, kitty=False):
@@ -86,8 +89,8 @@ def _q(B=2, dtype=torch.float16):
 
 
 def test_plan_is_reused_per_shape_and_length(fake_device):
-    """The same call shape reuses one plan object; a new length, another q dtype or a TUNE setting plans
-    anew; a plan holds no tensor (a Prepared launch refuses one)."""
+    """The same call shape reuses one plan object; a new length, another q dtype or another knob plans
+    anew (equal knobs share the plan); a plan holds no tensor (a Prepared launch refuses one)."""
     tmod, cfg, codec, st = _cache()
     q = _q()
     p1 = P.decode_plan(cfg, codec, st, q)
@@ -100,14 +103,11 @@ def test_plan_is_reused_per_shape_and_length(fake_device):
     tmod.append(cfg, st, z, z.clone())
     p2 = P.decode_plan(cfg, codec, st, q)
     assert p2 is not p1 and P.decode_plan(cfg, codec, st, q) is p2
-    old = P.TUNE["side_stream"]
-    try:
-        P.TUNE["side_stream"] = False
-        p3 = P.decode_plan(cfg, codec, st, q)
-        assert p3 is not p2 and p3.sides == ()
-    finally:
-        P.TUNE["side_stream"] = old
+    p3 = P.decode_plan(cfg, codec, st, q, knobs=P.Knobs(side_stream=False))
+    assert p3 is not p2 and p3.sides == ()
+    assert P.decode_plan(cfg, codec, st, q, knobs=P.Knobs(side_stream=False)) is p3
     assert P.decode_plan(cfg, codec, st, q) is p2
+    assert P.decode_plan(cfg, codec, st, q, knobs=P.Knobs()) is p2         # the defaults, spelled out
     with pytest.raises(TypeError, match="Slots"):
         L.Prepared(_Fn("k"), (1,), (32,), (torch.zeros(1),))
 
@@ -157,3 +157,90 @@ def test_prepared_packs_like_pack_args():
         assert got_params - __import__("ctypes").addressof(got_buf) == n
         assert want_buf.raw[:n] == got_buf.raw[:n]
     assert prep.grid == (3, 2, 1) and prep.block == (64, 1, 1) and prep.shared_mem == 128
+
+
+# ----------------------------------------------------------------------------------------------------
+# the launch knobs (frozen Knobs) and the pure planners
+
+
+def test_paged_knobs_defaults_and_checks():
+    """paged.Knobs: the defaults the decode ran with as a dict before (15 knobs), immutable and hashable;
+    every bad value is a ValueError naming the knob; decode_plan refuses what is not a Knobs."""
+    import dataclasses
+
+    k = P.Knobs()
+    assert dataclasses.asdict(k) == {
+        "num_warps": None, "waves": None, "mma": True, "side_stream": True, "fused_tail": True, "tail_tiles": 1,
+        "tail_first": False, "tail16": None, "tail_warps": None, "tail16_warps": None, "max_blocks_per_sm": None,
+        "tail_sums": 2, "tail_mma": None, "tail_mma_warps": None, "mixed_mma": None}
+    assert k == P.DEFAULT_KNOBS and hash(k) == hash(P.Knobs())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        k.mma = False
+    bad = {"num_warps": 0, "waves": -1, "mma": 1, "side_stream": None, "fused_tail": "yes", "tail_tiles": 0,
+           "tail_first": None, "tail16": 0, "tail_warps": 3, "tail16_warps": 8, "max_blocks_per_sm": 2.5,
+           "tail_sums": True, "tail_mma": "auto", "tail_mma_warps": 16, "mixed_mma": 1}
+    assert set(bad) == set(dataclasses.asdict(k))
+    for key, val in bad.items():
+        with pytest.raises(ValueError, match=key):
+            P.Knobs(**{key: val})
+    with pytest.raises(TypeError, match="Knobs"):
+        P._knobs({"mma": False})
+
+
+def test_paged_knob_changes_the_plan(fake_device):
+    """A knob other than its default changes the launches the plan holds: the CUDA-core page kernel
+    (mma=False), the tail launched first, fewer splits at one block per SM."""
+    tmod, cfg, codec, st = _cache(T=3000, B=2)
+    q = _q()
+    base = P.decode_plan(cfg, codec, st, q)
+    names = [launch.fn.name for _, launch in base.launches if hasattr(launch, "fn")]
+    assert names[0].startswith("paged_decode_mma2")
+    cuda = P.decode_plan(cfg, codec, st, q, knobs=P.Knobs(mma=False))
+    assert [launch.fn.name for _, launch in cuda.launches][0].startswith("paged_decode<")
+    first = P.decode_plan(cfg, codec, st, q, knobs=P.Knobs(tail_first=True))
+    assert first.launches[-1][1].fn.name == names[0] and first.launches != base.launches
+    one = P.decode_plan(cfg, codec, st, q, knobs=P.Knobs(max_blocks_per_sm=1, waves=None))
+    assert one.n_partials <= base.n_partials
+
+
+def test_paged_default_knobs_are_read_per_call(fake_device, monkeypatch):
+    """Without ``knobs`` the decode takes ``DEFAULT_KNOBS`` as it stands at the call (the GPU tests replace it
+    to run the method modules' decode_attention, which pass no knobs, with other knobs)."""
+    tmod, cfg, codec, st = _cache(T=3000, B=2)
+    q = _q()
+    assert P.decode_plan(cfg, codec, st, q).sides
+    monkeypatch.setattr(P, "DEFAULT_KNOBS", P.Knobs(side_stream=False))
+    assert P.decode_plan(cfg, codec, st, q).sides == ()
+    fake_device.clear()
+    P.decode_attention(cfg, codec, st, q)
+    assert not [e for e in fake_device if e[0] == "wait"]                  # everything on one stream
+
+
+def test_oscar_plan_is_pure_and_cached():
+    """oscar_decode.plan: numbers in, a frozen Plan out, on the CPU (no CUDA, no kernel), cached per
+    arguments; the defaults reproduce the documented rules; each knob changes its decision; bad knob
+    values are refused when the knobs are made."""
+    import dataclasses
+
+    import kvq.fast.cupy.oscar_decode as OD
+
+    OD._plan.cache_clear()
+    args = (1, 8, 32, 1, 128, 32, 128, 256, 132, 396)          # B, H, H_q, T_q, D, sink, window, pages, SMs, slots
+    p = OD.plan(*args)
+    assert OD.plan(*args) is p and OD.plan(*args, OD.Knobs()) is p and OD._plan.cache_info().hits >= 2
+    assert p.side and not p.first and p.one_launch           # 8 tail blocks < 132 SMs: the pages first
+    assert (p.n_split, p.pps) == PL.fused_splits(256, 8, 4, 396, 132, few_bases=True)
+    assert OD.plan(*args, OD.Knobs(tail_first=True)).first
+    assert not OD.plan(*args, OD.Knobs(merge_rotate=False)).one_launch
+    assert not OD.plan(*args, OD.Knobs(paged=P.Knobs(side_stream=False))).side
+    capped = OD.plan(*args, OD.Knobs(paged=P.Knobs(max_blocks_per_sm=1)))
+    assert (capped.n_split, capped.pps) == PL.n_splits(256, 8, 4, 132)
+    assert OD.plan(32, 8, 32, 1, 128, 32, 128, 256, 132, 396).first      # 256 tail blocks: the tail first
+    assert dataclasses.asdict(OD.Knobs())["tail_prec"] == 2
+    for key, val in (("tail_prec", 3), ("tail_prec", True), ("tail_first", 1), ("merge_rotate", "yes")):
+        with pytest.raises(ValueError, match=key):
+            OD.Knobs(**{key: val})
+    with pytest.raises(TypeError, match="paged"):
+        OD.Knobs(paged={"side_stream": False})
+    with pytest.raises(TypeError, match="Knobs"):
+        OD.plan(*args, {"tail_prec": 1})

@@ -181,11 +181,12 @@ KNOBS = {"one-warp-chunks": dict(bt_max=1), "whole-page-chunks-other-unpack": di
 
 @pytest.mark.parametrize("knobs", list(KNOBS))
 def test_launch_knobs(device, knobs, monkeypatch):
-    """Other launch knobs (``bitdecoding_decode.TUNE``) meet the rule too: one warp (8 R tokens) per chunk,
+    """Other launch knobs (``bitdecoding_decode.Knobs``) meet the rule too: one warp (8 R tokens) per chunk,
     the whole page in one chunk, the other way of unpacking the words (reshape / gather), few splits; on
-    configs with key groups of 64 tokens spanning warps (W_n = 4) and channel groups of 16 / 64."""
-    for key, val in KNOBS[knobs].items():
-        monkeypatch.setitem(BDD.TUNE, key, 1 - BDD.TUNE["unpack"] if key == "unpack" else val)
+    configs with key groups of 64 tokens spanning warps (W_n = 4) and channel groups of 16 / 64 (the
+    decode's default knobs replaced: ``plan`` reads ``DEFAULT_KNOBS`` per call)."""
+    kn = {key: 1 - BDD.DEFAULT_KNOBS.unpack if key == "unpack" else val for key, val in KNOBS[knobs].items()}
+    monkeypatch.setattr(BDD, "DEFAULT_KNOBS", BDD.Knobs(**kn))
     cfg = small(4, "channel", 4, k_group=64, v_group=16)                   # N_r = 128
     st = ref_state(cfg, device, 2 * cfg.n_r + 9, seed=11)
     decode_and_check(cfg, st, device, 4, 1, FP16, seed=12, what=f"{knobs}: ")

@@ -12,7 +12,7 @@ against the reference run in float64 (truth) and float32. Bad input raises the r
 
 Targets: Triton through the interpreter (CI, CPU) and on the GPU, and the CuPy backend on the GPU
 (``pytest -m gpu``). The decode's tail gather is checked for both backends; the Triton-only launch knob
-``TUNE["split_p"]`` only for Triton.
+``Knobs.split_p`` only for Triton.
 """
 
 from __future__ import annotations
@@ -268,30 +268,38 @@ def test_decode_attention(target, a):
     check_close(out2, o64, o32, dtype, "out (scale=0.3)")
 
 
+def _cupy_knobs(monkeypatch, **knobs) -> dict:
+    """The CuPy paged decode's default launch knobs replaced by ``kvq.fast.cupy.paged.Knobs(**knobs)`` for
+    this test: ``paged.decode_attention`` reads ``DEFAULT_KNOBS`` per call where it is given none, as
+    ``cupy.kivi`` / ``cupy.kitty.decode_attention`` call it. Returns ``knobs`` (to change and pass again)."""
+    FP = _paged("cupy")
+    monkeypatch.setattr(FP, "DEFAULT_KNOBS", FP.Knobs(**knobs))
+    return knobs
+
+
 @pytest.mark.parametrize("a", [ATTN[1], ATTN[6]], ids=["KIVI-K2V2-fp16", "Kitty-Pro-fp16"])
 def test_decode_p_split(triton_target, a, monkeypatch):
-    """The other setting of ``paged.TUNE["split_p"]``: True (P as hi + lo halves, two dots, ~fp32
-    accuracy) instead of the default False (P rounded once to fp16) also meets the tolerance rule."""
+    """The other setting of ``paged.Knobs.split_p``: True (P as hi + lo halves, two dots, ~fp32
+    accuracy) instead of the default False (P rounded once to fp16) also meets the tolerance rule (the
+    decode's default knobs replaced: ``plan`` reads ``DEFAULT_KNOBS`` per call)."""
     FP = _paged("triton")
-    monkeypatch.setitem(FP.TUNE, "split_p", True)
+    monkeypatch.setattr(FP, "DEFAULT_KNOBS", FP.Knobs(split_p=True))
     test_decode_attention(triton_target, a)
 
 
 @pytest.mark.parametrize("a", [ATTN[1], ATTN[5], ATTN[6]], ids=["KIVI-K2V2-fp16", "Kitty-fp16-gqa8", "Kitty-Pro-fp16"])
 def test_decode_cuda_cores(cupy_target, a, monkeypatch):
     """CuPy: fp16 q with 2-bit keys and values takes the tensor-core kernel (paged_decode_mma2) by
-    default; ``TUNE["mma"] = False`` runs the CUDA-core kernel (paged_decode) on the same cases."""
-    FP = _paged("cupy")
-    monkeypatch.setitem(FP.TUNE, "mma", False)
+    default; ``Knobs(mma=False)`` runs the CUDA-core kernel (paged_decode) on the same cases."""
+    _cupy_knobs(monkeypatch, mma=False)
     test_decode_attention(cupy_target, a)
 
 
 @pytest.mark.parametrize("a", [ATTN[1], ATTN[6]], ids=["KIVI-K2V2-fp16", "Kitty-Pro-fp16"])
 def test_decode_one_stream(cupy_target, a, monkeypatch):
-    """CuPy: ``TUNE["side_stream"] = False`` runs the tail (gather + fp32 split kernel) on the caller's
+    """CuPy: ``Knobs(side_stream=False)`` runs the tail (gather + fp32 split kernel) on the caller's
     stream after the fused kernel instead of beside it; same results."""
-    FP = _paged("cupy")
-    monkeypatch.setitem(FP.TUNE, "side_stream", False)
+    _cupy_knobs(monkeypatch, side_stream=False)
     test_decode_attention(cupy_target, a)
 
 
@@ -354,16 +362,16 @@ TAIL = [(0, 3001, torch.float16, 4, 128), (0, 2048 + 77, torch.float16, 8, 128),
                                          f"{str(a[2])[6:]}-gqa{a[3]}-D{a[4]}" for a in TAIL])
 def test_decode_tail_in_place(cupy_target, a, monkeypatch):
     """CuPy: half-precision q reads the tail (sink, Q-buffers, window, mixed tokens) in place
-    (``TUNE["fused_tail"]``, the default) and meets the tolerance rule: (fp16 q, D = 128) with the fp16
-    rows on the tensor cores (paged_tail_mma, ``TUNE["tail_mma"] = True``) and the mixed rows by
+    (``Knobs.fused_tail``, the default) and meets the tolerance rule: (fp16 q, D = 128) with the fp16
+    rows on the tensor cores (paged_tail_mma, ``Knobs.tail_mma = True``) and the mixed rows by
     paged_mixed_mma where they all have their key in a page and their value in fp16 (else, and with
-    ``TUNE["mixed_mma"] = False``, by paged_tail_attn), in either launch order with the same bits; off the
-    tensor cores (``TUNE["tail_mma"] = False``) with ``TUNE["tail16"] = True``
-    (fp16 rows by paged_tail16_attn, mixed rows as above, and with ``TUNE["mixed_mma"] = False`` by
+    ``Knobs.mixed_mma = False``, by paged_tail_attn), in either launch order with the same bits; off the
+    tensor cores (``Knobs.tail_mma = False``) with ``Knobs.tail16 = True``
+    (fp16 rows by paged_tail16_attn, mixed rows as above, and with ``Knobs.mixed_mma = False`` by
     paged_tail_attn; the auto rule picks it from one tail
     query tile per SM on) and False (every row by paged_tail_attn, one launch); the other launch order
-    (``TUNE["tail_first"]``) gives the same bits; every tail row through paged_tail_attn with the warps
-    per block of the gather's split kernel (``TUNE["tail16"] = False``) gives the bits of the gather into an
+    (``Knobs.tail_first``) gives the same bits; every tail row through paged_tail_attn with the warps
+    per block of the gather's split kernel (``Knobs.tail16 = False``) gives the bits of the gather into an
     fp32 copy + attention.cu's split kernel (the same tile values, the same arithmetic)."""
     FP = _paged("cupy")
     ci, T, dtype, ratio, D = a
@@ -379,37 +387,49 @@ def test_decode_tail_in_place(cupy_target, a, monkeypatch):
     q = torch.from_numpy(np.random.default_rng(T).standard_normal((B, H * ratio, 1, D)).astype(np.float32))
     q = q.to(dtype).cuda()
     (o64, l64), (o32, l32) = _truth_ref32(ref, cfg, rs, q)
-    monkeypatch.setitem(FP.TUNE, "tail_mma", True)               # fp16 rows on the tensor cores (auto: batch >= 8)
+    kn = {"tail_first": FP.DEFAULT_KNOBS.tail_first}
+    kn["tail_mma"] = True               # fp16 rows on the tensor cores (auto: batch >= 8)
+    _cupy_knobs(monkeypatch, **kn)
     out_m, lse_m = fast.decode_attention(cfg, fs, q)
     check_close(out_m, o64, o32, dtype, "out (tail_mma)")
     check_close(lse_m, l64, l32, torch.float32, "lse (tail_mma)")
-    monkeypatch.setitem(FP.TUNE, "tail_first", not FP.TUNE["tail_first"])
+    kn["tail_first"] = not kn["tail_first"]
+    _cupy_knobs(monkeypatch, **kn)
     out_mo, lse_mo = fast.decode_attention(cfg, fs, q)
     assert_bits_equal(out_m.float(), out_mo.float().cpu().numpy(), "out (tail_mma) vs the other launch order")
     assert_bits_equal(lse_m, lse_mo.cpu().numpy(), "lse (tail_mma) vs the other launch order")
-    monkeypatch.setitem(FP.TUNE, "tail_first", not FP.TUNE["tail_first"])
-    monkeypatch.setitem(FP.TUNE, "tail_mma", False)
-    monkeypatch.setitem(FP.TUNE, "tail16", True)                 # fp16 rows + mixed rows (small B: not auto)
+    kn["tail_first"] = not kn["tail_first"]
+    _cupy_knobs(monkeypatch, **kn)
+    kn["tail_mma"] = False
+    _cupy_knobs(monkeypatch, **kn)
+    kn["tail16"] = True   # fp16 rows + mixed rows (small B: not auto)
+    _cupy_knobs(monkeypatch, **kn)
     out, lse = fast.decode_attention(cfg, fs, q)
     check_close(out, o64, o32, dtype, "out")
     check_close(lse, l64, l32, torch.float32, "lse")
-    monkeypatch.setitem(FP.TUNE, "mixed_mma", False)             # the mixed rows as fp32 tiles, not on the tensor cores
+    kn["mixed_mma"] = False   # the mixed rows as fp32 tiles, not on the tensor cores
+    _cupy_knobs(monkeypatch, **kn)
     out_f, lse_f = fast.decode_attention(cfg, fs, q)
     check_close(out_f, o64, o32, dtype, "out (mixed rows as fp32 tiles)")
     check_close(lse_f, l64, l32, torch.float32, "lse (mixed rows as fp32 tiles)")
-    monkeypatch.setitem(FP.TUNE, "mixed_mma", None)
-    monkeypatch.setitem(FP.TUNE, "tail_first", not FP.TUNE["tail_first"])
+    kn["mixed_mma"] = None
+    _cupy_knobs(monkeypatch, **kn)
+    kn["tail_first"] = not kn["tail_first"]
+    _cupy_knobs(monkeypatch, **kn)
     out_o, lse_o = fast.decode_attention(cfg, fs, q)
-    monkeypatch.setitem(FP.TUNE, "tail16", False)                # every tail row as fp32 tiles
+    kn["tail16"] = False   # every tail row as fp32 tiles
+    _cupy_knobs(monkeypatch, **kn)
     out_32, lse_32 = fast.decode_attention(cfg, fs, q)
     check_close(out_32, o64, o32, dtype, "out (fp32 tiles)")
     check_close(lse_32, l64, l32, torch.float32, "lse (fp32 tiles)")
     # with as many warps per block as the gather's split kernel (attn_warps(fp32, D): 1 at D = 128, 2 at
     # D = 64), the same keys per warp and the same bits (other warp counts: same rule, other bits)
     from kvq.fast.cupy import _loader as L
-    monkeypatch.setitem(FP.TUNE, "tail_warps", L.attn_warps(L.DT[torch.float32], D))
+    kn["tail_warps"] = L.attn_warps(L.DT[torch.float32], D)
+    _cupy_knobs(monkeypatch, **kn)
     out_32, lse_32 = fast.decode_attention(cfg, fs, q)
-    monkeypatch.setitem(FP.TUNE, "fused_tail", False)            # gathered into an fp32 copy
+    kn["fused_tail"] = False   # gathered into an fp32 copy
+    _cupy_knobs(monkeypatch, **kn)
     out_g, lse_g = fast.decode_attention(cfg, fs, q)
     for a_, b_, what in ((out, out_o, "the other launch order"), (out_32, out_g, "the gathered tail")):
         assert_bits_equal(a_.float(), b_.float().cpu().numpy(),
@@ -438,7 +458,7 @@ MIXED = [
 @pytest.mark.parametrize("name, make, T, ratio, T_q", MIXED, ids=[m[0] for m in MIXED])
 def test_decode_mixed_rows_tensor_cores(name, make, T, ratio, T_q, monkeypatch):
     """CuPy, fp16 q: the mixed tail rows (key in a page, value fp16) on paged_mixed_mma (keys dequantized
-    as paged_tail_attn's, held as hi + 2^-11 lo fp16 tiles, on the tensor cores: ``TUNE["mixed_mma"]``
+    as paged_tail_attn's, held as hi + 2^-11 lo fp16 tiles, on the tensor cores: ``Knobs.mixed_mma``
     True, and None where the automatic rule takes it) meet the tolerance rule, and with False (the fp32-tile
     kernel) too; at batch 1 and 2, with the fp16 rows on the CUDA cores and on the tensor cores."""
     import kvq.fast.cupy.kivi as FK
@@ -461,9 +481,8 @@ def test_decode_mixed_rows_tensor_cores(name, make, T, ratio, T_q, monkeypatch):
         q = torch.from_numpy(rng.standard_normal((B, H * ratio, T_q, D)).astype(np.float32)).half().cuda()
         (o64, l64), (o32, l32) = _truth_ref32(ref, cfg, rs, q)
         for tmma in (False, True):
-            monkeypatch.setitem(FP.TUNE, "tail_mma", tmma)
             for mm in (True, None, False):
-                monkeypatch.setitem(FP.TUNE, "mixed_mma", mm)
+                _cupy_knobs(monkeypatch, tail_mma=tmma, mixed_mma=mm)
                 n0 = len(calls)
                 out, lse = fast.decode_attention(cfg, fs, q)
                 if mm is not None:
@@ -526,23 +545,21 @@ def test_decode_tensor_cores_large_operands_sweep(kb, vb, sums, tmma, sink, mm, 
     """CuPy tensor-core decode with large operands (keys / values up to 3e4, |q| ~ 300, scale 1e-5: |lse| ~
     1e3) over 8 random caches (``benchmarks/accuracy_large_operands.py``; ``sink``: an FP16 sink of 32 tokens
     too): the lse meets the tolerance rule on every one (centered key codes in the page kernel; the fp16
-    tail rows on the tensor cores with each score's k-step sums added pairwise, ``TUNE["tail_mma"] = True``
+    tail rows on the tensor cores with each score's k-step sums added pairwise, ``Knobs.tail_mma = True``
     (the automatic rule takes them at batch >= 8), or on the CUDA cores (False); the CUDA-core tail's score
     sums as four fp32 fma chains,
-    the default, or in float64, ``TUNE["tail_sums"]`` = 2 / 1: with one fp32 fma chain per score the worst
+    the default, or in float64, ``Knobs.tail_sums`` = 2 / 1: with one fp32 fma chain per score the worst
     cache was 1.71x the bound, ``lab/2026-11-22-large-operand-accuracy/model_tail_scores.py``); the mixed rows (keys in a page, values
-    fp16) on the tensor cores as hi + 2^-11 lo fp16 key tiles (``TUNE["mixed_mma"]`` None, the default) or as
+    fp16) on the tensor cores as hi + 2^-11 lo fp16 key tiles (``Knobs.mixed_mma`` None, the default) or as
     fp32 tiles (False)."""
-    monkeypatch.setitem(_paged("cupy").TUNE, "tail_sums", sums)
-    monkeypatch.setitem(_paged("cupy").TUNE, "tail_mma", tmma)
-    monkeypatch.setitem(_paged("cupy").TUNE, "mixed_mma", mm)
+    knobs = _paged("cupy").Knobs(tail_sums=sums, tail_mma=tmma, mixed_mma=mm)
     import importlib.util
     from pathlib import Path
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "accuracy_large_operands.py"
     spec = importlib.util.spec_from_file_location("accuracy_large_operands", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    ratios = [mod.ratio(kb, vb, s, T, sink=sink) for s in range(4) for T in (1500, 2348)]
+    ratios = [mod.ratio(kb, vb, s, T, sink=sink, knobs=knobs) for s in range(4) for T in (1500, 2348)]
     assert max(ratios) <= 1.0, f"lse error / bound per cache: {[round(r, 2) for r in ratios]}"
 
 

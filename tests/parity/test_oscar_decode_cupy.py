@@ -110,10 +110,11 @@ def test_decode_large_magnitudes(mods, fused_calls):
 
 
 def test_one_stream(mods, fused_calls, monkeypatch):
-    """``paged.TUNE["side_stream"] = False``: the FP16 segments after the page kernel, on one stream."""
-    F, _ = mods
+    """``oscar_decode.Knobs(paged=paged.Knobs(side_stream=False))``: the FP16 segments after the page kernel,
+    on one stream (the decode's default knobs replaced: ``decode`` reads ``DEFAULT_KNOBS`` per call)."""
+    F, OD = mods
     from kvq.fast.cupy import paged
-    monkeypatch.setitem(paged.TUNE, "side_stream", False)
+    monkeypatch.setattr(OD, "DEFAULT_KNOBS", OD.Knobs(paged=paged.Knobs(side_stream=False)))
     cfg, calib, rs, fs = _state(DEV, 1, 2500, seed=11)
     q = _q(DEV, 4, 1, torch.float16, seed=12)
     out, lse = F.decode_attention(cfg, calib, fs, q)
@@ -123,23 +124,22 @@ def test_one_stream(mods, fused_calls, monkeypatch):
 
 @pytest.mark.parametrize("prec,first", [(1, True), (1, False), (2, True), (2, False)])
 def test_tail_knobs(mods, fused_calls, monkeypatch, prec, first):
-    """``oscar_decode.TUNE``: the sink / window kernel in double (1) or four-chain fp32 (2, the default)
+    """``oscar_decode.Knobs``: the sink / window kernel in double (1) or four-chain fp32 (2, the default)
     arithmetic, launched before or after the page kernel; every setting meets the tolerance rule, and
     the two launch orders give the same bits (the partials do not depend on which kernel starts first)."""
     F, OD = mods
     cfg, calib, rs, fs = _state(DEV, 1, 2600, seed=17)
     q = _q(DEV, 8, 1, torch.float16, seed=18)
-    monkeypatch.setitem(OD.TUNE, "tail_prec", prec)
-    monkeypatch.setitem(OD.TUNE, "tail_first", first)
+    # (the decode's default knobs replaced: ``decode`` reads ``DEFAULT_KNOBS`` per call)
+    monkeypatch.setattr(OD, "DEFAULT_KNOBS", OD.Knobs(tail_prec=prec, tail_first=first))
     out, lse = F.decode_attention(cfg, calib, fs, q)
     _check(cfg, calib, rs, out, lse, q)
-    monkeypatch.setitem(OD.TUNE, "tail_first", not first)
+    monkeypatch.setattr(OD, "DEFAULT_KNOBS", OD.Knobs(tail_prec=prec, tail_first=not first))
     out2, lse2 = F.decode_attention(cfg, calib, fs, q)
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
-    monkeypatch.setitem(OD.TUNE, "tail_prec", 3)
     with pytest.raises(ValueError, match="tail_prec"):
-        F.decode_attention(cfg, calib, fs, q)
-    assert len(fused_calls) == 3
+        OD.Knobs(tail_prec=3)                  # refused when made: it never reaches a decode
+    assert len(fused_calls) == 2
 
 
 def test_folded_output_dtype(mods):
@@ -163,12 +163,12 @@ def test_folded_output_dtype(mods):
                                                             (8, 1, torch.bfloat16, torch.float32, False)])
 def test_merge_rotate(mods, monkeypatch, ratio, T_q, out_dt, r_dt, per_head, one_launch):
     """``decode(..., R_out=R)`` gives the bits of the merge to fp32 followed by ``rotate_heads``, whether
-    the merge rotates the output in its own launch (oscar_merge_rotate, ``TUNE["merge_rotate"]`` True),
+    the merge rotates the output in its own launch (oscar_merge_rotate, ``Knobs.merge_rotate`` True),
     the two run one after the other (False) or the size rule picks (None), for a per-KV-head or one
     shared R (fp32 or float64), GQA groups and several query tokens (row -> head h -> R[h // G_q]); the
     lse is the merge's either way."""
     _, OD = mods
-    monkeypatch.setitem(OD.TUNE, "merge_rotate", one_launch)
+    monkeypatch.setattr(OD, "DEFAULT_KNOBS", OD.Knobs(merge_rotate=one_launch))
     cfg, calib, rs, fs = _state(DEV, 1, 2500, seed=31)
     q = _q(DEV, ratio, T_q, torch.float16, seed=32)
     RK = torch.from_numpy(np.ascontiguousarray(calib.R_K, dtype=np.float32)).to(DEV)

@@ -7,7 +7,7 @@ and float32 q (ref32), as the KIVI / Kitty decode tests do. Cases: group sizes D
 CPU D = 32, so D / 4 = 8 < 16 runs the exact-dequantization path for fp16 q too), 2-, 4- and 8-bit
 codes, fp16 and fp32 metadata, GQA ratios 1 / 4 / 8, T_q 1 and 2, 72 query rows per KV head (two row
 blocks), a page size that is not a power of two, a history shorter than one page, a cache with only
-the sink and window, large magnitudes, other settings of the launch knobs (``oscar_decode.TUNE``),
+the sink and window, large magnitudes, other settings of the launch knobs (``oscar_decode.Knobs``),
 a check that decode really goes through the page kernel (the unfused history dequantization is
 made to raise), and a compile check for sm_90 of the page kernel's tensor-core dots (no GPU needed):
 their operand layouts must not wrap along K, a GPU-only error the interpreter cannot see.
@@ -187,8 +187,8 @@ def test_tune_knobs(device, knobs, monkeypatch):
     """Other launch knobs of the page kernel meet the tolerance rule too: P * scale in two fp16 parts,
     and blocks of 16 tokens in few long splits."""
     F, OD = _mods()
-    for key, val in knobs.items():
-        monkeypatch.setitem(OD.TUNE, key, val)
+    # the decode's default knobs replaced (``plan`` reads ``DEFAULT_KNOBS`` per call)
+    monkeypatch.setattr(OD, "DEFAULT_KNOBS", OD.Knobs(**knobs))
     T = 50 if device == "cpu" else 2000
     cfg, calib, rs, fs = _state(device, 2, T, seed=11)
     q = _q(device, 4, 2, torch.float16, seed=12)

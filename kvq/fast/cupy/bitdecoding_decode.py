@@ -24,7 +24,7 @@ from kvq.reference import bitdecoding as _R
 
 from . import _loader as L
 from . import attention as A
-from . import paged as PD
+from . import plans as PL
 
 _SRC = "bitdecoding_decode.cu"
 LOG2E = 1.4426950408889634
@@ -59,12 +59,12 @@ def smem_bytes(cfg) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(bits: int, chan: bool, nw: int, m16: bool, smem: int, device_index: int):
-    return PD._allow_smem(L.kernel(_SRC, L.bd_decode_name(bits, chan, nw, m16)), smem, device_index)
+    return PL.allow_smem(L.kernel(_SRC, L.bd_decode_name(bits, chan, nw, m16)), smem, device_index)
 
 
 def plan(cfg, st, q):
     """``(splits, pages per split, query tiles, m16)`` of bd_decode for this cache and query: the paged
-    decode's makespan model (``paged._n_splits``) over the kernel's resident blocks, every page costing
+    decode's makespan model (``plans.n_splits``) over the kernel's resident blocks, every page costing
     the same for the block (its warps share it)."""
     B, H, D = st.shape
     M = (q.shape[1] // H) * q.shape[2]
@@ -75,8 +75,8 @@ def plan(cfg, st, q):
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     smem = smem_bytes(cfg)
     fn = _kernel(cfg.bits, cfg.k_mode == "channel", cfg.warps_n, m16, smem, dev)
-    slots = PD.resident_slots(fn, 32 * cfg.warps_n, smem, dev)
-    n_split, pps = PD._n_splits(NP, B * H * n_qt, 1, slots)
+    slots = PL.resident_slots(fn, 32 * cfg.warps_n, smem, dev)
+    n_split, pps = PL.n_splits(NP, B * H * n_qt, 1, slots)
     return n_split, pps, n_qt, m16
 
 

@@ -16,6 +16,7 @@ to fp32, but probabilities times value scales are rounded once to fp16).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -26,6 +27,7 @@ from kvq.reference import oscar as RO
 from . import _loader as L
 from . import attention as A
 from . import paged as PD
+from . import plans as PL
 
 _SRC = "oscar_decode.cu"
 LOG2E = 1.4426950408889634
@@ -50,33 +52,101 @@ def smem_bytes(nw: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(nr: int, smem: int, device_index: int):
-    return PD._allow_smem(L.kernel(_SRC, f"oscar_decode_mma<{nr}>"), smem, device_index)
+    return PL.allow_smem(L.kernel(_SRC, f"oscar_decode_mma<{nr}>"), smem, device_index)
 
 
-#: launch knobs of ``decode`` for tuning runs. tail_prec: the FP16 sink / window kernel's arithmetic (both
-#: in natural-log units): 1 double sums and accumulators, 2 (the default) four fp32 fma chains per score
-#: and fp32 accumulators (H100, R_V folded, ms, 1 / 2, tail launched first: 1 x 32K 0.0346 / 0.0342,
-#: 1 x 64K 0.0498 / 0.0475, 1 x 128K 0.0665 / 0.0630, 8 x 64K 0.1624 / 0.1574); tail_first: that kernel
-#: launched on its side stream before the page kernel (True) or after it (False); None (auto): first
-#: where the tail has at least one block per SM (B H_kv query tiles >= SMs), else after: the page grid
-#: then holds every slot, and the tail's blocks take the slots its first blocks free (H100, ms, first /
-#: after: 1 x 32K 0.0324 / 0.0287, 1 x 128K 0.0617 / 0.0585, 8 x 32K 0.0994 / 0.0957, 8 x 64K 0.1576 /
-#: 0.1571, but 32 x 64K 0.5325 / 0.5456; 1 x 64K 0.0462 / 0.0465). Both kernels sharing the SMs cost:
-#: alone (one stream) the tail takes 11 us at 1 x 64K, the page kernel 31 us (see benchmarks/results);
-#: merge_rotate: the output rotated back in the merge's launch (True), by the merge and then
-#: rotate_heads (False), or None (auto): in the merge's launch while its blocks are at most one per SM
-#: (see decode)
-TUNE = {"tail_prec": 2, "tail_first": None, "merge_rotate": None}
+@dataclass(frozen=True)
+class Knobs:
+    """The launch knobs of ``decode`` (None: the automatic rule). Immutable and hashable (plans are cached
+    per knobs); each rule and the H100 timings behind it: ``lab/2026-11-22-oscar-decode/KNOBS.md``."""
+
+    tail_prec: int = 2                   # sink / window sums: 1 double, 2 four fp32 chains  KNOBS.md#tail_prec
+    tail_first: bool | None = None       # the FP16 tail launched before the page kernel     KNOBS.md#tail_first
+    merge_rotate: bool | None = None     # R_out applied in the merge's launch               KNOBS.md#merge_rotate
+    #: the knobs this decode shares with the paged decode (side_stream; max_blocks_per_sm of the page
+    #: kernel's split plan): ``lab/2026-11-22-kivi-kitty-decode/KNOBS.md``
+    paged: PD.Knobs = field(default=PD.DEFAULT_KNOBS)
+
+    def __post_init__(self):
+        PL.check_choice("oscar_decode.Knobs", "tail_prec", self.tail_prec, (1, 2),
+                        what=" (1 double, 2 four fp32 chains)")
+        PL.check_optional_bool("oscar_decode.Knobs", "tail_first", self.tail_first)
+        PL.check_optional_bool("oscar_decode.Knobs", "merge_rotate", self.merge_rotate)
+        if not isinstance(self.paged, PD.Knobs):
+            raise TypeError(f"oscar_decode.Knobs.paged must be a kvq.fast.cupy.paged.Knobs, got "
+                            f"{type(self.paged).__name__}")
+
+
+#: the defaults
+DEFAULT_KNOBS = Knobs()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every launch decision of one ``decode`` call (``plan``): the FP16 tail's query tile ``tqt``, its
+    query tiles, warps, keys per split and splits; the page kernel's warps, splits and pages per split;
+    whether the tail runs on a side stream and launches first; whether the merge rotates (``one_launch``)."""
+
+    tqt: int
+    tqtiles: int
+    tnw: int
+    chunk: int
+    nt: int
+    nw: int
+    n_split: int
+    pps: int
+    side: bool
+    first: bool
+    one_launch: bool
+
+
+def plan(B: int, H: int, H_q: int, T_q: int, D: int, n_sink: int, n_win: int, n_pages: int, sms: int,
+         slots: int, knobs: Knobs | None = None) -> Plan:
+    """The launch plan of ``decode`` for a cache of ``n_sink`` + ``n_win`` FP16 tokens and ``n_pages`` pages,
+    q (B, H_q, T_q, D), a device of ``sms`` SMs on which the page kernel holds ``slots`` blocks at once:
+    arithmetic only (runs on the CPU), cached per arguments.
+
+    The FP16 tokens: oscar_tail_attn (attn_split's body, natural units: the fp32 lse bound left no room for
+    base-2 rounding here) over the sink and the window read in place as one sequence, one tile of keys
+    per warp (it runs beside the page kernel: its latency counts). The page kernel: at most 2 blocks per SM
+    while a split's B H blocks are fewer than the SMs (few_bases), else the paged decode's rule
+    (``plans.fused_splits``; lab/2026-11-22-oscar-decode/KNOBS.md#page-splits)."""
+    knobs = DEFAULT_KNOBS if knobs is None else knobs
+    if not isinstance(knobs, Knobs):
+        raise TypeError(f"knobs must be a kvq.fast.cupy.oscar_decode.Knobs or None, got {type(knobs).__name__}")
+    return _plan(int(B), int(H), int(H_q), int(T_q), int(D), int(n_sink), int(n_win), int(n_pages), int(sms),
+                 int(slots), knobs)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(B, H, H_q, T_q, D, n_sink, n_win, n_pages, sms, slots, knobs) -> Plan:
+    """plan's cached body (every argument given, so that one key names one call shape)."""
+    M = (H_q // H) * T_q
+    tqt = 4 if M <= 4 else 8
+    tqtiles = -(-M // tqt)
+    tnw = L.attn_warps(L.DT[torch.float16], D)
+    NT = n_sink + n_win
+    chunk, nt = A._splits(NT, B * H * tqtiles, 32 * tnw, sms, tiles_per_warp=1) if NT else (0, 0)
+    nw = PD.MMA_MAX_WARPS
+    n_split = pps = 0
+    if n_pages:
+        n_split, pps = PL.fused_splits(n_pages, B * H, nw, slots, sms, few_bases=True,
+                                       max_blocks_per_sm=knobs.paged.max_blocks_per_sm)
+    first = knobs.tail_first if knobs.tail_first is not None else B * H * tqtiles >= sms
+    rows = B * H_q * T_q
+    one_launch = knobs.merge_rotate if knobs.merge_rotate is not None else rows * (D // 32) <= sms
+    return Plan(tqt, tqtiles, tnw, chunk, nt, nw, n_split, pps, bool(nt and n_pages and knobs.paged.side_stream),
+                bool(first), bool(one_launch))
 
 
 @functools.lru_cache(maxsize=None)
 def _tail_kernel(qt: int, nw: int, prec: int):
     if prec not in (1, 2):
-        raise ValueError(f"oscar_decode.TUNE['tail_prec'] = {prec!r}: 1 (double) or 2 (four fp32 chains)")
+        raise ValueError(f"oscar_decode.Knobs.tail_prec = {prec!r}: 1 (double) or 2 (four fp32 chains)")
     return A.max_carveout(L.kernel(_SRC, f"oscar_tail_attn<{qt}, {nw}, {prec}>"))
 
 
-def decode(cfg, st, q_rot, *, scale=None, out_dtype=torch.float32, R_out=None):
+def decode(cfg, st, q_rot, *, scale=None, out_dtype=torch.float32, R_out=None, knobs: Knobs | None = None):
     """Attention of the rotated fp32 query over the whole cache: ``(out, lse fp32)``, out in ``out_dtype``
     (float32, or a half type: rounded once). ``R_out`` None: out in the rotated frame (the merge writes
     it); else out times ``R_out`` (as :func:`rotate_heads` takes it: the caller's R_V^T), the same bits
@@ -85,7 +155,9 @@ def decode(cfg, st, q_rot, *, scale=None, out_dtype=torch.float32, R_out=None):
     are at most one per SM (batch 1 at 32 query heads), else by the merge and then ``rotate_heads``: the
     redundant merges' reads are free only while the launch is latency-bound (H100, OSCAR steps, ms, one
     launch / two: 1 x 64K 0.0374 / 0.0402; 8 x 64K 0.1615 / 0.1589, 32 x 32K 0.3273 / 0.3213; 32 x 128K
-    1.022 / 1.040, within its run-to-run spread). Requires ``supported(cfg, st, q_rot)``."""
+    1.022 / 1.040, within its run-to-run spread). Requires ``supported(cfg, st, q_rot)``. ``knobs``: the
+    launch knobs (None: the defaults); every decision is ``plan``'s."""
+    knobs = DEFAULT_KNOBS if knobs is None else knobs
     B, H, D = st.shape
     _, H_q, T_q, _ = q_rot.shape
     R3, rt = _heads_R(R_out, q_rot) if R_out is not None else (None, None)
@@ -98,37 +170,22 @@ def decode(cfg, st, q_rot, *, scale=None, out_dtype=torch.float32, R_out=None):
     M = (H_q // H) * T_q
     nr = 4 if M <= 4 else 8
     qq = q_rot if q_rot.stride(-1) == 1 else q_rot.contiguous()
-    # the FP16 tokens: oscar_tail_attn (attn_split's body: fp16 K / V, fp32 q, natural units: the fp32
-    # lse bound left no room for base-2 rounding here; TUNE["tail_prec"]: double or four-chain fp32 sums)
-    # over the sink and the window (ring slots in any order: attention does not depend on it) read in
-    # place as one sequence, one tile of keys per warp (it runs beside the fused kernel: its latency counts)
-    tqt = 4 if M <= 4 else 8
-    tqtiles = -(-M // tqt)
-    tnw = L.attn_warps(L.DT[torch.float16], D)
     n1, NT = c["n_sink"], c["n_sink"] + c["n_win"]
-    chunk, nt = A._splits(NT, B * H * tqtiles, 32 * tnw, sms, tiles_per_warp=1) if NT else (0, 0)
-    side_ok = bool(nt and NP and PD.TUNE["side_stream"])
-    n_split = pps = 0
+    slots = 0
     if NP:
         nw = PD.MMA_MAX_WARPS
         smem = smem_bytes(nw)
         fn = _kernel(nr, smem, dev_index)
-        slots = PD.resident_slots(fn, 32 * nw, smem, dev_index)
-        # at most 2 blocks per SM while a split's B H blocks are fewer than the SMs (few_bases), else the
-        # paged decode's rule (up to 8 pages per warp at full occupancy: 2 blocks per SM): the tail's blocks
-        # then find room beside the page grid at once, and fewer blocks mean fewer prologues and partials
-        # (H100, R_V folded, ms, auto (3 blocks per SM) / 2: 8 x 32K 0.0842 / 0.0798, 8 x 64K 0.1362 / 0.1302,
-        # 8 x 128K 0.2337 / 0.2322; but 32 x 32K, 256 blocks a split, 0.2770 / 0.3388, kept at 3; batch 1
-        # already at 2: 2 / 3 blocks per SM 1 x 64K 0.0343 / 0.0353, 1 x 128K 0.0475 / 0.0496;
-        # lab/2026-11-22-oscar-decode/results/h100-oscar-plan)
-        n_split, pps = PD._fused_splits(NP, B * H, nw, slots, sms, few_bases=True)
+        slots = PL.resident_slots(fn, 32 * nw, smem, dev_index)
+    p = plan(B, H, H_q, T_q, D, c["n_sink"], c["n_win"], NP, sms, slots, knobs)
+    tqt, tqtiles, tnw, chunk, nt, n_split, pps = p.tqt, p.tqtiles, p.tnw, p.chunk, p.nt, p.n_split, p.pps
     S_TOTAL = n_split + nt
     rows = B * H_q * T_q
     o_part = torch.empty((S_TOTAL, rows, D), dtype=torch.float32, device=dev)
     lse_part = torch.empty((S_TOTAL, rows), dtype=torch.float32, device=dev)
     main = L.raw_stream(dev_index)                 # raw handles: the launches name their stream
-    side = PD._side_stream(dev_index).cuda_stream if side_ok else main
-    tail_fn = _tail_kernel(tqt, tnw, TUNE["tail_prec"]) if nt else None   # (a bad knob raises before any launch)
+    side = PL.side_stream(dev_index).cuda_stream if p.side else main
+    tail_fn = _tail_kernel(tqt, tnw, knobs.tail_prec) if nt else None
 
     def launch_tail():
         sk, sv, wk, wv = st.sink_k, st.sink_v, st.win_k, st.win_v
@@ -148,17 +205,14 @@ def decode(cfg, st, q_rot, *, scale=None, out_dtype=torch.float32, R_out=None):
 
     if side != main:
         L.stream_wait(side, main, dev_index)       # fork before either launch: they run side by side
-    first = TUNE["tail_first"]
-    if first is None:
-        first = B * H * tqtiles >= sms
     launches = [(nt, launch_tail), (n_split, launch_pages)]
-    for needed, launch in (launches if first else launches[::-1]):
+    for needed, launch in (launches if p.first else launches[::-1]):
         if needed:
             launch()
     if side != main:
         L.stream_wait(main, side, dev_index)
     lse = torch.empty((B, H_q, T_q), dtype=torch.float32, device=dev)
-    one_launch = TUNE["merge_rotate"] if TUNE["merge_rotate"] is not None else rows * (D // 32) <= sms
+    one_launch = p.one_launch
     if R3 is not None and not one_launch:
         # more rows: the redundant merges would read the partials D / 32 times over; merge, then rotate
         o32 = torch.empty((B, H_q, T_q, D), dtype=torch.float32, device=dev)

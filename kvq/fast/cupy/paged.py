@@ -17,7 +17,7 @@ other tokens (sink, key Q-buffer, value window / Q-buffer, mixed tokens: at most
 the tail, read in place beside the fused kernel (side streams) through ``attention.cu``'s split-kernel
 body: ``paged_tail_attn`` (fp32 tiles: fp16 rows widened, the mixed tokens' page rows dequantized
 bit-exactly) and, from one tail query tile per SM on, ``paged_tail16_attn`` for the rows whose key and
-value are both fp16 (fp16 tiles by cp.async); float32 q (and ``TUNE["fused_tail"] = False``) gathers
+value are both fp16 (fp16 tiles by cp.async); float32 q (and ``Knobs(fused_tail=False)``) gathers
 the tail first (``paged_gather_tail``) into one fp32 segment for ``attention.cu``'s split kernel. All
 partials are merged by its log-sum-exp merge kernel.
 The fused kernel takes G = 128, D in {64, 128}, fp16 metadata and value groups of a multiple of 4
@@ -25,6 +25,11 @@ channels; other configurations dequantize the cache and run the FP16-baseline ke
 fp16 q with 2- or 4-bit keys and values (one value group per token, D = 128, <= 8 query rows per KV
 head) takes the tensor-core kernel ``paged_decode_mma2``; float32 q is the precise path: every token is
 gathered into the fp32 segment (double accumulators in ``attn_split``), none goes through a fused kernel.
+
+Every choice above is a rule of ``decode_plan`` (planned once per configuration, shape, length, dtype,
+device and ``Knobs``); ``Knobs`` are the frozen launch knobs a tuning run passes (``knobs=``), each pointing
+to the lab note that measured its default; the device arithmetic (occupancy, the split-KV makespan model,
+device limits, side streams) is ``kvq.fast.cupy.plans``, shared with the OSCAR and BitDecoding decodes.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from . import _flush as W
 from . import _loader as L
 from . import attention as A
 from . import packing as P
+from . import plans as PL
 from . import quant as Q
 
 #: the bit-exact CuPy kernels the shared paged cache (``kvq.fast._paged``) quantizes and packs with, and
@@ -60,59 +66,49 @@ GATHER_TOK, GATHER_MAXD = 16, 256  # paged.cu: tail tokens per gather block, hea
 MMA_MAX_WARPS = 4                   # paged.cu KVQ_MMA_MAXW
 MMA_BITS = (2, 4)                   # key / value code bits of paged_decode_mma2
 
-#: launch knobs of the fused kernel for tuning runs (None = built-in): warps per block (<= 4);
-#: waves = target blocks per SM over the fused grid (None: ``_fused_splits``, the split count that
-#: minimizes the makespan model of ``_n_splits`` at the kernel's occupancy, or at 2 blocks per SM for
-#: small grids, see max_blocks_per_sm); mma: the tensor-core kernel where it
-#: applies (paged_decode_mma2; False: the CUDA-core kernel paged_decode);
-#: side_stream: the tail's kernels on side streams beside the fused kernel (False: all on one stream);
-#: fused_tail: half-precision q reads the tail in place (paged_tail_attn; False: paged_gather_tail into
-#: an fp32 copy, then attention.cu's split kernel: the same partials bit for bit); tail_tiles: at least
-#: this many 32-key tiles per warp of the tail's split kernel (attention._splits); tail_first: the tail
-#: launched before the fused kernel (False, the default: after it, so the fused grid's makespan model
-#: sees every SM slot free; measured on the H100 it is faster or equal from batch 8 on); tail16: the
-#: tail rows whose key and value are both fp16 as fp16 tiles (paged_tail16_attn) beside the mixed rows'
-#: kernel (True), or every tail row through paged_tail_attn's fp32 tiles in one launch (False); None
-#: (auto): the two kernels when the tail has at least one (sequence, kv head, query tile) per SM (on
-#: the H100: 32 x 32K Kitty 391 -> 355 us), one launch below that (1 x 32K Kitty: 39 us, not 52);
-#: tail_warps: warps per block of paged_tail_attn (1, 2 or 4: _loader.PAGED_TAIL_WARPS; its fp32 tiles
-#: in dynamic shared memory, 33 KiB per warp at D = 128; fewer where the device cannot hold them);
-#: None (auto, _tail_warps): where the tail would wait for the fused blocks (at most two per SM all along,
-#: or a small short grid), the most warps whose block fits beside them, else the most warps; on the H100
-#: that is 4 for KIVI-K2V2 (32 x 32K 0.310 / 0.312 / 0.295 ms at 1 / 2 / 4 warps), 2 for KIVI-K4V4, whose
-#: 76 KiB blocks a 4-warp tail block crowds out (8 x 32K: 0.118 / 0.120 / 0.129 ms), and for Kitty 2 at
-#: 1 x 32K (0.0298 / 0.0351 ms at 2 / 4 warps), 4 elsewhere; tail16_warps: the same for
-#: paged_tail16_attn (fp16 tiles, 16.5 KiB per warp at D = 128; None: the same rule, 4 warps on the
-#: H100: 32 x 8K Kitty 0.142 / 0.140 / 0.136 ms at 1 / 2 / 4 warps, 32 x 128K 1.259 / 1.246 / 1.225);
-#: max_blocks_per_sm: the fused grid's split count planned on at most this many blocks per SM (None, auto:
-#: _fused_splits, 2 for small grids). Sweep on the H100 (KIVI-K2V2, ms at 1 / 2 / 3 / 4 blocks per SM):
-#: 1 x 32K 0.0286 / 0.0273 / 0.0271 / 0.0338, 1 x 128K 0.0698 / 0.0542 / 0.0541 / 0.0587, 8 x 8K 0.0465 /
-#: 0.0391 / 0.0469 / 0.0469, 32 x 8K 0.0987 / 0.0980 / 0.1177 / 0.1075; long grids as fast or faster at 4:
-#: 8 x 128K 0.459 / 0.305 / 0.285 / 0.282, 32 x 128K 1.140 / 1.151 / 1.061 / 1.068;
-#: tail_sums: how the FP16 tail (half-precision q) sums each score q . k (attn_split.cuh SD): 2 as four
-#: interleaved fp32 fma chains added pairwise (fp32 arithmetic only), 1 in float64 rounded once (the
-#: queries held as float64: conversions and fp64 fmas); both meet the tolerance rule on the large-operand
-#: caches, where one fp32 chain did not (lab/2026-11-22-large-operand-accuracy/model_tail_scores.py)
-#: tail_mma: the tail rows whose key and value are both fp16 on the tensor cores (paged_tail_mma: fp16 q,
-#: D = 128; each score's 8 k-step sums added pairwise in fp32) in their own launch, the mixed rows through
-#: paged_tail_attn (True; False: tail16's rule; None, auto: where it applies, the fp16 rows are at
-#: least 1/TAIL_MMA_SHARE of the fused kernel's tokens (1/TAIL_MMA_SINK_SHARE where they hold a sink and
-#: the tail's blocks are fewer than the SMs) and the batch fills a quarter of the SMs with tail blocks:
-#: on the H100 (Kitty, cold L2, ms, on / off) 8 x 8K 0.0446 / 0.0473, 32 x 8K 0.1248 / 0.1287, but
-#: 1 x 32K 0.0326 / 0.0298, 8 x 32K 0.1049 / 0.1025 and 1 x 8K 0.023 / 0.020, where the extra launch
-#: beside a longer or a latency-bound step costs more than the tail's 128 fp16 rows save);
-#: tail_mma_warps: its warps per block (1, 2 or 4; None: 4, 17 KiB of tiles each, or 2 where the fused
-#: grid holds at most two blocks per SM, so that a 2-warp mixed-row block fits beside them too; fewer
-#: where the device cannot hold them);
-#: mixed_mma: the mixed tail rows on the tensor cores (paged_mixed_mma: fp16 q, D = 128, every mixed row's
-#: key in a page and its value fp16, the keys dequantized as paged_tail_attn's and held as hi + 2^-11 lo
-#: fp16 tiles) instead of paged_tail_attn's fp32 tiles (True: wherever it applies; None, auto: there
-#: unless it costs the fp16 rows a launch of their own beside a long fused grid, _mixed_mma_ok; False:
-#: never; tail16 = False also keeps the mixed rows in paged_tail_attn); the fp16 rows then go beside it by
-#: their own kernel (tail_mma's rule, else paged_tail16_attn)
-TUNE = {"num_warps": None, "waves": None, "mma": True, "side_stream": True, "fused_tail": True, "tail_tiles": 1,
-        "tail_first": False, "tail16": None, "tail_warps": None, "tail16_warps": None, "max_blocks_per_sm": None,
-        "tail_sums": 2, "tail_mma": None, "tail_mma_warps": None, "mixed_mma": None}
+
+@dataclass(frozen=True)
+class Knobs:
+    """The launch knobs of ``decode_attention`` (None: the automatic rule). Immutable and hashable: a
+    decode plan is cached per knobs. Each field's rule and the H100 timings behind its default are in
+    ``lab/2026-11-22-kivi-kitty-decode/KNOBS.md`` (the section of the field's name); a bad value is a
+    ValueError here, before any launch."""
+
+    num_warps: int | None = None          # fused kernel's warps per block (<= 4)            KNOBS.md#num_warps
+    waves: float | None = None            # target fused blocks per SM (None: makespan model) KNOBS.md#waves
+    mma: bool = True                      # tensor-core page kernel where it applies          KNOBS.md#mma
+    side_stream: bool = True              # the tail beside the fused kernel on side streams  KNOBS.md#side_stream
+    fused_tail: bool = True               # half-precision q reads the tail in place          KNOBS.md#fused_tail
+    tail_tiles: int = 1                   # at least this many 32-key tiles per tail warp     KNOBS.md#tail_tiles
+    tail_first: bool = False              # the tail launched before the fused kernel         KNOBS.md#tail_first
+    tail16: bool | None = None            # fp16 tail rows as fp16 tiles, apart              KNOBS.md#tail16
+    tail_warps: int | None = None         # paged_tail_attn's warps per block                 KNOBS.md#tail_warps
+    tail16_warps: int | None = None       # paged_tail16_attn's warps per block               KNOBS.md#tail16_warps
+    max_blocks_per_sm: int | None = None  # fused split count planned on at most this many    KNOBS.md#max_blocks_per_sm
+    tail_sums: int = 2                    # FP16 tail's score sums: 2 four fp32 chains, 1 f64 KNOBS.md#tail_sums
+    tail_mma: bool | None = None          # fp16 tail rows on the tensor cores                KNOBS.md#tail_mma
+    tail_mma_warps: int | None = None     # paged_tail_mma's warps per block                  KNOBS.md#tail_mma_warps
+    mixed_mma: bool | None = None         # mixed tail rows on the tensor cores               KNOBS.md#mixed_mma
+
+    def __post_init__(self):
+        o = "paged.Knobs"
+        PL.check_positive(o, "num_warps", self.num_warps, optional=True)     # (more than 4: 4)
+        PL.check_positive(o, "waves", self.waves, optional=True, number=True)
+        for name in ("mma", "side_stream", "fused_tail", "tail_first"):
+            PL.check_bool(o, name, getattr(self, name))
+        PL.check_positive(o, "tail_tiles", self.tail_tiles)
+        for name in ("tail16", "tail_mma", "mixed_mma"):
+            PL.check_optional_bool(o, name, getattr(self, name))
+        for name in ("tail_warps", "tail16_warps", "tail_mma_warps"):
+            PL.check_choice(o, name, getattr(self, name), L.PAGED_TAIL_WARPS, optional=True,
+                            what=": the tail kernels are built for these warp counts")
+        PL.check_positive(o, "max_blocks_per_sm", self.max_blocks_per_sm, optional=True)
+        PL.check_choice(o, "tail_sums", self.tail_sums, L.TAIL_SUMS,
+                        what=" (1 float64 sums, 2 four fp32 fma chains)")
+
+
+#: the defaults
+DEFAULT_KNOBS = Knobs()
 
 
 def _buf_bytes(D: int, k_bits: int, v_bits: int, kitty: bool, ngv: int, db: int) -> int:
@@ -138,28 +134,14 @@ def fused_ok(cfg, D: int) -> bool:
 def _decode_kernel(D: int, k_bits: int, v_bits: int, kitty: bool, QT: int, smem: int, device_index: int):
     """paged_decode for these template values, allowed ``smem`` bytes of dynamic shared memory (the
     attributes are per device: set with that device current)."""
-    return _allow_smem(L.kernel(_SRC, L.paged_decode_name(D, k_bits, v_bits, kitty, QT)), smem, device_index)
-
-
-def _allow_smem(fn, smem: int, device_index: int):
-    """Raise ``fn``'s dynamic shared-memory limit to ``smem`` on that device (and prefer shared memory)."""
-    import cupy
-
-    with cupy.cuda.Device(device_index):
-        if smem > 48 * 1024:
-            fn.max_dynamic_shared_size_bytes = smem
-        try:
-            fn.preferred_shared_memory_carveout = 100
-        except (AttributeError, RuntimeError):          # older CuPy: the driver's choice stays
-            pass
-    return fn
+    return PL.allow_smem(L.kernel(_SRC, L.paged_decode_name(D, k_bits, v_bits, kitty, QT)), smem, device_index)
 
 
 @functools.lru_cache(maxsize=None)
 def _mma_kernel(kitty: bool, nr: int, k_bits: int, v_bits: int, smem: int, device_index: int):
     """paged_decode_mma2<kitty, nr, k_bits, v_bits> (nr = 4 or 8 query rows), allowed ``smem`` bytes of
     dynamic shared memory on that device."""
-    return _allow_smem(L.kernel(_SRC, L.mma2_name(kitty, nr, k_bits, v_bits)), smem, device_index)
+    return PL.allow_smem(L.kernel(_SRC, L.mma2_name(kitty, nr, k_bits, v_bits)), smem, device_index)
 
 
 def _mma2_smem(kitty: bool, db: int, nw: int, k_bits: int = 2, v_bits: int = 2) -> int:
@@ -169,98 +151,6 @@ def _mma2_smem(kitty: bool, db: int, nw: int, k_bits: int = 2, v_bits: int = 2) 
     kslot = D * 16 * k_bits + 4 * D + ((D + db * 32) if kitty else 0)
     vslot = G * 16 * v_bits + 4 * G
     return 8 * D * 8 + nw * (kslot + vslot)
-
-
-@functools.lru_cache(maxsize=None)
-def _side_stream(device_index: int, k: int = 0) -> torch.cuda.Stream:
-    """Side stream number k of a device, on which decode runs (a part of) the tail beside the fused
-    kernel (forked from and joined back into the caller's stream in every call, so CUDA-graph capture
-    works)."""
-    return torch.cuda.Stream(device=device_index)
-
-
-@functools.lru_cache(maxsize=None)
-def _device_props(device_index: int) -> dict:
-    """CUDA's device properties of that device (one driver query per device)."""
-    import cupy
-
-    return cupy.cuda.runtime.getDeviceProperties(device_index)
-
-
-@functools.lru_cache(maxsize=None)
-def _device_limits(device_index: int) -> tuple:
-    """(registers, shared memory bytes, threads) per SM and the shared memory the driver keeps per block."""
-    p = _device_props(device_index)
-    return (int(p["regsPerMultiprocessor"]), int(p["sharedMemPerMultiprocessor"]),
-            int(p["maxThreadsPerMultiProcessor"]), int(p.get("reservedSharedMemPerBlock", 1024)))
-
-
-def blocks_per_sm(fn, threads: int, smem: int, device_index: int) -> int:
-    """Blocks of ``fn`` resident per SM at ``threads`` threads and ``smem`` bytes of dynamic shared
-    memory: the least of the register, shared-memory and thread limits (registers are allocated per
-    warp in units of 256)."""
-    regs, shm, thr, reserved = _device_limits(device_index)
-    per_warp = -(-max(int(fn.num_regs), 1) * 32 // 256) * 256
-    by_regs = regs // (per_warp * (threads // 32))
-    by_smem = shm // (smem + int(fn.shared_size_bytes) + reserved)
-    return max(1, min(by_regs, by_smem, thr // threads, 32))
-
-
-@functools.lru_cache(maxsize=None)
-def resident_slots(fn, threads: int, smem: int, device_index: int) -> int:
-    """Blocks of ``fn`` resident on the whole device at once (``blocks_per_sm`` x SMs), once per launch
-    configuration: the kernel attributes are driver queries, kept off the per-step path."""
-    return blocks_per_sm(fn, threads, smem, device_index) * L.sm_count(device_index)
-
-
-@functools.lru_cache(maxsize=4096)
-def _n_splits(NP: int, n_base: int, nw: int, slots: int) -> tuple:
-    """(splits, pages per split) of NP pages for n_base blocks per split on ``slots`` resident blocks:
-    the split count minimizing the makespan model waves(n_base * s) x (pages per warp + 1) (every page
-    costs the same; a block's prologue, combine and partial write about one page more), among the
-    counts that fill whole waves and never leave a warp without a page; ties go to fewer splits."""
-    cap = max(1, -(-NP // nw))
-    cands = {1, cap} | {max(1, min(cap, k * slots // n_base)) for k in range(1, 9)}
-    best = None
-    for sp in sorted(cands):
-        pps = -(-(-(-NP // sp)) // nw) * nw                # whole pages for every warp of a block
-        sp_real = -(-NP // pps)
-        cost = (-(-(n_base * sp_real) // slots), pps // nw + 1)
-        key = (cost[0] * cost[1], sp_real)
-        if best is None or key < best[0]:
-            best = (key, sp_real, pps)
-    return best[1], best[2]
-
-
-#: _fused_splits: a plan that gives each warp at most this many pages at full occupancy is re-planned at
-#: 2 blocks per SM (H100, auto vs 4 blocks per SM, ms: KIVI-K2V2 1 x 32K 0.0269 / 0.0338, 1 x 128K 0.0545 /
-#: 0.0588, 8 x 8K 0.0393 / 0.0474, Kitty 1 x 128K 0.0592 / 0.0633). 8 pages per warp (8 x 32K, 32 x 8K)
-#: since the page loop's copies took immediate offsets (5cbc693; 4 / 2 blocks per SM, cold caches,
-#: lab/2026-11-22-kivi-kitty-decode/results/h100-76e4402: 32 x 8K KIVI-K2V2 0.1010 / 0.0908, Kitty 0.1205 /
-#: 0.1171, Kitty-Pro 0.1253 / 0.1226;
-#: 8 x 32K 0.0848 / 0.0827, 0.0987 / 0.0964, 0.1039 / 0.1024; KIVI-K4V4 level at both); before that
-#: kernel 2 blocks were 2-3% slower at 8 x 32K
-FEW_PAGES_PER_WARP = 8
-
-
-def _fused_splits(NP: int, n_base: int, nw: int, slots: int, sms: int, few_bases: bool = False) -> tuple:
-    """(splits, pages per split) of a fused decode kernel: ``_n_splits`` on the kernel's ``slots`` resident
-    blocks, or on at most ``TUNE["max_blocks_per_sm"]`` blocks per SM. None (auto): where the plan at full
-    occupancy leaves each warp at most ``FEW_PAGES_PER_WARP`` pages (a small grid: batch 1, or 8K
-    context), at most 2 blocks per SM, each warp then twice the pages: fewer partials to merge and fewer
-    block prologues, while 2 blocks of 4 warps already reach most of the SM's issue rate (the KIVI /
-    Kitty and the OSCAR page kernels alike). ``few_bases``: also at most 2 blocks per SM whenever the
-    n_base (batch x KV head) blocks of one split are fewer than the SMs, however many pages (the OSCAR
-    kernel: see ``oscar_decode.decode``)."""
-    cap = TUNE["max_blocks_per_sm"]
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-        raise ValueError(f"TUNE['max_blocks_per_sm'] = {cap!r}: a positive int or None")
-    if cap is None:
-        sp, pps = _n_splits(NP, n_base, nw, slots)
-        if slots <= 2 * sms or (pps // nw > FEW_PAGES_PER_WARP and not (few_bases and n_base < sms)):
-            return sp, pps
-        cap = 2
-    return _n_splits(NP, n_base, nw, min(slots, cap * sms))
 
 
 def _aligned(*ts) -> bool:
@@ -280,22 +170,19 @@ def _tail_warp_bytes(D: int, fp16: bool = False) -> int:
 def _tail_kernel(D: int, QT: int, q_dt: int, fp16: bool, nw: int, device_index: int, sums: int):
     """paged_tail16_attn (fp16) or paged_tail_attn with nw warps and score sums ``sums`` (L.TAIL_SUMS),
     allowed the dynamic shared memory of their tiles on that device (set once, not per decode)."""
-    return _allow_smem(L.kernel(_SRC, L.paged_tail_name(D, QT, q_dt, fp16, nw, sums)),
+    return PL.allow_smem(L.kernel(_SRC, L.paged_tail_name(D, QT, q_dt, fp16, nw, sums)),
                        nw * _tail_warp_bytes(D, fp16), device_index)
 
 
-def _tail_sums() -> int:
-    """TUNE["tail_sums"], checked: one of L.TAIL_SUMS (1 float64, 2 four fp32 fma chains)."""
-    sums = TUNE["tail_sums"]
-    if isinstance(sums, bool) or sums not in L.TAIL_SUMS:
-        raise ValueError(f"TUNE['tail_sums'] = {sums!r}: 1 (float64 sums) or 2 (four fp32 fma chains)")
-    return sums
+def _tail_sums(knobs: Knobs = DEFAULT_KNOBS) -> int:
+    """``knobs.tail_sums``: one of L.TAIL_SUMS (1 float64, 2 four fp32 fma chains; checked by Knobs)."""
+    return knobs.tail_sums
 
 
 @functools.lru_cache(maxsize=None)
 def _tail_mma_kernel(nw: int, device_index: int):
     """paged_tail_mma with nw warps, allowed the dynamic shared memory of its tiles on that device."""
-    return _allow_smem(L.kernel(_SRC, L.paged_tail_mma_name(nw)), nw * L.tail_mma_warp_bytes(), device_index)
+    return PL.allow_smem(L.kernel(_SRC, L.paged_tail_mma_name(nw)), nw * L.tail_mma_warp_bytes(), device_index)
 
 
 #: _tail_mma_ok: the automatic rule takes the tensor-core tail where its fp16 rows are at least this
@@ -305,22 +192,20 @@ TAIL_MMA_SHARE = 64
 #: but not all of them, at least 1 / TAIL_MMA_SINK_SHARE of the fused tokens: the sink rows then leave
 #: the mixed-row kernel, which is the step's critical path there (H100, Kitty 8 x 8K at T = 8224: mixed
 #: rows 0.2 -> 40.4 us beside a 28.5 us page kernel; with the sink on the tensor cores the step is 39.3 us,
-#: not 43.4; benchmarks/results/h100-fd9acd6-tail-rule)
+#: not 43.4; lab/2026-11-23-phase-sweep/results/h100-fd9acd6-tail-rule)
 TAIL_MMA_SINK_SHARE = 256
 
 
 def _tail_mma_ok(q, D: int, in_place: bool, fp16_rows: int, fused_rows: int, blocks: int, sms: int,
-                 sink_rows: int = 0) -> bool:
-    """Whether decode puts the fp16 tail rows on the tensor cores: TUNE["tail_mma"] True / False, or None
+                 sink_rows: int = 0, knobs: Knobs = DEFAULT_KNOBS) -> bool:
+    """Whether decode puts the fp16 tail rows on the tensor cores: ``knobs.tail_mma`` True / False, or None
     (auto): fp16 q, D = 128, the tail read in place, the tail's (sequence, kv head, query tile) ``blocks``
     at least a quarter of the ``sms`` (H100, Kitty 1 x 8K: 0.023 ms with it, 0.020 without: at batch 1
     the step is a few latencies long and the extra launch adds one), and fp16 rows >= fused rows /
     TAIL_MMA_SHARE, or, with ``sink_rows`` among them and fewer blocks than SMs, fp16 rows >= fused rows /
     TAIL_MMA_SINK_SHARE (H100, phase means over T = 8192 + {0, 32, 64, 96}: Kitty 8 x 8K 43.8 -> 42.4 us;
     32 x 8K, whose blocks fill the SMs, 117.0 -> 119.8 us with it, so not there)."""
-    want = TUNE["tail_mma"]
-    if want is not None and not isinstance(want, bool):
-        raise ValueError(f"TUNE['tail_mma'] = {want!r}: None (auto), True or False")
+    want = knobs.tail_mma
     able = in_place and q.dtype == torch.float16 and D == 128 and fp16_rows > 0
     share = TAIL_MMA_SINK_SHARE if sink_rows > 0 and blocks < sms else TAIL_MMA_SHARE
     auto = fp16_rows * share >= fused_rows and 4 * blocks >= sms
@@ -330,45 +215,36 @@ def _tail_mma_ok(q, D: int, in_place: bool, fp16_rows: int, fused_rows: int, blo
 @functools.lru_cache(maxsize=None)
 def _mixed_mma_kernel(nw: int, device_index: int):
     """paged_mixed_mma with nw warps, allowed the dynamic shared memory of its tiles on that device."""
-    return _allow_smem(L.kernel(_SRC, L.paged_mixed_mma_name(nw)), nw * L.mixed_mma_warp_bytes(), device_index)
+    return PL.allow_smem(L.kernel(_SRC, L.paged_mixed_mma_name(nw)), nw * L.mixed_mma_warp_bytes(), device_index)
 
 
 def _mixed_mma_ok(q, D: int, in_place: bool, key_page_rows: int, value_page_rows: int,
-                  costly_launch: bool = False) -> bool:
-    """Whether decode puts the mixed tail rows on the tensor cores (paged_mixed_mma): TUNE["mixed_mma"]
+                  costly_launch: bool = False, knobs: Knobs = DEFAULT_KNOBS) -> bool:
+    """Whether decode puts the mixed tail rows on the tensor cores (paged_mixed_mma): ``knobs.mixed_mma``
     True where it applies, False never, None (auto) where it applies unless ``costly_launch``: the tail's
     fp16 rows would then take a launch of their own beside a long fused grid, where they otherwise share
     one with the mixed rows (H100, Kitty 1 x 128K, ms with / without: 0.0551 / 0.0497; at 1 x 32K, whose
     fused grid is short, 0.0255 / 0.0263). It applies to fp16 q, D = 128, the tail read in place, and
     mixed rows that all have their key in a page and their value in fp16: the key pages reach past the
     quantized values (``key_page_rows`` > ``value_page_rows``: KIVI's and Kitty's value window or Q-buffer
-    beside full key pages), unless ``TUNE["tail16"] = False`` keeps every tail row in one paged_tail_attn
+    beside full key pages), unless ``knobs.tail16 = False`` keeps every tail row in one paged_tail_attn
     launch."""
-    want = TUNE["mixed_mma"]
-    if want is not None and not isinstance(want, bool):
-        raise ValueError(f"TUNE['mixed_mma'] = {want!r}: None (auto), True or False")
+    want = knobs.mixed_mma
     able = (in_place and q.dtype == torch.float16 and D == 128 and key_page_rows > value_page_rows
-            and TUNE["tail16"] is not False)
+            and knobs.tail16 is not False)
     return able and (want is True or (want is None and not costly_launch))
 
 
-def _tail_mma_warps(device_index: int, fused_per_sm: int = 0) -> int:
-    """Warps per block of paged_tail_mma: TUNE["tail_mma_warps"] (one of _loader.PAGED_TAIL_WARPS) or, None,
+def _tail_mma_warps(device_index: int, fused_per_sm: int = 0, knobs: Knobs = DEFAULT_KNOBS) -> int:
+    """Warps per block of paged_tail_mma: ``knobs.tail_mma_warps`` (one of _loader.PAGED_TAIL_WARPS) or, None,
     4, or 2 beside a fused grid of at most two blocks per SM (``fused_per_sm``, 0: no fused kernel), whose
     SMs also take a mixed-row block (``_tail_warps``'s ``other``); at most what one block may hold."""
-    want = TUNE["tail_mma_warps"]
-    if want is not None and want not in L.PAGED_TAIL_WARPS:
-        raise ValueError(f"TUNE['tail_mma_warps'] = {want!r}: paged_tail_mma is built for {L.PAGED_TAIL_WARPS} warps")
+    want = knobs.tail_mma_warps
     if want is None:
         want = 2 if 0 < fused_per_sm <= 2 else 4
-    optin = _smem_optin(device_index)
+    optin = PL.smem_optin(device_index)
     fits = [n for n in L.PAGED_TAIL_WARPS if n * L.tail_mma_warp_bytes() <= optin and n <= want]
     return max(fits) if fits else 1
-
-
-def _smem_optin(device_index: int) -> int:
-    """The most shared memory one block may opt into on that device (bytes; 48 KiB if not reported)."""
-    return int(_device_props(device_index).get("sharedMemPerBlockOptin", 48 * 1024))
 
 
 #: _tail_warps: a fused grid of at most two blocks per SM (the small-grid plan) whose warps take at most
@@ -378,11 +254,11 @@ SHORT_PAGES_PER_WARP = 2
 
 def _tail_warps(D: int, device_index: int, fused_block: int = 0, fp16: bool = False, tail_static=None,
                 fused_per_sm: int = 2, fused_resident: int = 2, fused_pages_per_warp: int = 0, other: int = 0,
-                warp_bytes: int = 0) -> int:
+                warp_bytes: int = 0, knobs: Knobs = DEFAULT_KNOBS) -> int:
     """Warps per block of paged_tail_attn, or with ``fp16`` of paged_tail16_attn (one warp always fits:
     33 / 16.5 KiB of fp32 / fp16 tiles at D = 128).
 
-    ``TUNE["tail_warps"]`` (``TUNE["tail16_warps"]``) = n: the most of _loader.PAGED_TAIL_WARPS up to n
+    ``knobs.tail_warps`` (``knobs.tail16_warps``) = n: the most of _loader.PAGED_TAIL_WARPS up to n
     whose tiles one block may hold on the device. None (auto): of those, the most whose block fits in an
     SM's shared memory beside the ``fused_per_sm`` fused blocks the launch puts on an SM, where the tail
     would otherwise wait for them: the fused kernel holds at most two blocks per SM all along
@@ -391,7 +267,7 @@ def _tail_warps(D: int, device_index: int, fused_block: int = 0, fp16: bool = Fa
     are the faster where the tail's blocks find room: on full grids, or in the free slots of a longer small
     grid). ``fused_block``: the fused kernel's shared memory per block, dynamic plus static (0: no fused
     kernel); ``tail_static(n)``: the n-warp tail kernel's static shared memory (None: 0); every block also
-    costs the driver's reserve (_device_limits). ``other``: the dynamic shared memory of a paged_tail_mma
+    costs the driver's reserve (plans.device_limits). ``other``: the dynamic shared memory of a paged_tail_mma
     block that shares the SMs (0: none); beside a fused grid of at most two blocks per SM the tail block
     must fit next to both (H100, Kitty 8 x 8K with the tensor-core tail: 0.0446 ms at 2 warps, 0.0499 at
     4). ``warp_bytes``: one warp's dynamic shared memory where the kernel is not paged_tail_attn /
@@ -400,15 +276,12 @@ def _tail_warps(D: int, device_index: int, fused_block: int = 0, fp16: bool = Fa
     0.0298 / 0.0351 (a 4-warp tail, 140.4 KiB, does not fit beside two 49.4 KiB Kitty blocks), 1 x 128K
     0.0611 / 0.0589, 8 x 8K 0.0580 / 0.0519, 8 x 32K 0.118 / 0.110, 32 x 32K 0.365 / 0.352; KIVI-K4V4 8 x
     32K 0.120 / 0.129 (2 blocks per SM all along)."""
-    key = "tail16_warps" if fp16 else "tail_warps"
-    want = TUNE[key]
-    if want is not None and want not in L.PAGED_TAIL_WARPS:
-        raise ValueError(f"TUNE[{key!r}] = {want!r}: the tail kernels are built for {L.PAGED_TAIL_WARPS} warps")
+    want = knobs.tail16_warps if fp16 else knobs.tail_warps
     beside = bool(fused_block) and want is None and fused_per_sm <= 2 and (
         fused_resident <= 2 or fused_pages_per_warp <= SHORT_PAGES_PER_WARP or other > 0)
-    optin = _smem_optin(device_index)
+    optin = PL.smem_optin(device_index)
     if beside:
-        _, shm, _, reserved = _device_limits(device_index)
+        _, shm, _, reserved = PL.device_limits(device_index)
     for n in sorted((n for n in L.PAGED_TAIL_WARPS if n > 1 and n <= (want or n)), reverse=True):
         tb = n * (warp_bytes or _tail_warp_bytes(D, fp16))
         if tb > optin:
@@ -466,22 +339,23 @@ def gather_tail(cfg, codec, st: PagedState, NF: int):
     return ok, ov
 
 
-def _plan(D: int, k_bits: int, v_bits: int, kitty: bool, ngv: int, db: int, QT: int, mma: bool = False):
+def _plan(D: int, k_bits: int, v_bits: int, kitty: bool, ngv: int, db: int, QT: int, mma: bool = False,
+          knobs: Knobs = DEFAULT_KNOBS):
     """(warps per block, dynamic shared memory bytes) of the fused kernel (``mma``: paged_decode_mma2)."""
     buf = _buf_bytes(D, k_bits, v_bits, kitty, ngv, db)
     smem = (lambda nw: _mma2_smem(kitty, db, nw, k_bits, v_bits)) if mma else (lambda nw: _smem_bytes(D, QT, nw, buf))
-    nw = TUNE["num_warps"] or 4
+    nw = knobs.num_warps or 4
     nw = max(1, min(MMA_MAX_WARPS if mma else 4, nw))
     while nw > 1 and smem(nw) > _SMEM_LIMIT:
         nw -= 1
     return nw, smem(nw)
 
 
-def mma_ok(cfg, kp: dict, q, D: int, M: int) -> bool:
+def mma_ok(cfg, kp: dict, q, D: int, M: int, knobs: Knobs = DEFAULT_KNOBS) -> bool:
     """Whether decode takes the tensor-core kernel (paged_decode_mma2): fp16 q, D = 128, 2- or 4-bit key
     codes (KIVI-K2 / K4, or Kitty's planes) and values, one value group per token, at most 8 query rows
-    per KV head."""
-    return (TUNE["mma"] and q.dtype == torch.float16 and D == 128 and kp["bits"] in MMA_BITS
+    per KV head (``knobs.mma``: False never)."""
+    return (knobs.mma and q.dtype == torch.float16 and D == 128 and kp["bits"] in MMA_BITS
             and cfg.v_bits in MMA_BITS and cfg.v_group(D) == D and M <= 8)
 
 
@@ -505,7 +379,7 @@ PLAN_CACHE_SIZE = 256
 
 @dataclass(frozen=True)
 class _Gather:
-    """The precise path's tail (float32 q, or ``TUNE["fused_tail"] = False``): paged_gather_tail copies the
+    """The precise path's tail (float32 q, or ``Knobs(fused_tail=False)``): paged_gather_tail copies the
     tail into fp32 at each call, then attention.cu's split kernel reads the copy."""
 
     NF: int
@@ -543,25 +417,27 @@ class _QMeta:
         self.dtype = dtype
 
 
-def decode_plan(cfg, codec, st: PagedState, q, kp: dict | None = None) -> DecodePlan:
-    """The launch plan of ``decode_attention(cfg, codec, st, q)``: computed once per (configuration, codec,
-    cache shape and length, q's dtype and query shape, device, ``TUNE``) and reused (an LRU of
-    PLAN_CACHE_SIZE plans); it holds kernels, grids, shared memory and every integer argument, and the
+def decode_plan(cfg, codec, st: PagedState, q, kp: dict | None = None, knobs: Knobs | None = None) -> DecodePlan:
+    """The launch plan of ``decode_attention(cfg, codec, st, q, knobs=knobs)``: computed once per
+    (configuration, codec, cache shape and length, q's dtype and query shape, device, knobs) and reused (an
+    LRU of PLAN_CACHE_SIZE plans); it holds kernels, grids, shared memory and every integer argument, and the
     call fills in the tensors' addresses, q's strides and the scale. ``kp``: the codec's kernel arrays of
-    ``st``, where the caller has them."""
+    ``st``, where the caller has them; ``knobs``: a ``Knobs`` (None: the defaults)."""
+    knobs = _knobs(knobs)
     kp = codec.kernel_arrays(cfg, st) if kp is None else kp
     dev = q.device
     aligned = _aligned(kp["codes"], kp["high"], kp["idx"], kp["scale"], kp["mn"], st.v_codes, st.v_scale, st.v_mn)
     return _decode_plan(cfg, st.shape, st.length, q.dtype, q.shape[1], q.shape[2],
                         dev.index if dev.index is not None else torch.cuda.current_device(),
                         kp["bits"], bool(kp["kitty"]), int(kp["d_boost"]), kp["scale"].dtype == torch.float32,
-                        int(st.k_table.shape[1]), aligned, tuple(TUNE.items()))
+                        int(st.k_table.shape[1]), aligned, knobs)
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
 def _decode_plan(cfg, shape, T, q_dtype, H_q, T_q, dev_index, k_bits, kitty, db, scale_f32, n_table, aligned,
-                 tune) -> DecodePlan:
-    """decode_plan's cached body (``tune``: TUNE's items, so that a tuning run's settings plan anew)."""
+                 knobs: Knobs) -> DecodePlan:
+    """decode_plan's cached body: a function of its arguments only (the device's limits are read through
+    ``plans``, once per device; the kernels' attributes once per kernel)."""
     B, H, D = shape
     if not (fused_ok(cfg, D) and aligned):
         return DecodePlan(True, device_index=dev_index)
@@ -579,23 +455,24 @@ def _decode_plan(cfg, shape, T, q_dtype, H_q, T_q, dev_index, k_bits, kitty, db,
     qtiles = -(-M // QT)
     sms = L.sm_count(dev_index)
     ngv = D // cfg.v_group(D)
-    mma = mma_ok(cfg, kp, q, D, M)
+    mma = mma_ok(cfg, kp, q, D, M, knobs)
     nr = 4 if M <= 4 else 8                           # the tensor-core kernel's query rows
     if mma:
         QT, qtiles = 8, 1
-    # fused splits: by the makespan model at the kernel's occupancy (or about TUNE["waves"] blocks
+    # fused splits: by the makespan model at the kernel's occupancy (or about knobs.waves blocks
     # per SM), each warp at least one page
     n_split = pps = nw = smem = per_sm = resident = fused_block = 0
     fn = None
     if NP:
-        nw, smem = _plan(D, k_bits, cfg.v_bits, kitty, ngv, db, QT, mma)
+        nw, smem = _plan(D, k_bits, cfg.v_bits, kitty, ngv, db, QT, mma, knobs)
         fn = (_mma_kernel(kitty, nr, k_bits, cfg.v_bits, smem, dev_index) if mma
               else _decode_kernel(D, k_bits, cfg.v_bits, kitty, QT, smem, dev_index))
-        slots = resident_slots(fn, 32 * nw, smem, dev_index)
-        if TUNE["waves"] is None:
-            n_split, pps = _fused_splits(NP, B * H * qtiles, nw, slots, sms)
+        slots = PL.resident_slots(fn, 32 * nw, smem, dev_index)
+        if knobs.waves is None:
+            n_split, pps = PL.fused_splits(NP, B * H * qtiles, nw, slots, sms,
+                                           max_blocks_per_sm=knobs.max_blocks_per_sm)
         else:
-            want = max(1, -(-int(TUNE["waves"] * sms) // (B * H * qtiles)))
+            want = max(1, -(-int(knobs.waves * sms) // (B * H * qtiles)))
             pps = -(-NP // min(want, NP))
             pps = -(-pps // nw) * nw                  # whole pages for every warp of a block
             n_split = -(-NP // pps)
@@ -607,25 +484,25 @@ def _decode_plan(cfg, shape, T, q_dtype, H_q, T_q, dev_index, k_bits, kitty, db,
     # the rest (the tail): sink + tokens [S + NF, T), on a side stream beside the fused kernel. Half-
     # precision q reads it in place: the rows whose key and value are both fp16 as fp16 tiles
     # (paged_tail16_attn), the mixed rows [NS, NS + n_mixed) (a key or a value from a page) as fp32 tiles
-    # (paged_tail_attn); TUNE["tail16"] = False: every tail row through paged_tail_attn. float32 q (the
-    # precise path: double accumulators, natural units) and TUNE["fused_tail"] = False gather the tail
+    # (paged_tail_attn); knobs.tail16 = False: every tail row through paged_tail_attn. float32 q (the
+    # precise path: double accumulators, natural units) and knobs.fused_tail = False gather the tail
     # into one fp32 segment (paged_gather_tail) for attention.cu's split kernel.
     NT = c["n_sink"] + c["post"] - NF
     precise = q_dtype == torch.float32
-    in_place = not precise and TUNE["fused_tail"]
+    in_place = not precise and knobs.fused_tail
     tqt = 4 if M <= 4 else 8                          # the tail's own query tile (attention.cu's QT)
     tqtiles = -(-M // tqt)
     n_mixed = max(c["n_kpages"] * G, c["n_vq"]) - NF
-    sums = _tail_sums()
+    sums = _tail_sums(knobs)
     if not in_place:
         parts = [("gather", NT, 0)]
     else:
-        tmma = _tail_mma_ok(q, D, in_place, NT - n_mixed, NF, B * H * -(-M // 8), sms, c["n_sink"])
-        split16 = TUNE["tail16"] if TUNE["tail16"] is not None else B * H * tqtiles >= sms
+        tmma = _tail_mma_ok(q, D, in_place, NT - n_mixed, NF, B * H * -(-M // 8), sms, c["n_sink"], knobs)
+        split16 = knobs.tail16 if knobs.tail16 is not None else B * H * tqtiles >= sms
         # paged_mixed_mma: the fp16 rows then launch apart, which costs where they would share the mixed
         # rows' launch beside a long fused grid
         costly = NT > n_mixed and not (tmma or split16) and NP and pps // nw > SHORT_PAGES_PER_WARP
-        page_keys = _mixed_mma_ok(q, D, in_place, c["n_kpages"] * G, c["n_vq"], bool(costly))
+        page_keys = _mixed_mma_ok(q, D, in_place, c["n_kpages"] * G, c["n_vq"], bool(costly), knobs)
         mixed = "mixed_mma" if n_mixed and page_keys else "mixed"
         if tmma:
             parts = [("mma", NT - n_mixed, 0), (mixed, n_mixed, c["n_sink"])]
@@ -638,27 +515,28 @@ def _decode_plan(cfg, shape, T, q_dtype, H_q, T_q, dev_index, k_bits, kitty, db,
         if kind == "gather":
             return L.attn_warps(L.DT[torch.float32], D)
         if kind == "mma":
-            return _tail_mma_warps(dev_index, per_sm)
+            return _tail_mma_warps(dev_index, per_sm, knobs)
         f16 = kind == "fp16"
         mm = kind == "mixed_mma"
-        other = (_tail_mma_warps(dev_index, per_sm) * L.tail_mma_warp_bytes()
+        other = (_tail_mma_warps(dev_index, per_sm, knobs) * L.tail_mma_warp_bytes()
                  if any(p[0] == "mma" and p[1] > 0 for p in parts) else 0)
         static = ((lambda n: L.static_smem(_mixed_mma_kernel(n, dev_index))) if mm else
                   (lambda n: L.static_smem(_tail_kernel(D, tqt, L.DT[q_dtype], f16, n, dev_index, sums))))
         return _tail_warps(D, dev_index, fused_block, f16, static, per_sm, resident, pps // nw if NP else 0, other,
-                           L.mixed_mma_warp_bytes() if mm else 0)
+                           L.mixed_mma_warp_bytes() if mm else 0, knobs)
 
     # query tiles of each kind's kernel: attention.cu's QT rows, paged_tail_mma's 8
     qtiles_of = {"mma": -(-M // 8), "mixed_mma": -(-M // 8)}
     # (kind, rows, first tail row or skipped rows, warps per block, keys per split, splits)
     parts = [(kind, rows, u, nw_t, *A._splits(rows, B * H * qtiles_of.get(kind, tqtiles), 32 * nw_t, sms,
-                                              TUNE["tail_tiles"]))
+                                              knobs.tail_tiles))
              for kind, rows, u in parts if rows > 0 for nw_t in (tail_warps(kind),)]
     nt = sum(p[-1] for p in parts)
     S_TOTAL = n_split + nt
     rows = B * H_q * T_q
     # the tail's parts each on their own side stream (side by side with the fused kernel and each other)
-    side_objs = [_side_stream(dev_index, k) if n_split and TUNE["side_stream"] else None for k in range(len(parts))]
+    side_objs = [PL.side_stream(dev_index, k) if n_split and knobs.side_stream else None
+                 for k in range(len(parts))]
 
     ints = _tail_ints(cfg, H, D, c, NF, n_table, db, scale_f32)           # paged.cu's TailRows integers
     if in_place and nt:
@@ -704,16 +582,26 @@ def _decode_plan(cfg, shape, T, q_dtype, H_q, T_q, dev_index, k_bits, kitty, db,
                 np.int32(NP), np.int32(pps), np.int32(n_split), np.int32(db), np.int32(ngv), _S(_QK2))
         fused = [(None, L.Prepared(fn, (n_split * qtiles, H, B), (32 * nw,), args, smem, _SLOT_TYPES))]
     # the tail's blocks first (they take SM slots before the fused grid fills them: the latency of a
-    # small step) or the fused grid first (TUNE["tail_first"] = False: its makespan model sees every slot)
-    launches = tail + fused if TUNE["tail_first"] else fused + tail
+    # small step) or the fused grid first (knobs.tail_first = False: its makespan model sees every slot)
+    launches = tail + fused if knobs.tail_first else fused + tail
     sides = tuple(sorted({side for side, _ in tail if side is not None}))
     merge = A.merge_prepared(rows, S_TOTAL, D, q_dtype, (_S(_O_PART), _S(_LSE_PART), _S(_OUT), _S(_LSE)))
     return DecodePlan(False, tuple(launches), sides, S_TOTAL, rows, merge, dev_index)
 
 
-def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
+def _knobs(knobs) -> Knobs:
+    """``knobs``, or the defaults for None; TypeError for anything but a ``Knobs``."""
+    if knobs is None:
+        return DEFAULT_KNOBS
+    if not isinstance(knobs, Knobs):
+        raise TypeError(f"knobs must be a kvq.fast.cupy.paged.Knobs or None, got {type(knobs).__name__}")
+    return knobs
+
+
+def decode_attention(cfg, codec, st: PagedState, q, *, scale=None, knobs: Knobs | None = None):
     """Attention of q (B, H_q, T_q, D) over the cache: ``(out in q's dtype, lse fp32)``, by the cached
-    launch plan of this call's shape (``decode_plan``)."""
+    launch plan of this call's shape (``decode_plan``); ``knobs``: its launch knobs (None: the defaults)."""
+    knobs = _knobs(knobs)
     _paged.check_q(codec, st, q)
     B, H, D = st.shape
     sc = C.softmax_scale(scale, D)
@@ -725,7 +613,7 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     if B > 65535 or H > 65535:
         raise ValueError(f"B={B} and H_kv={H} must be at most 65535 (CUDA grid limits)")
     kp = codec.kernel_arrays(cfg, st)
-    plan = decode_plan(cfg, codec, st, q, kp)
+    plan = decode_plan(cfg, codec, st, q, kp, knobs)
     if plan.fallback:
         K, V = dequantize_cache(cfg, codec, st)
         o, ls = A.decode_attention(q.float(), [(K, V)], scale=sc)

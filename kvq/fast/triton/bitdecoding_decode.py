@@ -20,7 +20,7 @@ A page is walked in *chunks* of WB warps (BT = 8 R WB tokens, WB a power of two 
 the key words of a chunk are a (8 WB, D) tile, unpacked by broadcasting each word over its R slots
 (shift, mask) and reshaping (WB, R, 8, D) -> (BT, D) (token ``w 8R + 8 i + g`` is row-major (w, i, g));
 the value words are a (BT, D / R) tile, unpacked as (BT, U, R, 8) -> (BT, D) (channel ``8 (u R + i) + g``
-is row-major (u, i, g)). Each word is loaded once (``TUNE["unpack"] = 0``: gathered per element by index
+is row-major (u, i, g)). Each word is loaded once (``Knobs(unpack=0)``: gathered per element by index
 arithmetic instead). The half2 params are read as one 32-bit word each, at group granularity where the
 group covers the chunk (channel-wise keys: one row of D; per-token groups: (BT, D / G), broadcast).
 
@@ -29,7 +29,7 @@ group covers the chunk (channel-wise keys: one row of D; per-token groups: (BT, 
 ``j T_q + s`` = query head ``kv g_q + j``, token s; padded to BLOCK_M >= 16 for ``tl.dot``, blocks of at
 most 64 rows). The chunks of a sequence, ``L // N_r`` pages x ``W_n / WB`` page chunks in token order
 then ``cdiv(L mod N_r, BT)`` residual chunks (fp16 rows loaded as they are, masked past the residual's
-length), are split into ranges so that the grid holds about ``TUNE["waves"]`` = 4 programs per SM
+length), are split into ranges so that the grid holds about ``Knobs.waves`` = 4 programs per SM
 (``attention._sm_count``; at least 256 tokens per split on the GPU). Each program runs flash-decoding over
 its range and writes fp32 partials (acc, m, l) in ``kvq.fast.triton.attention``'s partial layout
 (``_partials``); ``attention._merge_launch`` normalizes: two launches per decode. (The residual is fused
@@ -42,7 +42,7 @@ H100).)
 at +-65504, rule 3) with scale and min the fp16 half2 params (the code enters fp32 through the exponent trick, exact; ``code * scale``
 is exact in fp32, so an FMA contraction rounds as the separate multiply and add). These are the fp16
 operands the reference attends over. Scores ``s = (q @ K^T) * scale`` are summed over channels as a
-pairwise tree of 16-channel dots (``TUNE["leaf"]``), added in IEEE fp32: a single tensor-core dot over
+pairwise tree of 16-channel dots (``Knobs.leaf``), added in IEEE fp32: a single tensor-core dot over
 D = 128 chains its k16 steps through the accumulator with truncation, and measured on an H100 at up to
 2.0x the rule-7 bound on the lse with an outlier key channel (leaves of 32: 1.6x, of 16: 0.91x); under
 the interpreter the tree also replaces its sequential fp32 dot. Scores stay in natural units and the
@@ -58,7 +58,7 @@ Every order-dependent reduction is held to contract rule 7 (tests/parity/test_bi
 
 **Performance** (H100, D = 128, g_q = 4, T_q = 1, CUDA graphs; FP16 flash-decoding of
 ``attention.decode_attention`` on the same context for comparison): BitDecoding-KC2, B = 32, L = 4196:
-262 us (fp16 q; 164 us with one dot per chunk, ``TUNE["leaf"] = 128``, outside rule 7 as above) against
+262 us (fp16 q; 164 us with one dot per chunk, ``Knobs(leaf=128)``, outside rule 7 as above) against
 191 us for FP16; B = 1: 21 us against 11 us. The kernel is bound by the unpacking and dequantization
 in registers (reshapes through shared memory, the per-leaf dequantization), not by the bytes it reads
 (75.5 MB of pages there: ~290 GB/s): the faster layouts of the paper (ldmatrix fragments, lop3 half2
@@ -72,6 +72,9 @@ cache, NaN / inf) before calling :func:`decode`; the pool tensors and params mus
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -83,13 +86,48 @@ from .quant import _sat_f16
 
 __all__ = ["supported", "decode"]
 
-#: launch knobs (None = the built-in choice), for tuning runs on the GPU: leaf = channels per dot of the
-#: scores' pairwise tree for fp16 / bf16 q (16; D = one dot; fp32 q always 16); unpack = 1: words loaded
-#: once and broadcast over their slots by a reshape, 0: gathered per element by index arithmetic; waves
-#: = target programs per SM; bt_max = most tokens per chunk (BT = 8 R WB); num_warps; num_stages;
-#: min_tokens = fewest tokens per split on the GPU (a split's partial costs rows * (D + 2) fp32 writes)
-TUNE = {"leaf": None, "unpack": 1, "waves": 4, "bt_max": None, "num_warps": None, "num_stages": None,
-        "min_tokens": 256}
+def _check_knob(ok: bool, name: str, value, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"triton.bitdecoding_decode.Knobs.{name} = {value!r}: {expected}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The launch knobs of ``decode`` (None: the built-in choice), for tuning runs on the GPU. Immutable and
+    hashable (``plan`` is cached per knobs); the rules and timings behind the defaults:
+    ``lab/2026-11-24-bitdecoding/KNOBS.md``."""
+
+    leaf: int | None = None              # channels per dot of the scores' tree (None: 16)   KNOBS.md#leaf
+    unpack: int = 1                      # 1 words broadcast by a reshape, 0 gathered        KNOBS.md#unpack
+    waves: float = 4                     # target programs per SM                            KNOBS.md#splits
+    bt_max: int | None = None            # most tokens per chunk (None: 128, 64 for D > 128) KNOBS.md#chunks
+    num_warps: int | None = None         # warps per program (None: 4, 8 for wide tiles)    KNOBS.md#chunks
+    num_stages: int | None = None        # software-pipelining depth (None: 2)               KNOBS.md#chunks
+    min_tokens: int = 256                # fewest tokens per split on the GPU                KNOBS.md#splits
+
+    def __post_init__(self):
+        _check_knob(self.leaf is None or (_is_int(self.leaf) and self.leaf >= 16 and self.leaf & (self.leaf - 1) == 0),
+                    "leaf", self.leaf, "None or a power of two >= 16")
+        _check_knob(_is_int(self.unpack) and self.unpack in (0, 1), "unpack", self.unpack, "0 or 1")
+        _check_knob(isinstance(self.waves, (int, float)) and not isinstance(self.waves, bool) and self.waves > 0,
+                    "waves", self.waves, "a positive number")
+        _check_knob(self.bt_max is None or (_is_int(self.bt_max) and self.bt_max > 0), "bt_max", self.bt_max,
+                    "None or a positive int")
+        _check_knob(self.num_warps is None or (_is_int(self.num_warps) and self.num_warps > 0
+                                               and self.num_warps & (self.num_warps - 1) == 0),
+                    "num_warps", self.num_warps, "None or a power of two")
+        _check_knob(self.num_stages is None or (_is_int(self.num_stages) and self.num_stages > 0),
+                    "num_stages", self.num_stages, "None or a positive int")
+        _check_knob(_is_int(self.min_tokens) and self.min_tokens > 0, "min_tokens", self.min_tokens,
+                    "a positive int")
+
+
+#: the defaults
+DEFAULT_KNOBS = Knobs()
 
 _MODE_FP16, _MODE_BF16, _MODE_FP32 = 0, 1, 2
 
@@ -417,32 +455,79 @@ def supported(cfg, st, q) -> bool:
     return True
 
 
-def _chunking(cfg, D: int, mode: int):
-    """``(WB, BT)``: warps per chunk (a power of two dividing W_n) and tokens per chunk (8 R WB)."""
-    per_warp = 8 * cfg.per_word                        # 32 tokens at 4 bits, 64 at 2 bits
+@dataclass(frozen=True)
+class Plan:
+    """The launch of ``decode`` (``plan``): leaf channels per score dot, ``WB`` warps and ``BT`` tokens per
+    chunk, ``n_pc`` page chunks of ``n_chunks``, ``cps`` chunks per split, ``S`` splits, warps, the unpack
+    mode and pipelining stages."""
+
+    leaf: int
+    WB: int
+    BT: int
+    n_pc: int
+    n_chunks: int
+    cps: int
+    S: int
+    warps: int
+    unpack: int
+    stages: int
+
+
+def plan(per_word: int, warps_n: int, D: int, mode: int, n_pages: int, res: int, n_base: int, BLOCK_M: int,
+         sms: int, *, cuda: bool, interp: bool, knobs: Knobs | None = None) -> Plan:
+    """The launch plan of ``decode``: ``per_word`` (R) codes per 16-bit word, ``warps_n`` (W_n) warps per
+    page, head dim ``D``, q's ``mode`` (_MODE_*), ``n_pages`` full pages and ``res`` residual rows,
+    ``n_base`` programs per split (B x H_kv x query blocks) of ``BLOCK_M`` rows, ``sms`` SMs; ``cuda``:
+    at least ``knobs.min_tokens`` tokens per split; ``interp``: the interpreter (one stage). Arithmetic
+    only (runs on the CPU), cached per arguments."""
+    knobs = DEFAULT_KNOBS if knobs is None else knobs
+    if not isinstance(knobs, Knobs):
+        raise TypeError(f"knobs must be a kvq.fast.triton.bitdecoding_decode.Knobs or None, got "
+                        f"{type(knobs).__name__}")
+    return _plan(int(per_word), int(warps_n), int(D), int(mode), int(n_pages), int(res), int(n_base),
+                 int(BLOCK_M), int(sms), bool(cuda), bool(interp), knobs)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(per_word, warps_n, D, mode, n_pages, res, n_base, BLOCK_M, sms, cuda, interp, knobs) -> Plan:
+    """plan's cached body (every argument given, so that one key names one call shape)."""
+    leaf = 16 if mode == _MODE_FP32 else min(D, int(knobs.leaf or 16))
+    WB, BT = _chunking(per_word, warps_n, D, mode, knobs.bt_max)
+    n_pc = n_pages * (warps_n // WB)                   # page chunks, then residual chunks
+    n_chunks = n_pc + triton.cdiv(res, BT)
+    cps, S = _splits(n_chunks, BT, n_base, sms, cuda, knobs.waves, knobs.min_tokens)
+    warps = knobs.num_warps or (8 if BLOCK_M * D >= 64 * 128 or BT * D > 128 * 128 else 4)
+    return Plan(leaf, WB, BT, n_pc, n_chunks, cps, S, warps, int(knobs.unpack),
+                1 if interp else (knobs.num_stages or 2))
+
+
+def _chunking(per_word: int, warps_n: int, D: int, mode: int, bt_max: int | None = None):
+    """``(WB, BT)``: warps per chunk (a power of two dividing W_n) and tokens per chunk (8 R WB), at most
+    ``bt_max`` tokens (None: 128, 64 for D > 128; fp32 q: one warp)."""
+    per_warp = 8 * per_word                            # 32 tokens at 4 bits, 64 at 2 bits
     if mode == _MODE_FP32:
         bt_max = per_warp                              # IEEE fp32 dots: one warp per chunk
     else:
-        bt_max = TUNE["bt_max"] or (128 if D <= 128 else 64)
+        bt_max = bt_max or (128 if D <= 128 else 64)
     wb = 1
-    while cfg.warps_n % (2 * wb) == 0 and 2 * wb * per_warp <= bt_max:
+    while warps_n % (2 * wb) == 0 and 2 * wb * per_warp <= bt_max:
         wb *= 2
     return wb, wb * per_warp
 
 
-def _splits(n_chunks: int, bt: int, base: int, dev: torch.device):
-    """``(chunks per split, splits)``: about TUNE["waves"] programs per SM, >= TUNE["min_tokens"] tokens
-    per split on the GPU."""
+def _splits(n_chunks: int, bt: int, base: int, sms: int, cuda: bool, waves: float = 4, min_tokens: int = 256):
+    """``(chunks per split, splits)``: about ``waves`` programs per SM, >= ``min_tokens`` tokens per split
+    on the GPU (``cuda``)."""
     if n_chunks == 0:
         return 0, 0
-    want = max(1, triton.cdiv(int(TUNE["waves"] * A._sm_count(dev)), base))
-    if dev.type == "cuda":
-        want = min(want, max(1, (n_chunks * bt) // int(TUNE["min_tokens"])))
+    want = max(1, triton.cdiv(int(waves * sms), base))
+    if cuda:
+        want = min(want, max(1, (n_chunks * bt) // int(min_tokens)))
     cps = triton.cdiv(n_chunks, min(want, n_chunks))
     return cps, triton.cdiv(n_chunks, cps)
 
 
-def decode(cfg, st, q, *, scale=None):
+def decode(cfg, st, q, *, scale=None, knobs: Knobs | None = None):
     """Attention of q (B, H_q, T_q, D) over the BitDecoding cache ``st``: ``(out, lse)``, out in q's
     dtype, lse (B, H_q, T_q) float32, natural log; equals ``kvq.reference.bitdecoding.decode_attention``
     within contract rule 7.
@@ -453,7 +538,8 @@ def decode(cfg, st, q, *, scale=None):
     and ``shape`` = (B, H, D). Nothing is checked here: the caller (the cache wrapper) has validated q
     and the state, and :func:`supported` is true. One launch attends the packed pages and the residual
     rows ``[0, length mod N_r)`` in splits, one ``attention._merge_launch`` joins the splits; an empty
-    cache gives out = 0, lse = -inf."""
+    cache gives out = 0, lse = -inf. ``knobs``: the launch knobs (None: the defaults), planned by
+    ``plan``."""
     B, H, D = (int(x) for x in st.shape)
     _, H_q, T_q, _ = q.shape
     dev = q.device
@@ -465,14 +551,12 @@ def decode(cfg, st, q, *, scale=None):
         mode = _MODE_BF16
     else:
         mode = _MODE_FP16
-    leaf = 16 if mode == _MODE_FP32 else min(D, int(TUNE["leaf"] or 16))
     qk = q.float() if (mode == _MODE_FP32 and q.dtype != torch.float32) else q
     n_pages, res = divmod(int(st.length), cfg.n_r)
-    WB, BT = _chunking(cfg, D, mode)
-    n_pc = n_pages * (cfg.warps_n // WB)               # page chunks, then residual chunks
-    n_chunks = n_pc + triton.cdiv(res, BT)
     BLOCK_M, m_blocks = A._row_blocks(H_q // H, T_q)
-    cps, S = _splits(n_chunks, BT, B * H * m_blocks, dev)
+    lp = plan(cfg.per_word, cfg.warps_n, D, mode, n_pages, res, B * H * m_blocks, BLOCK_M, A._sm_count(dev),
+              cuda=dev.type == "cuda", interp=interp, knobs=knobs)
+    leaf, WB, n_pc, n_chunks, cps, S = lp.leaf, lp.WB, lp.n_pc, lp.n_chunks, lp.cps, lp.S
     out = torch.empty((B, H_q, T_q, D), dtype=q.dtype, device=dev)
     lse = torch.empty((B, H_q, T_q), dtype=torch.float32, device=dev)
     if out.numel() == 0:
@@ -483,14 +567,13 @@ def decode(cfg, st, q, *, scale=None):
         return out, lse
     rows = B * H_q * T_q
     parts = A._partials(rows, S, D, dev)
-    warps = TUNE["num_warps"] or (8 if BLOCK_M * D >= 64 * 128 or BT * D > 128 * 128 else 4)
     _decode_kernel[(B * H, S, m_blocks)](
         qk, st.k_words.view(torch.int16), st.k_params.view(torch.int32), st.v_words.view(torch.int16),
         st.v_params.view(torch.int32), st.table, st.res_k.contiguous(), st.res_v.contiguous(), *parts,
         *qk.stride(), H_q, H, T_q, (H_q // H) * T_q, n_chunks, n_pc, res, cps, S, st.table.shape[1], sc,
         G_Q=H_q // H, D=D, NR=cfg.n_r, WN=cfg.warps_n, WB=WB, R=cfg.per_word, BITS=cfg.bits,
         CHAN=cfg.k_mode == "channel", KG=cfg.k_group, VG=cfg.v_group, BLOCK_M=BLOCK_M, MODE=mode, LEAF=leaf,
-        UNPACK=int(TUNE["unpack"]), TIGHT=not interp, NBLK=cps if interp else 0, num_warps=warps,
-        num_stages=1 if interp else (TUNE["num_stages"] or 2))
+        UNPACK=lp.unpack, TIGHT=not interp, NBLK=cps if interp else 0, num_warps=lp.warps,
+        num_stages=lp.stages)
     A._merge_launch(*parts, out, lse, rows, S, D, log2=False)
     return out, lse

@@ -18,14 +18,17 @@ Numerics (the query is rotated, ``q R_K``, fp32). ``precise`` (fp32 q: an fp32 o
 group size under 16): keys and values are dequantized in registers as the reference does
 (``code * scale + mn`` in fp32), scores by IEEE fp32 dots in a pairwise tree of 16-channel chunks,
 ``P @ V`` an IEEE fp32 dot, accurate exp. Otherwise (fp16 / bf16 q) the tensor cores take the codes
-(exact in fp16) against fp32 factors split into hi + lo fp16 halves (``paged._split_dot``): per group g,
-``s += scale_t,g (q_g @ codes_g) + mn_t,g sum(q_g)`` with q_g in ``TUNE["k_terms"]`` parts (3: ~33
-bits, beyond fp32's 24), and ``acc[:, g] += (p * scale_g) @ codes_g + p @ mn_g`` with P in ``TUNE["v_terms"]`` parts (1:
+(exact in fp16) against fp32 factors split into hi + lo fp16 halves (``paged.split_dot``): per group g,
+``s += scale_t,g (q_g @ codes_g) + mn_t,g sum(q_g)`` with q_g in ``Knobs.k_terms`` parts (3: ~33
+bits, beyond fp32's 24), and ``acc[:, g] += (p * scale_g) @ codes_g + p @ mn_g`` with P in ``Knobs.v_terms`` parts (1:
 rounded once, as the FP16 flash-decoding kernel does; fine for an fp16 / bf16 output); the lse keeps
 about fp32 accuracy either way.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -36,16 +39,48 @@ from kvq.fast import _oscar as _O
 from kvq.reference import oscar as RO
 
 from . import attention as A
-from .paged import _codes_to, _split_dot
+from .paged import codes_to, split_dot
 from .quant import _unpack_last
 
-#: launch knobs (None = the built-in choice), for tuning runs on the GPU: num_warps; waves = target
-#: programs per SM over the page grid; block_t = history tokens per inner step (a power of two >= 16;
-#: the tensor-core path computes a step of 16 on a tile of ``KMIN`` = 32 token lanes, half masked);
-#: k_terms: parts of q in the key dots (3: ~33 bits; 2: ~22 bits, measured in the interpreter to miss
-#: the lse tolerance at D = G = 128 with large magnitudes); v_terms: parts of P * scale in P @ V (1:
-#: rounded once to fp16, 2: ~fp32); num_stages: software-pipelining depth
-TUNE = {"num_warps": 4, "waves": 3, "block_t": None, "k_terms": 3, "v_terms": 1, "num_stages": None}
+def _check_knob(ok: bool, name: str, value, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"triton.oscar_decode.Knobs.{name} = {value!r}: {expected}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The launch knobs of ``decode``'s page kernel (None: the built-in choice), for tuning runs on the GPU.
+    Immutable and hashable (``plan`` is cached per knobs); the rules behind the defaults:
+    ``lab/2026-11-22-oscar-decode/KNOBS.md`` (section "Triton")."""
+
+    num_warps: int | None = 4            # warps per program (None: 4)                         KNOBS.md#triton
+    waves: float = 3                     # target programs per SM over the page grid          KNOBS.md#triton
+    block_t: int | None = None           # history tokens per inner step (power of two >= 16) KNOBS.md#triton
+    k_terms: int = 3                     # parts of q in the key dots (3: ~33 bits)           KNOBS.md#triton
+    v_terms: int = 1                     # parts of P * scale in P @ V (1: rounded once)      KNOBS.md#triton
+    num_stages: int | None = None        # software-pipelining depth (None: 2)                KNOBS.md#triton
+
+    def __post_init__(self):
+        _check_knob(self.num_warps is None or (_is_int(self.num_warps) and self.num_warps > 0
+                                               and self.num_warps & (self.num_warps - 1) == 0),
+                    "num_warps", self.num_warps, "None or a power of two")
+        _check_knob(isinstance(self.waves, (int, float)) and not isinstance(self.waves, bool) and self.waves > 0,
+                    "waves", self.waves, "a positive number")
+        _check_knob(self.block_t is None or (_is_int(self.block_t) and self.block_t >= 16
+                                             and self.block_t & (self.block_t - 1) == 0),
+                    "block_t", self.block_t, "None or a power of two >= 16")
+        _check_knob(_is_int(self.k_terms) and self.k_terms in (1, 2, 3), "k_terms", self.k_terms, "1, 2 or 3")
+        _check_knob(_is_int(self.v_terms) and self.v_terms in (1, 2, 3), "v_terms", self.v_terms, "1, 2 or 3")
+        _check_knob(self.num_stages is None or (_is_int(self.num_stages) and self.num_stages > 0),
+                    "num_stages", self.num_stages, "None or a positive int")
+
+
+#: the defaults
+DEFAULT_KNOBS = Knobs()
 
 #: the smallest K extent (reduction length) of a tensor-core ``tl.dot`` here: the fp16 operands derived
 #: from 8-bit loads (the packed codes) make Triton (3.6, NVIDIA mma v2) pick the operand layout of
@@ -98,7 +133,7 @@ def _group(c_ptr, s_ptr, m_ptr, row, tmask, g, CB: tl.constexpr, G: tl.constexpr
     jb = tl.arange(0, GKB)
     byte = tl.load(c_ptr + row[:, None] * CB + g * GB + jb[None, :], mask=tmask[:, None] & (jb < GB)[None, :],
                    other=0).to(tl.int32)
-    codes = _codes_to(_unpack_last(byte, BT, GKB, PER, BITS), tl.float16, True)
+    codes = codes_to(_unpack_last(byte, BT, GKB, PER, BITS), tl.float16, True)
     sc = tl.load(s_ptr + row * NG + g, mask=tmask, other=0.0).to(tl.float32)
     mn = tl.load(m_ptr + row * NG + g, mask=tmask, other=0.0).to(tl.float32)
     return codes, sc, mn
@@ -141,7 +176,7 @@ def _split_scores(q_ptrs, rmask, sq_d, kc_ptr, ks_ptr, km_ptr, row, tmask, CB: t
         dg = g * G + ck
         qg = tl.load(q_ptrs + dg[None, :] * sq_d, mask=rmask[:, None] & cmask[None, :], other=0.0)  # (BLOCK_M, GK)
         codes, sc, mn = _group(kc_ptr, ks_ptr, km_ptr, row, tmask, g, CB, G, BITS, BT, GK)     # (BT, GK)
-        s += (_split_dot(qg, tl.trans(codes), tl.float16, TERMS, SHIFT) * sc[None, :]
+        s += (split_dot(qg, tl.trans(codes), tl.float16, TERMS, SHIFT) * sc[None, :]
               + tl.sum(qg, axis=1)[:, None] * mn[None, :])
     return s
 
@@ -154,7 +189,7 @@ def _split_pv(p, vc_ptr, vs_ptr, vm_ptr, row, tmask, LO: tl.constexpr, N: tl.con
     columns are ``(p * scale_g) @ codes_g + p @ mn_g``, the groups joined pairwise (a tree)."""
     if N == 1:
         codes, sc, mn = _group(vc_ptr, vs_ptr, vm_ptr, row, tmask, LO, CB, G, BITS, BT, G)       # (BT, G)
-        r = (_split_dot(p * sc[None, :], codes, tl.float16, TERMS, SHIFT)
+        r = (split_dot(p * sc[None, :], codes, tl.float16, TERMS, SHIFT)
              + tl.sum(p * mn[None, :], axis=1)[:, None])
     else:
         lo = _split_pv(p, vc_ptr, vs_ptr, vm_ptr, row, tmask, LO, N // 2, CB, G, BITS, BT, BLOCK_M, TERMS, SHIFT)
@@ -249,10 +284,44 @@ def _pages_kernel(q_ptr, kc_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, tab_ptr
 # launch
 
 
-def _history_splits(NH: int, bt_max: int, base_programs: int, dev: torch.device):
-    """``(BT, tokens per split, splits)``: about TUNE["waves"] waves of programs over the SMs, splits of
-    whole blocks of BT tokens (bt_max, smaller for a short history, at least 16)."""
-    want = max(1, triton.cdiv(int(TUNE["waves"] * A._sm_count(dev)), base_programs))
+@dataclass(frozen=True)
+class Plan:
+    """The page kernel's launch (``plan``): ``BT`` history tokens per inner step, ``tps`` tokens per split,
+    ``n_split`` splits, warps and pipelining stages, and the numerics knobs it takes."""
+
+    BT: int
+    tps: int
+    n_split: int
+    warps: int
+    stages: int
+    k_terms: int
+    v_terms: int
+
+
+def plan(NH: int, base_programs: int, sms: int, *, precise: bool, interp: bool,
+         knobs: Knobs | None = None) -> Plan:
+    """The page kernel's launch plan for ``NH`` history tokens, ``base_programs`` programs per split
+    (B x H_kv x query blocks) on ``sms`` SMs; ``precise``: the IEEE fp32 path (32 tokens a step);
+    ``interp``: the interpreter (one stage). Arithmetic only (runs on the CPU), cached per arguments."""
+    knobs = DEFAULT_KNOBS if knobs is None else knobs
+    if not isinstance(knobs, Knobs):
+        raise TypeError(f"knobs must be a kvq.fast.triton.oscar_decode.Knobs or None, got {type(knobs).__name__}")
+    return _plan(int(NH), int(base_programs), int(sms), bool(precise), bool(interp), knobs)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(NH, base_programs, sms, precise, interp, knobs) -> Plan:
+    """plan's cached body (every argument given, so that one key names one call shape)."""
+    BT, tps, n_split = _history_splits(NH, 32 if precise else (knobs.block_t or 64), base_programs, sms,
+                                       knobs.waves)
+    return Plan(BT, tps, n_split, knobs.num_warps or 4, (knobs.num_stages or 2) if not interp else 1,
+                int(knobs.k_terms), int(knobs.v_terms))
+
+
+def _history_splits(NH: int, bt_max: int, base_programs: int, sms: int, waves: float = 3):
+    """``(BT, tokens per split, splits)``: about ``waves`` waves of programs over the ``sms`` SMs, splits
+    of whole blocks of BT tokens (bt_max, smaller for a short history, at least 16)."""
+    want = max(1, triton.cdiv(int(waves * sms), base_programs))
     BT = max(16, min(bt_max, triton.next_power_of_2(triton.cdiv(max(NH, 1), want))))
     if NH == 0:
         return BT, 0, 0
@@ -261,14 +330,16 @@ def _history_splits(NH: int, bt_max: int, base_programs: int, dev: torch.device)
     return BT, tps, triton.cdiv(NH, tps)
 
 
-def decode(cfg, st, qr, *, scale=None, precise: bool = True, out_dtype=torch.float32, R_out=None):
+def decode(cfg, st, qr, *, scale=None, precise: bool = True, out_dtype=torch.float32, R_out=None,
+           knobs: Knobs | None = None):
     """Attention of the rotated query ``qr`` (B, H_q, T_q, D) fp32 over an OSCAR cache ``st``
     (``kvq.fast._oscar.OSCARTensorState``): the INT-b history through the fused page kernel, the FP16
     sink and window (``kvq.fast._oscar.fp16_segment``: (K, V) fp32, in any order) through the
     FP16-baseline partial kernel, one log-sum-exp merge. Returns ``(out, lse)``, out in the rotated frame
     (``R_out`` None) or times ``R_out`` (``kvq.fast._oscar._rotate_heads``: float64 sums, the caller's
     R_V^T), in ``out_dtype`` (cast once), lse fp32. ``precise``: the exact-dequantization IEEE fp32 path
-    (for an fp32 output); else tensor cores."""
+    (for an fp32 output); else tensor cores. ``knobs``: the page kernel's launch knobs (None: the
+    defaults), planned by ``plan``."""
     tail = _O.fp16_segment(cfg, st)
     B, H, D = st.shape
     _, H_q, T_q, _ = qr.shape
@@ -280,22 +351,23 @@ def decode(cfg, st, qr, *, scale=None, precise: bool = True, out_dtype=torch.flo
     precise = precise or G < 16                        # tl.dot takes groups of >= 16 channels
     BLOCK_M, m_blocks = A._row_blocks(H_q // H, T_q)
     base = B * H * m_blocks
-    BT, tps, n_split = _history_splits(NH, 32 if precise else (TUNE["block_t"] or 64), base, dev)
-    plan, S = A._plan([tail], base, torch.float32, dev, s0=n_split)
+    interp = C.interpreting()
+    lp = plan(NH, base, A._sm_count(dev), precise=precise, interp=interp, knobs=knobs)
+    BT, tps, n_split = lp.BT, lp.tps, lp.n_split
+    tail_plan, S = A._plan([tail], base, torch.float32, dev, s0=n_split)
     rows = B * H_q * T_q
     parts = A._partials(rows, S, D, dev)
     out = torch.empty(tuple(qr.shape), dtype=torch.float32, device=dev)
     lse = torch.empty((B, H_q, T_q), dtype=torch.float32, device=dev)
-    interp = C.interpreting()
     if n_split:
         _pages_kernel[(B * H, n_split, m_blocks)](
             qr, st.k_codes, st.k_scale, st.k_mn, st.v_codes, st.v_scale, st.v_mn, st.table, *parts,
             *qr.stride(), H_q, H, T_q, (H_q // H) * T_q, NH, tps, S, st.table.shape[1],
             sc, G_Q=H_q // H, D=D, G=G, PG=cfg.page_size, BITS=bits, BT=BT,
             BLOCK_M=BLOCK_M, PRECISE=precise, TIGHT=not interp, NBLK=tps // BT if interp else 0,
-            K_TERMS=int(TUNE["k_terms"]), V_TERMS=int(TUNE["v_terms"]), SHIFT=2048.0,
-            num_warps=TUNE["num_warps"] or 4, num_stages=(TUNE["num_stages"] or 2) if not interp else 1)
-    A._launch_partials(qr, plan, parts, S, H, sc, True, False)
+            K_TERMS=lp.k_terms, V_TERMS=lp.v_terms, SHIFT=2048.0,
+            num_warps=lp.warps, num_stages=lp.stages)
+    A._launch_partials(qr, tail_plan, parts, S, H, sc, True, False)
     A._merge_launch(*parts, out, lse, rows, S, D, log2=False)
     if R_out is not None:
         out = _O._rotate_heads(out, R_out)

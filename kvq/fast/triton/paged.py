@@ -21,10 +21,15 @@ Fused-kernel numerics (fp16 / bf16 q): per page, ``s = (q * scale) @ codes + q @
 ``p @ v = (p * scale_t) @ codes + p @ mn_t``: the codes are exact in fp16 (converted by the 0x6400
 magic-number trick), the fp32 factors go through the tensor cores as hi + lo halves (row-scaled, so
 nothing overflows fp16), so the result is close to fp32 accuracy; fp32 q takes an IEEE fp32 path.
-``TUNE`` holds launch knobs for GPU tuning runs (benchmarks/bench_kivi_kitty.py sweeps them).
+``Knobs`` holds the launch knobs for GPU tuning runs (benchmarks/bench_kivi_kitty.py sweeps them);
+``plan`` turns them, the configuration and the shape into the launch (arithmetic only: it runs on the CPU).
+``codes_to`` and ``split_dot`` are the device helpers ``kvq.fast.triton.oscar_decode`` shares.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -47,16 +52,97 @@ OPS = Ops("triton", Q, P, C.interpreting, key_flush=W.flush_key_pages, value_evi
 
 LOG2E = 1.4426950408889634
 
-#: launch knobs of the fused decode kernel (None = the built-in choice), for tuning runs on the GPU:
-#: num_warps; waves = target programs per SM over the fused grid; block_t = tokens per inner step
-#: split_p: P @ V with P as hi + lo (two dots, ~fp32 accuracy) or rounded once to q's dtype (one dot, as
-#: the FP16 flash-decoding kernel does: 3 tensor-core dots per page instead of 4); k_terms: parts of
-#: q * scale in the key dot (2: ~22 bits in fp16, 3: ~33); num_stages: software-pipelining depth;
-#: words: fp16 q unpacks codes from 32-bit words, two per operation (False: byte by byte)
-#: defaults from the tune rows of benchmarks/results (H100, B=8 x 32K: 4 warps, 3 waves, P rounded once
-#: ran KIVI-K2V2 in 0.59 ms against 0.84 ms for 8 warps with split P)
-TUNE = {"num_warps": 4, "waves": 3, "block_t": None, "split_p": False, "k_terms": 2, "num_stages": None,
-        "words": True}
+
+def _check_knob(ok: bool, name: str, value, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"triton.paged.Knobs.{name} = {value!r}: {expected}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The launch knobs of the fused decode kernel (None: the built-in choice), for tuning runs on the GPU.
+    Immutable and hashable (``plan`` is cached per knobs); the rules and the timings behind the defaults:
+    ``lab/2026-11-22-kivi-kitty-decode/KNOBS.md`` (section "Triton")."""
+
+    num_warps: int | None = 4            # warps per program (None: 4, 8 for wide tiles)     KNOBS.md#triton
+    waves: float = 3                     # target programs per SM over the fused grid         KNOBS.md#triton
+    block_t: int | None = None           # tokens per inner step (a power of two >= 16)       KNOBS.md#triton
+    split_p: bool = False                # P @ V with P as hi + lo (True) or rounded once     KNOBS.md#triton
+    k_terms: int = 2                     # parts of q * scale in the key dot (2: ~22 bits)    KNOBS.md#triton
+    num_stages: int | None = None        # software-pipelining depth (None: 2)                KNOBS.md#triton
+    words: bool = True                   # fp16 q unpacks codes from 32-bit words             KNOBS.md#triton
+
+    def __post_init__(self):
+        _check_knob(self.num_warps is None or (_is_int(self.num_warps) and self.num_warps > 0
+                                               and self.num_warps & (self.num_warps - 1) == 0),
+                    "num_warps", self.num_warps, "None or a power of two")
+        _check_knob(isinstance(self.waves, (int, float)) and not isinstance(self.waves, bool) and self.waves > 0,
+                    "waves", self.waves, "a positive number")
+        _check_knob(self.block_t is None or (_is_int(self.block_t) and self.block_t >= 16
+                                             and self.block_t & (self.block_t - 1) == 0),
+                    "block_t", self.block_t, "None or a power of two >= 16")
+        _check_knob(isinstance(self.split_p, bool), "split_p", self.split_p, "True or False")
+        _check_knob(_is_int(self.k_terms) and self.k_terms in (1, 2, 3), "k_terms", self.k_terms, "1, 2 or 3")
+        _check_knob(self.num_stages is None or (_is_int(self.num_stages) and self.num_stages > 0),
+                    "num_stages", self.num_stages, "None or a positive int")
+        _check_knob(isinstance(self.words, bool), "words", self.words, "True or False")
+
+
+#: the defaults
+DEFAULT_KNOBS = Knobs()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The fused kernel's launch (``plan``): ``n_split`` splits of ``pps`` pages, ``BT`` tokens per inner
+    step, warps and pipelining stages, whether key / value codes are unpacked from 32-bit words, and the
+    numerics knobs the kernel takes (``split_p``, ``k_terms``)."""
+
+    n_split: int
+    pps: int
+    BT: int
+    warps: int
+    stages: int
+    k_words: bool
+    v_words: bool
+    split_p: bool
+    k_terms: int
+
+
+def plan(NP: int, G: int, D: int, n_base: int, sms: int, *, precise: bool, magic: bool, interp: bool,
+         k_bits: int, v_bits: int, ngv: int, knobs: Knobs | None = None) -> Plan:
+    """The fused kernel's launch plan for ``NP`` pages of ``G`` tokens, head dim ``D``, ``n_base`` programs
+    per split (B x H_kv x query blocks) on ``sms`` SMs; ``precise``: the IEEE fp32 path; ``magic``: fp16 q
+    on the tensor cores; ``interp``: the interpreter (one stage); key / value code bits and value groups per
+    row (``ngv``). Arithmetic only (runs on the CPU), cached per arguments. The splits: about
+    ``knobs.waves`` programs per SM (lab/2026-11-22-kivi-kitty-decode/KNOBS.md#triton)."""
+    knobs = DEFAULT_KNOBS if knobs is None else knobs
+    if not isinstance(knobs, Knobs):
+        raise TypeError(f"knobs must be a kvq.fast.triton.paged.Knobs or None, got {type(knobs).__name__}")
+    return _plan(int(NP), int(G), int(D), int(n_base), int(sms), bool(precise), bool(magic), bool(interp),
+                 int(k_bits), int(v_bits), int(ngv), knobs)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(NP, G, D, n_base, sms, precise, magic, interp, k_bits, v_bits, ngv, knobs) -> Plan:
+    """plan's cached body (every argument given, so that one key names one call shape)."""
+    n_split = pps = 0
+    if NP:
+        want = max(1, triton.cdiv(int(knobs.waves * sms), n_base))
+        pps = triton.cdiv(NP, min(want, NP))
+        n_split = triton.cdiv(NP, pps)
+    BT = min(G, 32) if precise else min(G, knobs.block_t or 128)
+    warps = knobs.num_warps or (4 if (precise or BT * D <= 8192) else 8)
+    # codes unpacked from 32-bit words, two per operation (fp16 q): rows of whole words
+    words = magic and knobs.words
+    k_words = bool(words and (G * k_bits // 8) % 4 == 0 and (BT * k_bits) % 32 == 0)
+    v_words = bool(words and ngv == 1 and (D * v_bits) % 32 == 0)
+    stages = (knobs.num_stages or 2) if not interp else 1
+    return Plan(n_split, pps, BT, warps, stages, k_words, v_words, bool(knobs.split_p), int(knobs.k_terms))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -131,7 +217,7 @@ def _key_tile(kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, kbase, hbase, dc, c0,
 
 
 @triton.jit
-def _codes_to(code, DT: tl.constexpr, MAGIC: tl.constexpr):
+def codes_to(code, DT: tl.constexpr, MAGIC: tl.constexpr):
     """Integer codes (< 1024) to DT exactly. MAGIC (fp16): the bits 0x6400 | code are the half 1024 + code,
     minus 1024 (exact): an OR and a half subtraction instead of an int -> float conversion (quarter rate)."""
     if MAGIC:
@@ -165,7 +251,7 @@ def _word_codes_f16(w, R: tl.constexpr, NW: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _split_dot(a, b_codes, DT: tl.constexpr, TERMS: tl.constexpr = 2, SHIFT: tl.constexpr = 2048.0):
+def split_dot(a, b_codes, DT: tl.constexpr, TERMS: tl.constexpr = 2, SHIFT: tl.constexpr = 2048.0):
     """a (fp32, (M, K)) @ b (small integer codes, exact in DT) on tensor cores with ~fp32 accuracy: each
     row of a is scaled by its max |a| (no fp16 overflow), split into TERMS parts rounded to DT (each
     residual scaled by SHIFT = 2^(DT's mantissa bits + 1) before rounding, so it stays a normal number),
@@ -243,11 +329,11 @@ def _page_block(q, q_ptrs, rmask, sq_d, m_i, l_i, acc, j, c0, j_end, b, hk, H_KV
         if K_WORDS:
             kcodes = _key_words(kc_ptr, kh_ptr, ki_ptr, kbase, hbase, d, c0, D, BT, GB, K_BITS, KITTY, DB_HIGH)
         else:
-            kcodes = _codes_to(_key_codes(kc_ptr, kh_ptr, ki_ptr, kbase, hbase, d, c0, D, BT, GB, K_BITS, KITTY,
+            kcodes = codes_to(_key_codes(kc_ptr, kh_ptr, ki_ptr, kbase, hbase, d, c0, D, BT, GB, K_BITS, KITTY,
                                           DB_HIGH), DT, MAGIC)
         ks = tl.load(ks_ptr + kbase + d).to(tl.float32)
         km = tl.load(km_ptr + kbase + d).to(tl.float32)
-        s = (_split_dot(q * ks[None, :], kcodes, DT, K_TERMS, SHIFT)
+        s = (split_dot(q * ks[None, :], kcodes, DT, K_TERMS, SHIFT)
              + tl.sum(q * km[None, :], axis=1)[:, None])
     s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))
     m_new, alpha, p, l_i = A._softmax_step(s, m_i, l_i, PRECISE, LIBDEVICE)
@@ -260,7 +346,7 @@ def _page_block(q, q_ptrs, rmask, sq_d, m_i, l_i, acc, j, c0, j_end, b, hk, H_KV
                         mask=tmask[:, None], other=0)
         vs = tl.load(vs_ptr + vrow, mask=tmask, other=0.0).to(tl.float32)
         vm = tl.load(vm_ptr + vrow, mask=tmask, other=0.0).to(tl.float32)
-        pv = (_split_dot(p * vs[None, :], _word_codes_f16(vword, BT, VB // 4, V_BITS), DT, 2 if SPLIT_P else 1,
+        pv = (split_dot(p * vs[None, :], _word_codes_f16(vword, BT, VB // 4, V_BITS), DT, 2 if SPLIT_P else 1,
                          SHIFT) + tl.sum(p * vm[None, :], axis=1)[:, None])
         acc = acc * alpha[:, None] + pv
         return m_new, l_i, acc
@@ -271,7 +357,7 @@ def _page_block(q, q_ptrs, rmask, sq_d, m_i, l_i, acc, j, c0, j_end, b, hk, H_KV
         # one group per token: p v = (p * scale_t) codes + sum_t p_t mn_t, codes exact in q's dtype
         vs = tl.load(vs_ptr + vrow, mask=tmask, other=0.0).to(tl.float32)
         vm = tl.load(vm_ptr + vrow, mask=tmask, other=0.0).to(tl.float32)
-        pv = (_split_dot(p * vs[None, :], _codes_to(vcode, DT, MAGIC), DT, 2 if SPLIT_P else 1, SHIFT)
+        pv = (split_dot(p * vs[None, :], codes_to(vcode, DT, MAGIC), DT, 2 if SPLIT_P else 1, SHIFT)
                   + tl.sum(p * vm[None, :], axis=1)[:, None])
     else:
         if NGV == 1:
@@ -288,7 +374,7 @@ def _page_block(q, q_ptrs, rmask, sq_d, m_i, l_i, acc, j, c0, j_end, b, hk, H_KV
             pv = tl.dot(p, v, input_precision="ieee")
         else:
             vh = v.to(DT)
-            pv = _split_dot(p, vh, DT, 2, SHIFT) + _split_dot(p, (v - vh.to(tl.float32)).to(DT), DT, 2, SHIFT)
+            pv = split_dot(p, vh, DT, 2, SHIFT) + split_dot(p, (v - vh.to(tl.float32)).to(DT), DT, 2, SHIFT)
     acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
 
@@ -468,8 +554,11 @@ def fused_ok(cfg, D: int) -> bool:
     return _pow2(D) and D <= 256 and _pow2(cfg.group_size) and cfg.group_size <= 1024
 
 
-def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
-    """Attention of q (B, H_q, T_q, D) over the cache: ``(out in q's dtype, lse fp32)``."""
+def decode_attention(cfg, codec, st: PagedState, q, *, scale=None, knobs: Knobs | None = None):
+    """Attention of q (B, H_q, T_q, D) over the cache: ``(out in q's dtype, lse fp32)``; ``knobs``: the
+    fused kernel's launch knobs (None: the defaults), planned by ``plan``."""
+    if knobs is not None and not isinstance(knobs, Knobs):
+        raise TypeError(f"knobs must be a kvq.fast.triton.paged.Knobs or None, got {type(knobs).__name__}")
     _paged.check_q(codec, st, q)
     B, H, D = st.shape
     _, H_q, T_q, _ = q.shape
@@ -500,12 +589,12 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     M = G_q * T_q
     BLOCK_M, m_blocks = A._row_blocks(G_q, T_q)
     sms = A._sm_count(dev)
-    # fused splits: about 3 waves of programs over the SMs
-    n_split, pps = 0, 0
-    if NP:
-        want = max(1, triton.cdiv(int(TUNE["waves"] * sms), B * H * m_blocks))
-        pps = triton.cdiv(NP, min(want, NP))
-        n_split = triton.cdiv(NP, pps)
+    # the fused kernel's launch: splits of about knobs.waves programs per SM, tiles, warps (plan)
+    kp = codec.kernel_arrays(cfg, st) if NP else None
+    magic = qk.dtype == torch.float16 and not precise
+    lp = plan(NP, G, D, B * H * m_blocks, sms, precise=precise, magic=magic, interp=interp,
+              k_bits=kp["bits"] if kp is not None else 0, v_bits=cfg.v_bits, ngv=D // cfg.v_group(D), knobs=knobs)
+    n_split, pps = lp.n_split, lp.pps
     # the rest: sink + tokens [S + NF, T), one fp32 segment gathered by one kernel, its splits after
     # the fused kernel's n_split partial slots
     tail_plan = []
@@ -516,14 +605,7 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
     rows = B * H_q * T_q
     o_part, m_part, l_part = A._partials(rows, S_TOTAL, D, dev)
     if n_split:
-        kp = codec.kernel_arrays(cfg, st)
-        BT = min(G, 32) if precise else min(G, TUNE["block_t"] or 128)
-        warps = TUNE["num_warps"] or (4 if (precise or BT * D <= 8192) else 8)
-        # codes unpacked from 32-bit words, two per operation (fp16 q): rows of whole words
-        magic = qk.dtype == torch.float16 and not precise
-        words = magic and TUNE["words"]
-        k_words = words and (G * kp["bits"] // 8) % 4 == 0 and (BT * kp["bits"]) % 32 == 0
-        v_words = words and D // cfg.v_group(D) == 1 and (D * cfg.v_bits) % 32 == 0
+        BT = lp.BT
         _fused_kernel[(B * H, n_split, m_blocks)](
             qk, kp["codes"], kp["high"], kp["idx"], kp["scale"], kp["mn"], st.v_codes, st.v_scale, st.v_mn,
             st.k_table, st.v_table, o_part, m_part, l_part, *qk.stride(),
@@ -531,9 +613,9 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None):
             G_Q=G_q, D=D, G=G, BT=BT, K_BITS=kp["bits"], V_BITS=cfg.v_bits, NGV=D // cfg.v_group(D),
             KITTY=kp["kitty"], DB_HIGH=kp["d_boost"], BLOCK_M=BLOCK_M, PRECISE=precise, TIGHT=not interp,
             NPPS=pps if interp else 0, MAGIC=magic,
-            SPLIT_P=bool(TUNE["split_p"]), K_TERMS=int(TUNE["k_terms"]), K_WORDS=k_words, V_WORDS=v_words,
+            SPLIT_P=lp.split_p, K_TERMS=lp.k_terms, K_WORDS=lp.k_words, V_WORDS=lp.v_words,
             SHIFT=2048.0 if qk.dtype == torch.float16 else 256.0,
-            num_warps=warps, num_stages=(TUNE["num_stages"] or 2) if not interp else 1)
+            num_warps=lp.warps, num_stages=lp.stages)
     if tail_plan:
         qf = q if q.dtype == torch.float32 else q.float()
         A._launch_partials(qf, tail_plan, (o_part, m_part, l_part), S_TOTAL, H, sc, True, False)

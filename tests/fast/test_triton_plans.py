@@ -1,0 +1,97 @@
+"""The Triton decodes' launch plans, on the CPU: ``plan`` of ``kvq.fast.triton.paged``, ``oscar_decode`` and
+``bitdecoding_decode`` is arithmetic on numbers (no GPU, no kernel), cached per arguments, and the frozen
+``Knobs`` it reads refuse bad values by name. The kernels' results with other knobs are the parity tests'
+(tests/parity: ``test_decode_p_split``, ``test_tune_knobs``, ``test_launch_knobs``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+pytest.importorskip("triton")
+
+from kvq.fast.triton import bitdecoding_decode as BDD  # noqa: E402
+from kvq.fast.triton import oscar_decode as OD  # noqa: E402
+from kvq.fast.triton import paged as TP  # noqa: E402
+
+
+def test_knob_defaults_are_the_former_dicts():
+    """Each module's Knobs holds the defaults its TUNE dict held, and is immutable and hashable."""
+    assert dataclasses.asdict(TP.Knobs()) == {"num_warps": 4, "waves": 3, "block_t": None, "split_p": False,
+                                              "k_terms": 2, "num_stages": None, "words": True}
+    assert dataclasses.asdict(OD.Knobs()) == {"num_warps": 4, "waves": 3, "block_t": None, "k_terms": 3,
+                                              "v_terms": 1, "num_stages": None}
+    assert dataclasses.asdict(BDD.Knobs()) == {"leaf": None, "unpack": 1, "waves": 4, "bt_max": None,
+                                               "num_warps": None, "num_stages": None, "min_tokens": 256}
+    for mod in (TP, OD, BDD):
+        assert mod.DEFAULT_KNOBS == mod.Knobs() and hash(mod.DEFAULT_KNOBS) == hash(mod.Knobs())
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            mod.DEFAULT_KNOBS.waves = 1
+
+
+@pytest.mark.parametrize("mod, key, bad", [
+    (TP, "num_warps", 3), (TP, "waves", 0), (TP, "block_t", 24), (TP, "split_p", 1), (TP, "k_terms", 4),
+    (TP, "num_stages", 0), (TP, "words", None),
+    (OD, "num_warps", 6), (OD, "waves", -1), (OD, "block_t", 8), (OD, "k_terms", 0), (OD, "v_terms", True),
+    (OD, "num_stages", "2"),
+    (BDD, "leaf", 24), (BDD, "unpack", 2), (BDD, "waves", "4"), (BDD, "bt_max", 0), (BDD, "num_warps", 5),
+    (BDD, "num_stages", -1), (BDD, "min_tokens", 0)])
+def test_bad_knobs_are_refused(mod, key, bad):
+    with pytest.raises(ValueError, match=key):
+        mod.Knobs(**{key: bad})
+
+
+def test_paged_plan():
+    """KIVI-K2V2, D = 128, G = 128, fp16 q (magic), 256 pages over 64 programs per split on 132 SMs: about
+    3 waves -> 7 splits of 37 pages, 128-token steps, 4 warps, words on; each knob changes its part; equal
+    calls share one plan object."""
+    TP._plan.cache_clear()
+    kw = dict(precise=False, magic=True, interp=False, k_bits=2, v_bits=2, ngv=1)
+    p = TP.plan(256, 128, 128, 64, 132, **kw)
+    assert (p.n_split, p.pps, p.BT, p.warps, p.stages, p.k_words, p.v_words, p.split_p, p.k_terms) == \
+        (7, 37, 128, 4, 2, True, True, False, 2)
+    assert TP.plan(256, 128, 128, 64, 132, **kw, knobs=TP.Knobs()) is p and TP._plan.cache_info().hits >= 1
+    assert TP.plan(256, 128, 128, 64, 132, **kw, knobs=TP.Knobs(waves=1)).n_split == 3
+    assert TP.plan(256, 128, 128, 64, 132, **kw, knobs=TP.Knobs(block_t=32)).BT == 32
+    assert TP.plan(256, 128, 128, 64, 132, **kw, knobs=TP.Knobs(num_warps=None)).warps == 8   # 128 x 128 > 8192
+    assert not TP.plan(256, 128, 128, 64, 132, **kw, knobs=TP.Knobs(words=False)).k_words
+    assert TP.plan(256, 128, 128, 64, 132, **kw, knobs=TP.Knobs(split_p=True, k_terms=3)).k_terms == 3
+    precise = TP.plan(256, 128, 128, 64, 132, **{**kw, "precise": True, "magic": False, "interp": True})
+    assert (precise.BT, precise.warps, precise.stages, precise.k_words) == (32, 4, 1, False)
+    assert TP.plan(0, 128, 128, 64, 132, **kw).n_split == 0
+    with pytest.raises(TypeError, match="Knobs"):
+        TP.plan(256, 128, 128, 64, 132, **kw, knobs={"waves": 1})
+
+
+def test_oscar_plan():
+    """OSCAR's page kernel: 4000 history tokens, 32 programs per split, 132 SMs: about 3 waves of 64-token
+    blocks; the knobs move BT, the splits, warps and the dot parts; cached."""
+    OD._plan.cache_clear()
+    p = OD.plan(4000, 32, 132, precise=False, interp=False)
+    assert (p.BT, p.warps, p.stages, p.k_terms, p.v_terms) == (64, 4, 2, 3, 1)
+    assert p.n_split * p.tps >= 4000 and p.tps % p.BT == 0 and (p.n_split - 1) * p.tps < 4000
+    assert OD.plan(4000, 32, 132, precise=False, interp=False, knobs=OD.Knobs()) is p
+    assert OD.plan(4000, 32, 132, precise=False, interp=False, knobs=OD.Knobs(block_t=16)).BT == 16
+    assert OD.plan(4000, 32, 132, precise=False, interp=False, knobs=OD.Knobs(waves=1)).n_split < p.n_split
+    assert OD.plan(4000, 32, 132, precise=False, interp=False, knobs=OD.Knobs(v_terms=2)).v_terms == 2
+    assert OD.plan(4000, 32, 132, precise=True, interp=True).BT == 32
+    assert OD.plan(0, 32, 132, precise=False, interp=False).n_split == 0
+
+
+def test_bitdecoding_plan():
+    """BitDecoding-KC2-like (R = 8 codes a word, W_n = 4, D = 128, fp16 q): chunks of 128 tokens (2 warps),
+    2 page chunks a page; the knobs move the chunking, the splits, the leaf, the unpack mode; cached."""
+    BDD._plan.cache_clear()
+    args = (8, 4, 128, BDD._MODE_FP16, 40, 100, 32, 16, 132)   # R, W_n, D, mode, pages, residual, base, BLOCK_M, SMs
+    p = BDD.plan(*args, cuda=True, interp=False)
+    assert (p.leaf, p.WB, p.BT, p.n_pc, p.n_chunks, p.warps, p.unpack, p.stages) == (16, 2, 128, 80, 81, 4, 1, 2)
+    assert p.cps * p.S >= p.n_chunks and p.cps * p.BT >= 256                       # >= min_tokens a split
+    assert BDD.plan(*args, cuda=True, interp=False, knobs=BDD.Knobs()) is p
+    assert BDD.plan(*args, cuda=True, interp=False, knobs=BDD.Knobs(bt_max=1)).BT == 64     # one warp
+    assert BDD.plan(*args, cuda=True, interp=False, knobs=BDD.Knobs(leaf=128)).leaf == 128
+    assert BDD.plan(*args, cuda=True, interp=False, knobs=BDD.Knobs(unpack=0)).unpack == 0
+    assert BDD.plan(*args, cuda=False, interp=True, knobs=BDD.Knobs(waves=1)).S <= p.S
+    assert BDD.plan(*args, cuda=True, interp=False, knobs=BDD.Knobs(min_tokens=64)).S >= p.S
+    fp32 = BDD.plan(8, 4, 128, BDD._MODE_FP32, 40, 100, 32, 16, 132, cuda=True, interp=False)
+    assert (fp32.leaf, fp32.BT) == (16, 64)
