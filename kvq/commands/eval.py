@@ -11,13 +11,20 @@ Methods that need a calibration (OSCAR, AQUA-KV) take a file from ``kvq calibrat
 ``--calibrate``, are calibrated here on text disjoint from the evaluation text (the standard library's
 train split for byte-level models; the head of the English text, evaluation on its tail, otherwise).
 
+Equal memory: ``attention`` also evaluates every method at the configuration closest to each
+``--budget`` (bits per element, default 2.5 and 4.5; ``--paper-only`` skips them) without exceeding it
+(``kvq.evaluation.equal_memory_config``); ``ppl`` does so when ``--budget`` is given. The attention
+metrics are causal or bidirectional as the model is (``kvq.integrations.models.is_causal``: MiniLM is an
+encoder, attended without a mask).
+
 Arguments are checked before the model is loaded (:func:`validate`: method names, ``--set`` fields,
 calibration files, ``--out``, device, window lengths); a bad one ends in one line and exit status 2. A
 ``--set`` value the model's configuration rejects is an error (exit status 1), never a skipped method.
 
 Output: ``--json`` prints the result as JSON, ``--out FILE`` also writes it there; otherwise the protocol,
-the run's metadata (``field  value`` lines) and, last, a table with one row per method and one column per
-metric (:func:`result_table`).
+the run's metadata (``field  value`` lines), the protocol of the table (model, data, context, budget,
+accounting: :func:`table_protocol`) and, last, a table with one row per method (and configuration) and one
+column per metric (:func:`result_table`).
 """
 
 from __future__ import annotations
@@ -241,6 +248,12 @@ def run_ppl(args) -> dict:
     windows = E.windows_from_ids(ids, args.seq_len, args.windows)
     res = E.perplexity(model, windows, methods, chunk=args.chunk, batch_size=args.batch_size, backend=args.backend,
                        calibrations=cal, overrides=ovr, progress=not args.quiet)
+    if args.budget:                              # opt-in here: each budget costs a full perplexity run
+        res["equal_memory"] = E.perplexity_at_budgets(model, windows, methods, args.budget, calibrations=cal,
+                                                      overrides=ovr, chunk=args.chunk, batch_size=args.batch_size,
+                                                      backend=args.backend, progress=not args.quiet)
+        res["equal_memory_rule"] = E.EQUAL_MEMORY_RULE
+        res["accounting"] = E.EQUAL_MEMORY_ACCOUNTING
     res.update(text=text_desc, calibrations=src, geometry=geo, meta=_meta(args, model, device))
     return res
 
@@ -254,7 +267,7 @@ def run_attention(args) -> dict:
 
     from kvq.integrations import text
     from kvq.integrations.capture import capture_qkv
-    from kvq.integrations.models import attention_geometry, load_minilm, load_model
+    from kvq.integrations.models import attention_geometry, is_causal, load_minilm, load_model
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.model == "minilm":
@@ -263,7 +276,7 @@ def run_attention(args) -> dict:
         model, tok = load_model(args.model, device=device, dtype=args.dtype)
     model.eval()
     geo = attention_geometry(model)
-    causal = bool(getattr(model.config, "is_decoder", False) or geo["rope_theta"] is not None)
+    causal = is_causal(model)                   # MiniLM (BERT): bidirectional; a causal LM: causal
     # one English text; calibration takes its head, evaluation its tail (disjoint by construction)
     full = "\n\n".join(text.english_texts())
 
@@ -298,6 +311,13 @@ def run_attention(args) -> dict:
     layers = capture_qkv(model, torch.as_tensor(windows, device=device))
     res = E.attention_errors(layers, methods, calibrations=cal, causal=causal, backend=args.backend,
                              progress=not args.quiet, overrides=ovr)
+    budgets = [] if args.paper_only else list(args.budget)
+    if budgets:                                  # the same methods again, each at equal memory
+        res["equal_memory"] = E.attention_errors_at_budgets(layers, methods, budgets, calibrations=cal,
+                                                            causal=causal, backend=args.backend,
+                                                            progress=not args.quiet, overrides=ovr)
+        res["equal_memory_rule"] = E.EQUAL_MEMORY_RULE
+        res["accounting"] = E.EQUAL_MEMORY_ACCOUNTING
     res.update(text={"source": "english", "eval_chars": [len(full) - len(tail[-16 * n_eval:]), len(full)],
                      "windows": int(windows.shape[0]), "seq_len": int(args.seq_len)},
                calibrations=src, geometry=geo, meta=_meta(args, model, device))
@@ -315,7 +335,7 @@ MINILM_POSITIONS = 512
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvq eval`` argument parser (``ppl`` and ``attention``); numbers are range-checked as they are
     parsed (one-line errors, exit status 2)."""
-    from kvq.commands import Parser, int_in, positive_int
+    from kvq.commands import Parser, int_in, positive_float, positive_int
 
     p = Parser(prog="kvq eval", description="Evaluate KV-cache methods on a real model.")
     sub = p.add_subparsers(dest="what", required=True, metavar="{ppl,attention}")
@@ -353,9 +373,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--chunk", type=positive_int, default=128, help="tokens per forward inside a window "
                     "(default 128)")
     sp.add_argument("--source", default="auto", help="stdlib (eval split) | a text FILE (default stdlib)")
+    sp.add_argument("--budget", type=positive_float, nargs="+", default=[], metavar="BITS",
+                    help="also run each method at the configuration closest to each bits-per-element budget "
+                         "without exceeding it (kvq.evaluation.equal_memory_config), e.g. --budget 2.5 4.5 "
+                         "(default: none, the papers' configurations only)")
     sa = sub.add_parser("attention", help="attention-level errors per layer from real activations")
     common(sa, model_default="minilm")
     sa.add_argument("--seq-len", type=seq_len, default=512, help="tokens per window (default 512, MiniLM's most)")
+    sa.add_argument("--budget", type=positive_float, nargs="+", default=list(E.DEFAULT_BUDGETS), metavar="BITS",
+                    help="bits-per-element budgets: each method is also evaluated at the configuration closest to "
+                         "each budget without exceeding it (kvq.evaluation.equal_memory_config; default "
+                         f"{' '.join(f'{b:g}' for b in E.DEFAULT_BUDGETS)}: the 2-bit and 4-bit classes)")
+    sa.add_argument("--paper-only", action="store_true", help="only the papers' configurations, no budget rows")
     return p
 
 
@@ -455,10 +484,94 @@ _ATTENTION_COLUMNS = (
 )
 
 
+_ACCOUNTING_NOTE = {
+    "state": "kvq.integrations.methods.bits_per_element(accounting='state') at the window's length: every "
+             "token where the cache holds it (FP16 sink, window, Q-buffers, residual block at 16 bits; quantized "
+             "tokens at payload + scale / minimum metadata + index bits)",
+    "paper": "the papers' accounting (FP16 sink and OSCAR's window counted, KIVI / Kitty buffers and "
+             "BitDecoding's residual block not; kvq.reference.memory)",
+}
+
+
+def table_protocol(res: dict) -> dict:
+    """The protocol of a :func:`run_ppl` / :func:`run_attention` table in five fields, printed next to it:
+    ``model`` (name, dtype, attention masking), ``data`` (text and split), ``context`` (tokens per window),
+    ``budget`` (the papers' configurations, and the equal-memory budgets when there are any) and
+    ``accounting`` (what each bits-per-element column counts). Built from the result alone, so a saved
+    JSON result prints the same protocol."""
+    meta, geo, text = res.get("meta", {}), res.get("geometry", {}), res.get("text", {})
+    model = str(meta.get("model", "?"))
+    if meta.get("model_dtype"):
+        model += f" ({meta['model_dtype']})"
+    if geo:
+        model += (f", {geo.get('n_layers')} layers, {geo.get('kv_heads')} KV heads of {geo.get('head_dim')}")
+    ppl = "chunk" in res
+    if ppl:
+        model += ", causal LM"
+    elif "causal" in res:
+        model += ", " + ("causal attention (masked)" if res["causal"] else "bidirectional attention (no mask)")
+    src = text.get("source", "?")
+    data = f"{src}" + (f" split {text['split']}" if "split" in text else "") \
+        + (f" chars {text['eval_chars'][0]}..{text['eval_chars'][1]}" if "eval_chars" in text else "") \
+        + (f" {text['path']}" if "path" in text else "")
+    windows = res.get("windows") if ppl else res.get("shape", {}).get("batch")
+    tokens = res.get("seq_len") if ppl else res.get("shape", {}).get("tokens")
+    context = f"{tokens} tokens per window, {windows} window(s)" + (f", fed in chunks of {res['chunk']}" if ppl else
+                                                                   ", all tokens appended at once")
+    budget = "each method's paper configuration"
+    sets = [a for a in meta.get("argv", []) if ":" in a and "=" in a]
+    if sets:
+        budget += " with --set " + " ".join(sets)
+    em = res.get("equal_memory") or []
+    if em:
+        budget += ("; and each method at equal memory, <= " + ", <= ".join(f"{e['budget']:g}" for e in em)
+                   + " bits per element (kvq.evaluation.equal_memory_config: the configuration with the most "
+                     "bits not above the budget)")
+    if ppl:
+        accounting = "bits/elem: " + _ACCOUNTING_NOTE["state"] + "; bits/elem (paper): " + _ACCOUNTING_NOTE["paper"]
+        if em:
+            accounting += "; budgets are met in the state accounting"
+    else:
+        accounting = "bits/elem: " + _ACCOUNTING_NOTE["paper"] + ("; bits/elem (state): " + _ACCOUNTING_NOTE["state"]
+                                                                  + "; budgets are met in the state accounting"
+                                                                  if em else "")
+    return {"model": model, "data": data, "context": context, "budget": budget, "accounting": accounting}
+
+
+def protocol_lines(res: dict, width: int = 100) -> list[str]:
+    """:func:`table_protocol` as ``protocol: field  text`` lines wrapped at ``width``, printed just above
+    the table."""
+    import textwrap
+
+    lines = ["protocol of the table below:"]
+    for k, v in table_protocol(res).items():
+        lines += textwrap.wrap(v, width=width, initial_indent=f"  {k:<10s}  ", subsequent_indent=" " * 14)
+    return lines
+
+
+def _em_rows(res: dict) -> list[dict]:
+    """The paper rows (label "paper") then each budget's rows, for the combined attention table."""
+    rows = [{**r, "_config": "paper"} for r in res["rows"]]
+    for e in res.get("equal_memory") or []:
+        rows += [{**r, "_config": f"<={e['budget']:g}"} for r in e["rows"]]
+    return rows
+
+
+def _config_note(r: dict) -> str:
+    if "skipped" in r:
+        return f"skipped: {r['skipped']}"
+    ovr = r.get("overrides")
+    if r.get("_config") == "paper" or not ovr:
+        return ""
+    return " ".join(f"{k}={v}" for k, v in ovr.items())
+
+
 def result_table(res: dict) -> list[str]:
     """The result of :func:`run_ppl` or :func:`run_attention` as table lines: one row per method, one
     column per metric, and (when a method was skipped) a final ``note`` column saying why, with "-" in
     its metric cells."""
+    if res.get("equal_memory"):
+        return _equal_memory_table(res)
     columns = _PPL_COLUMNS if "chunk" in res else _ATTENTION_COLUMNS
     header = ["method", *(name for name, _ in columns)]
     rows = [[r["method"], *(["-"] * len(columns) if "skipped" in r else [cell(r) for _, cell in columns])]
@@ -468,6 +581,27 @@ def result_table(res: dict) -> list[str]:
     notes = [f"skipped: {r['skipped']}" if "skipped" in r else "" for r in res["rows"]]
     return format_table([*header, "note"], [[*row, note] for row, note in zip(rows, notes)],
                         align=["<"] + [">"] * len(columns) + ["<"])
+
+
+def _equal_memory_table(res: dict) -> list[str]:
+    """The perplexity or attention table with equal-memory rows: method, config ("paper" or the budget "<=B"), both
+    accountings' bits per element, the metrics, and a last column with the chosen configuration (or why a
+    method has no configuration within the budget)."""
+    ppl = "chunk" in res
+    metrics_cols = _PPL_COLUMNS[2:] if ppl else _ATTENTION_COLUMNS[1:]
+    header = ["method", "config", "bits/elem (state)", "bits/elem (paper)", *(n for n, _ in metrics_cols),
+              "configuration / note"]
+    rows = []
+    for r in _em_rows(res):
+        if "skipped" in r:
+            cells = ["-"] * (2 + len(metrics_cols))
+        else:                        # ppl rows: state in bits_per_element; attention rows: paper there
+            st = r.get("bits_per_element") if ppl else r.get("bits_per_element_state")
+            pa = r.get("bits_per_element_paper") if ppl else r.get("bits_per_element")
+            cells = ["-" if st is None else f"{st:.3f}", "-" if pa is None else f"{pa:.3f}",
+                     *(cell(r) for _, cell in metrics_cols)]
+        rows.append([r["method"], r["_config"], *cells, _config_note(r)])
+    return format_table(header, rows, align=["<", "<"] + [">"] * (2 + len(metrics_cols)) + ["<"])
 
 
 def _print(res: dict) -> None:
@@ -485,6 +619,10 @@ def _print(res: dict) -> None:
         s = res["shape"]
         print(f"{s['layers']} layers, {s['batch']} windows x {s['tokens']} tokens, {s['kv_heads']} KV heads of "
               f"{s['head_dim']}, causal={res['causal']}; means over layers")
+    print()
+    for line in protocol_lines(res):
+        print(line)
+    print()
     for line in result_table(res):
         print(line)
 

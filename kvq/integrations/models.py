@@ -268,3 +268,44 @@ def attention_geometry(model) -> dict:
         head_dim = hidden // n_heads
     return {"n_layers": int(cfg.num_hidden_layers), "n_heads": n_heads, "kv_heads": kv_heads,
             "head_dim": int(head_dim), "rope_theta": _rope_theta(cfg)}
+
+
+#: ``model_type`` of bidirectional encoders (every query attends to every key): attention metrics on
+#: them must not apply a causal mask
+ENCODER_MODEL_TYPES = frozenset({
+    "bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "mpnet",
+    "camembert", "modernbert", "nomic_bert", "xlm-roberta-xl", "ernie", "luke", "rembert", "megatron-bert",
+    "mobilebert", "squeezebert", "funnel", "longformer", "big_bird", "nystromformer", "roformer",
+})
+
+#: suffixes of the architectures (class names) of causal language models
+_CAUSAL_ARCHITECTURES = ("ForCausalLM", "LMHeadModel")
+
+
+def is_causal(model) -> bool:
+    """Whether ``model`` (a transformers model or its config) attends causally: True for a decoder
+    (causal LM), False for a bidirectional encoder such as BERT / MiniLM.
+
+    The rule, in order: ``config.is_decoder`` True -> causal; ``model_type`` in
+    :data:`ENCODER_MODEL_TYPES` -> bidirectional; an architecture (``config.architectures`` or the
+    model's class name) ending in ``ForCausalLM`` / ``LMHeadModel`` -> causal; a RoPE model (Llama, Qwen,
+    Mistral, ...: every RoPE family transformers has is a decoder) -> causal. Anything else is a
+    ValueError asking the caller to say (``--causal`` / ``causal=``), never a guess.
+    """
+    cfg = getattr(model, "config", model)
+    if hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()
+    if getattr(cfg, "is_decoder", False):
+        return True
+    model_type = getattr(cfg, "model_type", None)
+    if model_type in ENCODER_MODEL_TYPES:
+        return False
+    names = list(getattr(cfg, "architectures", None) or [])
+    if model is not cfg:
+        names.append(type(model).__name__)
+    if any(str(n).endswith(_CAUSAL_ARCHITECTURES) for n in names):
+        return True
+    if _rope_theta(cfg) is not None:
+        return True
+    raise ValueError(f"cannot tell whether {type(cfg).__name__} (model_type={model_type!r}) is causal or "
+                     f"bidirectional; pass causal=True (a decoder) or causal=False (an encoder)")

@@ -235,14 +235,16 @@ def _group_mean(C, H_kv: int):
     return C.reshape(H_kv, C.shape[0] // H_kv, *C.shape[1:]).mean(axis=1)
 
 
-def target_covariances(q, k, v, *, per_head: bool = False, scale=None) -> dict:
+def target_covariances(q, k, v, *, per_head: bool = False, scale=None, causal: bool = True) -> dict:
     """The covariance targets of one layer, float64: ``C_Q``, ``C_S`` (attention-aware, section 3)
     and ``C_K``, ``C_V`` (raw-cache targets, Table 4's ``K^T K`` / ``V^T V`` ablation).
 
     ``C_Q = (1/N) sum_n q_n^T q_n`` averaged over the query heads of each GQA group;
     ``C_S = (1/N) V^T S^T S V = (1/N) (SV)^T (SV)`` with ``S = softmax(Q K^T / sqrt(D) + causal mask)``
-    per query head, averaged the same way; N = B * T tokens. ``per_head=False`` (the paper's production
-    metric) also averages over KV heads: (D, D) each; ``per_head=True`` keeps (H_kv, D, D).
+    per query head, averaged the same way; N = B * T tokens (``causal=False``: no mask, for a
+    bidirectional encoder such as MiniLM; the default True is the paper's decoders).
+    ``per_head=False`` (the paper's production metric) also averages over KV heads: (D, D) each;
+    ``per_head=True`` keeps (H_kv, D, D).
     """
     q, k, v = (metrics._f64(a, n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
     attn.check_shapes(q.shape, k.shape, v.shape)
@@ -250,7 +252,9 @@ def target_covariances(q, k, v, *, per_head: bool = False, scale=None) -> dict:
     H_kv, N = k.shape[1], B * T
     if N == 0:
         raise ValueError("no calibration tokens (T = 0)")
-    O = attn.attention(q, k, v, causal=True, scale=scale)          # (B, H_q, T, D) = S V per head
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be True (a decoder) or False (an encoder), got {causal!r}")
+    O = attn.attention(q, k, v, causal=bool(causal), scale=scale)  # (B, H_q, T, D) = S V per head
     cov = {"C_Q": _group_mean(np.einsum("bhtd,bhte->hde", q, q) / N, H_kv),
            "C_S": _group_mean(np.einsum("bhtd,bhte->hde", O, O) / N, H_kv),
            "C_K": np.einsum("bhtd,bhte->hde", k, k) / N,
@@ -335,21 +339,31 @@ def fake_quantize(x, R, clip: float, group_size: int, bits: int = 2) -> np.ndarr
 # Figs. 2 and 8: errors of the quantizer alone, per method
 
 
-def error_table(q, k, v, methods: dict, group_size: int = 128, bits: int = 2, scale=None) -> dict:
+def error_table(q, k, v, methods: dict, group_size: int = 128, bits: int = 2, scale=None, *,
+                causal: bool = True) -> dict:
     """The errors of Figs. 2 and 8 for each method (name -> OSCARCalibration), the quantizer alone
     (every token quantized, no sink / window): relative MSE of K and V (``fake_quantize``), the
-    logit MSE of ``q k^T * scale``, the causal attention KL, the SV MSE (exact keys, quantized values:
+    logit MSE of ``q k^T * scale``, the attention KL, the SV MSE (exact keys, quantized values:
     eq. 2) and the attention-output MSE (both quantized). float64 metrics (``metrics.py``).
+
+    ``causal``: the model's attention. True (the default, the paper's decoders) applies the causal mask
+    to the KL and the output errors; False is a bidirectional encoder (BERT / MiniLM), where every
+    query attends to every key. Set it from the model, e.g. ``kvq.integrations.models.is_causal(model)``:
+    a causal KL on an encoder scores attention the model never computes. The logit MSE and the K / V
+    errors take no mask either way.
 
     Returns ``{name: {"k_rel_mse", "v_rel_mse", "logit_mse", "attention_kl", "sv_mse", "output_mse"}}``.
     """
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be True (a decoder) or False (an encoder), got {causal!r}")
+    causal = bool(causal)
     out = {}
     for name, c in methods.items():
         k_hat = fake_quantize(k, c.R_K, c.clip_k, group_size, bits)
         v_hat = fake_quantize(v, c.R_V, c.clip_v, group_size, bits)
         out[name] = {"k_rel_mse": metrics.relative_mse(k, k_hat), "v_rel_mse": metrics.relative_mse(v, v_hat),
                      "logit_mse": metrics.logit_mse(q, k, k_hat, scale),
-                     "attention_kl": metrics.attention_kl(q, k, k_hat, causal=True, scale=scale),
-                     "sv_mse": metrics.output_mse(q, k, v, k, v_hat, causal=True, scale=scale),
-                     "output_mse": metrics.output_mse(q, k, v, k_hat, v_hat, causal=True, scale=scale)}
+                     "attention_kl": metrics.attention_kl(q, k, k_hat, causal=causal, scale=scale),
+                     "sv_mse": metrics.output_mse(q, k, v, k, v_hat, causal=causal, scale=scale),
+                     "output_mse": metrics.output_mse(q, k, v, k_hat, v_hat, causal=causal, scale=scale)}
     return out
