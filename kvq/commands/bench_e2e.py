@@ -176,7 +176,8 @@ def run_one(model, name: str, batch: int, context: int, args) -> dict:
         base = torch.cuda.memory_allocated()
     cache = None
     try:
-        cache = make(name, model, batch, context, args.warmup + args.steps + 1)
+        # room for every step: warm-up, timed, and --graph's warm-up and captured step
+        cache = make(name, model, batch, context, args.warmup + args.steps + 1 + (2 if getattr(args, "graph", None) else 0))
         fill(cache, model, batch, context, args.chunk)
         if ":" in name:                                      # kvq: the attention a kvq cache user runs
             from kvq.integrations.attention import use_kvq_attention
