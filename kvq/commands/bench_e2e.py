@@ -176,8 +176,10 @@ def run_one(model, name: str, batch: int, context: int, args) -> dict:
         base = torch.cuda.memory_allocated()
     cache = None
     try:
-        # room for every step: warm-up, timed, and --graph's warm-up and captured step
-        cache = make(name, model, batch, context, args.warmup + args.steps + 1 + (2 if getattr(args, "graph", None) else 0))
+        # room for every step: warm-up, timed, --graph's warm-up and captured step, and its replays (a
+        # StaticCache counts its length on the device, so each replay writes the next position)
+        graph = getattr(args, "graph", None) or 0
+        cache = make(name, model, batch, context, args.warmup + args.steps + 1 + (graph + 2 if graph else 0))
         fill(cache, model, batch, context, args.chunk)
         if ":" in name:                                      # kvq: the attention a kvq cache user runs
             from kvq.integrations.attention import use_kvq_attention
@@ -228,7 +230,8 @@ def graph_time(step, replays: int) -> dict:
     """The GPU time of one decode step: ``step`` captured once in a CUDA graph (after one warm-up call on a
     side stream, as torch asks) and replayed ``replays`` times between two CUDA events. The replays repeat
     the captured step (the same token at the same context; the cache's host counters advanced once, by the
-    capture), so this is the step's GPU work with no Python in the way, not a generation. Returns
+    capture; transformers' StaticCache counts its length on the device, so its replays write the next
+    positions, as a generation would), so this is the step's GPU work with no Python in the way. Returns
     ``graph_ms_per_step`` (mean over the replays), or ``graph_status`` with the reason the capture failed
     (a host synchronization or an allocation the step cannot make while captured, for example)."""
     import torch
