@@ -235,3 +235,32 @@ def test_table_shows_graph_times_and_largest_batches():
     assert "| KIVI-K2V2:cupy | 32K | 96 | 50.0 | 1920 |" in table and "| StaticCache | 32K | oom (at 3) | - | - |" in table
     plain = _e2e_table().table({"info": info, "rows": [ok("StaticCache", 1, 32768, 30.0)]})
     assert "GPU time" not in plain and "largest batch" not in plain
+
+
+def test_a_row_lets_go_of_its_cache_before_it_frees_memory(monkeypatch):
+    """run_one's last collection (before it returns the device's memory) finds the row's cache unreachable:
+    nothing of the row (its step's closure included) holds it, so the next row, and --max-batch's sizing
+    from the free memory, see that memory free."""
+    import gc
+    import types
+    import weakref
+
+    made, dead = [], []
+    real_make = bench_e2e.make
+
+    def make(*a, **k):
+        cache = real_make(*a, **k)
+        made.append(weakref.ref(cache))
+        return cache
+
+    def collect():
+        gc.collect()
+        dead.append(bool(made) and made[-1]() is None)
+
+    monkeypatch.setattr(bench_e2e, "make", make)
+    monkeypatch.setattr(bench_e2e, "gc", types.SimpleNamespace(collect=collect))
+    model = bench_e2e.build_model(True, "cpu", 128)
+    args = types.SimpleNamespace(device="cpu", warmup=1, steps=1, chunk=32, graph=None)
+    row = bench_e2e.run_one(model, "DynamicCache", 1, 32, args)
+    assert row["status"] == "ok" and len(made) == 1
+    assert dead[-1], "the row's cache was still reachable when run_one freed the device's memory"

@@ -217,7 +217,7 @@ def run_one(model, name: str, batch: int, context: int, args) -> dict:
     except ImportError as e:
         row["status"] = f"unavailable: {e}"
     finally:
-        del cache
+        step = cache = None                                  # the step's closure holds the cache too
         gc.collect()
         if dev != "cpu":
             torch.cuda.empty_cache()
@@ -278,6 +278,8 @@ def _err(e: BaseException, limit: int = 300) -> str:
 def max_batch(model, name: str, context: int, per_seq: float, args) -> dict:
     """The largest batch that fits at ``context``: estimated from bytes per sequence, confirmed by a step."""
     import torch
+    gc.collect()
+    torch.cuda.empty_cache()                                 # what torch holds of earlier rows is free too
     free = torch.cuda.mem_get_info()[0] - args.margin_gib * 2 ** 30
     b = max(1, int(free // per_seq))
     for _ in range(4):
