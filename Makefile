@@ -29,8 +29,8 @@ demo: $(DEMO)/.kvq-setup               ## the main demo (CPU, NumPy reference; `
 
 test: $(STAMP)                         ## CPU test suite: reference, Triton via interpreter, nvcc compile, the battery
 	@echo "make test: the CPU suite, about 20 minutes on 2 cores (the slow parts: the nvcc compiles of"
-	@echo "  tests/fast/test_cuda_compile.py, a few minutes with no output between dots; Triton's interpreter; the"
-	@echo "  battery). The 10 slowest tests are listed at the end."
+	@echo "  tests/fast/test_cuda_compile.py, a few minutes, each on its own line 'nvcc <source> ... <seconds> s';"
+	@echo "  Triton's interpreter; the battery). The 10 slowest tests are listed at the end."
 	$(BIN)/python -m pytest -m "not gpu and not browser" -q --durations=10
 
 battery: $(STAMP)                      ## the bad-input battery alone, and its figures (make test runs it too)

@@ -1,6 +1,6 @@
 """The end-to-end decode-step table from a ``bench_e2e.py`` JSON (what the README and the results notes show).
 
-    python3 benchmarks/e2e_table.py benchmarks/results/h200-bf244c7-e2e/e2e.json
+    python3 benchmarks/e2e_table.py benchmarks/results/h200/e2e.json
 
 One row per cache, one column per (batch x context): ms per step (eager wall time around ``model(...)``,
 Python included), and in brackets the step relative to the FP16 StaticCache of the same shape (or "oom").

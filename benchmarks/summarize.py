@@ -1,7 +1,8 @@
 """Markdown tables from a results folder (what docs/results.md, README.md and the book quote).
 
-    python benchmarks/summarize.py benchmarks/results/h100-136989f      # one run (one commit)
-    python benchmarks/summarize.py benchmarks/results/h100-c6508dc      # KIVI / Kitty and OSCAR decode too
+    python benchmarks/summarize.py benchmarks/results/h100               # the latest run on a card
+    python benchmarks/summarize.py lab/2026-11-22-kivi-kitty-decode/results/h100-136989f   # one run (one commit)
+    python benchmarks/summarize.py lab/2026-11-22-kivi-kitty-decode/results/h100-c6508dc   # OSCAR decode too
 
 The book's chapters import ``kivi_kitty_table`` / ``oscar_table`` and ``load`` from here, and
 ``results_page.py`` builds docs/results.md from these tables (one per benchmark JSON), so the numbers

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "h100-c6508dc"
+RESULTS = ROOT / "lab" / "2026-11-22-kivi-kitty-decode" / "results" / "h100-c6508dc"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import summarize as S  # noqa: E402
@@ -72,7 +72,7 @@ def test_read_ceiling_needs_cuda():
     assert C.read_ceiling(1 << 20, "cpu") is None
 
 
-LATEST = ROOT / "benchmarks" / "results" / "h100-7ba6718"
+LATEST = ROOT / "lab" / "2026-11-22-kivi-kitty-decode" / "results" / "h100-7ba6718"
 
 
 def test_read_ceiling_table_of_a_committed_run():
@@ -116,7 +116,7 @@ def test_fused_ceilings_table():
           + [{"method": "Kitty", "B": 1, "T": 8192, "mode": 0, "fused_us": 10.0}]}      # incomplete: no row
     rows = _rows(S.fused_ceilings_table(fc))
     assert rows == [["8 x 32K", "KIVI-K2V2", "75.0", "66.0", "60.0", "1.10"]]
-    run = S.load(ROOT / "benchmarks" / "results" / "h100-a5e2ef7", "fused_ceilings.json")
+    run = S.load(ROOT / "lab" / "2026-11-22-kivi-kitty-decode" / "results" / "h100-a5e2ef7", "fused_ceilings.json")
     rows = _rows(S.fused_ceilings_table(run))
     assert len(rows) == len(run["rows"]) // 3 == 7
     assert all(float(r[3]) > float(r[4]) for r in rows)        # that run: compute only > copies only everywhere

@@ -3,12 +3,14 @@
 A page generated into a temporary folder from small fixture JSON holds each benchmark's table under its
 card, commit, date and protocol; a cell without a measurement is "—"; a JSON of no known benchmark is an
 error; and the committed docs/results.md and README.md table equal what the command makes of the committed
-JSON, so neither can go stale.
+JSON, so neither can go stale. benchmarks/results/ holds one folder per card (a run of one commit belongs to
+its lab folder), and every results path the README, book, docs and lab notes name is there.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -114,3 +116,49 @@ def test_committed_results_page_and_readme_table_are_current():
     assert (ROOT / "docs" / "results.md").read_text() == RP.page(RP.RESULTS)
     readme = (ROOT / "README.md").read_text()
     assert RP.fill_markers(readme, RP.methods_table(RP.RESULTS)) == readme
+
+
+#: Commit-named runs still in benchmarks/results/ because book/evaluation.md reads them by name (issue 38
+#: moved every other run to lab/<date>-<question>/results/); none may be added.
+READ_BY_NAME = {"h100-5c4a0f3-tiny-lm", "cpu-5c4a0f3-minilm-attention"}
+
+#: A results folder or file named by its path from the repository root (not a placeholder like ``<card>``).
+RESULT_PATH = re.compile(r"(?<![\w./:-])((?:benchmarks/results|lab/[\w.-]+/results)/[\w.-]+)")
+#: A relative path in a lab note: ```../x`` `` or ``[text](../x)``.
+RELATIVE_PATH = re.compile(r"`(\.\./[^`\s*]+)`|\]\((\.\./[^)\s#*]+)")
+
+
+def missing_paths(text: str, page: Path) -> list[str]:
+    """The results paths (from the repository root) and ``../`` paths (from ``page``'s folder) that ``text``
+    names and that do not exist."""
+    named = [(ROOT / m.rstrip("."), m.rstrip(".")) for m in RESULT_PATH.findall(text)]
+    named += [(page.parent / (a or b), a or b) for a, b in RELATIVE_PATH.findall(text)]
+    return [name for path, name in named if not path.exists()]
+
+
+def test_benchmarks_results_holds_one_folder_per_card():
+    """The latest run per card in benchmarks/results/<card>/; a commit's run lives in its lab folder."""
+    cards = {p.name for p in RP.card_dirs(RP.RESULTS)}
+    entries = {p.name for p in RP.RESULTS.iterdir()}
+    assert cards >= {"cpu", "h100", "h200"}
+    stray = entries - cards - READ_BY_NAME
+    assert not stray, f"{sorted(stray)}: move each run to lab/<date>-<question>/results/ (see lab/README.md)"
+
+
+def test_missing_paths_finds_what_is_not_there(tmp_path):
+    page = ROOT / "lab" / "README.md"
+    text = ("`benchmarks/results/h100/` and benchmarks/results/h100. `benchmarks/results/<card>/` "
+            "`git show 564c384:benchmarks/results/gone/x` [HISTORY](../README.md)")
+    assert missing_paths(text, page) == []                                   # placeholders and git revisions pass
+    text = "`benchmarks/results/h100-0000000/` `lab/x-y/results/h100/` `../no-such-folder/` [a](../nope.md#b)"
+    assert missing_paths(text, page) == ["benchmarks/results/h100-0000000", "lab/x-y/results/h100",
+                                         "../no-such-folder/", "../nope.md"]
+
+
+def test_results_paths_named_in_the_docs_exist():
+    """Every results folder or file the README, the book, docs/, benchmarks/ and lab/ pages name is there
+    (moving a run to the lab moves its readers' paths with it)."""
+    pages = [ROOT / "README.md", *ROOT.glob("book/*.md"), *ROOT.glob("docs/*.md"), *ROOT.glob("benchmarks/*.md"),
+             *(p for p in ROOT.glob("lab/**/*.md") if not any(s.startswith(".") for s in p.relative_to(ROOT).parts))]
+    missing = [f"{p.relative_to(ROOT)}: {name}" for p in pages for name in missing_paths(p.read_text(), p)]
+    assert not missing, "\n".join(missing)

@@ -15,7 +15,7 @@ set from here between runs (one compile for the three modes):
   copies, issues the next page's, and skips all of its compute.
 
 Each mode is timed as ``profile_decode_kernels.py --timeline`` times a step (a CUDA graph over cold
-caches, the median kernel start / end), with ``TUNE["side_stream"] = False`` so that the page kernel
+caches, the median kernel start / end), with ``Knobs(side_stream=False)`` so that the page kernel
 runs alone; the tail and merge kernels follow it, unchanged. One JSON line per (shape, mode) on stdout,
 all of them in ``<out>/fused_ceilings.json``.
 """
@@ -86,14 +86,13 @@ def main() -> None:
     import cupy
 
     from kvq.fast.cupy import _loader as L
-    from kvq.fast.cupy import paged
 
     import common as C
     import profile_decode_kernels as PDK
 
     assert L.__file__.startswith(tmp), L.__file__
     flag = cupy.ndarray((1,), cupy.int32, L.module("paged.cu").get_global("kvq_probe"))
-    paged.TUNE["side_stream"] = False
+    knobs = PDK.PF.apply_tune("cupy", "side_stream=False")      # the page kernel alone on its stream
     rows = []
     try:
         for spec in a.shapes.split(";"):
@@ -102,7 +101,7 @@ def main() -> None:
                 flag.fill(mode)
                 cupy.cuda.Device().synchronize()
                 r = PDK.timeline(method, argparse.Namespace(backend="cupy", B=int(B), T=int(T), reps=a.reps,
-                                                            copies="auto"))
+                                                            copies="auto", knobs=knobs))
                 fused = [v for k, v in r["kernels"].items() if k.startswith("void paged_decode_mma2")]
                 row = {"method": method, "B": int(B), "T": int(T), "mode": mode, "probe": MODES[mode],
                        "fused_us": fused[0]["end_us"] - fused[0]["start_us"] if len(fused) == 1 else None,

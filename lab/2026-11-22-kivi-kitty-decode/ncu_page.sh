@@ -4,7 +4,7 @@
 #
 #   SHAPES="8 32768 KIVI-K2V2;32 8192 Kitty" bash lab/2026-11-22-kivi-kitty-decode/ncu_page.sh
 #   KERNEL=paged_tail_attn SHAPES="1 32768 KIVI-K2V2" bash lab/2026-11-22-kivi-kitty-decode/ncu_page.sh      # another kernel
-#   TUNE="max_blocks_per_sm=4" SHAPES="8 32768 KIVI-K2V2" bash lab/2026-11-22-kivi-kitty-decode/ncu_page.sh  # paged.TUNE values
+#   TUNE="max_blocks_per_sm=4" SHAPES="8 32768 KIVI-K2V2" bash lab/2026-11-22-kivi-kitty-decode/ncu_page.sh  # paged.Knobs values
 #
 # Per shape: <tag>.ncu-rep, <tag>.details.txt (every section), <tag>.sass.csv (per-instruction counters)
 # and <tag>.stalls.txt (lab/2026-11-22-kivi-kitty-decode/ncu_stalls.py: stall reasons, instruction mix), in $OUT/ncu-<KERNEL>.tgz.

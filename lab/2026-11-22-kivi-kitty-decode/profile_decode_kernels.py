@@ -41,16 +41,16 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--timeline", action="store_true", help="graph replay: each kernel's start / end in the step")
     ap.add_argument("--copies", default="auto", help="--timeline: caches to rotate over (profile_fused)")
-    ap.add_argument("--tune", default="", help="paged.TUNE values for the run, e.g. 'side_stream=False;tail_mma=True'")
+    ap.add_argument("--tune", default="", help="paged.Knobs values for the run, e.g. 'side_stream=False;tail_mma=True'")
     a = ap.parse_args()
-    PF.apply_tune(a.backend, a.tune)
+    a.knobs = PF.apply_tune(a.backend, a.tune)      # {prefix: Knobs}, passed to every decode
     if a.timeline:
         for m in a.methods.split(","):
             print(json.dumps(timeline(m, a)))
         return
     for m in a.methods.split(","):
         mod, cfg, st, qs = PF.setup(m, a.B, a.T, a.backend)
-        step = PF.decode_step(m, mod, cfg, st, a.backend)
+        step = PF.decode_step(m, mod, cfg, st, a.backend, a.knobs)
         for _ in range(3):
             step(qs[0])
         torch.cuda.synchronize()
@@ -78,7 +78,7 @@ def timeline(m: str, a) -> dict:
     """Kernel starts / ends within a decode step, from a profiled CUDA-graph replay of --reps steps."""
     mod, cfg, st, qs = PF.setup(m, a.B, a.T, a.backend)
     states = PF.cache_copies(m, a.B, a.T, a.backend, st, a.copies)
-    step = PF.decode_step(m, mod, cfg, None, a.backend)
+    step = PF.decode_step(m, mod, cfg, None, a.backend, getattr(a, "knobs", None))   # (None: the defaults)
     args = PF.inputs(qs, states)
     reps = max(a.reps, len(args))
     side = torch.cuda.Stream()

@@ -28,8 +28,8 @@ def main() -> None:
         q = torch.from_numpy(rng.standard_normal((B, H * ratio, 1, D)).astype(np.float32)).half().cuda()
         (o64, l64), (o32, l32) = _truth_ref32(RK, cfg, rs, q)
         for t16, mm, tm in ((None, True, False), (True, False, False), (None, False, False), (None, True, True)):
-            FP.TUNE.update(tail16=t16, mixed_mma=mm, tail_mma=tm)
-            out, lse = FK.decode_attention(cfg, fs, q)
+            knobs = FP.Knobs(tail16=t16, mixed_mma=mm, tail_mma=tm)
+            out, lse = FP.decode_attention(cfg, FK.KeyCodec, fs, q, knobs=knobs)     # FK.decode_attention's call
             try:
                 r = check_close(lse, l64, l32, torch.float32, "lse")
             except AssertionError as e:
