@@ -68,9 +68,11 @@ def _oscar_rows(s) -> dict:
 
 def _e2e(doc) -> str:
     head, _, table = e2e_table.table(doc).partition("\n\n")
-    return table + "\n\nms per decode step (eager wall time around `model(...)`, Python included), in brackets the " \
-                   "step over transformers' FP16 StaticCache of the same shape; last column: the cache's bytes at " \
-                   "rest and the peak extra bytes of a step at the largest shape it ran."
+    return table + "\n\nFirst table: ms per decode step (eager wall time around `model(...)`, Python included), in " \
+                   "brackets the step over transformers' FP16 StaticCache of the same shape; last column: the cache's " \
+                   "bytes at rest and the peak extra bytes of a step at the largest shape it ran. Where the run has " \
+                   "them, the GPU time of the step (`--graph`: one step captured in a CUDA graph and replayed, no " \
+                   "Python) and the largest batch that fits the card (`--max-batch`) follow."
 
 
 #: (name, title, how it is measured, table) in the page's order
@@ -205,7 +207,8 @@ def _newest(results: Path, name: str):
     found = [(run_info(d)["date"], c.name, f, d) for c in card_dirs(results) for f, d in load_card(c).get(name, [])]
     if not found:
         return None
-    _, card, fname, doc = max(found, key=lambda x: x[0])
+    # the newest run; on one date the benchmark's main file (``e2e.json`` before ``e2e_graph.json``)
+    _, card, fname, doc = max(found, key=lambda x: (x[0], x[2] == f"{name}.json"))
     return card, fname, doc
 
 
