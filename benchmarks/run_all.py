@@ -7,7 +7,7 @@ kivi_kitty at most 90 s (leaving 45 s for oscar when it runs), oscar at most 120
 twice: with and without the rotation back), aqua what is left (at most 90 s); measurements past the
 budget are recorded as skipped.
 
-    python3 benchmarks/run_all.py --out benchmarks/results/h100-$(date +%F)     # on the GPU machine
+    python3 benchmarks/run_all.py --out benchmarks/results/<card>            # on the GPU machine (h100, h200, ...)
     python3 benchmarks/run_all.py --out /tmp/kvq-dry --dry-run                  # CPU, tiny shapes
 """
 

@@ -155,7 +155,7 @@ struct TwoSegmentTiles {
 // SD, how each score's dot product is summed: 0 one fp32 fma chain; 1 (the default when PRECISE) in
 // double, rounded once to float; 2 four interleaved fp32 fma chains (channels d = 4 i + j in chain j, in
 // order of d) added pairwise at the end, (c0 + c1) + (c2 + c3) (not with PRECISE). The paged decode's
-// FP16 tail for half-precision q takes 2 (TUNE["tail_sums"]) or 1: one 128-term fp32 chain per score
+// FP16 tail for half-precision q takes 2 (paged.Knobs.tail_sums) or 1: one 128-term fp32 chain per score
 // reached several fp32 ulps at |score| ~ 1e3, beyond the tolerance rule, where four chains stay at about
 // a fifth of the bound (lab/2026-11-22-large-operand-accuracy/model_tail_scores.py) with no conversions to double.
 // Accumulator of the dot products and of P.V: float, or double when PRECISE = 1 (the default for float32

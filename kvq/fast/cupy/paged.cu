@@ -1037,7 +1037,7 @@ __global__ void __launch_bounds__(NW * 32)
 
 // Computes: paged_tail16_attn's partials (the same rows, grid and partial layout) for fp16 q and D = 128
 //   on the tensor cores (mma.cuh attn_mma_body: query tiles of 8 rows, each score's 8 k-step sums added
-//   pairwise in fp32, P in fp16). The half-precision-q decode's fp16 tail rows (TUNE["tail_mma"]).
+//   pairwise in fp32, P in fp16). The half-precision-q decode's fp16 tail rows (paged.Knobs.tail_mma).
 // Grid: (num_splits * ceil(G_q T_q / 8), H_kv, B); block NW * 32 threads; NW * 2 * 32 * KVQ_TMMA_ROW * 2
 //   bytes of dynamic shared memory.
 template <int NW>
@@ -1084,7 +1084,7 @@ struct PagedMixedTiles {
 //   key is in a page and whose value is fp16, fp16 q and D = 128, on the tensor cores: attn_mma_body with
 //   each key as hi + 2^-11 lo fp16 tiles (PagedMixedTiles), each score's k-step sums added pairwise in
 //   fp32, P in fp16. The half-precision-q decode's mixed rows where all of them are such rows
-//   (TUNE["mixed_mma"]; H100, KIVI-K2V2 1 x 32K: steps 0.0252 -> 0.0231 ms,
+//   (paged.Knobs.mixed_mma; H100, KIVI-K2V2 1 x 32K: steps 0.0252 -> 0.0231 ms,
 //   lab/2026-11-22-kivi-kitty-decode/results/h100-mixed-mma).
 // Grid: (num_splits * ceil(G_q T_q / 8), H_kv, B); block NW * 32 threads; NW * 3 * 32 * KVQ_TMMA_ROW * 2
 //   bytes of dynamic shared memory.
