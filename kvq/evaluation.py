@@ -464,13 +464,20 @@ def attention_errors_at_budgets(layers, methods, budgets=DEFAULT_BUDGETS, *, cal
     overrides = dict(overrides or {})
     B, H_kv, T, D = np.shape(layers[0]["k"])
     dims = dict(context=int(T), head_dim=int(D), kv_heads=int(H_kv), n_layers=len(layers))
+    return _at_budgets(methods, budgets, overrides, dims, lambda fit, over: attention_errors(
+        layers, fit, calibrations=calibrations, causal=causal, backend=backend, progress=progress, overrides=over))
+
+
+def _at_budgets(methods, budgets, overrides: dict, dims: dict, run) -> list[dict]:
+    """For every budget: each method's :func:`equal_memory_config` at ``dims`` (``overrides[method]`` held
+    fixed), ``run(fitting methods, {method: chosen overrides})`` -> ``{"rows": [...]}`` over those that fit,
+    and one row per method (the run's, or ``skipped`` with the reason) with ``budget``, ``label`` and
+    ``overrides`` added; FP16 has no budget row."""
     out = []
     for b in budgets:
         chosen = {m: equal_memory_config(m, b, fixed=overrides.get(m), **dims) for m in methods if m != "FP16"}
         fit = [m for m, c in chosen.items() if c["feasible"]]
-        res = attention_errors(layers, fit, calibrations=calibrations, causal=causal, backend=backend,
-                               progress=progress, overrides={m: chosen[m]["overrides"] for m in fit}) if fit \
-            else {"rows": []}
+        res = run(fit, {m: chosen[m]["overrides"] for m in fit}) if fit else {"rows": []}
         by_name = {r["method"]: r for r in res["rows"]}
         rows = []
         for m, c in chosen.items():
@@ -497,17 +504,5 @@ def perplexity_at_budgets(model, windows, methods, budgets=DEFAULT_BUDGETS, *, c
     geo = model_dims(model)
     dims = dict(context=int(windows.shape[1]), head_dim=int(geo["head_dim"]), kv_heads=int(geo["kv_heads"]),
                 n_layers=int(geo["n_layers"]))
-    out = []
-    for b in budgets:
-        chosen = {m: equal_memory_config(m, b, fixed=overrides.get(m), **dims) for m in methods if m != "FP16"}
-        fit = [m for m, c in chosen.items() if c["feasible"]]
-        res = perplexity(model, windows, fit, calibrations=calibrations, no_cache_row=False,
-                         overrides={m: chosen[m]["overrides"] for m in fit}, **kwargs) if fit else {"rows": []}
-        by_name = {r["method"]: r for r in res["rows"]}
-        rows = []
-        for m, c in chosen.items():
-            r = dict(by_name.get(m) or {"method": m, "skipped": c.get("reason", "")})
-            r.update(budget=float(b), label=c["label"], overrides=c["overrides"])
-            rows.append(r)
-        out.append({"budget": float(b), "rows": rows})
-    return out
+    return _at_budgets(methods, budgets, overrides, dims, lambda fit, over: perplexity(
+        model, windows, fit, calibrations=calibrations, no_cache_row=False, overrides=over, **kwargs))

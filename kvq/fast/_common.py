@@ -462,3 +462,14 @@ def to_out(x: torch.Tensor, dtype) -> torch.Tensor:
     if dtype == torch.float16 and x.dtype != torch.float16:
         x = torch.where(torch.isfinite(x), x.clamp(-_F16_MAX, _F16_MAX), x)
     return x.to(dtype)
+
+
+def is_int(v) -> bool:
+    """True for an int that is not a bool (a knob's count)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_knob(owner: str, ok: bool, name: str, value, expected: str) -> None:
+    """ValueError ``<owner>.Knobs.<name> = <value>: <expected>`` unless ``ok`` (the launch knobs' checks)."""
+    if not ok:
+        raise ValueError(f"{owner}.Knobs.{name} = {value!r}: {expected}")

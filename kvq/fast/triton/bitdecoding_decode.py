@@ -86,13 +86,8 @@ from .quant import _sat_f16
 
 __all__ = ["supported", "decode"]
 
-def _check_knob(ok: bool, name: str, value, expected: str) -> None:
-    if not ok:
-        raise ValueError(f"triton.bitdecoding_decode.Knobs.{name} = {value!r}: {expected}")
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+_check_knob = functools.partial(C.check_knob, "triton.bitdecoding_decode")     # ValueError naming triton.bitdecoding_decode.Knobs.<field>
+_is_int = C.is_int
 
 
 @dataclass(frozen=True)

@@ -42,13 +42,8 @@ from . import attention as A
 from .paged import codes_to, split_dot
 from .quant import _unpack_last
 
-def _check_knob(ok: bool, name: str, value, expected: str) -> None:
-    if not ok:
-        raise ValueError(f"triton.oscar_decode.Knobs.{name} = {value!r}: {expected}")
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+_check_knob = functools.partial(C.check_knob, "triton.oscar_decode")     # ValueError naming triton.oscar_decode.Knobs.<field>
+_is_int = C.is_int
 
 
 @dataclass(frozen=True)

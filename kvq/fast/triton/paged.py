@@ -53,13 +53,8 @@ OPS = Ops("triton", Q, P, C.interpreting, key_flush=W.flush_key_pages, value_evi
 LOG2E = 1.4426950408889634
 
 
-def _check_knob(ok: bool, name: str, value, expected: str) -> None:
-    if not ok:
-        raise ValueError(f"triton.paged.Knobs.{name} = {value!r}: {expected}")
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+_check_knob = functools.partial(C.check_knob, "triton.paged")     # ValueError naming triton.paged.Knobs.<field>
+_is_int = C.is_int
 
 
 @dataclass(frozen=True)
