@@ -183,3 +183,19 @@ def test_cli_set_configures_a_method(saved, capsys):
                          "--set", f"KIVI-K2V2:residual={r}"]) == 0
         bits.append(json.loads(capsys.readouterr().out)["rows"][-1]["bits_per_element"])
     assert bits[0] < bits[1]
+
+
+def test_perplexity_at_budgets_runs_each_method_at_its_equal_memory_config(tiny):
+    """perplexity_at_budgets: per budget, each method at equal_memory_config's choice for the windows' length
+    and the model's shape; its row is the perplexity run's with that configuration (same NLL as running it
+    directly), with budget, label and overrides added, and the chosen configuration's bits at most the budget."""
+    model, ids = tiny
+    ids = ids[:1, :128]
+    out = E.perplexity_at_budgets(model, ids, ["FP16", "KIVI-K2V2"], budgets=[4.5], chunk=64, progress=False)
+    assert [b["budget"] for b in out] == [4.5] and [r["method"] for r in out[0]["rows"]] == ["KIVI-K2V2"]
+    row = out[0]["rows"][0]
+    want = E.equal_memory_config("KIVI-K2V2", 4.5, context=128, head_dim=64, kv_heads=2, n_layers=2)
+    assert row["overrides"] == want["overrides"] and row["label"] == want["label"] and row["budget"] == 4.5
+    direct = E.perplexity(model, ids, ["KIVI-K2V2"], chunk=64, progress=False, no_cache_row=False,
+                          overrides={"KIVI-K2V2": want["overrides"]})["rows"][0]
+    assert row["nll"] == direct["nll"] and want["bits_per_element"] <= 4.5
