@@ -473,3 +473,18 @@ def check_knob(owner: str, ok: bool, name: str, value, expected: str) -> None:
     """ValueError ``<owner>.Knobs.<name> = <value>: <expected>`` unless ``ok`` (the launch knobs' checks)."""
     if not ok:
         raise ValueError(f"{owner}.Knobs.{name} = {value!r}: {expected}")
+
+
+def check_launch_knobs(owner: str, knobs) -> None:
+    """The checks every Triton decode's ``Knobs`` shares (:func:`check_knob` naming ``owner``): ``num_warps``
+    None or a power of two, ``waves`` a positive number, ``num_stages`` None or a positive int, and, where the
+    knobs have it, ``block_t`` None or a power of two >= 16."""
+    w, waves, st = knobs.num_warps, knobs.waves, knobs.num_stages
+    check_knob(owner, w is None or (is_int(w) and w > 0 and w & (w - 1) == 0), "num_warps", w, "None or a power of two")
+    check_knob(owner, isinstance(waves, (int, float)) and not isinstance(waves, bool) and waves > 0, "waves", waves,
+               "a positive number")
+    if hasattr(knobs, "block_t"):
+        b = knobs.block_t
+        check_knob(owner, b is None or (is_int(b) and b >= 16 and b & (b - 1) == 0), "block_t", b,
+                   "None or a power of two >= 16")
+    check_knob(owner, st is None or (is_int(st) and st > 0), "num_stages", st, "None or a positive int")

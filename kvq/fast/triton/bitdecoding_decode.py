@@ -105,18 +105,12 @@ class Knobs:
     min_tokens: int = 256                # fewest tokens per split on the GPU                KNOBS.md#splits
 
     def __post_init__(self):
+        C.check_launch_knobs("triton.bitdecoding_decode", self)             # num_warps, waves, block_t, num_stages
         _check_knob(self.leaf is None or (_is_int(self.leaf) and self.leaf >= 16 and self.leaf & (self.leaf - 1) == 0),
                     "leaf", self.leaf, "None or a power of two >= 16")
         _check_knob(_is_int(self.unpack) and self.unpack in (0, 1), "unpack", self.unpack, "0 or 1")
-        _check_knob(isinstance(self.waves, (int, float)) and not isinstance(self.waves, bool) and self.waves > 0,
-                    "waves", self.waves, "a positive number")
         _check_knob(self.bt_max is None or (_is_int(self.bt_max) and self.bt_max > 0), "bt_max", self.bt_max,
                     "None or a positive int")
-        _check_knob(self.num_warps is None or (_is_int(self.num_warps) and self.num_warps > 0
-                                               and self.num_warps & (self.num_warps - 1) == 0),
-                    "num_warps", self.num_warps, "None or a power of two")
-        _check_knob(self.num_stages is None or (_is_int(self.num_stages) and self.num_stages > 0),
-                    "num_stages", self.num_stages, "None or a positive int")
         _check_knob(_is_int(self.min_tokens) and self.min_tokens > 0, "min_tokens", self.min_tokens,
                     "a positive int")
 

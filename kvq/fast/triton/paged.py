@@ -72,18 +72,9 @@ class Knobs:
     words: bool = True                   # fp16 q unpacks codes from 32-bit words             KNOBS.md#triton
 
     def __post_init__(self):
-        _check_knob(self.num_warps is None or (_is_int(self.num_warps) and self.num_warps > 0
-                                               and self.num_warps & (self.num_warps - 1) == 0),
-                    "num_warps", self.num_warps, "None or a power of two")
-        _check_knob(isinstance(self.waves, (int, float)) and not isinstance(self.waves, bool) and self.waves > 0,
-                    "waves", self.waves, "a positive number")
-        _check_knob(self.block_t is None or (_is_int(self.block_t) and self.block_t >= 16
-                                             and self.block_t & (self.block_t - 1) == 0),
-                    "block_t", self.block_t, "None or a power of two >= 16")
+        C.check_launch_knobs("triton.paged", self)             # num_warps, waves, block_t, num_stages
         _check_knob(isinstance(self.split_p, bool), "split_p", self.split_p, "True or False")
         _check_knob(_is_int(self.k_terms) and self.k_terms in (1, 2, 3), "k_terms", self.k_terms, "1, 2 or 3")
-        _check_knob(self.num_stages is None or (_is_int(self.num_stages) and self.num_stages > 0),
-                    "num_stages", self.num_stages, "None or a positive int")
         _check_knob(isinstance(self.words, bool), "words", self.words, "True or False")
 
 
