@@ -5,7 +5,8 @@
 One row per cache, one column per (batch x context): ms per step (eager wall time around ``model(...)``,
 Python included), and in brackets the step relative to the FP16 StaticCache of the same shape (or "oom").
 Then the cache bytes at rest and the peak extra bytes during a step at the largest shape each cache ran. Where
-the JSON has them, a table of the GPU time per step (``--graph``) and one of the largest batches (``--max-batch``).
+the JSON has them, a table of the GPU time per step (``--graph``), one of the step through kvq's CUDA-graph
+decode (``--graphed``) and one of the largest batches (``--max-batch``).
 """
 
 from __future__ import annotations
@@ -46,9 +47,48 @@ def table(doc: dict) -> str:
     graph = graph_table(rows, shapes, caches)
     if graph:
         out += ["", graph]
+    graphed = graphed_table(rows, shapes, caches)
+    if graphed:
+        out += ["", graphed]
     largest = max_batch_table(rows)
     if largest:
         out += ["", largest]
+    return "\n".join(out)
+
+
+def graphed_table(rows: list, shapes: list, caches: list) -> str:
+    """ms per step through ``kvq.integrations.graphs`` (``--graphed``: the model's step replayed from CUDA
+    graphs, each layer's kvq work eager between them; wall time, Python included), x the eager StaticCache
+    step and x StaticCache's GPU time (``--graph``) in brackets; "" when no row has it."""
+    if not any("graphed_ms_per_step" in r or "graphed_status" in r for r in rows):
+        return ""
+    at = {(r["cache"], r["batch"], r["context"]): r for r in rows if not r.get("max_batch")}
+    out = ["ms per decode step through kvq.integrations.graphs (the model's step replayed from CUDA graphs, kvq's "
+           "append and fused decode eager between them: wall time, Python included; in brackets x the eager "
+           "StaticCache step, then x StaticCache's GPU time)", "",
+           "| cache | " + " | ".join(f"{b} x {t // 1024}K" for b, t in shapes) + " |",
+           "| --- | " + " | ".join("---" for _ in shapes) + " |"]
+    for c in caches:
+        if not any("graphed_ms_per_step" in r or "graphed_status" in r for r in rows if r["cache"] == c):
+            continue
+        cells = []
+        for b, t in shapes:
+            r, base = at.get((c, b, t)), at.get(("StaticCache", b, t))
+            if r is None:
+                cells.append("-")
+            elif r["status"] != "ok":
+                cells.append(r["status"])
+            elif "graphed_ms_per_step" in r:
+                ms = r["graphed_ms_per_step"]
+                rel = []
+                if base and base["status"] == "ok":
+                    rel.append(f"{ms / base['ms_per_step']:.2f}x")
+                    if "graph_ms_per_step" in base:
+                        rel.append(f"{ms / base['graph_ms_per_step']:.2f}x")
+                cells.append(f"{ms:.1f}" + (f" ({', '.join(rel)})" if rel else ""))
+            else:
+                cells.append("no capture" if "graphed_status" in r else "-")
+        out.append(f"| {c} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 

@@ -138,6 +138,8 @@ BAD = [
     (["--tiny", "--max-batch-caches", "FP16"], "--max-batch-caches: needs --max-batch"),
     (["--graph", "0"], "argument --graph"),
     (["--tiny", "--device", "cpu", "--graph", "10"], "--graph: times a CUDA-graph replay of the step; needs --device cuda"),
+    (["--graphed", "0"], "argument --graphed"),
+    (["--tiny", "--device", "cpu", "--graphed", "10"], "--graphed: replays the step from CUDA graphs; needs --device cuda"),
     (["--tiny", "--out", "{file}/r.json"], "is not a directory"),
     (["--tiny", "--out", "{dir}"], "is a directory, not a file"),
     (["--tiny", "--out", ""], "--out is empty"),
@@ -235,6 +237,25 @@ def test_table_shows_graph_times_and_largest_batches():
     assert "| KIVI-K2V2:cupy | 32K | 96 | 50.0 | 1920 |" in table and "| StaticCache | 32K | oom (at 3) | - | - |" in table
     plain = _e2e_table().table({"info": info, "rows": [ok("StaticCache", 1, 32768, 30.0)]})
     assert "GPU time" not in plain and "largest batch" not in plain
+
+
+def test_table_shows_the_graphed_decode_step():
+    """--graphed's field becomes its own table: each kvq cache's step x the eager StaticCache step and x its GPU
+    time; a step that could not be recorded says so; caches without the field are left out."""
+    info = {"device": "card", "torch": "t", "transformers": "x", "triton": "y", "commit": "c", "date": "d"}
+    ok = lambda c, b, t, ms, **kw: dict(cache=c, batch=b, context=t, ms_per_step=ms, tokens_per_s=b / ms * 1e3,  # noqa: E731
+                                        status="ok", **kw)
+    rows = [ok("StaticCache", 1, 32768, 30.0, graph_ms_per_step=20.0),
+            ok("KIVI-K2V2:cupy", 1, 32768, 40.0, graphed_ms_per_step=12.0),
+            ok("Kitty:cupy", 1, 32768, 40.0, graphed_status="failed: RuntimeError: x"),
+            ok("OSCAR:cupy", 1, 32768, 45.0)]
+    table = _e2e_table().table({"info": info, "rows": rows})
+    assert "| KIVI-K2V2:cupy | 12.0 (0.40x, 0.60x) |" in table
+    assert "| Kitty:cupy | no capture |" in table
+    graphed = table.split("kvq.integrations.graphs")[1]
+    assert "OSCAR" not in graphed and "| StaticCache |" not in graphed
+    plain = _e2e_table().table({"info": info, "rows": [ok("StaticCache", 1, 32768, 30.0)]})
+    assert "kvq.integrations.graphs" not in plain
 
 
 def test_a_row_lets_go_of_its_cache_before_it_frees_memory(monkeypatch):

@@ -23,7 +23,9 @@ bytes as a calibrated cache). Recorded per row: ms per step, tokens per second (
 bytes at rest (allocator growth while filling), the peak extra memory during a step, and the card.
 ``--graph N`` adds the step's GPU time: the step captured once in a CUDA graph and replayed N times
 (``graph_ms_per_step``; the same step at the same context, no Python in the way; a cache whose step cannot
-be captured gets ``graph_status`` with the reason). ``--max-batch`` adds, per cache, the largest batch that fits the card at that context (from the measured
+be captured gets ``graph_status`` with the reason). ``--graphed N`` adds, for the kvq caches, N steps
+through ``kvq.integrations.graphs`` (the model's step replayed from CUDA graphs, each layer's kvq work eager
+between them: what ``graphs.generate`` runs; ``graphed_ms_per_step``, Python included). ``--max-batch`` adds, per cache, the largest batch that fits the card at that context (from the measured
 bytes per sequence, confirmed by running a step at it) and its tokens per second. Rows that do not fit
 are recorded as ``"oom"``; a transformers cache whose package is missing as ``"unavailable: ..."``.
 
@@ -55,7 +57,7 @@ from kvq.commands import CommandError, Parser, check_device, check_out_file, non
     non_negative_int, positive_int, report
 
 __all__ = ["DEFAULT_SHAPES", "DEFAULT_CACHES", "DEFAULT_CPU_CACHES", "TRANSFORMERS_CACHES", "llama_config",
-           "build_model", "make", "fill", "step_fn", "run_one", "graph_time", "max_batch", "device_info", "parse_shape",
+           "build_model", "make", "fill", "step_fn", "run_one", "graph_time", "graphed_time", "max_batch", "device_info", "parse_shape",
            "model_bytes", "check_cache_name", "add_arguments", "build_parser", "validate", "run", "execute", "main"]
 
 DEFAULT_SHAPES = ["8x32768", "1x32768", "1x131072", "32x32768", "8x8192", "1x8192", "32x8192"]   # the headline first
@@ -179,7 +181,9 @@ def run_one(model, name: str, batch: int, context: int, args) -> dict:
         # room for every step: warm-up, timed, --graph's warm-up and captured step, and its replays (a
         # StaticCache counts its length on the device, so each replay writes the next position)
         graph = getattr(args, "graph", None) or 0
-        cache = make(name, model, batch, context, args.warmup + args.steps + 1 + (graph + 2 if graph else 0))
+        graphed = getattr(args, "graphed", None) or 0
+        cache = make(name, model, batch, context, args.warmup + args.steps + 1 + (graph + 2 if graph else 0)
+                     + (graphed + 2 if graphed else 0))
         fill(cache, model, batch, context, args.chunk)
         if ":" in name:                                      # kvq: the attention a kvq cache user runs
             from kvq.integrations.attention import use_kvq_attention
@@ -212,6 +216,8 @@ def run_one(model, name: str, batch: int, context: int, args) -> dict:
             row["kvq_allocated_bytes"] = int(cache.store.allocated_bytes())
         if getattr(args, "graph", None):
             row.update(graph_time(step, args.graph))
+        if graphed and ":" in name:
+            row.update(graphed_time(model, cache, batch, graphed))
     except torch.cuda.OutOfMemoryError if dev != "cpu" else MemoryError:
         row["status"] = "oom"
     except ImportError as e:
@@ -265,6 +271,48 @@ def graph_time(step, replays: int) -> dict:
         except Exception as e2:                              # noqa: BLE001
             return {"graph_status": f"failed: {_err(e)}; then: {_err(e2)}"}
         return {"graph_status": f"failed: {_err(e)}"}
+
+
+def graphed_time(model, cache, batch: int, steps: int) -> dict:
+    """What a user of ``kvq.integrations.graphs`` pays per decode step: the model's step replayed from CUDA
+    graphs with each layer's kvq work run eagerly between them (``DecodeGraphs``), Python included. The
+    first step (eager, then the capture) is timed apart (``graphed_setup_ms``); then ``steps`` steps, each
+    timed by wall clock with a device synchronization on both sides, as the eager rows are
+    (``graphed_ms_per_step``, median), and the same number back to back with one synchronization at the end,
+    as a generation runs them (``graphed_ms_per_step_pipelined``, mean). Each step appends its token, as a
+    generation does. A step that cannot be recorded gets ``graphed_status`` with the reason."""
+    import torch
+
+    from kvq.integrations.graphs import DecodeGraphs
+    dev = model.device
+    tok = torch.randint(0, model.config.vocab_size, (batch,), device=dev)
+    try:
+        dg = DecodeGraphs(model, cache)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dg.step(tok)
+        torch.cuda.synchronize()
+        setup = time.perf_counter() - t0
+        times = []
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dg.step(tok)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            dg.step(tok)
+        torch.cuda.synchronize()
+        piped = (time.perf_counter() - t0) / steps
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as e:                                   # noqa: BLE001 - recorded in the row
+        return {"graphed_status": f"failed: {_err(e)}"}
+    ms = 1e3 * statistics.median(times)
+    return {"graphed_ms_per_step": ms, "graphed_ms_per_step_pipelined": 1e3 * piped,
+            "graphed_tokens_per_s": batch / piped, "graphed_setup_ms": 1e3 * setup, "graphed_steps": steps,
+            "graphed_pieces": dg.n_graphs}
 
 
 def _err(e: BaseException, limit: int = 300) -> str:
@@ -359,6 +407,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--graph", type=positive_int, default=None, metavar="REPLAYS",
                     help="also time the step's GPU work: capture one decode step in a CUDA graph and replay it "
                          "REPLAYS times (the same step at the same context; CUDA only)")
+    ap.add_argument("--graphed", type=positive_int, default=None, metavar="STEPS",
+                    help="also time STEPS decode steps of each kvq cache through kvq.integrations.graphs (the "
+                         "model's step replayed from CUDA graphs, kvq's work eager between them; CUDA only)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     return ap
 
@@ -458,6 +509,8 @@ def validate(args, prog: str = "kvq bench e2e") -> None:
                                f"its measured rows)", prog)
     if args.graph is not None and device == "cpu":
         raise CommandError("--graph: times a CUDA-graph replay of the step; needs --device cuda", prog)
+    if getattr(args, "graphed", None) is not None and device == "cpu":
+        raise CommandError("--graphed: replays the step from CUDA graphs; needs --device cuda", prog)
     weights, mem = model_bytes(args.tiny, device), _device_memory(device)
     if mem is not None and 2 * weights > mem:
         raise CommandError(f"--device {device}: the{' tiny' if args.tiny else ''} model's weights take "

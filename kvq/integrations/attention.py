@@ -69,6 +69,10 @@ def kvq_attention_forward(module, query, key, value, attention_mask, dropout: fl
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     cache, layer, prior = tag
+    capture = getattr(cache, "_capture", None)
+    if capture is not None:                      # kvq.integrations.graphs records a step: this layer runs eagerly
+        return capture.capture_attention(module, layer, query, key, value,
+                                         dict(kwargs, dropout=dropout, scaling=scaling))
     T_q = query.shape[2]
     if prior == 0:
         if layer == 0 and attention_mask is not None and _has_padding(attention_mask, T_q):

@@ -31,8 +31,9 @@ Limits: the batch size is fixed at the first accepted update; prompts of differe
 (left padding) are refused at the first prefill; beam search (``reorder_cache``), cache cropping (assisted
 decoding) and batch re-indexing raise NotImplementedError (a compressed state cannot be re-indexed without
 re-quantizing); sliding-window layers are refused unless their window covers the cache's capacity;
-``torch.compile`` of the forward and CUDA-graph capture of a step are not supported yet
-(``is_compileable = False``).
+``torch.compile`` of the forward is not supported (``is_compileable = False``: kvq's launches are planned
+on the host from the cache's lengths); ``kvq.integrations.graphs`` replays a decode step from CUDA graphs
+instead, with each layer's kvq work run eagerly between the graphs (``graphs.generate``).
 """
 
 from __future__ import annotations
@@ -345,6 +346,7 @@ class KVQCache(Cache):
         self._layer_devices = M._layer_devices(device, self.n_layers)      # None: the first key states' device
         family.check_devices(method, self._layer_devices)
         self._store: M.KVStore | None = None
+        self._capture = None                         # the DecodeGraphs recording a step (kvq.integrations.graphs)
         self.attention = attention
         self._model_config = config
         self._warned = False
@@ -418,6 +420,8 @@ class KVQCache(Cache):
         created is dropped again (the batch size is not fixed by a rejected first update)."""
         self._check_states(key_states, value_states)
         self._check_device(layer_idx, key_states)
+        if self._capture is not None:               # kvq.integrations.graphs records a step: nothing is written
+            return self._capture.capture_update(layer_idx, key_states, value_states)
         fused = self.fused
         created = self._store is None
         store = self._ensure_store(key_states)
