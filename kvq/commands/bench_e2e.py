@@ -179,11 +179,12 @@ def run_one(model, name: str, batch: int, context: int, args) -> dict:
     cache = None
     try:
         # room for every step: warm-up, timed, --graph's warm-up and captured step, and its replays (a
-        # StaticCache counts its length on the device, so each replay writes the next position)
+        # StaticCache counts its length on the device, so each replay writes the next position), --graphed's
+        # first step and its two rounds of steps
         graph = getattr(args, "graph", None) or 0
         graphed = getattr(args, "graphed", None) or 0
         cache = make(name, model, batch, context, args.warmup + args.steps + 1 + (graph + 2 if graph else 0)
-                     + (graphed + 2 if graphed else 0))
+                     + (2 * graphed + 2 if graphed else 0))
         fill(cache, model, batch, context, args.chunk)
         if ":" in name:                                      # kvq: the attention a kvq cache user runs
             from kvq.integrations.attention import use_kvq_attention
@@ -285,7 +286,8 @@ def graphed_time(model, cache, batch: int, steps: int) -> dict:
 
     from kvq.integrations.graphs import DecodeGraphs
     dev = model.device
-    tok = torch.randint(0, model.config.vocab_size, (batch,), device=dev)
+    # the tokens from a CPU generator: an earlier failed capture (--graph) may leave the CUDA generator unusable
+    tok = torch.randint(0, model.config.vocab_size, (batch,), generator=torch.Generator().manual_seed(1)).to(dev)
     try:
         dg = DecodeGraphs(model, cache)
         torch.cuda.synchronize()
