@@ -7,7 +7,9 @@ Input: ``benchmarks/results/<card>/*.json``, the latest run of each benchmark on
 named without a dash: ``h100``, ``h200``, ``cpu``; the commit-named folders beside them are older runs that
 the book and notes cite, and are not read here). A file ``<name>.json`` or ``<name>_<part>.json`` (one run
 written in parts) belongs to the benchmark ``<name>`` of :data:`BENCHMARKS`; a JSON of no known benchmark
-is an error, so that nothing committed goes unshown.
+is an error, so that nothing committed goes unshown. The long-context model's run
+(``benchmarks/train_long_lm.py``) is the card file ``benchmarks/results/<card>/long_lm.json``, rendered by
+``kvq.evaluation.long_lm_report`` (protocol, perplexity by position bucket, retrieval by depth and context).
 
 Output: docs/results.md, one section per card and one table per benchmark, each under the card, commit,
 date and protocol of its JSON; and, between the markers ``<!-- results:methods -->`` and
@@ -31,6 +33,8 @@ for _p in (str(HERE), str(ROOT)):                   # the benchmark helpers; kvq
 
 import e2e_table  # noqa: E402
 import summarize as S  # noqa: E402
+
+from kvq import evaluation as E  # noqa: E402  (the long-context model's tables)
 
 RESULTS = HERE / "results"
 PAGE = ROOT / "docs" / "results.md"
@@ -110,6 +114,10 @@ BENCHMARKS = [
      "1, 2, 4, ... until the batch no longer fits the budget", S.throughput_table),
     ("attention", "MiniLM: attention-level errors", "`kvq eval attention` on the pretrained MiniLM's real "
      "activations", S.attention_table),
+    ("long_lm", "Long-context LM: perplexity by position and retrieval", "`train_long_lm.py`: a byte-level "
+     "Llama (RoPE, GQA, head dim 128) trained from scratch with planted key-value retrieval, then FP16 and every "
+     "method at its paper's configuration and at equal memory; its protocol, then the tables "
+     "(`kvq.evaluation.long_lm_report`)", lambda d: E.long_lm_report(d)),
 ]
 _BY_NAME = {b[0]: b for b in BENCHMARKS}
 

@@ -5,7 +5,7 @@ The evaluation model of issue 40: a byte-level Llama-style causal LM (RoPE, GQA 
 run on the same local text as ``train_tiny_lm.py`` (``kvq.integrations.text.byte_tokens("train")``, the
 Python standard library's files; held out: ``byte_tokens("eval")``, files never seen in training), with a
 synthetic retrieval skill mixed in. Then the same run measures, for FP16 and each kvq method at its paper
-configuration and at equal memory (``kvq.evaluation.equal_memory_config``, budgets ``--budgets``):
+configuration and at equal memory (``kvq.budgets.equal_memory_config``, budgets ``--budgets``):
 
 * held-out perplexity by position bucket ([0, 256), [256, 512), ... up to the context), every window fed
   through the method's cache in chunks of ``--chunk`` tokens (``kvq.integrations.transformers.make_cache``,
@@ -31,7 +31,11 @@ first ``--short-frac`` of the training budget uses windows of ``--short-context`
 Output: ``--out``/``long_lm.json`` (and ``--json``): the model config, data source and split, training
 curve, then ``ppl_by_position`` and ``retrieval`` per row (method, configuration label, overrides, bits
 per element in the state and paper accountings), the protocol, device, versions and commit; the model is
-saved to ``--out`` (``save_pretrained``) unless ``--no-save``. Progress lines go to stdout.
+saved to ``--out`` (``save_pretrained``) unless ``--no-save``. The JSON is rewritten after every row
+with ``"complete": false`` and a last time with ``"complete": true``, so a run stopped by a time limit
+keeps the rows it finished. With ``--load DIR``, the training record of ``DIR/long_lm.json`` (the run
+that trained and saved the model there) is carried into ``training``, with ``loaded_from``. Progress
+lines go to stdout.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import train_tiny_lm as base  # noqa: E402  (git_commit, device_name, lr_at, the optimizer recipe)
-from kvq import evaluation as E  # noqa: E402
+from kvq import budgets as B  # noqa: E402
 from kvq.integrations.models import tiny_llama_config  # noqa: E402
 from kvq.integrations.text import BYTE_VOCAB, byte_tokens, describe  # noqa: E402
 
@@ -72,7 +76,7 @@ PROTOCOL = (
     "and is fed in chunks (kvq.evaluation.PPL_PROTOCOL); the NLL of each position's next byte is averaged "
     "per position bucket. Retrieval: one pair planted at a depth of an eval-split window (plus distractor "
     "pairs at random depths), queried at its end; exact match of the value under teacher forcing. Budget: "
-    "each method at its paper configuration and at equal memory (kvq.evaluation.EQUAL_MEMORY_RULE); "
+    "each method at its paper configuration and at equal memory (kvq.budgets.EQUAL_MEMORY_RULE); "
     "accounting: bits per element of the configuration at the evaluated context, state accounting "
     "(kvq.integrations.methods.bits_per_element) and the papers'.")
 
@@ -114,7 +118,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     e = p.add_argument_group("evaluation")
     e.add_argument("--methods", nargs="+", default=None, help=f"kvq methods (default: {' '.join(DEFAULT_METHODS)}; "
                    "tiny: FP16 KIVI-K2V2)")
-    e.add_argument("--budgets", type=float, nargs="*", default=list(E.DEFAULT_BUDGETS),
+    e.add_argument("--budgets", type=float, nargs="*", default=list(B.DEFAULT_BUDGETS),
                    help="bits-per-element budgets of the equal-memory rows (default 2.5 4.5; none: paper rows only)")
     e.add_argument("--no-paper-configs", action="store_true", help="omit the papers' configurations")
     e.add_argument("--eval-contexts", type=int, nargs="+", default=None,
@@ -316,8 +320,10 @@ def train(args, device) -> tuple:
             print(f"step {step:6d}  ctx {L:6d}  loss {lv:.4f}  answer loss {av:.4f}  lr {lr:.2e}  "
                   f"{time.monotonic() - t0:6.1f} s", flush=True)
     model.eval()
+    recipe = {k: getattr(args, k) for k in ("minutes", "steps", "context", "short_context", "short_frac",
+                                             "batch_tokens", "lr", "pairs", "retrieval_frac", "answer_weight", "seed")}
     return model, config, {"steps": step, "tokens_seen": seen, "stop_reason": reason, "n_params": n_params,
-                           "train_wall_s": round(time.monotonic() - t0, 3), "curve": curve}
+                           "train_wall_s": round(time.monotonic() - t0, 3), "recipe": recipe, "curve": curve}
 
 
 # ----------------------------------------------------------------------------------------------- evaluation
@@ -333,12 +339,12 @@ def rows_to_evaluate(args, geo: dict, context: int) -> list[dict]:
             continue
         if not args.no_paper_configs:
             try:
-                rows.append(E.paper_config(m, **dims))
+                rows.append(B.paper_config(m, **dims))
             except ValueError as e:
                 rows.append({"method": m, "label": f"{m} (paper)", "budget": None, "feasible": False,
                              "reason": str(e)})
         for b in args.budgets:
-            rows.append(E.equal_memory_config(m, b, **dims))
+            rows.append(B.equal_memory_config(m, b, **dims))
     return rows
 
 
@@ -349,8 +355,8 @@ def row_at(row: dict, context: int, geo: dict) -> dict:
     if row["method"] == "FP16":
         return row
     if row.get("budget") is None:
-        return E.paper_config(row["method"], **dims)
-    return E.equal_memory_config(row["method"], row["budget"], **dims)
+        return B.paper_config(row["method"], **dims)
+    return B.equal_memory_config(row["method"], row["budget"], **dims)
 
 
 @torch.no_grad()
@@ -389,8 +395,10 @@ def position_buckets(context: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-def evaluate(model, args, device, calibrations: dict) -> dict:
-    """Perplexity by position bucket and retrieval accuracy by depth and context, for every row."""
+def evaluate(model, args, device, calibrations: dict, on_row=None) -> dict:
+    """Perplexity by position bucket and retrieval accuracy by depth and context, for every row.
+    ``on_row(results so far)`` is called after each row (main writes a partial long_lm.json with it, so
+    that a run stopped by a time limit keeps the rows it finished)."""
     from kvq.integrations.models import attention_geometry
     geo = attention_geometry(model)
     eval_stream = byte_tokens("eval")
@@ -402,7 +410,16 @@ def evaluate(model, args, device, calibrations: dict) -> dict:
     cases = {(n, d): [retrieval_case(eval_stream, rng, n, d, args.distractors) for _ in range(args.trials)]
              for n in args.eval_contexts for d in args.depths}
     ppl_rows, ret_rows = [], []
+
+    def results():
+        return {"ppl_by_position": {"context": L, "windows": n_win, "chunk": args.chunk,
+                                    "buckets": [list(b) for b in buckets], "rows": ppl_rows},
+                "retrieval": {"contexts": args.eval_contexts, "depths": args.depths, "trials": args.trials,
+                              "distractors": args.distractors, "rows": ret_rows}}
+
     for row in rows_to_evaluate(args, geo, L):
+        if on_row is not None and (ppl_rows or ret_rows):
+            on_row(results())
         info = {k: row.get(k) for k in ("method", "label", "budget", "overrides", "bits_per_element",
                                         "bits_per_element_paper")}
         if not row.get("feasible", True):
@@ -445,10 +462,7 @@ def evaluate(model, args, device, calibrations: dict) -> dict:
             for rows in (ppl_rows, ret_rows):
                 if not rows or rows[-1].get("label") != row["label"]:
                     rows.append({**info, "error": msg})
-    return {"ppl_by_position": {"context": L, "windows": n_win, "chunk": args.chunk,
-                                "buckets": [list(b) for b in buckets], "rows": ppl_rows},
-            "retrieval": {"contexts": args.eval_contexts, "depths": args.depths, "trials": args.trials,
-                          "distractors": args.distractors, "rows": ret_rows}}
+    return results()
 
 
 def calibrate(model, args, device) -> tuple[dict, dict]:
@@ -490,6 +504,11 @@ def main(argv=None) -> dict:
         from kvq.integrations.models import load_model
         model, _ = load_model(args.load, device=str(device), dtype="float32")
         config, training = model.config, {"loaded_from": str(Path(args.load).resolve())}
+        earlier = Path(args.load) / "long_lm.json"          # the training run's own record, when it is there
+        if earlier.is_file():
+            prev = json.loads(earlier.read_text())
+            training = {**(prev.get("training") or {}), **training, "trained_by": {
+                k: prev.get(k) for k in ("argv", "commit", "date_utc", "device_name")}}
     else:
         model, config, training = train(args, device)
         if not args.no_save:
@@ -497,29 +516,41 @@ def main(argv=None) -> dict:
     model.float().eval()
     calibrations, cal_src = calibrate(model, args, device)
     print(f"evaluating {len(args.methods)} method(s) at context {args.context}", flush=True)
-    results = evaluate(model, args, device, calibrations)
-    summary = {
+
+    static = _summary(args, argv, config, training, cal_src, device)
+
+    def record(results: dict, complete: bool) -> dict:
+        """Write long_lm.json (and --json): ``complete`` False while rows are still to come."""
+        summary = {**static, **results, "complete": complete,
+                   "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                   "wall_s": round(time.monotonic() - t0, 3)}
+        text = json.dumps(summary, indent=1, default=str)
+        (out / "long_lm.json").write_text(text)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(text)
+        return summary
+
+    summary = record(evaluate(model, args, device, calibrations, on_row=lambda r: record(r, False)), True)
+    print(f"wrote {out / 'long_lm.json'} ({summary['wall_s']:.1f} s)", flush=True)
+    return summary
+
+
+def _summary(args, argv, config, training, cal_src, device) -> dict:
+    """long_lm.json's fields other than the results: run, model, data, training, calibrations, device."""
+    return {
         "script": "benchmarks/train_long_lm.py", "argv": list(sys.argv[1:] if argv is None else argv),
         "args": vars(args), "config": config.to_dict(), "protocol": PROTOCOL,
-        "equal_memory_rule": E.EQUAL_MEMORY_RULE, "accounting": E.EQUAL_MEMORY_ACCOUNTING,
+        "equal_memory_rule": B.EQUAL_MEMORY_RULE, "accounting": B.EQUAL_MEMORY_ACCOUNTING,
         "data": {"train": describe(english=False), "train_split": "train", "eval_split": "eval",
                  "vocab_size": BYTE_VOCAB,
                  "retrieval_format": {"plant": plant_bytes("<key>", "<value>").decode(),
                                       "query": query_bytes("<key>").decode() + "<value>\\n",
                                       "key_letters": KEY_LETTERS, "value_digits": VALUE_DIGITS}},
-        "training": training, "calibrations": cal_src, **results,
+        "training": training, "calibrations": cal_src,
         "device": str(device), "device_name": base.device_name(device), "torch_version": torch.__version__,
         "transformers_version": __import__("transformers").__version__, "commit": base.git_commit(),
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    summary["wall_s"] = round(time.monotonic() - t0, 3)
-    text = json.dumps(summary, indent=1, default=str)
-    (out / "long_lm.json").write_text(text)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text)
-    print(f"wrote {out / 'long_lm.json'} ({summary['wall_s']:.1f} s)", flush=True)
-    return summary
 
 
 if __name__ == "__main__":

@@ -9,24 +9,27 @@ Both take method names of ``kvq.integrations.methods.METHODS`` and write the pro
 into their result (``result["protocol"]``), so a number is never separated from how it was obtained.
 ``kvq eval ppl`` and ``kvq eval attention`` (``kvq.commands.eval``) are the command-line front ends.
 
-Methods at equal memory, and the amortized cost of a periodic flush (issue 40):
+Methods at equal memory and the amortized cost of a periodic flush (issue 40) live in ``kvq.budgets``
+(their bits per element come from ``kvq.integrations.methods.bits_per_element``, i.e.
+``kvq.reference.memory``'s accountings); this module re-exports their public names, so that
+``E.equal_memory_config``, ``E.paper_config``, ``E.perplexity_at_budgets``,
+``E.attention_errors_at_budgets``, ``E.amortized_overhead``, ``E.DEFAULT_BUDGETS``,
+``E.EQUAL_MEMORY_RULE``, ``E.EQUAL_MEMORY_ACCOUNTING`` and ``E.SEARCH_SPACE`` keep working:
 
     row = E.equal_memory_config("KIVI-K2V2", 2.5, context=16384, head_dim=128, kv_heads=2, n_layers=6)
     row["overrides"], row["bits_per_element"]        # the configuration closest to 2.5 b/e, and its bits
-    E.amortized_overhead(quantize_ms=0.02, rank_ms=0.005, layers=32, period=128, step_ms=20.0)["percent"]
-
-``paper_config`` gives a paper's own configuration as a labelled row; ``attention_errors_at_budgets`` and
-``perplexity_at_budgets`` run the evaluations at each budget.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 
 import numpy as np
 
+from kvq.budgets import (DEFAULT_BUDGETS, EQUAL_MEMORY_ACCOUNTING, EQUAL_MEMORY_RULE,  # noqa: F401 (re-exported)
+                         SEARCH_SPACE, _search_values, amortized_overhead, attention_errors_at_budgets,
+                         equal_memory_config, paper_config, perplexity_at_budgets)
 from kvq.reference import metrics
 
 #: the one comparison of issue 7, in the order of its table
@@ -245,264 +248,166 @@ def attention_errors(layers, methods, *, calibrations: dict | None = None, causa
 
 
 # ---------------------------------------------------------------------------------------------------
-# equal-memory configurations
+# the long-context model's results (benchmarks/train_long_lm.py's long_lm.json)
+
+_NONE = "—"
 
 
-#: the accounting of every equal-memory comparison: ``kvq.integrations.methods.bits_per_element`` with
-#: ``accounting="state"``, i.e. the tokens where the cache holds them at the evaluated context: FP16 sink,
-#: recent window, Q-buffers and residual blocks at 16 bits, quantized tokens at payload + metadata
-#: (scale and minimum per group) + index bits. It is ``kvq.reference.memory``'s "full" accounting for this
-#: exact configuration and context, without the rounding of the last page up to a whole page.
-EQUAL_MEMORY_ACCOUNTING = "state"
-
-#: the budgets of ``kvq eval attention --budget`` (bits per element). A strict 2.0 or 4.0 is infeasible for
-#: every method: 2-bit codes with an fp16 scale and minimum per group of 128 already cost 2.25 (KIVI's
-#: 2 + 32 / 128). The classes are "2-bit" (at most 2.5 bits per element) and "4-bit" (at most 4.5).
-DEFAULT_BUDGETS = (2.5, 4.5)
-
-_SINKS = (0, 4, 8, 16, 32, 64)
-_WINDOWS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
-_GROUPS = (32, 64, 128)
-
-#: what :func:`equal_memory_config` may change, per method family (each method keeps its quantizer:
-#: payload bits, boost rate, key mode). ``"sink"`` ranges over ``_SINKS`` from 4 up to the paper's own
-#: sink (a method whose paper keeps no sink keeps none, one that keeps a sink keeps at least 4 tokens);
-#: windows (KIVI / Kitty ``residual``, OSCAR ``window``, AQUA-KV ``buffer``) range from 16 tokens to the
-#: first size that holds the whole context; groups: KIVI / Kitty key groups (tokens per page), KIVI value
-#: groups (channels; None = the whole head), OSCAR channel groups, BitDecoding key and value groups.
-SEARCH_SPACE = {
-    "kivi": {"sink": _SINKS, "residual": _WINDOWS, "group_size": _GROUPS, "v_group_size": (32, 64, None)},
-    "kitty": {"sink": _SINKS, "residual": _WINDOWS, "group_size": _GROUPS},
-    "oscar": {"sink": _SINKS, "window": _WINDOWS, "group_size": _GROUPS},
-    "bitdecoding": {"k_group": _GROUPS, "v_group": _GROUPS},
-    "aqua": {"sink": _SINKS, "buffer": _WINDOWS},
-    "fp16": {},
-}
-
-EQUAL_MEMORY_RULE = (
-    "Equal memory: for each method and budget B (bits per element), every configuration of the method's "
-    "search space (kvq.evaluation.SEARCH_SPACE: FP16 sink tokens from 4 to the paper's own, none if it "
-    "keeps none; recent / residual window 16 .. context tokens; group sizes 32 / 64 / 128; the quantizer "
-    "itself, its bits and boost rate, kept) is accounted at the evaluated context, head dim, KV heads and layers by "
-    "kvq.integrations.methods.bits_per_element(accounting='state') (sinks, windows, Q-buffers, residual "
-    "blocks, metadata and index bits counted); the configuration with the most bits per element not above "
-    "B is chosen, ties broken by the smallest distance to the paper's configuration. A method none of whose "
-    "configurations fits B is reported as such, with the smallest bits it reaches. The paper's own "
-    "configuration is a separate, labelled row.")
+def _md_table(head: list, rows: list) -> str:
+    """A Markdown table: ``head`` (column names) and ``rows`` (lists of cell strings)."""
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
 
 
-def _search_values(fam: str, base, context: int) -> dict:
-    """Knob -> candidate values for one method at ``context`` (windows above the context are pointless:
-    they all hold every token)."""
-    space = {}
-    for knob, values in SEARCH_SPACE[fam].items():
-        paper = getattr(base, knob)
-        if knob == "sink":
-            vals = [s for s in values if 0 < s <= paper] or [paper]     # a sink method keeps a sink
-        elif knob in ("residual", "window", "buffer"):
-            vals = [w for w in values if w < context] + [min(w for w in values if w >= context)] \
-                if any(w >= context for w in values) else list(values)
-        else:
-            vals = list(values)
-        space[knob] = sorted(set(vals), key=lambda x: (x is None, x or 0))
-    return space
+def _num(x, spec: str) -> str:
+    return _NONE if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
 
 
-def _distance(cfg, base, knobs, head_dim: int) -> float:
-    """Sum over ``knobs`` of |log2((x + 1) / (paper + 1))| (None, a whole-head group, is head_dim)."""
-    d = 0.0
-    for n in knobs:
-        a, b = getattr(cfg, n), getattr(base, n)
-        a, b = (head_dim if a is None else a), (head_dim if b is None else b)
-        d += abs(math.log2((a + 1) / (b + 1)))
-    return d
+def _tokens(n: int) -> str:
+    """16384 -> "16K", 2048 -> "2K", 300 -> "300"."""
+    n = int(n)
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
-def _config_row(method, cfg, overrides, *, context, head_dim, kv_heads, n_layers, budget, label) -> dict:
-    from kvq.integrations.methods import bits_per_element
-    dims = dict(context=context, head_dim=head_dim, kv_heads=kv_heads, n_layers=n_layers)
-    return {"method": method, "label": label, "budget": budget, "feasible": True, "overrides": overrides,
-            "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "max_tokens"}
-            if dataclasses.is_dataclass(cfg) else {},
-            "bits_per_element": bits_per_element(method, cfg, accounting=EQUAL_MEMORY_ACCOUNTING, **dims),
-            "bits_per_element_paper": bits_per_element(method, cfg, accounting="paper", **dims)}
+def _count(n, word: str) -> str:
+    """"1 trial", "8 trials", "? trials" (n unknown)."""
+    return f"{n} {word}" if n == 1 else f"{'?' if n is None else n} {word}s"
 
 
-def _check_dims(context, head_dim, kv_heads, n_layers):
-    for n, v in (("context", context), ("head_dim", head_dim), ("kv_heads", kv_heads), ("n_layers", n_layers)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"{n} must be a positive int, got {v!r}")
+def _check_long_lm(doc) -> None:
+    if not isinstance(doc, dict) or not {"ppl_by_position", "retrieval"} <= set(doc):
+        raise ValueError("doc must be the dict of a long_lm.json (benchmarks/train_long_lm.py), with "
+                         f"'ppl_by_position' and 'retrieval'; got {type(doc).__name__}"
+                         + (f" with keys {sorted(doc)[:8]}" if isinstance(doc, dict) else ""))
 
 
-def paper_config(method: str, *, context: int, head_dim: int, kv_heads: int, n_layers: int,
-                 fixed: dict | None = None) -> dict:
-    """The paper's own configuration of ``method`` (``methods.configure`` with only ``fixed`` overrides,
-    e.g. a calibration's AQUA-KV config) as a labelled row like :func:`equal_memory_config`'s, with its bits
-    per element at ``context`` (``EQUAL_MEMORY_ACCOUNTING`` and the papers' accounting)."""
-    from kvq.integrations.methods import configure
-    _check_dims(context, head_dim, kv_heads, n_layers)
-    fixed = dict(fixed or {})
-    cfg = configure(method, head_dim=head_dim, max_tokens=context, kv_heads=kv_heads, **fixed)
-    return _config_row(method, cfg, fixed, context=context, head_dim=head_dim, kv_heads=kv_heads,
-                       n_layers=n_layers, budget=None, label=f"{method} (paper)")
+def _why_not(row: dict) -> str | None:
+    """'skipped: ...' / 'error: ...' of a row that has no measurement, else None."""
+    for k in ("skipped", "error"):
+        if row.get(k) is not None:
+            return f"{k}: {row[k]}"
+    return None
 
 
-def equal_memory_config(method: str, budget: float, *, context: int, head_dim: int, kv_heads: int,
-                        n_layers: int, fixed: dict | None = None) -> dict:
-    """The configuration of ``method`` whose bits per element at ``context`` are the closest to ``budget``
-    without exceeding it (``EQUAL_MEMORY_RULE``; search space ``SEARCH_SPACE``; accounting
-    ``EQUAL_MEMORY_ACCOUNTING``).
-
-    ``budget``: bits per element (> 0), e.g. 2.5 or 4.5 (``DEFAULT_BUDGETS``). ``context``: tokens per
-    sequence (the cache's length when it is measured); ``head_dim``, ``kv_heads``, ``n_layers``: the
-    model's. ``fixed``: config fields held as given and not searched (``--set`` values, a calibration's
-    AQUA-KV config). Returns ``{"method", "label", "budget", "feasible", "overrides" (what
-    ``configure`` / ``make_cache`` / ``KVStore`` take), "config", "bits_per_element" (state accounting),
-    "bits_per_element_paper", "candidates"}``; when nothing fits, ``feasible`` is False, ``overrides`` None
-    and ``min_bits_per_element`` says the least the method reaches.
-
-        row = equal_memory_config("KIVI-K2V2", 2.5, context=16384, head_dim=128, kv_heads=2, n_layers=6)
-        store = KVStore("KIVI-K2V2", ..., max_tokens=16384, **row["overrides"])
-    """
-    import itertools
-
-    from kvq.integrations.methods import bits_per_element, configure, get_method
-    _check_dims(context, head_dim, kv_heads, n_layers)
-    if isinstance(budget, bool) or not isinstance(budget, (int, float, np.integer, np.floating)) \
-            or not math.isfinite(budget) or budget <= 0:
-        raise ValueError(f"budget must be a positive number of bits per element, got {budget!r}")
-    budget = float(budget)
-    spec = get_method(method)
-    fixed = dict(fixed or {})
-    label = f"{method} @ <={budget:g} b/e"
-    try:
-        base = configure(method, head_dim=head_dim, max_tokens=context, kv_heads=kv_heads, **fixed)
-    except (ValueError, TypeError) as e:                 # the method cannot serve this model at all
-        return {"method": method, "label": label, "budget": budget, "feasible": False, "overrides": None,
-                "candidates": 0, "min_bits_per_element": None, "reason": str(e)}
-    space = {k: v for k, v in _search_values(spec.family, base, context).items() if k not in fixed}
-    dims = dict(context=context, head_dim=head_dim, kv_heads=kv_heads, n_layers=n_layers)
-    best, best_key, lowest, n = None, None, math.inf, 0
-    knobs = list(space)
-    for values in itertools.product(*(space[k] for k in knobs)):
-        ovr = {**fixed, **dict(zip(knobs, values))}
-        try:
-            cfg = configure(method, head_dim=head_dim, max_tokens=context, kv_heads=kv_heads, **ovr)
-        except (ValueError, TypeError):
-            continue                                     # a combination the method cannot take
-        n += 1
-        bits = bits_per_element(method, cfg, accounting=EQUAL_MEMORY_ACCOUNTING, **dims)
-        lowest = min(lowest, bits)
-        if bits > budget:
-            continue
-        key = (bits, -_distance(cfg, base, knobs, head_dim), repr(values))
-        if best_key is None or key > best_key:
-            best, best_key = (cfg, ovr), key
-    if best is None:
-        return {"method": method, "label": label, "budget": budget, "feasible": False, "overrides": None,
-                "candidates": n, "min_bits_per_element": lowest if n else None,
-                "reason": (f"no configuration of {method} fits {budget:g} bits per element at context "
-                           f"{context} (the least it reaches is {lowest:.3f})" if n else
-                           f"{method} has no valid configuration for head_dim={head_dim}")}
-    row = _config_row(method, best[0], best[1], budget=budget, label=label, **dims)
-    row["candidates"] = n
-    return row
-
-
-# ---------------------------------------------------------------------------------------------------
-# amortized costs
-
-
-def amortized_overhead(*, quantize_ms: float, step_ms: float, rank_ms: float = 0.0, layers: int = 1,
-                       period: int = 128) -> dict:
-    """The amortized overhead of a periodic flush (Kitty's slides: quantization and channel ranking once
-    every G = 128 decode steps, "0.17%" of a step) from measured times.
-
-    ``quantize_ms``: time of one layer's flush, quantizing the full key Q-buffer and the values leaving
-    the window into a page (milliseconds, for the batch of the step); ``rank_ms``: one layer's ranking
-    of the key channels to boost (ms, 0 when it is inside ``quantize_ms``); ``layers``: layers that
-    flush (each flushes once per period); ``period``: decode steps between flushes (the page size G);
-    ``step_ms``: one decode step of the whole model at the same batch and context, without a flush (ms).
-    Any one time unit may be used throughout; the ``_ms`` outputs are then in that unit.
-
-    Returns ``{"flush_ms" (all layers, one flush), "per_step_ms" (= flush_ms / period), "fraction"
-    (= per_step_ms / step_ms), "percent"}``; e.g. 32 layers x 0.02 ms every 128 steps of a 20 ms step:
-    0.005 ms a step, 0.025 %.
-    """
-    vals = {}
-    for n, v, lo_open in (("quantize_ms", quantize_ms, False), ("rank_ms", rank_ms, False),
-                          ("step_ms", step_ms, True)):
-        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v) \
-                or v < 0 or (lo_open and v == 0):
-            raise ValueError(f"{n} must be a finite time {'> 0' if lo_open else '>= 0'} (milliseconds), got {v!r}")
-        vals[n] = float(v)
-    for n, v in (("layers", layers), ("period", period)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"{n} must be a positive int, got {v!r}")
-    flush = int(layers) * (vals["quantize_ms"] + vals["rank_ms"])
-    per_step = flush / int(period)
-    frac = per_step / vals["step_ms"]
-    return {"flush_ms": flush, "per_step_ms": per_step, "fraction": frac, "percent": 100.0 * frac,
-            "layers": int(layers), "period": int(period), "step_ms": vals["step_ms"]}
-
-
-def attention_errors_at_budgets(layers, methods, budgets=DEFAULT_BUDGETS, *, calibrations: dict | None = None,
-                                causal: bool = False, backend: str = "reference", progress: bool = True,
-                                overrides: dict | None = None) -> list[dict]:
-    """:func:`attention_errors` of each method at equal memory: for every budget (bits per element),
-    the method's :func:`equal_memory_config` at the captured length, head dim, KV heads and layers
-    (``overrides[method]`` held fixed, e.g. a calibration's AQUA-KV config or ``--set`` values).
-
-    Returns ``[{"budget", "rows": [...]}]``, one entry per budget in order; each row is an
-    :func:`attention_errors` row plus ``budget``, ``label``, ``overrides`` (the chosen configuration) and
-    ``bits_per_element_state`` equal to the chosen configuration's bits; a method none of whose
-    configurations fits is a row with ``skipped`` (why, and the least it reaches). FP16 has no budget
-    row (it is the reference, at 16 bits).
-    """
-    if not layers:
-        raise ValueError("layers is empty: capture some activations first")
-    overrides = dict(overrides or {})
-    B, H_kv, T, D = np.shape(layers[0]["k"])
-    dims = dict(context=int(T), head_dim=int(D), kv_heads=int(H_kv), n_layers=len(layers))
-    return _at_budgets(methods, budgets, overrides, dims, lambda fit, over: attention_errors(
-        layers, fit, calibrations=calibrations, causal=causal, backend=backend, progress=progress, overrides=over))
-
-
-def _at_budgets(methods, budgets, overrides: dict, dims: dict, run) -> list[dict]:
-    """For every budget: each method's :func:`equal_memory_config` at ``dims`` (``overrides[method]`` held
-    fixed), ``run(fitting methods, {method: chosen overrides})`` -> ``{"rows": [...]}`` over those that fit,
-    and one row per method (the run's, or ``skipped`` with the reason) with ``budget``, ``label`` and
-    ``overrides`` added; FP16 has no budget row."""
-    out = []
-    for b in budgets:
-        chosen = {m: equal_memory_config(m, b, fixed=overrides.get(m), **dims) for m in methods if m != "FP16"}
-        fit = [m for m, c in chosen.items() if c["feasible"]]
-        res = run(fit, {m: chosen[m]["overrides"] for m in fit}) if fit else {"rows": []}
-        by_name = {r["method"]: r for r in res["rows"]}
-        rows = []
-        for m, c in chosen.items():
-            r = dict(by_name.get(m) or {"method": m, "skipped": c.get("reason", "")})
-            r.update(budget=float(b), label=c["label"], overrides=c["overrides"])
-            rows.append(r)
-        out.append({"budget": float(b), "rows": rows})
+def long_lm_protocol(doc: dict) -> str:
+    """The protocol of a ``long_lm.json`` in a few sentences, from the JSON itself: model (shape,
+    parameters, context, training), data (source, split, tokens), what each table measures, the budgets
+    and the accounting."""
+    _check_long_lm(doc)
+    cfg, tr = doc.get("config") or {}, doc.get("training") or {}
+    data, args = doc.get("data") or {}, doc.get("args") or {}
+    pp, rt = doc["ppl_by_position"], doc["retrieval"]
+    src = data.get("train") or {}
+    rope = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta")
+    files, toks = src.get("files") or {}, src.get("tokens") or {}
+    model = (f"Model: byte-level Llama, {cfg.get('num_hidden_layers', '?')} layers, hidden "
+             f"{cfg.get('hidden_size', '?')}, {cfg.get('num_attention_heads', '?')} query / "
+             f"{cfg.get('num_key_value_heads', '?')} KV heads of {cfg.get('head_dim', '?')} (GQA, RoPE base "
+             f"{_num(rope, 'g')}), {_num(cfg.get('max_position_embeddings'), 'd')} positions")
+    if tr.get("n_params"):
+        model += f", {tr['n_params'] / 1e6:.1f} M parameters"
+    if tr.get("steps") is not None:
+        model += (f"; trained from scratch by `{doc.get('script', 'benchmarks/train_long_lm.py')}` for "
+                  f"{tr['steps']} steps ({_num(tr.get('tokens_seen'), ',d')} tokens, "
+                  f"{_num(tr.get('train_wall_s'), '.0f')} s, stop: {tr.get('stop_reason', '?')}), with planted "
+                  f"key-value retrieval in "
+                  f"{_num((tr.get('recipe') or args).get('retrieval_frac'), '.0%')} of the windows")
+    if tr.get("loaded_from"):
+        model += "; evaluated in a later run from the saved weights" + (
+            "" if tr.get("steps") is not None else f" ({tr['loaded_from']}; no training record found)")
+    text = (f"Data: {src.get('source', 'Python standard library files')}; split by file "
+            f"({src.get('split_rule', 'a fixed rule')}): trained on the '{data.get('train_split', 'train')}' split "
+            f"({files.get('train', '?')} files, {_num(toks.get('train'), ',d')} tokens), evaluated on the "
+            f"'{data.get('eval_split', 'eval')}' split ({files.get('eval', '?')} files, "
+            f"{_num(toks.get('eval'), ',d')} tokens) never trained on")
+    ppl = (f"Perplexity by position: {_count(pp.get('windows'), 'held-out window')} of "
+           f"{pp.get('context', '?')} tokens, "
+           f"each from an empty cache, fed in chunks of {pp.get('chunk', '?')} tokens; the next-byte NLL averaged "
+           f"per position bucket")
+    ret = (f"Retrieval: one key-value pair planted at each depth of a held-out window (plus "
+           f"{_count(rt.get('distractors'), 'distractor pair')}), queried at its end; "
+           f"{_count(rt.get('trials'), 'trial')} per "
+           f"(context, depth); a trial is correct when every value byte is the model's argmax (teacher forcing)")
+    budgets = ", ".join(f"{b:g}" for b in args.get("budgets") or []) or "none"
+    acc = (f"Budgets: each method at its paper's configuration and at equal memory, at most {budgets} bits per "
+           f"element (the configuration is chosen again at each context length); accounting: "
+           f"'{doc.get('accounting', EQUAL_MEMORY_ACCOUNTING)}' bits per element "
+           f"(kvq.integrations.methods.bits_per_element: FP16 sinks, windows, buffers, metadata and index bits "
+           f"counted), the papers' accounting beside it")
+    out = ". ".join((model, text, ppl, ret, acc)) + "."
+    if doc.get("complete") is False:
+        out += (" This run stopped before every row was evaluated (a partial long_lm.json): the tables hold "
+                "the rows it finished.")
     return out
 
 
-def perplexity_at_budgets(model, windows, methods, budgets=DEFAULT_BUDGETS, *, calibrations: dict | None = None,
-                          overrides: dict | None = None, **kwargs) -> list[dict]:
-    """:func:`perplexity` of each method at equal memory: for every budget, the method's
-    :func:`equal_memory_config` at the windows' length and the model's head dim, KV heads and layers
-    (``overrides[method]`` held fixed). ``kwargs``: :func:`perplexity`'s (chunk, batch_size, backend,
-    progress). Returns ``[{"budget", "rows": [...]}]`` like :func:`attention_errors_at_budgets`: each row a
-    :func:`perplexity` row plus ``budget``, ``label`` and ``overrides``, or ``skipped`` with the reason; no
-    FP16 or "no cache" rows (they are the reference)."""
-    from kvq.integrations.transformers import model_dims
-    windows = np.asarray(windows)
-    if windows.ndim != 2 or windows.shape[1] < 2:
-        raise ValueError(f"windows must be (N, S) token ids with S >= 2, got shape {windows.shape}")
-    overrides = dict(overrides or {})
-    geo = model_dims(model)
-    dims = dict(context=int(windows.shape[1]), head_dim=int(geo["head_dim"]), kv_heads=int(geo["kv_heads"]),
-                n_layers=int(geo["n_layers"]))
-    return _at_budgets(methods, budgets, overrides, dims, lambda fit, over: perplexity(
-        model, windows, fit, calibrations=calibrations, no_cache_row=False, overrides=over, **kwargs))
+def long_lm_ppl_table(doc: dict) -> str:
+    """Markdown: one row per evaluated row of ``doc`` (FP16, each method's paper configuration and its
+    equal-memory configurations), its bits per element (state / paper accounting), the perplexity over
+    the whole window and per position bucket. A row that was skipped or failed shows "—" and, under the
+    table, why."""
+    _check_long_lm(doc)
+    pp = doc["ppl_by_position"]
+    buckets = [tuple(b) for b in pp.get("buckets") or []]
+    head = ["row", "bits / element (state / paper)", "perplexity"] + [f"[{_tokens(a)}, {_tokens(b)})"
+                                                                     for a, b in buckets]
+    rows, notes = [], []
+    for r in pp.get("rows") or []:
+        bits = f"{_num(r.get('bits_per_element'), '.2f')} / {_num(r.get('bits_per_element_paper'), '.2f')}"
+        why = _why_not(r)
+        if why:
+            rows.append([r.get("label", r.get("method")), bits, _NONE] + [_NONE] * len(buckets))
+            notes.append(f"{r.get('label', r.get('method'))}: {why}")
+            continue
+        got = {(c["start"], c["end"]): c.get("ppl") for c in r.get("buckets") or []}
+        rows.append([r.get("label", r.get("method")), bits, _num(r.get("ppl"), ".4f")]
+                    + [_num(got.get(b), ".4f") for b in buckets])
+    out = _md_table(head, rows)
+    if notes:
+        out += "\n\n" + " ".join(f"{n}." if not n.endswith(".") else n for n in notes)
+    return out
+
+
+def long_lm_retrieval_tables(doc: dict) -> str:
+    """Markdown: one table per retrieval context length, one row per evaluated row of ``doc`` with its
+    bits per element at that context (state accounting; the equal-memory configuration is chosen again
+    per context), its accuracy at each needle depth and the mean over depths. Skipped or failed: "—",
+    with the reason under the tables."""
+    _check_long_lm(doc)
+    rt = doc["retrieval"]
+    contexts, depths = list(rt.get("contexts") or []), list(rt.get("depths") or [])
+    parts, notes = [], []
+    for n in contexts:
+        head = ["row", f"bits / element at {_tokens(n)}"] + [f"depth {d:g}" for d in depths] + ["mean"]
+        rows = []
+        for r in rt.get("rows") or []:
+            label = r.get("label", r.get("method"))
+            why = _why_not(r)
+            cells = [c for c in r.get("cells") or [] if c.get("context") == n]
+            if why or not cells or all("accuracy" not in c for c in cells):
+                rows.append([label, _NONE] + [_NONE] * (len(depths) + 1))
+                reason = why or next((f"skipped: {c['skipped']}" for c in cells if c.get("skipped")), None)
+                if reason and f"{label}: {reason}" not in notes:
+                    notes.append(f"{label}: {reason}")
+                continue
+            by_depth = {c["depth"]: c["accuracy"] for c in cells if "accuracy" in c}
+            bits = next((c.get("bits_per_element") for c in cells if "accuracy" in c), None)
+            accs = [by_depth.get(d) for d in depths]
+            done = [a for a in accs if a is not None]
+            rows.append([label, _num(bits, ".2f")] + [_num(a, ".2f") for a in accs]
+                        + [_num(float(np.mean(done)) if done else None, ".2f")])
+        parts.append(f"Context {n} tokens:\n\n" + _md_table(head, rows))
+    out = "\n\n".join(parts)
+    if notes:
+        out += "\n\n" + " ".join(f"{x}." if not x.endswith(".") else x for x in notes)
+    return out
+
+
+def long_lm_report(doc: dict) -> str:
+    """Markdown of a ``long_lm.json``: :func:`long_lm_protocol`, the perplexity-by-position table
+    (:func:`long_lm_ppl_table`) and the retrieval tables (:func:`long_lm_retrieval_tables`)."""
+    return (f"{long_lm_protocol(doc)}\n\nPerplexity by position bucket (held-out windows of "
+            f"{doc['ppl_by_position'].get('context', '?')} tokens):\n\n{long_lm_ppl_table(doc)}\n\n"
+            f"Retrieval accuracy by needle depth (fraction of the room before the query) and context "
+            f"length:\n\n{long_lm_retrieval_tables(doc)}")

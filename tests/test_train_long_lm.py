@@ -108,3 +108,36 @@ def test_position_buckets_and_options():
                 ["--budgets", "0"], ["--pairs", "0"]):
         with pytest.raises(SystemExit):
             S.parse_args(["--out", "/tmp/x", *bad])
+
+
+def test_load_carries_the_training_record_and_marks_the_json_complete(smoke, tmp_path):
+    """--load DIR evaluates the saved model and keeps DIR/long_lm.json's training record (steps, recipe)."""
+    out, summary, _, _ = smoke
+    again = S.main(["--load", str(out), "--out", str(tmp_path), "--tiny", "--device", "cpu", "--methods", "FP16"])
+    assert again["complete"] is True and summary["complete"] is True
+    tr = again["training"]
+    assert tr["loaded_from"] == str(out.resolve()) and tr["steps"] == summary["training"]["steps"] == 3
+    assert tr["recipe"]["context"] == 256 and tr["trained_by"]["argv"] == summary["argv"]
+    fp16 = again["ppl_by_position"]["rows"][0]
+    assert fp16["label"] == "FP16" and fp16["ppl"] == pytest.approx(summary["ppl_by_position"]["rows"][0]["ppl"])
+
+
+def test_a_stopped_run_keeps_the_rows_it_finished(smoke, tmp_path, monkeypatch):
+    """The JSON is rewritten after each row (complete: false): a run stopped during its second row leaves
+    the first row on disk."""
+    out = smoke[0]
+    real, calls = S.cached_nll, []
+
+    def stop_at_second_row(*a, **k):
+        calls.append(1)
+        if len(calls) > 1:
+            raise KeyboardInterrupt                      # a time limit, say: not caught per row
+        return real(*a, **k)
+
+    monkeypatch.setattr(S, "cached_nll", stop_at_second_row)
+    with pytest.raises(KeyboardInterrupt):
+        S.main(["--load", str(out), "--out", str(tmp_path), "--tiny", "--device", "cpu", "--budgets"])
+    doc = json.loads((tmp_path / "long_lm.json").read_text())
+    assert doc["complete"] is False
+    assert [r["label"] for r in doc["ppl_by_position"]["rows"]] == ["FP16"]
+    assert [r["label"] for r in doc["retrieval"]["rows"]] == ["FP16"]

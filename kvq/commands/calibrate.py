@@ -8,7 +8,12 @@ text: the Python standard library's bytes for the byte-level tiny LM, English pr
 
     kvq calibrate oscar --model runs/tiny-lm --out tiny.oscar.safetensors --tokens 16384
     kvq calibrate aqua --model Qwen/Qwen3-8B --out qwen3.aqua.safetensors --backbone higgs --device cuda
+    kvq calibrate oscar --model minilm --out minilm.oscar.safetensors --seq-len 256   # an encoder
     calibs = calibrate_oscar_model(model, batches)           # the same, from Python
+
+OSCAR's value target ``C_S = (SV)^T (SV) / N`` uses the attention the model computes, decided from the
+model (``kvq.integrations.models.is_causal``): causal for a decoder, bidirectional (no mask) for an
+encoder such as MiniLM / BERT; the file's config records it (``"causal"``).
 
 Arguments are checked before the model is loaded (:func:`validate`); a bad one ends in one line and
 exit status 2.
@@ -57,7 +62,7 @@ def model_shape(model, name=None) -> dict:
 
 def calibrate_oscar_model(model, token_batches, *, rotation: str = "oscar", target: str = "attention",
                           per_head: bool = False, clip=None, group_size: int = 128, bits: int = 2,
-                          seed: int = 0, progress: bool = True) -> list:
+                          seed: int = 0, causal: bool | None = None, progress: bool = True) -> list:
     """One ``OSCARCalibration`` per layer of ``model``, from its post-RoPE Q, K, V on ``token_batches``.
 
     ``token_batches``: an iterable of (B, T) integer id arrays / tensors. The target covariances
@@ -65,18 +70,29 @@ def calibrate_oscar_model(model, token_batches, *, rotation: str = "oscar", targ
     batch, weighted by tokens, so only one batch of activations is held at a time (equal to computing
     them on all batches at once, up to float64 summation order); then ``oscar.calibrate`` per layer.
     ``clip``: (c_K, c_V) (default the paper's 0.96, 0.92) or "fit" (keeps K and V of every batch).
+    ``causal``: the attention of the value target ``C_S = (SV)^T (SV) / N``: None (default) decides it from
+    the model (``kvq.integrations.models.is_causal``: a causal LM is masked, an encoder such as MiniLM /
+    BERT attends both ways, unmasked); True or False forces it (a model ``is_causal`` cannot tell needs it).
     """
     from kvq.integrations.capture import capture_qkv
+    from kvq.integrations.models import is_causal
     from kvq.reference import oscar
     from kvq.reference.rotations import target_covariances
 
+    if causal is None:
+        causal = is_causal(model)            # ValueError (asking for causal=) when the model does not say
+    elif not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be None (from the model), True (a decoder) or False (an encoder), got "
+                        f"{causal!r}")
+    causal = bool(causal)
     clip = (oscar.DEFAULT_CLIP_K, oscar.DEFAULT_CLIP_V) if clip is None else clip
     fit = isinstance(clip, str)
     sums, n_tok, last, kv = None, 0, None, None
     for ids in _bar(token_batches, progress, desc="capture q/k/v", unit="batch"):
         recs = capture_qkv(model, ids)
         N = recs[0]["k"].shape[0] * recs[0]["k"].shape[2]
-        covs = [target_covariances(r["q"], r["k"], r["v"], per_head=per_head, scale=r["scaling"]) for r in recs]
+        covs = [target_covariances(r["q"], r["k"], r["v"], per_head=per_head, scale=r["scaling"], causal=causal)
+                for r in recs]
         if sums is None:
             sums = [{n: C * N for n, C in c.items()} for c in covs]
             kv = [([], []) for _ in recs] if fit else None
@@ -234,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="method", required=True, metavar="{oscar,aqua}")
 
     def common(sp):
-        sp.add_argument("--model", required=True, help="Hugging Face hub id or local model directory")
+        sp.add_argument("--model", required=True, help="Hugging Face hub id or local model directory of a causal "
+                        "LM, or 'minilm' (the packaged MiniLM encoder, calibrated with bidirectional attention)")
         sp.add_argument("--out", required=True, help="the calibration file to write (.safetensors)")
         sp.add_argument("--tokens", type=positive_int, default=16384, help="calibration tokens (default 16384)")
         sp.add_argument("--seq-len", type=positive_int, default=512, help="tokens per sequence (default 512)")
@@ -313,11 +330,18 @@ def _run(args) -> dict:
     import torch
 
     from kvq import calibration
-    from kvq.integrations.models import load_model
+    from kvq.integrations.models import load_minilm, load_model
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.perf_counter()
-    model, tokenizer = load_model(args.model, device=device, dtype=args.dtype)
+    if args.model == "minilm":                  # the packaged MiniLM encoder, as `kvq eval attention` loads it
+        model, tokenizer = load_minilm(device=device)
+        if args.dtype is not None:
+            from kvq.integrations.models import _resolve_dtype
+            dt = _resolve_dtype(args.dtype)
+            model = model.to(dt) if dt is not None else model
+    else:
+        model, tokenizer = load_model(args.model, device=device, dtype=args.dtype)
     batches, data = calibration_batches(tokenizer, source=args.source, tokens=args.tokens, seq_len=args.seq_len,
                                         batch_size=args.batch_size)
     data.update(device=device, dtype=str(next(model.parameters()).dtype).replace("torch.", ""))
@@ -327,14 +351,17 @@ def _run(args) -> dict:
     progress = not args.quiet
     if args.method == "oscar":
         clip = "fit" if args.fit_clip else (args.clip_k, args.clip_v)
+        from kvq.integrations.models import is_causal
+
+        causal = is_causal(model)            # an encoder (MiniLM / BERT): the bidirectional target C_S
         config = {"rotation": args.rotation, "target": args.target, "per_head": args.per_head, "clip": clip,
-                  "group_size": args.group_size, "bits": 2, "seed": args.seed}
+                  "group_size": args.group_size, "bits": 2, "seed": args.seed, "causal": causal}
         calibs = calibrate_oscar_model(model, batches, rotation=args.rotation, target=args.target,
                                        per_head=args.per_head, clip=clip, group_size=args.group_size,
-                                       seed=args.seed, progress=progress)
+                                       seed=args.seed, causal=causal, progress=progress)
         meta = calibration.save_oscar(args.out, calibs, model_shape=shape, config=config, data=data)
         detail = {"clip_k": [c.clip_k for c in calibs], "clip_v": [c.clip_v for c in calibs],
-                  "rotation_shape": list(np.shape(calibs[0].R_K))}
+                  "rotation_shape": list(np.shape(calibs[0].R_K)), "causal": causal}
     else:
         cfg = _aqua_cfg(args, model)
         P, cfg = calibrate_aqua_model(model, batches, cfg=cfg, ridge=args.ridge, rank=args.rank,
@@ -356,8 +383,9 @@ def _print_summary(s: dict) -> None:
           f"head_dim {ms['head_dim']}, rope_theta {ms['rope_theta']}")
     print(f"  data: {d['tokens']} tokens ({d['sequences']} x {d['seq_len']}) from {d['source']} on {d['device']}")
     if s["kind"] == "oscar":
-        print(f"  rotations {tuple(s['rotation_shape'])} per layer; clip_k {min(s['clip_k'])}..{max(s['clip_k'])}, "
-              f"clip_v {min(s['clip_v'])}..{max(s['clip_v'])}")
+        attention = "causal" if s.get("causal", True) else "bidirectional"
+        print(f"  rotations {tuple(s['rotation_shape'])} per layer ({attention} attention target); clip_k "
+              f"{min(s['clip_k'])}..{max(s['clip_k'])}, clip_v {min(s['clip_v'])}..{max(s['clip_v'])}")
     else:
         print(f"  predictors: {s['n_params']:,} parameters; backbone {s['backbone']}, first layer "
               f"{s['first_layer']}, pre_rope {s['pre_rope']}")

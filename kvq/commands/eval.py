@@ -13,7 +13,7 @@ train split for byte-level models; the head of the English text, evaluation on i
 
 Equal memory: ``attention`` also evaluates every method at the configuration closest to each
 ``--budget`` (bits per element, default 2.5 and 4.5; ``--paper-only`` skips them) without exceeding it
-(``kvq.evaluation.equal_memory_config``); ``ppl`` does so when ``--budget`` is given. The attention
+(``kvq.budgets.equal_memory_config``); ``ppl`` does so when ``--budget`` is given. The attention
 metrics are causal or bidirectional as the model is (``kvq.integrations.models.is_causal``: MiniLM is an
 encoder, attended without a mask).
 
@@ -37,6 +37,7 @@ import time
 
 import numpy as np
 
+from kvq import budgets as B
 from kvq import evaluation as E
 from kvq.commands import emit
 
@@ -249,11 +250,11 @@ def run_ppl(args) -> dict:
     res = E.perplexity(model, windows, methods, chunk=args.chunk, batch_size=args.batch_size, backend=args.backend,
                        calibrations=cal, overrides=ovr, progress=not args.quiet)
     if args.budget:                              # opt-in here: each budget costs a full perplexity run
-        res["equal_memory"] = E.perplexity_at_budgets(model, windows, methods, args.budget, calibrations=cal,
+        res["equal_memory"] = B.perplexity_at_budgets(model, windows, methods, args.budget, calibrations=cal,
                                                       overrides=ovr, chunk=args.chunk, batch_size=args.batch_size,
                                                       backend=args.backend, progress=not args.quiet)
-        res["equal_memory_rule"] = E.EQUAL_MEMORY_RULE
-        res["accounting"] = E.EQUAL_MEMORY_ACCOUNTING
+        res["equal_memory_rule"] = B.EQUAL_MEMORY_RULE
+        res["accounting"] = B.EQUAL_MEMORY_ACCOUNTING
     res.update(text=text_desc, calibrations=src, geometry=geo, meta=_meta(args, model, device))
     return res
 
@@ -313,11 +314,11 @@ def run_attention(args) -> dict:
                              progress=not args.quiet, overrides=ovr)
     budgets = [] if args.paper_only else list(args.budget)
     if budgets:                                  # the same methods again, each at equal memory
-        res["equal_memory"] = E.attention_errors_at_budgets(layers, methods, budgets, calibrations=cal,
+        res["equal_memory"] = B.attention_errors_at_budgets(layers, methods, budgets, calibrations=cal,
                                                             causal=causal, backend=args.backend,
                                                             progress=not args.quiet, overrides=ovr)
-        res["equal_memory_rule"] = E.EQUAL_MEMORY_RULE
-        res["accounting"] = E.EQUAL_MEMORY_ACCOUNTING
+        res["equal_memory_rule"] = B.EQUAL_MEMORY_RULE
+        res["accounting"] = B.EQUAL_MEMORY_ACCOUNTING
     res.update(text={"source": "english", "eval_chars": [len(full) - len(tail[-16 * n_eval:]), len(full)],
                      "windows": int(windows.shape[0]), "seq_len": int(args.seq_len)},
                calibrations=src, geometry=geo, meta=_meta(args, model, device))
@@ -375,15 +376,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--source", default="auto", help="stdlib (eval split) | a text FILE (default stdlib)")
     sp.add_argument("--budget", type=positive_float, nargs="+", default=[], metavar="BITS",
                     help="also run each method at the configuration closest to each bits-per-element budget "
-                         "without exceeding it (kvq.evaluation.equal_memory_config), e.g. --budget 2.5 4.5 "
+                         "without exceeding it (kvq.budgets.equal_memory_config), e.g. --budget 2.5 4.5 "
                          "(default: none, the papers' configurations only)")
     sa = sub.add_parser("attention", help="attention-level errors per layer from real activations")
     common(sa, model_default="minilm")
     sa.add_argument("--seq-len", type=seq_len, default=512, help="tokens per window (default 512, MiniLM's most)")
-    sa.add_argument("--budget", type=positive_float, nargs="+", default=list(E.DEFAULT_BUDGETS), metavar="BITS",
+    sa.add_argument("--budget", type=positive_float, nargs="+", default=list(B.DEFAULT_BUDGETS), metavar="BITS",
                     help="bits-per-element budgets: each method is also evaluated at the configuration closest to "
-                         "each budget without exceeding it (kvq.evaluation.equal_memory_config; default "
-                         f"{' '.join(f'{b:g}' for b in E.DEFAULT_BUDGETS)}: the 2-bit and 4-bit classes)")
+                         "each budget without exceeding it (kvq.budgets.equal_memory_config; default "
+                         f"{' '.join(f'{b:g}' for b in B.DEFAULT_BUDGETS)}: the 2-bit and 4-bit classes)")
     sa.add_argument("--paper-only", action="store_true", help="only the papers' configurations, no budget rows")
     return p
 
@@ -525,7 +526,7 @@ def table_protocol(res: dict) -> dict:
     em = res.get("equal_memory") or []
     if em:
         budget += ("; and each method at equal memory, <= " + ", <= ".join(f"{e['budget']:g}" for e in em)
-                   + " bits per element (kvq.evaluation.equal_memory_config: the configuration with the most "
+                   + " bits per element (kvq.budgets.equal_memory_config: the configuration with the most "
                      "bits not above the budget)")
     if ppl:
         accounting = "bits/elem: " + _ACCOUNTING_NOTE["state"] + "; bits/elem (paper): " + _ACCOUNTING_NOTE["paper"]

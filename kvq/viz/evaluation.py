@@ -7,6 +7,17 @@
 One point per (method, configuration), one colour and marker per method, points of a method joined in
 order of bits (a curve per method once it is measured at several budgets); the budgets as dashed
 vertical lines, so that a reader sees which points were compared at equal memory.
+
+The long-context model (``benchmarks/train_long_lm.py``'s ``long_lm.json``), its rows passed as they are:
+
+    fig = plot_ppl_by_position(doc["ppl_by_position"]["rows"])          # a line per row
+    fig = plot_retrieval_by_depth(doc["retrieval"]["rows"])             # a panel per context length
+
+A row is one evaluated configuration: ``"label"`` (e.g. "FP16", "KIVI-K2V2 (paper)", "KIVI-K2V2 @ <=2.5
+b/e"), ``"method"``, ``"budget"`` (None for FP16 and the papers' configurations) and its measurements;
+rows that were skipped or failed (no measurements) are left out. One colour per method, one line style
+per configuration: solid for the paper's (and FP16, in black), dashed / dotted / dash-dot for the budgets
+in increasing order.
 """
 
 from __future__ import annotations
@@ -17,7 +28,7 @@ import numpy as np
 
 from ._common import legend_outside, new_axes, set_title
 
-__all__ = ["plot_quality_vs_bits"]
+__all__ = ["plot_quality_vs_bits", "plot_ppl_by_position", "plot_retrieval_by_depth"]
 
 _MARKERS = "os^Dvp*hX<>"
 
@@ -81,4 +92,136 @@ def plot_quality_vs_bits(points, quality: str = "perplexity", budgets=None, refe
     ax.grid(alpha=0.3)
     legend_outside(ax, fontsize=7)
     set_title(ax, title, f"{quality} against bits per element")
+    return fig
+
+
+_BUDGET_STYLES = ("--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)))
+
+
+def _row_styles(rows) -> dict:
+    """label -> (colour, line style, marker): a colour per method (FP16 black), solid for a paper / FP16
+    row, a dashed style per budget in increasing order."""
+    methods = [m for m in dict.fromkeys(r.get("method", r["label"]) for r in rows) if m != "FP16"]
+    budgets = sorted({float(r["budget"]) for r in rows if r.get("budget") is not None})
+    out = {}
+    for r in rows:
+        m = r.get("method", r["label"])
+        if m == "FP16":
+            out[r["label"]] = ("k", "-", "o")
+            continue
+        i = methods.index(m)
+        b = r.get("budget")
+        ls = "-" if b is None else _BUDGET_STYLES[budgets.index(float(b)) % len(_BUDGET_STYLES)]
+        out[r["label"]] = (f"C{i % 10}", ls, _MARKERS[i % len(_MARKERS)])
+    return out
+
+
+def _measured(rows, key: str, what: str) -> list:
+    """The rows of ``rows`` that hold ``key`` (skipped / failed rows left out); ValueError when a row is not
+    a dict with a label, or when none holds ``key``."""
+    rows = list(rows)
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict) or not isinstance(r.get("label"), str):
+            raise ValueError(f"rows[{i}] must be a dict with a 'label' (str), got {r!r:.80}")
+    got = [r for r in rows if r.get(key)]
+    if not got:
+        raise ValueError(f"rows hold no row with {key!r}: nothing to draw ({what}; skipped or failed rows "
+                         f"are left out)")
+    return got
+
+
+def plot_ppl_by_position(rows, ax=None, title=None, log_y: bool = False):
+    """Perplexity against position in the sequence, a line per row (FP16 and each method / configuration).
+
+    rows: ``long_lm.json``'s ``ppl_by_position["rows"]``: dicts with "label", "method", "budget" and
+    "buckets" (a list of {"start", "end", "ppl"}: the perplexity of the positions in [start, end)); rows
+    without buckets (skipped, failed) are left out. Each bucket is drawn at its middle position, on a
+    log2 x axis (buckets double in length). log_y: log scale for the perplexity. Returns the Figure;
+    ValueError when no row has buckets or a bucket is malformed.
+    """
+    got = _measured(rows, "buckets", "perplexity by position")
+    for r in got:
+        for j, b in enumerate(r["buckets"]):
+            if not isinstance(b, dict) or not {"start", "end", "ppl"} <= set(b) or not b["end"] > b["start"] >= 0:
+                raise ValueError(f"row {r['label']!r}: buckets[{j}] must be a dict with 0 <= 'start' < 'end' and "
+                                 f"'ppl', got {b!r}")
+            if isinstance(b["ppl"], bool) or not isinstance(b["ppl"], (int, float)) or not math.isfinite(b["ppl"]) \
+                    or b["ppl"] <= 0:
+                raise ValueError(f"row {r['label']!r}: buckets[{j}]['ppl'] must be a finite number > 0, "
+                                 f"got {b['ppl']!r}")
+    fig, ax = new_axes(ax, figsize=(6.4, 4.0))
+    styles = _row_styles(got)
+    for r in got:
+        c, ls, mk = styles[r["label"]]
+        x = [(b["start"] + b["end"]) / 2.0 for b in r["buckets"]]
+        y = [float(b["ppl"]) for b in r["buckets"]]
+        ax.plot(x, y, color=c, ls=ls, marker=mk, ms=4, lw=1.2, label=r["label"])
+    if max(len(r["buckets"]) for r in got) > 1:
+        ax.set_xscale("log", base=2)
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel("position in the sequence (tokens, middle of each bucket)")
+    ax.set_ylabel("perplexity")
+    ax.grid(alpha=0.3)
+    legend_outside(ax, fontsize=7)
+    set_title(ax, title, "perplexity by position")
+    return fig
+
+
+def plot_retrieval_by_depth(rows, contexts=None, title=None):
+    """Retrieval accuracy against the needle's depth, a line per row, one panel per context length.
+
+    rows: ``long_lm.json``'s ``retrieval["rows"]``: dicts with "label", "method", "budget" and "cells" (a
+    list of {"context", "depth", "accuracy"}; a cell with "skipped" instead, a context the configuration
+    cannot serve, is left out); rows without cells are left out. contexts: the context lengths to draw,
+    one panel each (default: every context in the cells, in increasing order). Accuracy in [0, 1], depth
+    the fraction of the document before the needle. Returns the Figure (a new one: several panels);
+    ValueError when no row has cells or a cell is malformed.
+    """
+    got = _measured(rows, "cells", "retrieval by depth")
+    for r in got:
+        for j, c in enumerate(r["cells"]):
+            if not isinstance(c, dict) or "context" not in c:
+                raise ValueError(f"row {r['label']!r}: cells[{j}] must be a dict with 'context', got {c!r}")
+            if "accuracy" in c:
+                a, d = c["accuracy"], c.get("depth")
+                if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0:
+                    raise ValueError(f"row {r['label']!r}: cells[{j}]['accuracy'] must be in [0, 1], got {a!r}")
+                if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 <= d <= 1.0:
+                    raise ValueError(f"row {r['label']!r}: cells[{j}]['depth'] must be in [0, 1], got {d!r}")
+    seen = sorted({int(c["context"]) for r in got for c in r["cells"]})
+    if contexts is None:
+        contexts = seen
+    else:
+        contexts = [int(n) for n in contexts]
+        missing = [n for n in contexts if n not in seen]
+        if not contexts or missing:
+            raise ValueError(f"contexts must be context lengths of the cells ({seen}); got {contexts}")
+    from ._common import new_figure
+    fig = new_figure(figsize=(min(3.2 * len(contexts) + 2.0, 16.0), 3.6))
+    axes = fig.subplots(1, len(contexts), sharey=True, squeeze=False)[0]
+    styles = _row_styles(got)
+    for ax, n in zip(axes, contexts):
+        for r in got:
+            cells = sorted((c for c in r["cells"] if int(c["context"]) == n and "accuracy" in c),
+                           key=lambda c: c["depth"])
+            if not cells:
+                continue
+            c_, ls, mk = styles[r["label"]]
+            ax.plot([c["depth"] for c in cells], [c["accuracy"] for c in cells], color=c_, ls=ls, marker=mk,
+                    ms=4, lw=1.2, label=r["label"])
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_xlim(-0.05, 1.05)
+        ax.set_xlabel("needle depth (fraction)")
+        ax.set_title(f"context {n} tokens", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("retrieval accuracy")
+    handles, labels = [], []
+    for ax in axes:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    fig.legend(handles, labels, loc="outside right upper", frameon=False, fontsize=7)   # constrained layout
+    fig.suptitle("retrieval accuracy against needle depth" if title is None else str(title))
     return fig
