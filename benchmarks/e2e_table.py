@@ -56,40 +56,47 @@ def table(doc: dict) -> str:
     return "\n".join(out)
 
 
-def graphed_table(rows: list, shapes: list, caches: list) -> str:
-    """ms per step through ``kvq.integrations.graphs`` (``--graphed``: the model's step replayed from CUDA
-    graphs, each layer's kvq work eager between them; wall time, Python included), x the eager StaticCache
-    step and x StaticCache's GPU time (``--graph``) in brackets; "" when no row has it."""
-    if not any("graphed_ms_per_step" in r or "graphed_status" in r for r in rows):
-        return ""
+def _grid(title: str, rows: list, shapes: list, caches: list, cell, keep=None) -> str:
+    """A table of one cell per (cache, shape) under ``title``: "-" where the cache has no row at the shape,
+    the status where the row did not run, else ``cell(row, StaticCache's row of the shape or None)``;
+    ``keep(cache)`` False leaves a cache out (None: every cache)."""
     at = {(r["cache"], r["batch"], r["context"]): r for r in rows if not r.get("max_batch")}
-    out = ["ms per decode step through kvq.integrations.graphs (the model's step replayed from CUDA graphs, kvq's "
-           "append and fused decode eager between them: wall time, Python included; in brackets x the eager "
-           "StaticCache step, then x StaticCache's GPU time)", "",
-           "| cache | " + " | ".join(f"{b} x {t // 1024}K" for b, t in shapes) + " |",
+    out = [title, "", "| cache | " + " | ".join(f"{b} x {t // 1024}K" for b, t in shapes) + " |",
            "| --- | " + " | ".join("---" for _ in shapes) + " |"]
     for c in caches:
-        if not any("graphed_ms_per_step" in r or "graphed_status" in r for r in rows if r["cache"] == c):
+        if keep is not None and not keep(c):
             continue
         cells = []
         for b, t in shapes:
             r, base = at.get((c, b, t)), at.get(("StaticCache", b, t))
-            if r is None:
-                cells.append("-")
-            elif r["status"] != "ok":
-                cells.append(r["status"])
-            elif "graphed_ms_per_step" in r:
-                ms = r["graphed_ms_per_step"]
-                rel = []
-                if base and base["status"] == "ok":
-                    rel.append(f"{ms / base['ms_per_step']:.2f}x")
-                    if "graph_ms_per_step" in base:
-                        rel.append(f"{ms / base['graph_ms_per_step']:.2f}x")
-                cells.append(f"{ms:.1f}" + (f" ({', '.join(rel)})" if rel else ""))
-            else:
-                cells.append("no capture" if "graphed_status" in r else "-")
+            cells.append("-" if r is None else r["status"] if r["status"] != "ok" else cell(r, base))
         out.append(f"| {c} | " + " | ".join(cells) + " |")
     return "\n".join(out)
+
+
+def graphed_table(rows: list, shapes: list, caches: list) -> str:
+    """ms per step through ``kvq.integrations.graphs`` (``--graphed``: the model's step replayed from CUDA
+    graphs, each layer's kvq work eager between them; wall time, Python included), x the eager StaticCache
+    step and x StaticCache's GPU time (``--graph``) in brackets; "" when no row has it."""
+    has = lambda r: "graphed_ms_per_step" in r or "graphed_status" in r          # noqa: E731
+    if not any(has(r) for r in rows):
+        return ""
+
+    def cell(r, base):
+        if "graphed_ms_per_step" not in r:
+            return "no capture" if "graphed_status" in r else "-"
+        ms = r["graphed_ms_per_step"]
+        rel = []
+        if base and base["status"] == "ok":
+            rel.append(f"{ms / base['ms_per_step']:.2f}x")
+            if "graph_ms_per_step" in base:
+                rel.append(f"{ms / base['graph_ms_per_step']:.2f}x")
+        return f"{ms:.1f}" + (f" ({', '.join(rel)})" if rel else "")
+
+    title = ("ms per decode step through kvq.integrations.graphs (the model's step replayed from CUDA graphs, kvq's "
+             "append and fused decode eager between them: wall time, Python included; in brackets x the eager "
+             "StaticCache step, then x StaticCache's GPU time)")
+    return _grid(title, rows, shapes, caches, cell, keep=lambda c: any(has(r) for r in rows if r["cache"] == c))
 
 
 def graph_table(rows: list, shapes: list, caches: list) -> str:
@@ -97,27 +104,17 @@ def graph_table(rows: list, shapes: list, caches: list) -> str:
     row has it. A cache whose step could not be captured shows "no capture"."""
     if not any("graph_ms_per_step" in r for r in rows):
         return ""
-    at = {(r["cache"], r["batch"], r["context"]): r for r in rows if not r.get("max_batch")}
-    out = ["GPU time per decode step, ms (the step captured once in a CUDA graph and replayed: no Python; "
-           "x StaticCache's in brackets)", "",
-           "| cache | " + " | ".join(f"{b} x {t // 1024}K" for b, t in shapes) + " |",
-           "| --- | " + " | ".join("---" for _ in shapes) + " |"]
-    for c in caches:
-        cells = []
-        for b, t in shapes:
-            r, base = at.get((c, b, t)), at.get(("StaticCache", b, t))
-            if r is None:
-                cells.append("-")
-            elif r["status"] != "ok":
-                cells.append(r["status"])
-            elif "graph_ms_per_step" in r:
-                ok = base and "graph_ms_per_step" in base and c != "StaticCache"
-                rel = f" ({r['graph_ms_per_step'] / base['graph_ms_per_step']:.2f}x)" if ok else ""
-                cells.append(f"{r['graph_ms_per_step']:.2f}{rel}")
-            else:
-                cells.append("no capture" if "graph_status" in r else "-")
-        out.append(f"| {c} | " + " | ".join(cells) + " |")
-    return "\n".join(out)
+
+    def cell(r, base):
+        if "graph_ms_per_step" not in r:
+            return "no capture" if "graph_status" in r else "-"
+        ok = base and "graph_ms_per_step" in base and r["cache"] != "StaticCache"
+        rel = f" ({r['graph_ms_per_step'] / base['graph_ms_per_step']:.2f}x)" if ok else ""
+        return f"{r['graph_ms_per_step']:.2f}{rel}"
+
+    title = ("GPU time per decode step, ms (the step captured once in a CUDA graph and replayed: no Python; "
+             "x StaticCache's in brackets)")
+    return _grid(title, rows, shapes, caches, cell)
 
 
 def max_batch_table(rows: list) -> str:
