@@ -225,17 +225,15 @@ def dequantize(ops: BitDecodingOps, cfg, state: BitDecodingTensorState):
     return tuple(torch.cat([hist[i], res[i]], dim=2).float() for i in (0, 1))
 
 
-def decode_attention(ops: BitDecodingOps, cfg, state: BitDecodingTensorState, q, *, scale=None, knobs=None):
+def decode_attention(ops: BitDecodingOps, cfg, state: BitDecodingTensorState, q, *, scale=None):
     """The reference's checks on q; then ``ops.fused_decode`` where the backend has one and it takes
     this configuration; else the fallback: the history pages dequantized (fp16) and the residual rows,
     attended as segments by ``ops.attention.decode_attention`` (fp16 q: fp16 segments; bf16 / fp32 q:
-    in fp32, the fp16 values exact there, out rounded to q's dtype). Returns (out in q's dtype, lse fp32).
-    ``knobs``: passed to ``ops.fused_decode`` as ``knobs=`` where not None (the backend's
-    ``bitdecoding_decode.Knobs``; its wrapper checks the type before this runs)."""
+    in fp32, the fp16 values exact there, out rounded to q's dtype). Returns (out in q's dtype, lse fp32)."""
     check_state(cfg, state)
     C.check_decode_q(q, state.shape, state.device, state.length, allow_cpu=ops.allow_cpu())
     if ops.fused_decode is not None:
-        got = ops.fused_decode(cfg, state, q, scale=scale, **({} if knobs is None else {"knobs": knobs}))
+        got = ops.fused_decode(cfg, state, q, scale=scale)
         if got is not None:
             return got
     segs = [seg for seg in (history(ops, cfg, state), residual(cfg, state)) if seg[0].shape[2]]

@@ -392,12 +392,11 @@ def dequantize(ops: "OscarOps", cfg, calib, state: OSCARTensorState, *, rotated:
 
 
 def decode_attention(ops: "OscarOps", cfg, calib, state: OSCARTensorState, q, *, scale=None,
-                     rotate_back: bool = True, knobs=None):
+                     rotate_back: bool = True):
     """q rotated by R_K (``ops.rotate_heads``, or ``_rotate_heads``); the backend's fused decode over the
     packed pages and the FP16 segment, or (without one) the three segments, history dequantized to fp32,
     attended by its FP16-baseline kernel in fp32; the output rotated back by R_V^T unless
-    ``rotate_back=False``. ``knobs``: passed to ``ops.fused_decode`` (its backend's ``oscar_decode.Knobs``
-    or None: the defaults; the backend's wrapper checks the type before this runs)."""
+    ``rotate_back=False``."""
     check_state(cfg, state)
     B, H, D = state.shape
     C.check_decode_q(q, state.shape, state.device, state.length, allow_cpu=ops.allow_cpu())
@@ -411,7 +410,7 @@ def decode_attention(ops: "OscarOps", cfg, calib, state: OSCARTensorState, q, *,
     R_out = _rot(calib.R_V, dev, True, rdt) if rotate_back else None           # R_V^T
     if ops.fused_decode is not None:
         return ops.fused_decode(cfg, state, qr, scale=scale, precise=q.dtype == torch.float32,
-                                out_dtype=q.dtype, R_out=R_out, knobs=knobs)
+                                out_dtype=q.dtype, R_out=R_out)
     out, lse = ops.attention.decode_attention(qr, segments(ops, cfg, state), scale=scale)
     return (out.to(q.dtype) if R_out is None else rot(out, R_out, q.dtype)), lse
 

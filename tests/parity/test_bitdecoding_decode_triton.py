@@ -310,27 +310,3 @@ def test_supported(device):
         c = dataclasses.replace(R.CONFIGS[name], max_tokens=512)
         s = ref_state(c, device, 3, seed=28, shape=(1, 1, 128))
         assert BDD.supported(c, to_torch(s, device), make_q(s, device, 2, 1, BF16, 0))
-
-
-def test_wrapper_knobs(device):
-    """``kvq.fast.triton.bitdecoding.decode_attention(knobs=)`` reaches the fused kernel: a wrong type is a
-    TypeError before any launch, and ``Knobs(unpack=...)`` (the other way of unpacking) gives the bits of
-    ``bitdecoding_decode.decode`` called with the same knobs."""
-    from kvq.fast.triton import bitdecoding as FB
-
-    cfg = KINDS["KC4"]
-    B, H, D = SHAPE[device]
-    L = 2 * cfg.n_r + 9
-    rng = np.random.default_rng(21)
-    k, v = (torch.from_numpy(rng.standard_normal((B, H, L, D)).astype(np.float16)).to(device) for _ in "kv")
-    fs = FB.init(cfg, B, H, D, device=device)
-    FB.append(cfg, fs, k, v)
-    q = make_q(fs, device, 4, 1, FP16, seed=22)
-    with pytest.raises(TypeError, match="knobs must be"):
-        FB.decode_attention(cfg, fs, q, knobs={"unpack": 0})
-    kn = BDD.Knobs(unpack=1 - BDD.DEFAULT_KNOBS.unpack)
-    assert BDD.supported(cfg, fs, q)
-    got = FB.decode_attention(cfg, fs, q, knobs=kn)
-    want = BDD.decode(cfg, fs, q, knobs=kn)
-    for g, w in zip(got, want):
-        assert torch.equal(g, w)

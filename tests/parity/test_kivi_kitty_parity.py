@@ -245,12 +245,6 @@ ATTN = [
 
 @pytest.mark.parametrize("a", ATTN, ids=[f"{IDS[a[0]]}-T{a[1]}-{str(a[3])[6:]}-gqa{a[4]}-tq{a[5]}" for a in ATTN])
 def test_decode_attention(target, a):
-    _decode_case(target, a)
-
-
-def _decode_case(target, a, knobs=None):
-    """test_decode_attention's checks, the fast decode given ``knobs`` (None: its defaults) through the
-    public ``kivi`` / ``kitty.decode_attention`` wrapper."""
     _, device = target
     _device_ok(device)
     ci, T_cpu, T_gpu, dtype, ratio, T_q = a
@@ -263,12 +257,12 @@ def _decode_case(target, a, knobs=None):
     fast.append(cfg, fs, torch.from_numpy(k).to(device), torch.from_numpy(v).to(device))
     rng = np.random.default_rng(ci)
     q = torch.from_numpy(rng.standard_normal((B, H * ratio, T_q, D)).astype(np.float32)).to(dtype).to(device)
-    out, lse = fast.decode_attention(cfg, fs, q, knobs=knobs)
+    out, lse = fast.decode_attention(cfg, fs, q)
     assert out.dtype == dtype and tuple(out.shape) == tuple(q.shape) and lse.dtype == torch.float32
     (o64, l64), (o32, l32) = _truth_ref32(ref, cfg, rs, q)
     check_close(out, o64, o32, dtype, "out")
     check_close(lse, l64, l32, torch.float32, "lse")
-    out2, _ = fast.decode_attention(cfg, fs, q, scale=0.3, knobs=knobs)
+    out2, _ = fast.decode_attention(cfg, fs, q, scale=0.3)
     (o64, _), (o32, _) = (ref.decode_attention(cfg, rs, q.cpu().double().numpy(), scale=0.3),
                           ref.decode_attention(cfg, rs, q.cpu().float().numpy(), scale=0.3))
     check_close(out2, o64, o32, dtype, "out (scale=0.3)")
@@ -283,48 +277,30 @@ def _cupy_knobs(monkeypatch, **knobs) -> dict:
     return knobs
 
 
-@pytest.mark.parametrize("ci", [0, 3], ids=["KIVI-K2V2", "Kitty"])
-def test_decode_wrapper_knobs(triton_target, ci):
-    """The public ``kivi`` / ``kitty.decode_attention`` pass ``knobs=`` through to ``paged.decode_attention``:
-    a wrong type is its TypeError, and a non-default ``Knobs`` gives the bits of the paged decode called
-    with the same knobs directly."""
-    _, device = triton_target
-    _device_ok(device)
-    cfg, ref, fast, (B, H, D) = _setup(CASES[ci], triton_target)
-    FP = _paged("triton")
-    k, v = _kv(B, H, 3 * cfg.group_size + 5, D, cfg.group_size, seed=ci + 3, start=cfg.sink)
-    fs = fast.init(cfg, B, H, D)
-    fast.append(cfg, fs, torch.from_numpy(k).to(device), torch.from_numpy(v).to(device))
-    q = torch.randn((B, 2 * H, 1, D), generator=torch.Generator().manual_seed(ci)).to(torch.float16).to(device)
-    with pytest.raises(TypeError, match="knobs must be"):
-        fast.decode_attention(cfg, fs, q, knobs={"split_p": True})
-    kn = FP.Knobs(split_p=True)
-    got = fast.decode_attention(cfg, fs, q, knobs=kn)
-    want = FP.decode_attention(cfg, fast.KeyCodec, fs, q, knobs=kn)
-    for g, w in zip(got, want):
-        assert torch.equal(g, w)
-
-
 @pytest.mark.parametrize("a", [ATTN[1], ATTN[6]], ids=["KIVI-K2V2-fp16", "Kitty-Pro-fp16"])
-def test_decode_p_split(triton_target, a):
+def test_decode_p_split(triton_target, a, monkeypatch):
     """The other setting of ``paged.Knobs.split_p``: True (P as hi + lo halves, two dots, ~fp32
     accuracy) instead of the default False (P rounded once to fp16) also meets the tolerance rule (the
-    knobs passed through the public wrapper's ``knobs=``)."""
-    _decode_case(triton_target, a, knobs=_paged("triton").Knobs(split_p=True))
+    decode's default knobs replaced: ``plan`` reads ``DEFAULT_KNOBS`` per call)."""
+    FP = _paged("triton")
+    monkeypatch.setattr(FP, "DEFAULT_KNOBS", FP.Knobs(split_p=True))
+    test_decode_attention(triton_target, a)
 
 
 @pytest.mark.parametrize("a", [ATTN[1], ATTN[5], ATTN[6]], ids=["KIVI-K2V2-fp16", "Kitty-fp16-gqa8", "Kitty-Pro-fp16"])
-def test_decode_cuda_cores(cupy_target, a):
+def test_decode_cuda_cores(cupy_target, a, monkeypatch):
     """CuPy: fp16 q with 2-bit keys and values takes the tensor-core kernel (paged_decode_mma2) by
     default; ``Knobs(mma=False)`` runs the CUDA-core kernel (paged_decode) on the same cases."""
-    _decode_case(cupy_target, a, knobs=_paged("cupy").Knobs(mma=False))
+    _cupy_knobs(monkeypatch, mma=False)
+    test_decode_attention(cupy_target, a)
 
 
 @pytest.mark.parametrize("a", [ATTN[1], ATTN[6]], ids=["KIVI-K2V2-fp16", "Kitty-Pro-fp16"])
-def test_decode_one_stream(cupy_target, a):
+def test_decode_one_stream(cupy_target, a, monkeypatch):
     """CuPy: ``Knobs(side_stream=False)`` runs the tail (gather + fp32 split kernel) on the caller's
     stream after the fused kernel instead of beside it; same results."""
-    _decode_case(cupy_target, a, knobs=_paged("cupy").Knobs(side_stream=False))
+    _cupy_knobs(monkeypatch, side_stream=False)
+    test_decode_attention(cupy_target, a)
 
 
 @pytest.mark.parametrize("ci, dtype", [(0, torch.float16), (3, torch.float16), (4, torch.float32)],

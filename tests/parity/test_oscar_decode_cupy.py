@@ -109,45 +109,37 @@ def test_decode_large_magnitudes(mods, fused_calls):
     assert len(fused_calls) == 1
 
 
-def test_one_stream(mods, fused_calls):
+def test_one_stream(mods, fused_calls, monkeypatch):
     """``oscar_decode.Knobs(paged=paged.Knobs(side_stream=False))``: the FP16 segments after the page kernel,
-    on one stream (passed through the public wrapper's ``knobs=``)."""
+    on one stream (the decode's default knobs replaced: ``decode`` reads ``DEFAULT_KNOBS`` per call)."""
     F, OD = mods
     from kvq.fast.cupy import paged
+    monkeypatch.setattr(OD, "DEFAULT_KNOBS", OD.Knobs(paged=paged.Knobs(side_stream=False)))
     cfg, calib, rs, fs = _state(DEV, 1, 2500, seed=11)
     q = _q(DEV, 4, 1, torch.float16, seed=12)
-    out, lse = F.decode_attention(cfg, calib, fs, q, knobs=OD.Knobs(paged=paged.Knobs(side_stream=False)))
+    out, lse = F.decode_attention(cfg, calib, fs, q)
     _check(cfg, calib, rs, out, lse, q)
     assert len(fused_calls) == 1
 
 
 @pytest.mark.parametrize("prec,first", [(1, True), (1, False), (2, True), (2, False)])
-def test_tail_knobs(mods, fused_calls, prec, first):
+def test_tail_knobs(mods, fused_calls, monkeypatch, prec, first):
     """``oscar_decode.Knobs``: the sink / window kernel in double (1) or four-chain fp32 (2, the default)
     arithmetic, launched before or after the page kernel; every setting meets the tolerance rule, and
     the two launch orders give the same bits (the partials do not depend on which kernel starts first)."""
     F, OD = mods
     cfg, calib, rs, fs = _state(DEV, 1, 2600, seed=17)
     q = _q(DEV, 8, 1, torch.float16, seed=18)
-    # (the knobs passed through the public wrapper's ``knobs=``)
-    out, lse = F.decode_attention(cfg, calib, fs, q, knobs=OD.Knobs(tail_prec=prec, tail_first=first))
+    # (the decode's default knobs replaced: ``decode`` reads ``DEFAULT_KNOBS`` per call)
+    monkeypatch.setattr(OD, "DEFAULT_KNOBS", OD.Knobs(tail_prec=prec, tail_first=first))
+    out, lse = F.decode_attention(cfg, calib, fs, q)
     _check(cfg, calib, rs, out, lse, q)
-    out2, lse2 = F.decode_attention(cfg, calib, fs, q, knobs=OD.Knobs(tail_prec=prec, tail_first=not first))
+    monkeypatch.setattr(OD, "DEFAULT_KNOBS", OD.Knobs(tail_prec=prec, tail_first=not first))
+    out2, lse2 = F.decode_attention(cfg, calib, fs, q)
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
     with pytest.raises(ValueError, match="tail_prec"):
         OD.Knobs(tail_prec=3)                  # refused when made: it never reaches a decode
     assert len(fused_calls) == 2
-
-
-def test_wrapper_knobs_type(mods, fused_calls):
-    """``oscar.decode_attention(knobs=)`` takes only ``oscar_decode.Knobs`` or None: another type is a
-    TypeError before any launch (no decode call)."""
-    F, _ = mods
-    cfg, calib, rs, fs = _state(DEV, 1, 1300, seed=13)
-    q = _q(DEV, 4, 1, torch.float16, seed=14)
-    with pytest.raises(TypeError, match="knobs must be"):
-        F.decode_attention(cfg, calib, fs, q, knobs={"tail_prec": 1})
-    assert not fused_calls
 
 
 def test_folded_output_dtype(mods):
@@ -169,14 +161,14 @@ def test_folded_output_dtype(mods):
 @pytest.mark.parametrize("ratio,T_q,out_dt,r_dt,per_head", [(4, 1, torch.float16, torch.float32, True),
                                                             (2, 3, torch.float32, torch.float64, False),
                                                             (8, 1, torch.bfloat16, torch.float32, False)])
-def test_merge_rotate(mods, ratio, T_q, out_dt, r_dt, per_head, one_launch):
+def test_merge_rotate(mods, monkeypatch, ratio, T_q, out_dt, r_dt, per_head, one_launch):
     """``decode(..., R_out=R)`` gives the bits of the merge to fp32 followed by ``rotate_heads``, whether
     the merge rotates the output in its own launch (oscar_merge_rotate, ``Knobs.merge_rotate`` True),
     the two run one after the other (False) or the size rule picks (None), for a per-KV-head or one
     shared R (fp32 or float64), GQA groups and several query tokens (row -> head h -> R[h // G_q]); the
     lse is the merge's either way."""
     _, OD = mods
-    kn = OD.Knobs(merge_rotate=one_launch)
+    monkeypatch.setattr(OD, "DEFAULT_KNOBS", OD.Knobs(merge_rotate=one_launch))
     cfg, calib, rs, fs = _state(DEV, 1, 2500, seed=31)
     q = _q(DEV, ratio, T_q, torch.float16, seed=32)
     RK = torch.from_numpy(np.ascontiguousarray(calib.R_K, dtype=np.float32)).to(DEV)
@@ -184,13 +176,13 @@ def test_merge_rotate(mods, ratio, T_q, out_dt, r_dt, per_head, one_launch):
     RVt = torch.from_numpy(np.ascontiguousarray(np.swapaxes(calib.R_V, -1, -2))).to(DEV).to(r_dt)
     R = RVt if per_head else RVt[1]
     assert OD.supported(cfg, fs, qr)
-    o32, l32 = OD.decode(cfg, fs, qr, knobs=kn)
-    out, lse = OD.decode(cfg, fs, qr, out_dtype=out_dt, R_out=R, knobs=kn)
+    o32, l32 = OD.decode(cfg, fs, qr)
+    out, lse = OD.decode(cfg, fs, qr, out_dtype=out_dt, R_out=R)
     assert out.dtype == out_dt and out.shape == q.shape and torch.equal(lse, l32)
     assert torch.equal(out, OD.rotate_heads(o32, R, out_dt))
     assert not torch.equal(out, o32.to(out_dt))                     # (it did rotate)
     with pytest.raises(ValueError, match="float64 or float32 R"):
-        OD.decode(cfg, fs, qr, R_out=R.half(), knobs=kn)
+        OD.decode(cfg, fs, qr, R_out=R.half())
 
 
 @pytest.mark.parametrize("what", ["fp32-q", "G64", "4bit"])

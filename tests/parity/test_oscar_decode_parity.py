@@ -183,32 +183,17 @@ def test_decode_large_magnitudes(device, dtype):
 
 
 @pytest.mark.parametrize("knobs", [dict(v_terms=2), dict(block_t=16, waves=1)], ids=["v2", "bt16-waves1"])
-def test_tune_knobs(device, knobs):
+def test_tune_knobs(device, knobs, monkeypatch):
     """Other launch knobs of the page kernel meet the tolerance rule too: P * scale in two fp16 parts,
-    and blocks of 16 tokens in few long splits (passed through the public wrapper's ``knobs=``)."""
+    and blocks of 16 tokens in few long splits."""
     F, OD = _mods()
+    # the decode's default knobs replaced (``plan`` reads ``DEFAULT_KNOBS`` per call)
+    monkeypatch.setattr(OD, "DEFAULT_KNOBS", OD.Knobs(**knobs))
     T = 50 if device == "cpu" else 2000
     cfg, calib, rs, fs = _state(device, 2, T, seed=11)
     q = _q(device, 4, 2, torch.float16, seed=12)
-    out, lse = F.decode_attention(cfg, calib, fs, q, knobs=OD.Knobs(**knobs))
+    out, lse = F.decode_attention(cfg, calib, fs, q)
     _check(cfg, calib, rs, out, lse, q)
-
-
-def test_wrapper_knobs(device, monkeypatch):
-    """``oscar.decode_attention(knobs=)`` reaches the page kernel: a wrong type is a TypeError before any
-    launch, and ``Knobs(v_terms=2)`` passed in gives the bits of the same knobs set as the module's
-    ``DEFAULT_KNOBS`` (read per call where none is passed)."""
-    F, OD = _mods()
-    T = 50 if device == "cpu" else 2000
-    cfg, calib, rs, fs = _state(device, 2, T, seed=11)
-    q = _q(device, 4, 2, torch.float16, seed=12)
-    with pytest.raises(TypeError, match="knobs must be"):
-        F.decode_attention(cfg, calib, fs, q, knobs={"v_terms": 2})
-    got = F.decode_attention(cfg, calib, fs, q, knobs=OD.Knobs(v_terms=2))
-    monkeypatch.setattr(OD, "DEFAULT_KNOBS", OD.Knobs(v_terms=2))
-    want = F.decode_attention(cfg, calib, fs, q)
-    for g, w in zip(got, want):
-        assert torch.equal(g, w)
 
 
 def test_fused_path_taken(device, monkeypatch, launches):

@@ -98,19 +98,16 @@ def dequantize(cfg: KittyConfig, state: paged.PagedState):
     return paged.dequantize_cache(cfg, KeyCodec, state)
 
 
-def decode_attention(cfg: KittyConfig, state: paged.PagedState, q, *, scale=None,
-                     knobs: paged.Knobs | None = None):
+def decode_attention(cfg: KittyConfig, state: paged.PagedState, q, *, scale=None):
     """Mirrors `kvq.reference.kitty.decode_attention`: ``(out, lse)`` of q over the cache.
 
     Differences: one fused CUDA kernel (Algorithm 1 in registers) for the quantized pages (tolerance
     rule, contract rule 7; G = 128, D in {64, 128}, fp16 metadata, else the dequantized cache through
     the CuPy FP16-baseline kernel in fp32); out in q's dtype (the reference returns float32), lse
     float32; float64 q is refused.
-    ``knobs``: the launch knobs of the fused decode, a ``kvq.fast.cupy.paged.Knobs`` (None: that module's
-    ``DEFAULT_KNOBS``, read per call); any other type is a TypeError before any launch.
     """
     _paged.check_state(cfg, KeyCodec, state)                 # before the decode reads any page
-    return paged.decode_attention(cfg, KeyCodec, state, q, scale=scale, knobs=knobs)
+    return paged.decode_attention(cfg, KeyCodec, state, q, scale=scale)
 
 
 def channel_sensitivity(q, k, *, bits: int = 2, group_size=None, causal: bool = True, scale=None):

@@ -35,26 +35,17 @@ __all__ = ["DEFAULT_CLIP_K", "DEFAULT_CLIP_V", "CLIP_GRID", "OSCARCalibration", 
 
 
 
-def fused_decode(cfg, st, q_rot, *, scale=None, precise: bool = True, out_dtype=torch.float32, R_out=None,
-                 knobs: OD.Knobs | None = None):
+def fused_decode(cfg, st, q_rot, *, scale=None, precise: bool = True, out_dtype=torch.float32, R_out=None):
     """The decode of ``kvq.fast._oscar.decode_attention`` (``OscarOps.fused_decode``): ``(out, lse)``, out
     in the rotated frame (``R_out`` None) or rotated by ``R_out`` (``oscar_decode.rotate_heads``' sums), in
     ``out_dtype`` (rounded once from fp32), lse fp32. The tensor-core kernel where it applies
     (``oscar_decode.supported``) and q is half precision (``precise=False``), its merge rotating the
     output in the same launch; else the history is dequantized and the three segments attended in fp32
-    (the precise path for float32 q: double accumulators), then rotated by ``rotate_heads``. ``knobs``:
-    the tensor-core kernel's ``oscar_decode.Knobs`` (None: its defaults; unused on the other path)."""
-    _check_knobs(knobs)
+    (the precise path for float32 q: double accumulators), then rotated by ``rotate_heads``."""
     if not precise and OD.supported(cfg, st, q_rot):
-        return OD.decode(cfg, st, q_rot, scale=scale, out_dtype=out_dtype, R_out=R_out, knobs=knobs)
+        return OD.decode(cfg, st, q_rot, scale=scale, out_dtype=out_dtype, R_out=R_out)
     out, lse = A.decode_attention(q_rot, _O.segments(OPS, cfg, st), scale=scale)
     return (out.to(out_dtype) if R_out is None else OD.rotate_heads(out, R_out, out_dtype)), lse
-
-
-def _check_knobs(knobs) -> None:
-    """TypeError unless ``knobs`` is None or a ``kvq.fast.cupy.oscar_decode.Knobs`` (before any launch)."""
-    if knobs is not None and not isinstance(knobs, OD.Knobs):
-        raise TypeError(f"knobs must be a kvq.fast.cupy.oscar_decode.Knobs or None, got {type(knobs).__name__}")
 
 
 #: this backend's kernels for the shared OSCAR cache code (``kvq.fast._oscar``)
@@ -111,7 +102,7 @@ def dequantize(cfg: OSCARConfig, calib: OSCARCalibration, state: OSCARTensorStat
 
 
 def decode_attention(cfg: OSCARConfig, calib: OSCARCalibration, state: OSCARTensorState, q, *, scale=None,
-                     rotate_back: bool = True, knobs: OD.Knobs | None = None):
+                     rotate_back: bool = True):
     """Mirrors `kvq.reference.oscar.decode_attention`: ``(out, lse)`` of q (B, H_q, T_q, D) over the cache.
 
     q is rotated by R_K (one float64 batched matmul; query head h uses the R_K of KV head h // (H_q / H_kv)).
@@ -128,9 +119,5 @@ def decode_attention(cfg: OSCARConfig, calib: OSCARCalibration, state: OSCARTens
     computes the float64 truth); out comes back in q's dtype (fp32 inside; the reference returns
     float32), lse float32; attention is an order-dependent reduction (tolerance rule, contract rule 7);
     D must be one of the CuPy attention kernel's fp32 head dims (16, 32, 64, 128).
-    ``knobs``: the tensor-core kernel's launch knobs, a ``kvq.fast.cupy.oscar_decode.Knobs`` (None: that
-    module's ``DEFAULT_KNOBS``, read per call; unused where that kernel does not run); any other type is
-    a TypeError before any launch.
     """
-    _check_knobs(knobs)
-    return _O.decode_attention(OPS, cfg, calib, state, q, scale=scale, rotate_back=rotate_back, knobs=knobs)
+    return _O.decode_attention(OPS, cfg, calib, state, q, scale=scale, rotate_back=rotate_back)

@@ -334,13 +334,12 @@ def query_untransform(o, q_heads: int) -> torch.Tensor:
 # the cache (kvq.fast._bitdecoding_cache, written once for both backends, run with this module's kernels)
 
 
-def _fused_decode(cfg, st, q, *, scale=None, knobs=None):
+def _fused_decode(cfg, st, q, *, scale=None):
     """``OPS.fused_decode``: the ``tl.dot`` decode (``bitdecoding_decode.decode``) where it takes this cache
-    and query, else None (the cache code then dequantizes the history and attends); ``knobs``: its
-    ``bitdecoding_decode.Knobs`` (None: the defaults)."""
+    and query, else None (the cache code then dequantizes the history and attends)."""
     from . import bitdecoding_decode as BDD                    # its kernel compiles on first use only
 
-    return BDD.decode(cfg, st, q, scale=scale, knobs=knobs) if BDD.supported(cfg, st, q) else None
+    return BDD.decode(cfg, st, q, scale=scale) if BDD.supported(cfg, st, q) else None
 
 
 #: this backend's kernels for the shared BitDecoding cache code (``kvq.fast._bitdecoding_cache``)
@@ -388,7 +387,7 @@ def dequantize(cfg: BitDecodingConfig, state: BitDecodingTensorState):
     return _BC.dequantize(OPS, cfg, state)
 
 
-def decode_attention(cfg: BitDecodingConfig, state: BitDecodingTensorState, q, *, scale=None, knobs=None):
+def decode_attention(cfg: BitDecodingConfig, state: BitDecodingTensorState, q, *, scale=None):
     """Mirrors `kvq.reference.bitdecoding.decode_attention`: ``(out, lse)`` of q (B, H_q, T_q, D) over the
     cache, every cached token visible.
 
@@ -403,13 +402,5 @@ def decode_attention(cfg: BitDecodingConfig, state: BitDecodingTensorState, q, *
     the float64 truth); out comes back in q's dtype (the reference returns float32), lse float32;
     attention is an order-dependent reduction (tolerance rule, contract rule 7); D must be a power of two
     in [16, 256] (the attention kernel's).
-    ``knobs``: the fused kernel's launch knobs, a ``kvq.fast.triton.bitdecoding_decode.Knobs`` (None: that
-    module's ``DEFAULT_KNOBS``, read per call; unused where that kernel does not take the configuration);
-    any other type is a TypeError before any launch.
     """
-    if knobs is not None:
-        from . import bitdecoding_decode as BDD                # its kernel compiles on first use only
-        if not isinstance(knobs, BDD.Knobs):
-            raise TypeError("knobs must be a kvq.fast.triton.bitdecoding_decode.Knobs or None, "
-                            f"got {type(knobs).__name__}")
-    return _BC.decode_attention(OPS, cfg, state, q, scale=scale, knobs=knobs)
+    return _BC.decode_attention(OPS, cfg, state, q, scale=scale)

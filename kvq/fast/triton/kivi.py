@@ -48,15 +48,12 @@ def dequantize(cfg: KIVIConfig, state: paged.PagedState):
     return paged.dequantize_cache(cfg, KeyCodec, state)
 
 
-def decode_attention(cfg: KIVIConfig, state: paged.PagedState, q, *, scale=None,
-                     knobs: paged.Knobs | None = None):
+def decode_attention(cfg: KIVIConfig, state: paged.PagedState, q, *, scale=None):
     """Mirrors `kvq.reference.kivi.decode_attention`: ``(out, lse)`` of q (B, H_q, T_q, D) over the cache.
 
     Differences: one fused Triton kernel reads the packed pages (tolerance rule, contract rule 7);
     out comes back in q's dtype (float16 / bfloat16 / float32; the reference returns float32), lse
     float32; float64 q is refused.
-    ``knobs``: the launch knobs of the fused decode, a ``kvq.fast.triton.paged.Knobs`` (None: that module's
-    ``DEFAULT_KNOBS``, read per call); any other type is a TypeError before any launch.
     """
     _paged.check_state(cfg, KeyCodec, state)                 # before the decode reads any page
-    return paged.decode_attention(cfg, KeyCodec, state, q, scale=scale, knobs=knobs)
+    return paged.decode_attention(cfg, KeyCodec, state, q, scale=scale)

@@ -93,7 +93,7 @@ def dequantize(cfg: OSCARConfig, calib: OSCARCalibration, state: OSCARTensorStat
 
 
 def decode_attention(cfg: OSCARConfig, calib: OSCARCalibration, state: OSCARTensorState, q, *, scale=None,
-                     rotate_back: bool = True, knobs: OD.Knobs | None = None):
+                     rotate_back: bool = True):
     """Mirrors `kvq.reference.oscar.decode_attention`: ``(out, lse)`` of q (B, H_q, T_q, D) over the cache.
 
     q is rotated by R_K (one float64 batched matmul; query head h uses the R_K of KV head h // (H_q / H_kv));
@@ -109,9 +109,5 @@ def decode_attention(cfg: OSCARConfig, calib: OSCARCalibration, state: OSCARTens
     fp32 q takes the exact-dequantization IEEE fp32 path, fp16 / bf16 q the tensor-core path (codes
     against hi + lo fp16 parts of the fp32 factors, see ``oscar_decode``); D must be a power of two in
     [16, 256] (the kernels').
-    ``knobs``: the page kernel's launch knobs, a ``kvq.fast.triton.oscar_decode.Knobs`` (None: that
-    module's ``DEFAULT_KNOBS``, read per call); any other type is a TypeError before any launch.
     """
-    if knobs is not None and not isinstance(knobs, OD.Knobs):
-        raise TypeError(f"knobs must be a kvq.fast.triton.oscar_decode.Knobs or None, got {type(knobs).__name__}")
-    return _O.decode_attention(OPS, cfg, calib, state, q, scale=scale, rotate_back=rotate_back, knobs=knobs)
+    return _O.decode_attention(OPS, cfg, calib, state, q, scale=scale, rotate_back=rotate_back)
