@@ -136,7 +136,7 @@ def time_encode(backend, device, quick, dry, deadline) -> dict:
 
 def time_decode(backend, device, quick, dry, deadline) -> dict:
     """decode_layer of layers 0 and 1, the fused kernel vs unfused, the predictor products alone."""
-    from kvq.fast import _aqua as _A
+    from kvq.fast.caches import aqua as _A
     FA, FC = _mods(backend)
     HG = importlib.import_module(f"kvq.fast.{backend}.higgs")
     Hkv, Dh = (DRY_H_KV, DRY_D) if dry else (H_KV, D)
@@ -205,7 +205,7 @@ def bytes_moved(cfg, st, T, Hq, F) -> dict:
 
 def check_one(cfg, st, hat, q, out, lse, scale) -> dict:
     """Batch element 0 against float64 attention over its reconstructed segments."""
-    from kvq.fast import _aqua_cache
+    from kvq.fast.caches import aqua_cache as _aqua_cache
     segs = _aqua_cache.segments(cfg, st, 1, hat)
     K, V = (torch.cat([s[i][:1] for s in segs], dim=2) for i in (0, 1))
     return BL.check_first(q, out, lse, K, V, scale)

@@ -68,7 +68,7 @@ def config(method: str, T: int, dry: bool, backend: str = "triton"):
 
 def build_cache(mod, cfg, B, Hkv, Dh, T, device, seed=0):
     """A cache of T tokens per sequence with random contents, its counters and page tables consistent."""
-    from kvq.fast import _paged as paged
+    from kvq.fast.caches import paged as paged
     g = torch.Generator(device=device).manual_seed(seed)
     st = mod.init(cfg, B, Hkv, Dh)
     c = paged.counts(cfg, T)
@@ -114,7 +114,7 @@ def _one(st, b):
 
 def bytes_read(cfg, st, T, Hq) -> dict:
     """Bytes the decode reads: the fused kernel's packed pages + metadata, the tail's FP16 tokens, q, out."""
-    from kvq.fast import _paged as paged
+    from kvq.fast.caches import paged as paged
     B, H, Dh = st.shape
     G = cfg.group_size
     c = paged.counts(cfg, T)
@@ -192,12 +192,12 @@ def run_shape(B, T, Hq, Hkv, Dh, device, copy_gbps, quick, dry, deadline) -> dic
 
 def time_flush(device, quick, dry, deadline, backend: str = "triton") -> dict:
     """One page flush per method by the append's own writers (``backend``), B = 8, H_kv = 8 (dry: 2,
-    2): the key Q-buffer (B, H, G, D) -> one key page in the pool (``kvq.fast._paged.write_key_pages``)
+    2): the key Q-buffer (B, H, G, D) -> one key page in the pool (``kvq.fast.caches.paged.write_key_pages``)
     and G values -> one value page in the pool (``write_values``), each one kernel where the backend has
     it (``kvq.fast.triton._flush``, ``kvq.fast.cupy._flush``), else the quantizers and copies. ``fused``:
-    whether both took the one-kernel writers (``kvq.fast._codecs.FUSED_FLUSH``); ``keys_ms`` /
+    whether both took the one-kernel writers (``kvq.fast.caches.codecs.FUSED_FLUSH``); ``keys_ms`` /
     ``values_ms``: each write timed alone."""
-    from kvq.fast import _paged
+    from kvq.fast.caches import paged as _paged
     import kvq.fast as fast
     fast.set_validation(False)
     B, H, Dh = (2, DRY_H_KV, DRY_D) if dry else (8, H_KV, D)
@@ -215,7 +215,7 @@ def time_flush(device, quick, dry, deadline, backend: str = "triton") -> dict:
 
             st = mod.init(cfg, B, H, Dh)                       # the pools; value page b of sequence b
             st.v_table[:, 0] = torch.arange(B, dtype=torch.int32, device=device)
-            # the append's own writers (kvq.fast._paged): one kernel each where the backend has them
+            # the append's own writers (kvq.fast.caches.paged): one kernel each where the backend has them
             keys_one = _paged.write_key_pages(cfg, mod.KeyCodec, st, kp, 0, 0)
             values_one = _paged.write_values(cfg, mod.KeyCodec, st, vp, 0)
             fused = keys_one and values_one

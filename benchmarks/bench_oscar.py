@@ -238,11 +238,11 @@ def time_quantize(backend, device, quick, dry, deadline) -> dict:
     full, and its parts alone: rotate (K and V to fp16 in the rotated frame), quantize (fused clip + INT2 +
     pack of the rotated K and V), with the backend's ``oscar``, ``rotate`` and ``oscar_quant``. ``append`` is
     the default path (the fused append kernel, ``oscar_append``, where it supports the configuration),
-    ``append_unfused`` the unfused one (``kvq.fast._oscar.unfused_append``); ``decode_step`` /
+    ``append_unfused`` the unfused one (``kvq.fast.caches.oscar.unfused_append``); ``decode_step`` /
     ``decode_step_unfused``: one token per sequence appended to the full window (the token leaving it is
     quantized into a new page). ms per call, per token step (/ tokens) and per (token, sequence)."""
     import kvq.fast as fast
-    from kvq.fast import _oscar as O
+    from kvq.fast.caches import oscar as O
     oscar, OQ, rotate = _mod(backend), _mod(backend, "oscar_quant"), _mod(backend, "rotate").rotate
     OA = _mod(backend, "oscar_append")
     fast.set_validation(False)

@@ -1,9 +1,9 @@
 """Order independence (issue 36): no environment variable decides where data lives mid-process, and no
 test leaks an environment change.
 
-* ``kvq.fast._common.interpreting()`` is a fact fixed once per process (how ``@triton.jit`` decorated
+* ``kvq.fast.common.interpreting()`` is a fact fixed once per process (how ``@triton.jit`` decorated
   kvq's kernels), not a read of ``TRITON_INTERPRET`` at call time;
-* ``kvq.fast._common.cache_device(ops, device)``: an explicit device wins, validated; None -> the CPU under
+* ``kvq.fast.common.cache_device(ops, device)``: an explicit device wins, validated; None -> the CPU under
   the interpreter, else the current CUDA device;
 * tests/conftest.py fails a test (or a test module at import) that leaves ``os.environ`` changed, and
   ``--shuffle=SEED`` shuffles the collection deterministically.
@@ -22,7 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from kvq.fast import _common as C  # noqa: E402
+from kvq.fast import common as C  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HAS_CUDA = torch.cuda.is_available()
@@ -79,18 +79,18 @@ def test_interpreting_in_fresh_processes():
     kvq's kernels were decorated (compiled kernels): False."""
     code = """
         import os
-        from kvq.fast import _common as C
+        from kvq.fast import common as C
         a = C.interpreting()
         os.environ.pop("TRITON_INTERPRET", None)
         print(a, C.interpreting())
     """
     assert _run(code, interpret=True) == "True True"
-    assert _run("from kvq.fast import _common as C; print(C.interpreting())", interpret=False) == "False"
+    assert _run("from kvq.fast import common as C; print(C.interpreting())", interpret=False) == "False"
     late = """
         import os
         import kvq.fast.triton.quant
         os.environ["TRITON_INTERPRET"] = "1"
-        from kvq.fast import _common as C
+        from kvq.fast import common as C
         print(C.interpreting())
     """
     assert _run(late, interpret=False) == "False"

@@ -475,7 +475,7 @@ def check_cache_name(name: str, device: str, option: str = "--caches", prog: str
                            f"{method}:reference)", prog)
     if backend == "triton":
         try:
-            from kvq.fast._common import interpreting
+            from kvq.fast.common import interpreting
             ok = interpreting()
         except ImportError:
             ok = False

@@ -8,8 +8,11 @@ bit under the numerics contract (DESIGN.md section 2); the tests in ``tests/pari
     out, lse = decode_attention(q, [(k, v)], backend="cupy")                       # raw CUDA
 
 Backends live in ``kvq.fast.triton`` and ``kvq.fast.cupy`` with the reference's module and function
-names (``kvq.fast.triton.quant.quantize`` mirrors ``kvq.reference.quant.quantize``). Importing this
-package imports neither Triton nor CuPy: a backend is loaded on its first use.
+names (``kvq.fast.triton.quant.quantize`` mirrors ``kvq.reference.quant.quantize``). Their cache
+methods are thin bindings of one shared layer, ``kvq.fast.caches`` (states, append routing, codecs,
+predictors on torch tensors), to the backend's kernels; ``kvq.fast.common`` holds the checks every fast
+module shares. So kvq reads in four columns: reference, shared fast logic, Triton kernels, CUDA kernels.
+Importing this package imports neither Triton nor CuPy: a backend is loaded on its first use.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import importlib
 
 import numpy as np
 
-from ._common import set_validation, validation, validation_enabled  # noqa: F401
+from .common import set_validation, validation, validation_enabled  # noqa: F401
 
 BACKENDS = ("triton", "cupy")
 DEFAULT_BACKEND = "triton"

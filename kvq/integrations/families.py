@@ -62,7 +62,7 @@ def _no_value_scan():
     synchronization per layer and step, and a model's query is its own (NaN there comes from NaN hidden
     states, which reach the logits anyway). Triton's decodes give NaN out for a NaN query row; CuPy's may give
     zeros (their running max skips NaN scores). Shapes, dtypes and devices are still checked."""
-    return importlib.import_module("kvq.fast._common").validation(False)
+    return importlib.import_module("kvq.fast.common").validation(False)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -805,7 +805,7 @@ class AquaKV(Family):
         st = s._shared
         segs = []
         if st.length:
-            fast = importlib.import_module("kvq.fast._aqua_cache")
+            fast = importlib.import_module("kvq.fast.caches.aqua_cache")
             segs = fast.segments(s.cfg, st, layer, self.aqua_history(layer))
         if w.k is not None:
             segs.append((w.k.float(), w.v.float()))

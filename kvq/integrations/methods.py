@@ -200,9 +200,9 @@ def _torch():
 
 def _fast_interpreting() -> bool:
     """Whether kvq's Triton kernels run under Triton's CPU interpreter: the process-wide fact of
-    ``kvq.fast._common.interpreting`` (fixed when the kernels were decorated), never the environment."""
-    from kvq.fast import _common
-    return _common.interpreting()
+    ``kvq.fast.common.interpreting`` (fixed when the kernels were decorated), never the environment."""
+    from kvq.fast import common
+    return common.interpreting()
 
 
 def _to_numpy(a):
@@ -244,9 +244,9 @@ OUT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 def _to_out(x, dtype):
     """Dequantized fp32 ``x`` in ``dtype``: float16 saturates finite values beyond +-65504 (the numerics
-    contract's ``to_out``, on torch tensors ``kvq.fast._common.to_out``: a group holding 65504 has a top code
+    contract's ``to_out``, on torch tensors ``kvq.fast.common.to_out``: a group holding 65504 has a top code
     whose fp32 value rounds to inf in fp16)."""
-    return importlib.import_module("kvq.fast._common").to_out(x, dtype)
+    return importlib.import_module("kvq.fast.common").to_out(x, dtype)
 
 
 def _out_dtype(dtype):
@@ -698,7 +698,7 @@ class KVStore:
         """The fast tier's value scans off for this call where the store was made with ``validate=False``."""
         if self.validate or self.backend == "reference":
             return contextlib.nullcontext()
-        return importlib.import_module("kvq.fast._common").validation(False)
+        return importlib.import_module("kvq.fast.common").validation(False)
 
     @contextlib.contextmanager
     def _atomic(self, layer: int):

@@ -33,7 +33,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]       # kvq, and the benchm
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # model_mma_scores, beside this file
 
 from accuracy_large_operands import large_case  # noqa: E402
-from kvq.fast import _paged  # noqa: E402
+from kvq.fast.caches import paged as _paged  # noqa: E402
 from kvq.reference import kivi as RK  # noqa: E402
 
 LOG2E = 1.4426950408889634

@@ -1,6 +1,6 @@
 """One page flush per method, the single-kernel pool writers against the quantizers and copies.
 
-``bench_kivi_kitty.time_flush`` per backend, with ``kvq.fast._codecs.FUSED_FLUSH`` on, then off (the
+``bench_kivi_kitty.time_flush`` per backend, with ``kvq.fast.caches.codecs.FUSED_FLUSH`` on, then off (the
 path a backend without writers takes), ``--rounds`` times each, alternating; B = 8, H_kv = 8, G = 128,
 D = 128. Writes ``flush_ab.json`` (ms per flush: one key page written into the pool and G values
 quantized into their page slots; ``fused``: whether both writes took a single kernel).
@@ -22,7 +22,7 @@ import bench_kivi_kitty as K  # noqa: E402
 
 
 def run(device, backends, rounds: int, dry: bool) -> dict:
-    from kvq.fast import _codecs
+    from kvq.fast.caches import codecs as _codecs
     res = {"rounds": rounds, "backends": {}}
     for backend in backends:
         rows = {}

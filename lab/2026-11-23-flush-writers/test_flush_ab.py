@@ -1,5 +1,5 @@
 """flush_ab.py (beside this file) times each backend's flush with the single-kernel writers on, then off, and
-leaves ``kvq.fast._codecs.FUSED_FLUSH`` as it found it.
+leaves ``kvq.fast.caches.codecs.FUSED_FLUSH`` as it found it.
 
 A lab test (not collected by ``make test``: pytest's testpaths are ``tests/``); run it by hand:
 ``.venv/bin/python -m pytest lab/2026-11-23-flush-writers/test_flush_ab.py -q``."""
@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))          # flush_ab, beside this file
 
 import flush_ab  # noqa: E402
-from kvq.fast import _codecs  # noqa: E402
+from kvq.fast.caches import codecs as _codecs  # noqa: E402
 
 
 def test_alternates_writers_on_and_off_and_restores(monkeypatch):

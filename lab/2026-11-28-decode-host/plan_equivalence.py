@@ -18,7 +18,7 @@ import kvq.fast.cupy.paged as NEW
 import kvq.fast.cupy.plans as PL
 import kvq.fast.cupy._paged_old as OLD
 import kvq.fast.cupy.attention as A
-from kvq.fast import _paged
+from kvq.fast.caches import paged as _paged
 from kvq.fast.triton import kivi as TK, kitty as TT
 from kvq.fast.cupy import kivi as CK, kitty as CT
 

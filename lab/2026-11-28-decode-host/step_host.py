@@ -43,7 +43,7 @@ def main() -> None:
 
     import kvq
     from kvq.commands import bench_e2e as B
-    from kvq.fast import _common as C
+    from kvq.fast import common as C
     model = B.build_model(False, "cuda", 131072 + 64)
     rows = []
     for shp in a.shapes:

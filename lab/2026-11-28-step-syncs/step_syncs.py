@@ -47,7 +47,7 @@ def main() -> None:
     import torch
 
     import kvq.fast as F
-    from kvq.fast import _common as C
+    from kvq.fast import common as C
     B = _bench()
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["1x32768", "8x32768"])

@@ -453,7 +453,7 @@ def _patch_decode_glue(monkeypatch, sms=132, per_sm_max=4):
 
     import kvq.fast.cupy._loader as L
     import kvq.fast.cupy.attention as A
-    from kvq.fast import _common as C
+    from kvq.fast import common as C
     from kvq.fast.cupy import paged as PD
     from kvq.fast.cupy import plans as PL
 

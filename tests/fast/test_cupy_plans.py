@@ -69,7 +69,7 @@ def fake_device(monkeypatch):
 
 
 def _cache(name="KIVI-K2V2", T=300, B=2, kitty=False):
-    """A CPU cache built by the Triton backend (the state class is shared: ``kvq.fast._paged``) and the CuPy
+    """A CPU cache built by the Triton backend (the state class is shared: ``kvq.fast.caches.paged``) and the CuPy
     key codec of its method."""
     from kvq.fast.cupy import kitty as CT
     from kvq.fast.cupy import kivi as CK

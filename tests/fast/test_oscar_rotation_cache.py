@@ -1,4 +1,4 @@
-"""kvq.fast._oscar copies a calibration's rotations to the device once (so decode makes no host-to-device
+"""kvq.fast.caches.oscar copies a calibration's rotations to the device once (so decode makes no host-to-device
 copy and can be captured in a CUDA graph); the cache is keyed on the array object, device and transpose."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvq.fast import _oscar
+from kvq.fast.caches import oscar as _oscar
 
 
 def test_rotation_copied_once_per_array():

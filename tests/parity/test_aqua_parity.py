@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvq.fast import _aqua as _A
+from kvq.fast.caches import aqua as _A
 from kvq.reference import aqua as RA
 from kvq.reference import aqua_cache as RC
 from kvq.reference import attention as RAT

@@ -1,5 +1,5 @@
 """The fast BitDecoding cache (kvq.fast.<backend>.bitdecoding: init / append / dequantize / decode_attention,
-written once in kvq.fast._bitdecoding_cache) against kvq.reference.bitdecoding.
+written once in kvq.fast.caches.bitdecoding_cache) against kvq.reference.bitdecoding.
 
 The state is bit-exact: after every append of a sequence (a prefill that leaves a partial residual,
 single-token decode steps crossing a page boundary, a float32 bulk append spanning several pages that
@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvq.fast import _bitdecoding_cache as BC
+from kvq.fast.caches import bitdecoding_cache as BC
 from kvq.reference import bitdecoding as R
 
 from .cases import assert_bits_equal, assert_same_error

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvq.fast import _common as C
+from kvq.fast import common as C
 from kvq.reference import bitdecoding as R
 
 from .cases import assert_same_error

@@ -141,3 +141,17 @@ def test_not_yet_implemented_names_are_real(backend):
         for name in names:
             assert name in F.MIRRORED[module], (module, name)
             assert not (mod is not None and hasattr(mod, name)) and name not in fns, f"kvq.fast.{backend}.{module}.{name} exists: remove it from NOT_YET_IMPLEMENTED"
+
+
+def test_the_shared_fast_logic_is_a_named_layer():
+    """The fourth column is visible: kvq.fast has no private top-level modules; the shared cache logic is
+    ``kvq.fast.caches``, every module of it documented and listed in the package's docstring."""
+    root = pathlib.Path(F.__file__).parent
+    assert sorted(p.name for p in root.glob("_*.py") if p.name != "__init__.py") == []
+    caches = importlib.import_module("kvq.fast.caches")
+    names = sorted(p.stem for p in (root / "caches").glob("*.py") if p.stem != "__init__")
+    assert names, "kvq/fast/caches holds no modules"
+    for name in names:
+        mod = importlib.import_module(f"kvq.fast.caches.{name}")
+        assert (mod.__doc__ or "").strip(), f"kvq.fast.caches.{name} has no docstring"
+        assert f"``{name}``" in caches.__doc__, f"kvq.fast.caches' docstring does not list {name}"

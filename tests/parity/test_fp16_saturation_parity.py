@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvq.fast import _common as C
+from kvq.fast import common as C
 from kvq.reference import bitdecoding as RB
 from kvq.reference import higgs as RG
 from kvq.reference import numerics as nx

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import kvq.fast as F
-from kvq.fast import _sensitivity as S
+from kvq.fast.caches import sensitivity as S
 from kvq.reference import attention as RA
 from kvq.reference import kitty as RT
 from kvq.reference import quant as RQ

@@ -174,7 +174,7 @@ def test_state_parity(target, case, chunks):
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=[IDS[1], IDS[3]])
 def test_state_after_every_token(target, case):
-    """A prompt, then one token per append (the decode path, ``kvq.fast._paged._append_token``, and the
+    """A prompt, then one token per append (the decode path, ``kvq.fast.caches.paged._append_token``, and the
     general routing at each page boundary): after every token the fast state equals the reference state of
     the same prefix, bit for bit (window filling, values evicted into pages or the value Q-buffer, key pages
     completed)."""

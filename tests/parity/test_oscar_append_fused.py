@@ -1,5 +1,5 @@
 """The fused OSCAR append (``kvq.fast.<backend>.oscar_append``: one kernel per append for K and one for V)
-against ``kvq.reference.oscar.append`` and against the unfused path (``kvq.fast._oscar.FUSED_APPEND``).
+against ``kvq.reference.oscar.append`` and against the unfused path (``kvq.fast.caches.oscar.FUSED_APPEND``).
 
 After every append of a mixed sequence (prefill shorter / longer than sink + window, spanning several
 pages, then 1-token decode steps that cross page boundaries; batch > 1; shared and per-head R; fp16 and
@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvq.fast import _common as C
-from kvq.fast import _oscar as O
+from kvq.fast import common as C
+from kvq.fast.caches import oscar as O
 from kvq.reference import oscar as RO
 
 from .cases import as_bits, assert_bits_equal, assert_same_error

@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvq.fast import _oscar
+from kvq.fast.caches import oscar as _oscar
 from kvq.reference import oscar as RO
 
 from .tolerance import check_close

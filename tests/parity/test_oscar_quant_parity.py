@@ -106,7 +106,7 @@ def test_percentile_clip(fast_target, i):
 
 def _numpy_quantile(a: np.ndarray, rho) -> np.ndarray:
     """The quantile rule on NumPy's sort (NaN last): what the fast tier computes with validation off."""
-    from kvq.fast import _common as C
+    from kvq.fast import common as C
     from kvq.reference import numerics as nx
 
     s = np.sort(a, axis=-1)
@@ -118,7 +118,7 @@ def test_quantile_non_finite(fast_target):
     """The reference's quantile takes inf (ordered) and refuses NaN (rule 8, issue 36: a sort puts NaN last,
     as the largest value); the fast one gives the same bits and the same error, and with validation off
     sorts NaN last, as NumPy does."""
-    from kvq.fast import _common as C
+    from kvq.fast import common as C
 
     from .cases import assert_same_error
 

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvq.fast import _codecs
-from kvq.fast import _paged
+from kvq.fast.caches import codecs as _codecs
+from kvq.fast.caches import paged as _paged
 from kvq.fast.cupy import _flush as CW
 from kvq.fast.cupy import kitty as CK
 from kvq.fast.cupy import kivi as CV

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvq.fast._codecs import check_key_flush, check_value_evict, key_flush_operands
+from kvq.fast.caches.codecs import check_key_flush, check_value_evict, key_flush_operands
 
 from . import _loader as L
 
@@ -50,8 +50,8 @@ def flush_key_pages(pages: torch.Tensor, pool: dict, first: int, bits: int, d_bo
     KIVI's ``codes`` / ``scale`` / ``mn`` with ``bits``-bit codes, or (``kitty``, magnitude selection,
     bits = 2) Kitty's ``low`` / ``high`` / ``idx`` / ``scale`` / ``mn``.
 
-    Checks the shapes and dtypes it relies on (``kvq.fast._codecs.check_key_flush``); the caller
-    (``kvq.fast._paged.append``) has validated the keys (finite fp16) and allocated the slots.
+    Checks the shapes and dtypes it relies on (``kvq.fast.caches.codecs.check_key_flush``); the caller
+    (``kvq.fast.caches.paged.append``) has validated the keys (finite fp16) and allocated the slots.
     """
     check_key_flush(pages, pool, first, bits, d_boost, kitty)
     B, H, n, G, D = pages.shape

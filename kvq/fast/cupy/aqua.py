@@ -1,6 +1,6 @@
 """CuPy AQUA-KV, one layer (AQUA-KV §3.2-3.3, Algorithms 2-3): the fused decode kernel and encode / decode.
 
-The CuPy twin of ``kvq.fast.triton.aqua``: the same backend-neutral code (``kvq.fast._aqua``) run with
+The CuPy twin of ``kvq.fast.triton.aqua``: the same backend-neutral code (``kvq.fast.caches.aqua``) run with
 the raw CUDA kernels of this backend. ``aqua.cu`` holds the fused decode: for a tile of token groups,
 HIGGS grid lookup, scale and inverse Hadamard in shared memory (``higgs.cuh``, shared with ``higgs.cu``)
 or uniform unpack + dequantize, then ``+ (y + bias)`` (y = the predictor's fp32 matrix product from
@@ -17,9 +17,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvq.fast import _aqua as _A
-from kvq.fast._aqua import from_tokens, to_tokens  # noqa: F401  (layout helpers, shared)
-from kvq.fast._higgs import _CONTAINER, _grid_tensor
+from kvq.fast.caches import aqua as _A
+from kvq.fast.caches.aqua import from_tokens, to_tokens  # noqa: F401  (layout helpers, shared)
+from kvq.fast.caches.higgs import _CONTAINER, _grid_tensor
 from kvq.reference.aqua import (AquaConfig, AquaPredictors, Higgs, KeepFP16,  # noqa: F401
                                 Predictor, Uniform)                           # (the reference's objects)
 
@@ -80,7 +80,7 @@ def reconstruct(backbone, codes: dict, F: int, y=None, bias=None) -> torch.Tenso
     return out
 
 
-#: this backend's kernels for the shared AQUA-KV code (``kvq.fast._aqua``)
+#: this backend's kernels for the shared AQUA-KV code (``kvq.fast.caches.aqua``)
 OPS = _A.AquaOps("cupy", reconstruct, HG, PK, A, lambda: False)
 
 

@@ -2,7 +2,7 @@
 
 The CuPy twin of ``kvq.fast.triton.aqua_cache``: the same state (``AquaTensorState``), routing (sink,
 buffer, one chunk per full buffer, layer 0 first, keys pre-RoPE by default) and reading, written once
-in ``kvq.fast._aqua_cache``, run with this backend's kernels (``aqua.OPS``: the fused decode of
+in ``kvq.fast.caches.aqua_cache``, run with this backend's kernels (``aqua.OPS``: the fused decode of
 ``aqua.cu``, the HIGGS quantizer of ``higgs.cu``, ``packing.quantize_pack``, the flash-decoding kernel
 of ``attention.cu``).
 
@@ -15,8 +15,8 @@ of ``attention.cu``).
 
 from __future__ import annotations
 
-from kvq.fast import _aqua_cache as _A
-from kvq.fast._aqua_cache import AquaTensorState, bits_per_value, state_bytes  # noqa: F401
+from kvq.fast.caches import aqua_cache as _A
+from kvq.fast.caches.aqua_cache import AquaTensorState, bits_per_value, state_bytes  # noqa: F401
 from kvq.reference.aqua import AquaConfig, AquaPredictors
 
 from .aqua import OPS

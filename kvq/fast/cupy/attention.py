@@ -24,7 +24,7 @@ import math
 import numpy as np
 import torch
 
-from kvq.fast import _common as C
+from kvq.fast import common as C
 
 from . import _loader as L
 

@@ -10,7 +10,7 @@ bytes, bit for bit.
 
 The cache (``init`` / ``append`` / ``dequantize`` / ``decode_attention`` on a
 :class:`BitDecodingTensorState`, the reference's fields as torch tensors) is written once for both
-backends in ``kvq.fast._bitdecoding_cache`` and runs these kernels: after the same appends every tensor
+backends in ``kvq.fast.caches.bitdecoding_cache`` and runs these kernels: after the same appends every tensor
 of the state equals the reference's array bit for bit. Decode runs the fused tensor-core kernel of
 ``kvq.fast.cupy.bitdecoding_decode`` over the packed pages where it applies (fp16 q, D = 128, the paper's
 group layouts: its ``supported``), else dequantizes the history pages and attends them with the residual
@@ -25,10 +25,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvq.fast import _bitdecoding as B
-from kvq.fast import _bitdecoding_cache as _BC
-from kvq.fast import _common as C
-from kvq.fast._bitdecoding_cache import BitDecodingTensorState  # noqa: F401  (the fast state)
+from kvq.fast.caches import bitdecoding as B
+from kvq.fast.caches import bitdecoding_cache as _BC
+from kvq.fast import common as C
+from kvq.fast.caches.bitdecoding_cache import BitDecodingTensorState  # noqa: F401  (the fast state)
 from kvq.reference import bitdecoding as _R
 from kvq.reference.bitdecoding import CONFIGS, P_N, BitDecodingConfig  # noqa: F401  (the reference's objects)
 
@@ -117,7 +117,7 @@ def pack_values(cfg: BitDecodingConfig, v):
 
 def unpack_keys(cfg: BitDecodingConfig, k_words) -> torch.Tensor:
     """Mirrors `kvq.reference.bitdecoding.unpack_keys`: codes (..., N_r, D) torch.uint8 (torch ops on the
-    words: shifts and masks, the layout's index map; ``kvq.fast._bitdecoding``)."""
+    words: shifts and masks, the layout's index map; ``kvq.fast.caches.bitdecoding``)."""
     _check_cfg(cfg)
     B.check_key_words(cfg, k_words, allow_cpu=False)
     return B.unpack_keys(cfg, k_words)
@@ -160,7 +160,7 @@ def query_untransform(o, q_heads: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------
-# the cache (kvq.fast._bitdecoding_cache, written once for both backends, run with this module's kernels)
+# the cache (kvq.fast.caches.bitdecoding_cache, written once for both backends, run with this module's kernels)
 
 
 def _fused_decode(cfg, st, q, *, scale=None):
@@ -169,7 +169,7 @@ def _fused_decode(cfg, st, q, *, scale=None):
     return BD.decode(cfg, st, q, scale=scale) if BD.supported(cfg, st, q) else None
 
 
-#: this backend's kernels for the shared BitDecoding cache code (``kvq.fast._bitdecoding_cache``)
+#: this backend's kernels for the shared BitDecoding cache code (``kvq.fast.caches.bitdecoding_cache``)
 OPS = _BC.BitDecodingOps("cupy", pack_keys, pack_values, dequantize_page, A, lambda: False,
                          fused_decode=_fused_decode)
 

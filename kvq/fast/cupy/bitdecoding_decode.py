@@ -19,7 +19,7 @@ import functools
 import numpy as np
 import torch
 
-from kvq.fast import _common as C
+from kvq.fast import common as C
 from kvq.reference import bitdecoding as _R
 
 from . import _loader as L

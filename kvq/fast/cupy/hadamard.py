@@ -4,7 +4,7 @@ Mirrors ``kvq.reference.hadamard``: ``fwht`` runs the same ``log2(d)`` butterfly
 order (stage s: stride h = 2**s, ``(a, b) -> (a + b, a - b)``, each one rounded fp32 add / subtract),
 then one rounded multiply by ``fwht_scale(d)`` (the same fp32 constant, computed on the host), in the
 raw CUDA kernels of ``higgs.cu`` (``fwht_rows``, ``fwht_stage``: PTX arithmetic without FMA or ftz):
-bit-identical to the reference. The host-side helpers are shared with the Triton backend (``kvq.fast._higgs``).
+bit-identical to the reference. The host-side helpers are shared with the Triton backend (``kvq.fast.caches.higgs``).
 
     from kvq.fast.cupy.hadamard import fwht, hadamard_matrix
     y = fwht(x)                    # x (..., d) torch CUDA fp16 / bf16 / fp32, d a power of two -> fp32
@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvq.fast import _common as C
-from kvq.fast._higgs import hadamard_matrix  # noqa: F401  (host-side: the same for both backends)
+from kvq.fast import common as C
+from kvq.fast.caches.higgs import hadamard_matrix  # noqa: F401  (host-side: the same for both backends)
 from kvq.reference import hadamard as RH
 from kvq.reference import numerics as nx
 

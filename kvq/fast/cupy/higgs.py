@@ -6,7 +6,7 @@ sum of squares, ``rms = sqrt_rn(div_rn(ss, g))`` rounded to the metadata dtype, 
 ``hadamard.fwht`` and one multiply by ``fwht_scale(g)``, ``z = div_rn(., scale)`` (0 where the stored
 scale is 0) and the strict-``<`` nearest-point scan (ties to the lowest index), for a tile of token
 groups held in shared memory; ``higgs_dequant`` is ``fwht(grid[idx] * scale)``. The host side (index
-dtypes, grid caching, scale and index checks) is shared with the Triton backend (``kvq.fast._higgs``).
+dtypes, grid caching, scale and index checks) is shared with the Triton backend (``kvq.fast.caches.higgs``).
 
     from kvq.fast.cupy import higgs
     cfg = higgs.HiggsConfig(d=2, n=16)
@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvq.fast import _common as C
-from kvq.fast import _higgs as TG
+from kvq.fast import common as C
+from kvq.fast.caches import higgs as TG
 from kvq.reference import higgs as RG
 from kvq.reference import numerics as nx
 from kvq.reference.higgs import SHIPPED_GRIDS, HiggsConfig  # noqa: F401  (data: the reference's objects)

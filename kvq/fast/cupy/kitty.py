@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from kvq.fast import _codecs as K
-from kvq.fast import _paged
-from kvq.fast import _sensitivity as S
+from kvq.fast.caches import codecs as K
+from kvq.fast.caches import paged as _paged
+from kvq.fast.caches import sensitivity as S
 from kvq.reference.kitty import CONFIGS, KittyConfig  # noqa: F401  (the reference's objects)
 
 from . import paged
@@ -71,7 +71,7 @@ def dequantize_page(page: dict, group_size: int):
     return K.dequantize_page(paged.OPS, page, group_size)
 
 
-#: Kitty key pages (``kvq.fast._codecs.KittyCodec``) quantized and packed by the CuPy kernels
+#: Kitty key pages (``kvq.fast.caches.codecs.KittyCodec``) quantized and packed by the CuPy kernels
 KeyCodec = K.KittyCodec(paged.OPS)
 
 
@@ -119,7 +119,7 @@ def channel_sensitivity(q, k, *, bits: int = 2, group_size=None, causal: bool = 
     Differences: q and k are torch tensors on a CUDA device; the result is a torch.float64 tensor on k's
     device. Scores and means are order-dependent (contract rule 7, the tolerance rule): each channel's
     perturbation is applied to one shared score matrix as a rank-1 change of the logits, in float64
-    (``kvq.fast._sensitivity``). NaN / inf in q or k raise only while ``kvq.fast.validation`` is on
+    (``kvq.fast.caches.sensitivity``). NaN / inf in q or k raise only while ``kvq.fast.validation`` is on
     (otherwise they propagate into the result).
     """
     return S.channel_sensitivity(paged.OPS, q, k, bits=bits, group_size=group_size, causal=causal, scale=scale)

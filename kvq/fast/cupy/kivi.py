@@ -6,15 +6,15 @@
     kivi.append(cfg, st, k, v)                             # k, v: (B, H_kv, T_new, D) fp16 CUDA tensors
     out, lse = kivi.decode_attention(cfg, st, q)           # one fused kernel over the packed pages
 
-State and append are ``kvq.fast._paged`` (shared with the Triton backend) run with the bit-exact CuPy
+State and append are ``kvq.fast.caches.paged`` (shared with the Triton backend) run with the bit-exact CuPy
 quantize / pack kernels. The state's tensors are bit-identical to the reference state's arrays after the same appends; a key
 page is ``codes`` (D, G * k_bits / 8) uint8 packed along tokens, ``scale`` / ``mn`` (D,).
 """
 
 from __future__ import annotations
 
-from kvq.fast import _paged
-from kvq.fast._codecs import KIVICodec
+from kvq.fast.caches import paged as _paged
+from kvq.fast.caches.codecs import KIVICodec
 from kvq.reference.kivi import CONFIGS, KIVIConfig  # noqa: F401  (the reference's objects)
 
 from . import paged
@@ -22,7 +22,7 @@ from . import paged
 __all__ = ["KIVIConfig", "CONFIGS", "init", "append", "dequantize", "decode_attention"]
 
 
-#: KIVI key pages (``kvq.fast._codecs.KIVICodec``) quantized and packed by the CuPy kernels
+#: KIVI key pages (``kvq.fast.caches.codecs.KIVICodec``) quantized and packed by the CuPy kernels
 KeyCodec = KIVICodec(paged.OPS)
 
 

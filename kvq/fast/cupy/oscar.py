@@ -1,7 +1,7 @@
 """CuPy OSCAR cache: mirrors ``kvq.reference.oscar`` (OSCAR section 4) on torch tensors, bit-exact state.
 
 The CuPy twin of ``kvq.fast.triton.oscar``: the same state (``OSCARTensorState``) and the same routing
-(sink, window ring, pages allocated page-major then batch), written once in ``kvq.fast._oscar``, run
+(sink, window ring, pages allocated page-major then batch), written once in ``kvq.fast.caches.oscar``, run
 with the raw CUDA kernels of this backend: the fixed-order rotation ``kvq.fast.cupy.rotate`` (the
 reference's operations in its order, so the same bits), the fused clip + quantize + pack of
 ``kvq.fast.cupy.oscar_quant``, and decode by the tensor-core kernel of ``kvq.fast.cupy.oscar_decode`` over
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from kvq.fast import _oscar as _O
-from kvq.fast._oscar import OSCARTensorState, counts, identity_calibration  # noqa: F401
+from kvq.fast.caches import oscar as _O
+from kvq.fast.caches.oscar import OSCARTensorState, counts, identity_calibration  # noqa: F401
 from kvq.reference.oscar import (CLIP_GRID, CONFIGS, DEFAULT_CLIP_K, DEFAULT_CLIP_V,  # noqa: F401
                                  OSCARCalibration, OSCARConfig)              # (the reference's objects)
 
@@ -36,7 +36,7 @@ __all__ = ["DEFAULT_CLIP_K", "DEFAULT_CLIP_V", "CLIP_GRID", "OSCARCalibration", 
 
 
 def fused_decode(cfg, st, q_rot, *, scale=None, precise: bool = True, out_dtype=torch.float32, R_out=None):
-    """The decode of ``kvq.fast._oscar.decode_attention`` (``OscarOps.fused_decode``): ``(out, lse)``, out
+    """The decode of ``kvq.fast.caches.oscar.decode_attention`` (``OscarOps.fused_decode``): ``(out, lse)``, out
     in the rotated frame (``R_out`` None) or rotated by ``R_out`` (``oscar_decode.rotate_heads``' sums), in
     ``out_dtype`` (rounded once from fp32), lse fp32. The tensor-core kernel where it applies
     (``oscar_decode.supported``) and q is half precision (``precise=False``), its merge rotating the
@@ -48,7 +48,7 @@ def fused_decode(cfg, st, q_rot, *, scale=None, precise: bool = True, out_dtype=
     return (out.to(out_dtype) if R_out is None else OD.rotate_heads(out, R_out, out_dtype)), lse
 
 
-#: this backend's kernels for the shared OSCAR cache code (``kvq.fast._oscar``)
+#: this backend's kernels for the shared OSCAR cache code (``kvq.fast.caches.oscar``)
 OPS = _O.OscarOps("cupy", rotate, OQ, P, A, lambda: False, fused_decode=fused_decode, fused_append=OA,
                    rotate_heads=OD.rotate_heads)
 
@@ -79,7 +79,7 @@ def append(cfg: OSCARConfig, calib: OSCARCalibration, state: OSCARTensorState, k
     ones) are clipped and quantized into their page slots, pages allocated page-major then batch as the
     reference. ONE fused kernel per call for K and one for V does all of it
     (``kvq.fast.cupy.oscar_append``, where it supports the configuration: see its ``supported``); else
-    (or with ``kvq.fast._oscar.FUSED_APPEND = False``) the unfused path: the rotation kernel
+    (or with ``kvq.fast.caches.oscar.FUSED_APPEND = False``) the unfused path: the rotation kernel
     ``kvq.fast.cupy.rotate``, ``oscar_quant``'s fused quantizer on the tokens leaving, torch writes. Both
     give the reference's bits.
     Differences: k, v are float16 / float32 torch CUDA tensors on the cache's device; the NaN / inf and

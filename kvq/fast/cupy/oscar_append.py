@@ -3,7 +3,7 @@ append for K and one for V (``oscar_append`` of ``oscar_append.cu``) that rotate
 them to fp16 and writes each where it belongs: the sink, the window ring, or (clipped, quantized, packed)
 its page slot, together with the OLD window tokens that the new ones push out of the window.
 
-A fast-only helper of ``kvq.fast._oscar.append`` (``OscarOps.fused_append``), the CuPy twin of
+A fast-only helper of ``kvq.fast.caches.oscar.append`` (``OscarOps.fused_append``), the CuPy twin of
 ``kvq.fast.triton.oscar_append``, not a mirrored module. It fuses what the unfused path does in ~10
 launches (``rotate_rows``, the fp16 rounding, the concatenation of the window ring with the new tokens,
 ``oscar_quant_rows``, the torch scatters into sink / ring / pages) because a decode step appends one
@@ -14,7 +14,7 @@ selects the quantile by bisection in registers, clips, quantizes and packs (``os
 arithmetic).
 
     from kvq.fast.cupy import oscar_append as OA
-    if OA.supported(cfg, D): OA.append(cfg, st, 0, k, R_K, calib.clip_k, plan)      # plan: _oscar.AppendPlan
+    if OA.supported(cfg, D): OA.append(cfg, st, 0, k, R_K, calib.clip_k, plan)      # plan: kvq.fast.caches.oscar.AppendPlan
 
 The kernels are compiled here (``NAMES``) from ``oscar_append.cu`` with the loader's source pasting and
 options (``_loader.source``, ``_loader.OPTIONS``), on first use.
@@ -27,7 +27,7 @@ import functools
 import numpy as np
 import torch
 
-from kvq.fast import _oscar as _O
+from kvq.fast.caches import oscar as _O
 
 from . import _loader as L
 
@@ -64,7 +64,7 @@ def supported(cfg, D: int) -> bool:
 
 def append(cfg, st, kv: int, x: torch.Tensor, R: torch.Tensor, clip: float, plan) -> None:
     """Append the new tokens ``x`` of K (``kv = 0``) or V (``kv = 1``) to the OSCAR state ``st`` in one
-    launch of ``oscar_append``: ``kvq.fast._oscar.OscarOps.fused_append``'s contract."""
+    launch of ``oscar_append``: ``kvq.fast.caches.oscar.OscarOps.fused_append``'s contract."""
     B, H, D = st.shape
     n = x.shape[2]
     if n == 0:

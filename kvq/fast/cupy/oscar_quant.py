@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvq.fast import _common as C
+from kvq.fast import common as C
 
 from . import _loader as L
 from . import quant as Q

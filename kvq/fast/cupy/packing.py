@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvq.fast import _common as C
+from kvq.fast import common as C
 from kvq.reference import numerics as nx
 from kvq.reference.packing import PACK_BITS, check_pack_bits
 from kvq.reference.quant import check_groups

@@ -1,6 +1,6 @@
 """CuPy decode over the paged streaming cache shared by ``kivi`` and ``kitty`` (``kvq.reference.paged``).
 
-The state, its routing and its quantize+pack steps are ``kvq.fast._paged`` (shared with the Triton
+The state, its routing and its quantize+pack steps are ``kvq.fast.caches.paged`` (shared with the Triton
 backend), run here with the bit-exact CuPy kernels (``OPS``); this module adds the decode kernels of
 ``paged.cu``.
 
@@ -40,10 +40,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvq.fast import _common as C
-from kvq.fast import _paged
-from kvq.fast._codecs import Ops
-from kvq.fast._paged import (PagedState, append, counts, dequantize_cache, init,  # noqa: F401
+from kvq.fast import common as C
+from kvq.fast.caches import paged as _paged
+from kvq.fast.caches.codecs import Ops
+from kvq.fast.caches.paged import (PagedState, append, counts, dequantize_cache, init,  # noqa: F401
                              max_pages, meta_dtype, quantize_values, segment_bounds)
 
 from . import _flush as W
@@ -53,7 +53,7 @@ from . import packing as P
 from . import plans as PL
 from . import quant as Q
 
-#: the bit-exact CuPy kernels the shared paged cache (``kvq.fast._paged``) quantizes and packs with, and
+#: the bit-exact CuPy kernels the shared paged cache (``kvq.fast.caches.paged``) quantizes and packs with, and
 #: its single-kernel pool writers (``flush.cu``: key pages and evicted values straight into the pool)
 OPS = Ops("cupy", Q, P, lambda: False, key_flush=W.flush_key_pages, value_evict=W.evict_values)
 

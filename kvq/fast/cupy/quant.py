@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvq.fast import _common as C
+from kvq.fast import common as C
 from kvq.reference import numerics as nx
 from kvq.reference.quant import check_groups
 
@@ -240,5 +240,5 @@ def percentile_clip(x, ratio: float, axis: int = -1):
     return C.quantile_rows(x, ratio, axis, launch_quantile_rows, clip=True)
 
 
-quantile_index = C.quantile_index     # host-side, shared with the other backend (kvq.fast._common)
+quantile_index = C.quantile_index     # host-side, shared with the other backend (kvq.fast.common)
 check_ratio = C.check_ratio

@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.fast import _common as C
-from kvq.fast._codecs import check_key_flush, check_value_evict, key_flush_operands
+from kvq.fast import common as C
+from kvq.fast.caches.codecs import check_key_flush, check_value_evict, key_flush_operands
 
 from .quant import _codes, _fast_ok, _load_f32, _meta
 
@@ -107,7 +107,7 @@ def flush_key_pages(pages: torch.Tensor, pool: dict, first: int, bits: int, d_bo
     KIVI's ``codes`` / ``scale`` / ``mn`` with ``bits``-bit codes, or (``kitty``, magnitude selection,
     bits = 2) Kitty's ``low`` / ``high`` / ``idx`` / ``scale`` / ``mn``.
 
-    Checks the shapes and dtypes it relies on; the caller (``kvq.fast._paged.append``) has validated
+    Checks the shapes and dtypes it relies on; the caller (``kvq.fast.caches.paged.append``) has validated
     the keys (finite fp16) and allocated the slots.
     """
     check_key_flush(pages, pool, first, bits, d_boost, kitty)

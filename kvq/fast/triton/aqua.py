@@ -14,8 +14,8 @@ the HIGGS quantizer of ``higgs.py`` / the fused ``packing.quantize_pack`` on ``x
     K_hat, V_hat = aqua.decode(cfg, P, l, Kq, Vq, F, K_prev_hat, V_prev_hat)
 
 Predictor weights (the reference's NumPy :class:`AquaPredictors`) are copied to the device once per
-(P, device) and cached (``kvq.fast._aqua.weights``). The cache over all layers is ``aqua_cache.py``;
-the backend-neutral code both backends share is ``kvq.fast._aqua`` / ``_aqua_cache``.
+(P, device) and cached (``kvq.fast.caches.aqua.weights``). The cache over all layers is ``aqua_cache.py``;
+the backend-neutral code both backends share is ``kvq.fast.caches.aqua`` / ``_aqua_cache``.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.fast import _aqua as _A
-from kvq.fast import _common as C
-from kvq.fast._aqua import from_tokens, to_tokens  # noqa: F401  (layout helpers, shared)
-from kvq.fast._higgs import _CONTAINER, _grid_tensor
+from kvq.fast.caches import aqua as _A
+from kvq.fast import common as C
+from kvq.fast.caches.aqua import from_tokens, to_tokens  # noqa: F401  (layout helpers, shared)
+from kvq.fast.caches.higgs import _CONTAINER, _grid_tensor
 from kvq.reference.aqua import (AquaConfig, AquaPredictors, Higgs, KeepFP16,  # noqa: F401
                                 Predictor, Uniform)                           # (the reference's objects)
 
@@ -135,7 +135,7 @@ def reconstruct(backbone, codes: dict, F: int, y=None, bias=None) -> torch.Tenso
     return out
 
 
-#: this backend's kernels for the shared AQUA-KV code (``kvq.fast._aqua``)
+#: this backend's kernels for the shared AQUA-KV code (``kvq.fast.caches.aqua``)
 OPS = _A.AquaOps("triton", reconstruct, HG, PK, A, C.interpreting)
 
 

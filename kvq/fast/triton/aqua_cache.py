@@ -4,7 +4,7 @@ Per sequence and layer: the first ``sink`` tokens and a recent buffer of up to `
 every earlier token as codes only, layer 0 quantized directly, layers 1..L-1 the residuals after the
 predictors. When the buffer fills, its tokens are compressed as one chunk, layer 0 first, each layer
 predicted from the previous layer's reconstruction, keys pre-RoPE by default. Routing, state and
-reading are written once for both backends (``kvq.fast._aqua_cache``), run here with this backend's
+reading are written once for both backends (``kvq.fast.caches.aqua_cache``), run here with this backend's
 kernels (``aqua.OPS``: the fused decode of ``aqua.py``, the HIGGS quantizer, ``packing.quantize_pack``,
 the flash-decoding kernel of ``attention.py``).
 
@@ -22,8 +22,8 @@ appends; residual codes of layers >= 1 follow contract rule 7 (the predictors ar
 
 from __future__ import annotations
 
-from kvq.fast import _aqua_cache as _A
-from kvq.fast._aqua_cache import AquaTensorState, bits_per_value, state_bytes  # noqa: F401
+from kvq.fast.caches import aqua_cache as _A
+from kvq.fast.caches.aqua_cache import AquaTensorState, bits_per_value, state_bytes  # noqa: F401
 from kvq.reference.aqua import AquaConfig, AquaPredictors
 
 from .aqua import OPS

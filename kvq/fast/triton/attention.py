@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kvq.fast import _common as C
+from kvq.fast import common as C
 from kvq.reference.attention import pairs_arg
 
 from .quant import _store_out

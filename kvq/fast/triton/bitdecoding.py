@@ -21,7 +21,7 @@ with ``enable_fp_fusion=False``.
 
 The cache (``init`` / ``append`` / ``dequantize`` / ``decode_attention`` on a
 :class:`BitDecodingTensorState`, the reference's fields as torch tensors) is written once for both
-backends in ``kvq.fast._bitdecoding_cache`` and runs these page kernels: after the same appends every
+backends in ``kvq.fast.caches.bitdecoding_cache`` and runs these page kernels: after the same appends every
 tensor of the state equals the reference's array bit for bit. Decode runs the fused ``tl.dot`` kernel of
 ``kvq.fast.triton.bitdecoding_decode`` over the packed pages and the residual rows (``OPS.fused_decode``)
 where it takes the configuration; otherwise it dequantizes the history pages and attends them with the
@@ -38,10 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.fast import _bitdecoding as B
-from kvq.fast import _bitdecoding_cache as _BC
-from kvq.fast import _common as C
-from kvq.fast._bitdecoding_cache import BitDecodingTensorState  # noqa: F401  (the fast state)
+from kvq.fast.caches import bitdecoding as B
+from kvq.fast.caches import bitdecoding_cache as _BC
+from kvq.fast import common as C
+from kvq.fast.caches.bitdecoding_cache import BitDecodingTensorState  # noqa: F401  (the fast state)
 from kvq.reference import bitdecoding as _R
 from kvq.reference.bitdecoding import CONFIGS, P_N, BitDecodingConfig  # noqa: F401  (the reference's objects)
 
@@ -283,7 +283,7 @@ def pack_values(cfg: BitDecodingConfig, v):
 
 def unpack_keys(cfg: BitDecodingConfig, k_words) -> torch.Tensor:
     """Mirrors `kvq.reference.bitdecoding.unpack_keys`: codes (..., N_r, D) torch.uint8 (torch ops on the
-    words: shifts and masks in int32, the layout's index map as a reshape; ``kvq.fast._bitdecoding``)."""
+    words: shifts and masks in int32, the layout's index map as a reshape; ``kvq.fast.caches.bitdecoding``)."""
     _check_cfg(cfg)
     B.check_key_words(cfg, k_words, allow_cpu=C.interpreting())
     return B.unpack_keys(cfg, k_words)
@@ -331,7 +331,7 @@ def query_untransform(o, q_heads: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------
-# the cache (kvq.fast._bitdecoding_cache, written once for both backends, run with this module's kernels)
+# the cache (kvq.fast.caches.bitdecoding_cache, written once for both backends, run with this module's kernels)
 
 
 def _fused_decode(cfg, st, q, *, scale=None):
@@ -342,7 +342,7 @@ def _fused_decode(cfg, st, q, *, scale=None):
     return BDD.decode(cfg, st, q, scale=scale) if BDD.supported(cfg, st, q) else None
 
 
-#: this backend's kernels for the shared BitDecoding cache code (``kvq.fast._bitdecoding_cache``)
+#: this backend's kernels for the shared BitDecoding cache code (``kvq.fast.caches.bitdecoding_cache``)
 OPS = _BC.BitDecodingOps("triton", pack_keys, pack_values, dequantize_page, A, C.interpreting,
                          fused_decode=_fused_decode)
 

@@ -79,7 +79,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.fast import _common as C
+from kvq.fast import common as C
 
 from . import attention as A
 from .quant import _sat_f16

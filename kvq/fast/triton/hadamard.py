@@ -17,11 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.fast import _common as C
+from kvq.fast import common as C
 from kvq.reference import hadamard as RH
 from kvq.reference import numerics as nx
 
-from kvq.fast._higgs import hadamard_matrix  # noqa: F401
+from kvq.fast.caches.higgs import hadamard_matrix  # noqa: F401
 
 from .quant import _load_f32
 

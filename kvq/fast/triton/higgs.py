@@ -27,12 +27,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.fast import _common as C
+from kvq.fast import common as C
 from kvq.reference import higgs as RG
 from kvq.reference import numerics as nx
 from kvq.reference.higgs import SHIPPED_GRIDS, HiggsConfig  # noqa: F401  (data: the reference's objects)
 
-from kvq.fast._higgs import (_CONTAINER, _check_scale, _grid_tensor, check_idx_range, dequant_args,  # noqa: F401
+from kvq.fast.caches.higgs import (_CONTAINER, _check_scale, _grid_tensor, check_idx_range, dequant_args,  # noqa: F401
                              index_dtype, load_grid)
 
 from .hadamard import _butterflies, fwht_scale

@@ -12,8 +12,8 @@ page is ``codes`` (D, G * k_bits / 8) uint8 packed along tokens, ``scale`` / ``m
 
 from __future__ import annotations
 
-from kvq.fast import _paged
-from kvq.fast._codecs import KIVICodec
+from kvq.fast.caches import paged as _paged
+from kvq.fast.caches.codecs import KIVICodec
 from kvq.reference.kivi import CONFIGS, KIVIConfig  # noqa: F401  (the reference's objects)
 
 from . import paged
@@ -21,7 +21,7 @@ from . import paged
 __all__ = ["KIVIConfig", "CONFIGS", "init", "append", "dequantize", "decode_attention"]
 
 
-#: KIVI key pages (``kvq.fast._codecs.KIVICodec``) quantized and packed by the Triton kernels
+#: KIVI key pages (``kvq.fast.caches.codecs.KIVICodec``) quantized and packed by the Triton kernels
 KeyCodec = KIVICodec(paged.OPS)
 
 

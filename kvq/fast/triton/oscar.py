@@ -6,7 +6,7 @@ quantized per token to INT2 in groups of G channels into its page slot. The rota
 fp32 product of ``kvq.reference.rotations.rotate`` (``kvq.fast.triton.rotate``: the same operations in
 the same order, so the same bits), the clip + quantize + pack is the fused kernel of
 ``kvq.fast.triton.oscar_quant``; sink / window ring / page routing and page ids follow the reference
-exactly (written once for both backends in ``kvq.fast._oscar``), so after the same appends every
+exactly (written once for both backends in ``kvq.fast.caches.oscar``), so after the same appends every
 tensor of the state equals the reference state's array.
 
     from kvq.fast.triton import oscar
@@ -19,9 +19,9 @@ reference's ``calibrate`` serves it); its fp32 rotations are copied to the cache
 
 from __future__ import annotations
 
-from kvq.fast import _common as C
-from kvq.fast import _oscar as _O
-from kvq.fast._oscar import OSCARTensorState, counts, identity_calibration  # noqa: F401
+from kvq.fast import common as C
+from kvq.fast.caches import oscar as _O
+from kvq.fast.caches.oscar import OSCARTensorState, counts, identity_calibration  # noqa: F401
 from kvq.reference import checks
 from kvq.reference.oscar import (CLIP_GRID, CONFIGS, DEFAULT_CLIP_K, DEFAULT_CLIP_V,  # noqa: F401
                                  OSCARCalibration, OSCARConfig)              # (the reference's objects)
@@ -37,7 +37,7 @@ __all__ = ["DEFAULT_CLIP_K", "DEFAULT_CLIP_V", "CLIP_GRID", "OSCARCalibration", 
            "quantize_tokens", "OSCARConfig", "CONFIGS", "OSCARTensorState", "counts", "init", "append",
            "dequantize", "decode_attention"]
 
-#: this backend's kernels for the shared OSCAR cache code (``kvq.fast._oscar``)
+#: this backend's kernels for the shared OSCAR cache code (``kvq.fast.caches.oscar``)
 OPS = _O.OscarOps("triton", rotate, OQ, P, A, C.interpreting, fused_decode=OD.decode, fused_append=OA)
 
 
@@ -70,7 +70,7 @@ def append(cfg: OSCARConfig, calib: OSCARCalibration, state: OSCARTensorState, k
     ones) are clipped and quantized into their page slots, pages allocated page-major then batch as the
     reference. ONE fused kernel per call for K and one for V does all of it
     (``kvq.fast.triton.oscar_append``, where it supports the configuration: see its ``supported``); else
-    (or with ``kvq.fast._oscar.FUSED_APPEND = False``) the unfused path: the rotation kernel
+    (or with ``kvq.fast.caches.oscar.FUSED_APPEND = False``) the unfused path: the rotation kernel
     ``kvq.fast.triton.rotate``, ``oscar_quant``'s fused quantizer on the tokens leaving, torch writes.
     Both give the reference's bits.
     Differences: k, v are float16 / float32 torch tensors on the cache's device; the NaN / inf and

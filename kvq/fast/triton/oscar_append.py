@@ -3,7 +3,7 @@ for K and one for V that rotates the new tokens, rounds them to fp16 and writes 
 the sink, the window ring, or (clipped, quantized, packed) its page slot, together with the OLD window
 tokens that the new ones push out of the window.
 
-A fast-only helper of ``kvq.fast._oscar.append`` (``OscarOps.fused_append``), not a mirrored module. It
+A fast-only helper of ``kvq.fast.caches.oscar.append`` (``OscarOps.fused_append``), not a mirrored module. It
 fuses what the unfused path does in ~10 launches (the fixed-order rotation ``kvq.fast.triton.rotate``,
 the fp16 rounding, the concatenation of the window ring with the new tokens, the fused clip + INT-b +
 pack of ``oscar_quant`` and the torch scatters into sink / ring / pages) because a decode step appends
@@ -12,7 +12,7 @@ which are the reference's (``kvq.reference.oscar.append``): the same rotation or
 fixed order), the same quantile / clip / quantizer helpers (``kvq.fast.triton.quant``).
 
     from kvq.fast.triton import oscar_append as OA
-    if OA.supported(cfg, D): OA.append(cfg, st, 0, k, R_K, calib.clip_k, plan)      # plan: _oscar.AppendPlan
+    if OA.supported(cfg, D): OA.append(cfg, st, 0, k, R_K, calib.clip_k, plan)      # plan: kvq.fast.caches.oscar.AppendPlan
 
 Which token goes where (``plan``: counters before the append, host arithmetic). ``n_s`` new tokens fill
 the sink; the other new tokens follow the ``n_old`` tokens already in the window: sequence index
@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.fast import _common as C
-from kvq.fast import _oscar as _O
+from kvq.fast import common as C
+from kvq.fast.caches import oscar as _O
 
 from . import quant as Q
 
@@ -228,7 +228,7 @@ def _tiling(n: int, BH: int, D: int, shortcuts: bool):
 
 def append(cfg, st, kv: int, x: torch.Tensor, R: torch.Tensor, clip: float, plan) -> None:
     """Append the new tokens ``x`` of K (``kv = 0``) or V (``kv = 1``) to the OSCAR state ``st`` in one
-    launch of ``_append_kernel``: ``kvq.fast._oscar.OscarOps.fused_append``'s contract."""
+    launch of ``_append_kernel``: ``kvq.fast.caches.oscar.OscarOps.fused_append``'s contract."""
     B, H, D = st.shape
     n = x.shape[2]
     if n == 0:

@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.fast import _common as C
-from kvq.fast import _oscar as _O
+from kvq.fast import common as C
+from kvq.fast.caches import oscar as _O
 from kvq.reference import oscar as RO
 
 from . import attention as A
@@ -319,10 +319,10 @@ def _history_splits(NH: int, bt_max: int, base_programs: int, sms: int, waves: f
 def decode(cfg, st, qr, *, scale=None, precise: bool = True, out_dtype=torch.float32, R_out=None,
            knobs: Knobs | None = None):
     """Attention of the rotated query ``qr`` (B, H_q, T_q, D) fp32 over an OSCAR cache ``st``
-    (``kvq.fast._oscar.OSCARTensorState``): the INT-b history through the fused page kernel, the FP16
-    sink and window (``kvq.fast._oscar.fp16_segment``: (K, V) fp32, in any order) through the
+    (``kvq.fast.caches.oscar.OSCARTensorState``): the INT-b history through the fused page kernel, the FP16
+    sink and window (``kvq.fast.caches.oscar.fp16_segment``: (K, V) fp32, in any order) through the
     FP16-baseline partial kernel, one log-sum-exp merge. Returns ``(out, lse)``, out in the rotated frame
-    (``R_out`` None) or times ``R_out`` (``kvq.fast._oscar._rotate_heads``: float64 sums, the caller's
+    (``R_out`` None) or times ``R_out`` (``kvq.fast.caches.oscar._rotate_heads``: float64 sums, the caller's
     R_V^T), in ``out_dtype`` (cast once), lse fp32. ``precise``: the exact-dequantization IEEE fp32 path
     (for an fp32 output); else tensor cores. ``knobs``: the page kernel's launch knobs (None: the
     defaults), planned by ``plan``."""

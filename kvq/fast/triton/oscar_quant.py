@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.fast import _common as C
+from kvq.fast import common as C
 
 from . import quant as Q
 from .packing import _pack_launch

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.fast import _common as C
+from kvq.fast import common as C
 from kvq.reference import numerics as nx
 from kvq.reference.packing import check_pack_bits
 from kvq.reference.quant import check_groups

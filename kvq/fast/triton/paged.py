@@ -1,6 +1,6 @@
 """Triton decode over the paged streaming cache shared by ``kivi`` and ``kitty`` (``kvq.reference.paged``).
 
-The state, its routing and its quantize+pack steps are ``kvq.fast._paged`` (shared with the CuPy
+The state, its routing and its quantize+pack steps are ``kvq.fast.caches.paged`` (shared with the CuPy
 backend), run here with the bit-exact Triton kernels (``OPS``); this module adds the decode kernels.
 
     st = init(cfg, codec, batch=8, kv_heads=8, head_dim=128)       # on the current CUDA device
@@ -35,10 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.fast import _common as C
-from kvq.fast import _paged
-from kvq.fast._codecs import Ops
-from kvq.fast._paged import (PagedState, append, counts, dequantize_cache, init,  # noqa: F401
+from kvq.fast import common as C
+from kvq.fast.caches import paged as _paged
+from kvq.fast.caches.codecs import Ops
+from kvq.fast.caches.paged import (PagedState, append, counts, dequantize_cache, init,  # noqa: F401
                              max_pages, meta_dtype, quantize_values, segment_bounds)
 
 from . import _flush as W
@@ -47,7 +47,7 @@ from . import packing as P
 from . import quant as Q
 from .quant import _unpack_last
 
-#: the bit-exact Triton kernels the shared paged cache (``kvq.fast._paged``) quantizes and packs with
+#: the bit-exact Triton kernels the shared paged cache (``kvq.fast.caches.paged``) quantizes and packs with
 OPS = Ops("triton", Q, P, C.interpreting, key_flush=W.flush_key_pages, value_evict=W.evict_values)
 
 LOG2E = 1.4426950408889634

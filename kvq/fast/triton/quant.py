@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.fast import _common as C
+from kvq.fast import common as C
 from kvq.reference import numerics as nx
 from kvq.reference.quant import check_groups
 from kvq.reference.quant import check_ratio as check_quantile_ratio
@@ -795,5 +795,5 @@ def percentile_clip(x, ratio: float, axis: int = -1):
     return C.quantile_rows(x, ratio, axis, launch_quantile_rows, clip=True, allow_cpu=C.interpreting())
 
 
-quantile_index = C.quantile_index     # host-side, shared with the other backend (kvq.fast._common)
+quantile_index = C.quantile_index     # host-side, shared with the other backend (kvq.fast.common)
 check_ratio = C.check_ratio

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.fast import _common as C
+from kvq.fast import common as C
 
 __all__ = ["rotate"]
 

@@ -26,8 +26,8 @@ from typing import Callable
 
 import torch
 
-from kvq.fast import _bitdecoding as B
-from kvq.fast import _common as C
+from kvq.fast.caches import bitdecoding as B
+from kvq.fast import common as C
 from kvq.reference import bitdecoding as _R
 from kvq.reference import state as RS
 from kvq.reference.bitdecoding import P_N
@@ -93,7 +93,7 @@ def check_state(cfg, st) -> None:
 
 def init(ops: BitDecodingOps, cfg, batch: int, kv_heads: int, head_dim: int, *, device=None) -> BitDecodingTensorState:
     """An empty cache with the residual and the page pool preallocated (zeros; the table -1), on ``device``
-    (None: the backend's default, ``kvq.fast._common.cache_device``); the state records ``cfg``. The
+    (None: the backend's default, ``kvq.fast.common.cache_device``); the state records ``cfg``. The
     reference's checks and messages."""
     B.check_cfg(cfg)
     RS.check_dims(batch=batch, kv_heads=kv_heads, head_dim=head_dim)

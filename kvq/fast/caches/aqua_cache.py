@@ -7,7 +7,7 @@ predictors that fit it), the token routing (sink, recent buffer, every full buff
 chunk, layer 0 first, each layer predicted from the reconstruction of the layer before, keys pre-RoPE by
 default) and the reading of the cache (Algorithm 3 per layer over the whole history, RoPE,
 flash-decoding over sink, history and buffer) are written once here, on the per-layer code of
-``_aqua.py`` and a backend's :class:`kvq.fast._aqua.AquaOps`.
+``aqua.py`` and a backend's :class:`kvq.fast.caches.aqua.AquaOps`.
 
     from kvq.fast.triton import aqua_cache                      # (these call into here)
     st = aqua_cache.init(cfg, 28, batch=1, kv_heads=8, head_dim=128); aqua_cache.append(cfg, P, st, K, V)
@@ -15,7 +15,7 @@ flash-decoding over sink, history and buffer) are written once here, on the per-
 Numerics. Sinks, buffers, layer-0 codes and counters are the reference's bit for bit after the same
 appends; RoPE and its inverse are the reference's elementwise fp32 operations with the same host tables;
 every chunk is encoded on its own (the same shapes whatever the history), so streaming equals bulk bit
-for bit; residual codes of layers >= 1 and the reconstructions follow rule 7 (``_aqua.py``).
+for bit; residual codes of layers >= 1 and the reconstructions follow rule 7 (``aqua.py``).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvq.fast import _common as C
-from kvq.fast._aqua import _decode, _encode, check_backbone, to_tokens
-from kvq.fast._oscar import _dtype_name
+from kvq.fast import common as C
+from kvq.fast.caches.aqua import _decode, _encode, check_backbone, to_tokens
+from kvq.fast.caches.oscar import _dtype_name
 from kvq.reference import aqua_cache as RAC
 from kvq.reference import state as RS
 from kvq.reference.aqua import AquaConfig
@@ -115,7 +115,7 @@ def _empty_codes(bb, lead: tuple, R: int, F: int, device) -> dict:
 
 def init(ops, cfg, n_layers: int, batch: int, kv_heads: int, head_dim: int, *, device=None) -> AquaTensorState:
     """An empty cache for ``batch`` sequences of up to ``cfg.max_tokens`` tokens, every tensor preallocated,
-    on ``device`` (None: the backend's default, ``kvq.fast._common.cache_device``); the state records ``cfg``."""
+    on ``device`` (None: the backend's default, ``kvq.fast.common.cache_device``); the state records ``cfg``."""
     RAC.check_cfg(cfg)
     RS.check_dims(n_layers=n_layers, batch=batch, kv_heads=kv_heads, head_dim=head_dim)
     L, B, H, D, S, R = int(n_layers), int(batch), int(kv_heads), int(head_dim), cfg.sink, cfg.buffer

@@ -6,7 +6,7 @@ arrays become fp32 keys (``decode``) and which tensors the backend's fused decod
 (``kernel_arrays``). The arithmetic runs in the backend's bit-exact
 kernels (``Ops``: its ``quant`` and ``packing`` modules); selection, gathers and layout are torch.
 
-    from kvq.fast._codecs import Ops, KittyCodec
+    from kvq.fast.caches.codecs import Ops, KittyCodec
     codec = KittyCodec(Ops("triton", TQ, TP, C.interpreting))     # TQ / TP: kvq.fast.triton.quant / packing
     arrays = codec.encode_pages(cfg, pages, first_index=0)       # pages: (B, H, n, G, D) fp16
 
@@ -25,7 +25,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from kvq.fast import _common as C
+from kvq.fast import common as C
 from kvq.reference import kitty as RK
 from kvq.reference import numerics as nx
 from kvq.reference.kitty import SELECTIONS, KittyConfig
@@ -64,7 +64,7 @@ def writer(ops: Ops, name: str):
 
 def check_key_flush(pages, pool: dict, first: int, bits: int, d_boost: int, kitty: bool) -> None:
     """The arguments of a backend's ``key_flush`` (see ``Ops``): ValueError on what its kernel relies on,
-    before any launch (the caller, ``kvq.fast._paged.append``, has validated the keys and allocated the
+    before any launch (the caller, ``kvq.fast.caches.paged.append``, has validated the keys and allocated the
     slots)."""
     if pages.ndim != 5 or pages.dtype != torch.float16:
         raise ValueError(f"pages must be (B, H, n, G, D) float16, got {tuple(pages.shape)} {pages.dtype}")

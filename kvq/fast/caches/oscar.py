@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from kvq.fast import _common as C
+from kvq.fast import common as C
 from kvq.reference import numerics as nx
 from kvq.reference import oscar as RO
 from kvq.reference import state as RS
@@ -101,7 +101,7 @@ def check_state(cfg, st) -> None:
 
 def init(ops: "OscarOps", cfg, batch: int, kv_heads: int, head_dim: int, *, device=None) -> OSCARTensorState:
     """An empty cache, every buffer and the page pool preallocated, on ``device`` (None: the backend's
-    default, ``kvq.fast._common.cache_device``); the state records ``cfg``."""
+    default, ``kvq.fast.common.cache_device``); the state records ``cfg``."""
     RO.check_cfg(cfg)
     RS.check_dims(batch=batch, kv_heads=kv_heads, head_dim=head_dim)
     cfg.check_head_dim(head_dim)

@@ -7,7 +7,7 @@ and Algorithms 2 and 3 for one layer are written once here; a backend passes its
 :class:`AquaOps`: the fused decode ``reconstruct`` (HIGGS grid lookup or uniform unpack + dequantize,
 scale, inverse Hadamard, plus the predictor's product and intercept: one kernel), ``higgs.quantize``,
 ``packing.quantize_pack`` and ``attention.decode_attention``. The cache over all layers is
-``_aqua_cache.py``; the public, documented functions are ``kvq.fast.triton.aqua`` / ``aqua_cache`` and
+``aqua_cache.py``; the public, documented functions are ``kvq.fast.triton.aqua`` / ``aqua_cache`` and
 ``kvq.fast.cupy.aqua`` / ``aqua_cache``.
 
     from kvq.fast.triton import aqua                            # (these call into here)
@@ -32,8 +32,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from kvq.fast import _common as C
-from kvq.fast._higgs import index_dtype
+from kvq.fast import common as C
+from kvq.fast.caches.higgs import index_dtype
 from kvq.reference import aqua as RA
 from kvq.reference import checks
 from kvq.reference.quant import check_groups

@@ -12,7 +12,7 @@ from kvq.reference import bitdecoding as _R
 from kvq.reference.bitdecoding import P_N
 from kvq.reference.state import check_config
 
-from . import _common as C
+from kvq.fast import common as C
 
 
 def dtype_name(dtype) -> str:

@@ -13,7 +13,7 @@ page tables are identical too. The quantize+pack kernels are the backend's (``co
 bit-exact ``quant`` / ``packing`` modules of ``kvq.fast.triton`` or ``kvq.fast.cupy``); the routing is
 torch indexing. The decode kernels live in each backend's ``paged`` module.
 
-    codec = KIVICodec(TRITON_OPS)                            # kvq.fast._codecs
+    codec = KIVICodec(TRITON_OPS)                            # kvq.fast.caches.codecs
     st = init(cfg, codec, batch=8, kv_heads=8, head_dim=128)
     append(cfg, codec, st, k, v)                             # k, v: (B, H_kv, T_new, D) fp16
 """
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvq.fast import _codecs
-from kvq.fast import _common as C
+from kvq.fast.caches import codecs as _codecs
+from kvq.fast import common as C
 from kvq.reference import numerics as nx
 from kvq.reference import paged as RP
 from kvq.reference import state as RS
@@ -91,7 +91,7 @@ def check_state(cfg, codec, st) -> None:
 
 def init(cfg, codec, batch: int, kv_heads: int, head_dim: int, *, device=None) -> PagedState:
     """An empty cache, every buffer and the page pool preallocated, on ``device`` (None: the current CUDA
-    device, or the CPU under the Triton interpreter; ``kvq.fast._common.cache_device``); the state
+    device, or the CPU under the Triton interpreter; ``kvq.fast.common.cache_device``); the state
     records ``cfg``."""
     RP.check_cfg(cfg, codec)
     RS.check_dims(batch=batch, kv_heads=kv_heads, head_dim=head_dim)

@@ -3,7 +3,7 @@
 Kernels trust their inputs; everything a user can get wrong is checked here, with the same messages
 as the reference tier (which owns the shape rules: ``kvq.reference.quant.check_groups``).
 
-    from kvq.fast import _common as C
+    from kvq.fast import common as C
     outer, n, inner = C.axis_view(x.shape, axis)      # x seen as (outer, n, inner), contiguous
     with C.validation(False): ...                     # turn the finiteness checks off (production)
 """

@@ -6,7 +6,7 @@ back among the exact keys, and measure the mean squared change of the attention 
 kernels (``Ops.quant``: the quantized keys equal the reference's bit for bit); scores and means are
 order-dependent reductions (contract rule 7) in torch.
 
-    from kvq.fast._sensitivity import channel_sensitivity
+    from kvq.fast.caches.sensitivity import channel_sensitivity
     mse = channel_sensitivity(paged.OPS, q, k, group_size=128)     # (H_q, D) float64, paged: the backend's
 
 How: quantizing channel c moves every score of query i by ``delta_ij = scale * q_ic * (k_hat_jc - k_jc)``
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from kvq.fast import _common as C
-from kvq.fast._codecs import Ops
+from kvq.fast import common as C
+from kvq.fast.caches.codecs import Ops
 from kvq.reference.kitty import check_sensitivity_args
 
 F64 = torch.float64

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvq.fast import _common as C
+from kvq.fast import common as C
 from kvq.reference import hadamard as RH
 from kvq.reference import higgs as RG
 from kvq.reference.higgs import HiggsConfig
