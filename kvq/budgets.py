@@ -77,7 +77,7 @@ EQUAL_MEMORY_RULE = (
     "configuration is a separate, labelled row.")
 
 
-def _search_values(fam: str, base, context: int) -> dict:
+def search_values(fam: str, base, context: int) -> dict:
     """Knob -> candidate values for one method at ``context`` (windows above the context are pointless:
     they all hold every token)."""
     space = {}
@@ -174,7 +174,7 @@ def equal_memory_config(method: str, budget: float, *, context: int, head_dim: i
     except (ValueError, TypeError) as e:                 # the method cannot serve this model at all
         return {"method": method, "label": label, "budget": budget, "feasible": False, "overrides": None,
                 "candidates": 0, "min_bits_per_element": None, "reason": str(e)}
-    space = {k: v for k, v in _search_values(spec.family, base, context).items() if k not in fixed}
+    space = {k: v for k, v in search_values(spec.family, base, context).items() if k not in fixed}
     dims = dict(context=context, head_dim=head_dim, kv_heads=kv_heads, n_layers=n_layers)
     best, best_key, lowest, n = None, None, math.inf, 0
     knobs = list(space)

@@ -28,8 +28,8 @@ import time
 import numpy as np
 
 from kvq.budgets import (DEFAULT_BUDGETS, EQUAL_MEMORY_ACCOUNTING, EQUAL_MEMORY_RULE,  # noqa: F401 (re-exported)
-                         SEARCH_SPACE, _search_values, amortized_overhead, attention_errors_at_budgets,
-                         equal_memory_config, paper_config, perplexity_at_budgets)
+                         SEARCH_SPACE, amortized_overhead, attention_errors_at_budgets, equal_memory_config,
+                         paper_config, perplexity_at_budgets, search_values)
 from kvq.reference import metrics
 
 #: the one comparison of issue 7, in the order of its table

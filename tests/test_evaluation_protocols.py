@@ -100,7 +100,7 @@ def test_equal_memory_config_is_the_closest_below_the_budget():
     context, budget = 4096, 2.5
     row = E.equal_memory_config("KIVI-K2V2*", budget, context=context, **DIMS)
     base = M.configure("KIVI-K2V2*", head_dim=128, max_tokens=context)
-    space = E._search_values("kivi", base, context)
+    space = E.search_values("kivi", base, context)
     best = 0.0
     for values in itertools.product(*space.values()):
         try:

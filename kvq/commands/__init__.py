@@ -261,7 +261,7 @@ def model_config(name) -> dict | None:
 def check_model(name, option: str = "--model", prog: str = "kvq") -> None:
     """CommandError for a ``--model`` that can be neither a local model directory nor a hub id: an existing
     file, a directory without config.json, or a path (absolute, ./, ~, two slashes) that does not exist."""
-    from kvq.integrations.models import _looks_like_path
+    from kvq.integrations.models import looks_like_path
 
     name = os.fspath(name)
     if not name:
@@ -273,7 +273,7 @@ def check_model(name, option: str = "--model", prog: str = "kvq") -> None:
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise CommandError(f"{option} {name}: has no config.json (not a saved Hugging Face model directory)",
                                prog)
-    elif _looks_like_path(name):
+    elif looks_like_path(name):
         raise CommandError(f"{option} {name}: no such model directory", prog)
 
 

@@ -337,8 +337,8 @@ def _run(args) -> dict:
     if args.model == "minilm":                  # the packaged MiniLM encoder, as `kvq eval attention` loads it
         model, tokenizer = load_minilm(device=device)
         if args.dtype is not None:
-            from kvq.integrations.models import _resolve_dtype
-            dt = _resolve_dtype(args.dtype)
+            from kvq.integrations.models import resolve_dtype
+            dt = resolve_dtype(args.dtype)
             model = model.to(dt) if dt is not None else model
     else:
         model, tokenizer = load_model(args.model, device=device, dtype=args.dtype)

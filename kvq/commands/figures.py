@@ -287,7 +287,7 @@ def _residual_variance(x: SyntheticInputs):
 def _higgs_grids(x: SyntheticInputs):
     from kvq.reference import higgs as Hg
     from kvq.viz import plot_higgs_grid
-    from kvq.viz._common import new_figure
+    from kvq.viz.common import new_figure
 
     fig = new_figure(figsize=(9, 4.5))
     ax1, ax2 = fig.subplots(1, 2)

@@ -49,8 +49,10 @@ _PADDING = ("kvq caches do not support batches of prompts with different lengths
             "prompt on its own, or batch prompts of equal length")
 
 
-def _tag(t: torch.Tensor, cache, layer: int, prior: int) -> torch.Tensor:
-    """A view of ``t`` carrying (cache, layer, tokens cached before it) for :func:`kvq_attention_forward`."""
+def tag_states(t: torch.Tensor, cache, layer: int, prior: int) -> torch.Tensor:
+    """A view of ``t`` carrying (cache, layer, tokens cached before it) for :func:`kvq_attention_forward`: what
+    a kvq cache's fused ``update`` returns (``kvq.integrations.transformers``, and the CUDA-graph capture of
+    ``kvq.integrations.graphs``), so that the attention function finds the cache to decode from."""
     out = t.view(t.shape)
     out._kvq = (cache, layer, prior)
     return out
@@ -69,7 +71,7 @@ def kvq_attention_forward(module, query, key, value, attention_mask, dropout: fl
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     cache, layer, prior = tag
-    capture = getattr(cache, "_capture", None)
+    capture = getattr(cache, "graph_capture", None)
     if capture is not None:                      # kvq.integrations.graphs records a step: this layer runs eagerly
         return capture.capture_attention(module, layer, query, key, value,
                                          dict(kwargs, dropout=dropout, scaling=scaling))

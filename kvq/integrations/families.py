@@ -14,11 +14,12 @@ Two kinds of members:
   ``model_overrides`` (config fields a calibration or a model implies), ``check_devices`` (whether the
   layers may live on several devices);
 * instance methods, of one store (``Family(store)``; the store keeps every piece of state in its own
-  ``_states`` (one entry per layer) and ``_shared`` (what the layers share), the family object only the
-  method's module and derived caches): ``init`` / ``grown`` (the states for a capacity), ``length``,
-  ``state``, ``pending``, ``prepare`` (the last checks of an append, before any write), ``write``,
-  ``commit`` / ``attended`` (the cross-layer step), ``dequantize`` / ``read`` (``keys_values``),
-  ``decode_attention`` (a query over the compressed state), ``allocated_bytes``.
+  ``layer_states`` (one entry per layer) and ``shared_state`` (what the layers share), the family object
+  only the method's module and derived caches; what else it uses of the store is the store's public
+  interface for families, listed in ``KVStore``'s docstring): ``init`` / ``grown`` (the states for a
+  capacity), ``length``, ``state``, ``pending``, ``prepare`` (the last checks of an append, before any
+  write), ``write``, ``commit`` / ``attended`` (the cross-layer step), ``dequantize`` / ``read``
+  (``keys_values``), ``decode_attention`` (a query over the compressed state), ``allocated_bytes``.
 """
 
 from __future__ import annotations
@@ -170,7 +171,7 @@ class Family:
         s = self.store
         states = []
         for l in range(s.n_layers):
-            with s._device_ctx(l):
+            with s.device_ctx(l):
                 states.append(self.mod.init(cfg, s.batch, s.kv_heads, s.head_dim))
         return states, None
 
@@ -178,17 +179,17 @@ class Family:
         """(states, shared) for the larger capacity of ``cfg``, holding the current contents."""
         s = self.store
         states = []
-        for l, old in enumerate(s._states):
-            with s._device_ctx(l):
-                states.append(M._copy_state(old, self.mod.init(cfg, s.batch, s.kv_heads, s.head_dim), cfg))
-        return states, s._shared
+        for l, old in enumerate(s.layer_states):
+            with s.device_ctx(l):
+                states.append(M.copy_state(old, self.mod.init(cfg, s.batch, s.kv_heads, s.head_dim), cfg))
+        return states, s.shared_state
 
     def length(self, layer: int) -> int:
-        return int(self.store._states[layer].length)
+        return int(self.store.layer_states[layer].length)
 
     def state(self, layer: int):
         """The public state object of ``layer`` (``KVStore.state``)."""
-        return self.store._states[layer]
+        return self.store.layer_states[layer]
 
     def pending(self, layer: int) -> int:
         """Tokens of ``layer`` waiting for the other layers (0: every append is written at once)."""
@@ -202,12 +203,12 @@ class Family:
     def write(self, layer: int, kx, vx) -> None:
         """Append prepared tokens to ``layer`` (inside the store's ``_atomic``)."""
         s = self.store
-        s._grow_to(s.length(layer) + int(kx.shape[2]))
-        with s._value_checks():
+        s.grow_to(s.length(layer) + int(kx.shape[2]))
+        with s.value_checks():
             self.append(layer, kx, vx)
 
     def append(self, layer: int, k, v) -> None:
-        self.mod.append(self.store.cfg, self.store._states[layer], k, v)
+        self.mod.append(self.store.cfg, self.store.layer_states[layer], k, v)
 
     def commit(self) -> None:
         """Write what the layers have all received (cross-layer methods); default nothing."""
@@ -218,45 +219,45 @@ class Family:
     def dequantize(self, layer: int):
         """The layer's cache dequantized, fp32 torch (B, H, T, D) on the layer's device."""
         s = self.store
-        st = s._states[layer]
+        st = s.layer_states[layer]
         if st.length == 0:
-            return s._empty(M._torch().float32, layer)
-        with s._device_ctx(layer):
+            return s.empty(M.import_torch().float32, layer)
+        with s.device_ctx(layer):
             K, V = self.mod_dequantize(layer, st)
-        return s._tensor(K, layer), s._tensor(V, layer)
+        return s.tensor(K, layer), s.tensor(V, layer)
 
     def mod_dequantize(self, layer: int, st):
         return self.mod.dequantize(self.store.cfg, st)
 
     def read(self, layer: int, dtype, memo: dict):
         """``keys_values(layer, dtype)`` through the memo: the fp32 dequantization once, then each dtype."""
-        torch = M._torch()
+        torch = M.import_torch()
         if torch.float32 in memo:
             K, V = memo[torch.float32]
         else:
-            K, V = self.store._dequantize(layer)
+            K, V = self.store.dequantize(layer)
             memo[torch.float32] = (K, V)
-        return M._to_out(K, dtype), M._to_out(V, dtype)
+        return M.to_out(K, dtype), M.to_out(V, dtype)
 
     def decode_attention(self, layer: int, q, scale=None):
         """Attention of ``q`` (B, H_q, T_q, D) over ``layer``'s state by the method's decode on the store's
         backend (the reference in NumPy fp32), (B, H_q, T_q, D) in q's dtype on q's device."""
-        torch = M._torch()
+        torch = M.import_torch()
         s = self.store
-        st = s._states[layer]
+        st = s.layer_states[layer]
         if s.backend == "reference":
             out, _ = self.mod_decode(layer, st, q.detach().float().cpu().numpy(), scale)
-            return M._to_out(torch.from_numpy(np.ascontiguousarray(out)).to(q.device), q.dtype)
-        with s._device_ctx(layer), _no_value_scan():
+            return M.to_out(torch.from_numpy(np.ascontiguousarray(out)).to(q.device), q.dtype)
+        with s.device_ctx(layer), _no_value_scan():
             out, _ = self.mod_decode(layer, st, q, scale)
-        return M._to_out(out, q.dtype)
+        return M.to_out(out, q.dtype)
 
     def mod_decode(self, layer: int, st, q, scale):
         return self.mod.decode_attention(self.store.cfg, st, q, scale=scale)
 
     def held(self) -> list:
         """The method states the store holds (one per layer)."""
-        return self.store._states
+        return self.store.layer_states
 
     def allocated_bytes(self) -> int:
         """Bytes of every array the states hold, preallocated capacity included."""
@@ -282,7 +283,7 @@ class FP16Layer:
 
 class FP16(Family):
     """The uncompressed baseline: every layer's tokens concatenated in the store's dtype, fixed by the first
-    accepted append (``_shared``: that dtype, None before)."""
+    accepted append (``shared_state``: that dtype, None before)."""
 
     name = "fp16"
     grows = False
@@ -296,16 +297,16 @@ class FP16(Family):
         return [FP16Layer()] * self.store.n_layers, None
 
     def length(self, layer: int) -> int:
-        return self.store._states[layer].length
+        return self.store.layer_states[layer].length
 
     def state(self, layer: int):
-        st = self.store._states[layer]
+        st = self.store.layer_states[layer]
         return None if st.k is None else (st.k, st.v)
 
     @property
     def dtype(self):
         """The store's dtype (None before the first accepted append)."""
-        return self.store._shared
+        return self.store.shared_state
 
     def prepare(self, layer: int, kx, vx, k_in):
         dtype = self._dtype_for(k_in)
@@ -313,46 +314,46 @@ class FP16(Family):
 
     def _dtype_for(self, k_in):
         """The store's dtype, fixed by its first accepted append (that input's fp16 / bf16, else fp16)."""
-        torch = M._torch()
-        if self.store._shared is not None:
-            return self.store._shared
+        torch = M.import_torch()
+        if self.store.shared_state is not None:
+            return self.store.shared_state
         src = getattr(k_in, "dtype", None)
         return src if src in (torch.float16, torch.bfloat16) else torch.float16
 
     def _tensor(self, x, dtype, name: str, layer: int):
         """x as a new tensor of ``dtype`` on ``layer``'s device, NaN / inf and overflow refused whatever the
         input dtype (the quantized methods' rule); never the caller's memory."""
-        torch = M._torch()
+        torch = M.import_torch()
         t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
         t = t.to(self.store.devices[layer])
-        y = M._checked_half(t, dtype, name)
+        y = M.checked_half(t, dtype, name)
         return y.clone() if y is t else y
 
     def write(self, layer: int, kx, vx) -> None:
-        torch = M._torch()
+        torch = M.import_torch()
         s = self.store
-        if s._shared is None:
-            s._shared = kx.dtype                                  # fixed by the first accepted append
-        st = s._states[layer]
+        if s.shared_state is None:
+            s.shared_state = kx.dtype                             # fixed by the first accepted append
+        st = s.layer_states[layer]
         if st.k is None:
-            s._states[layer] = FP16Layer(kx, vx, int(kx.shape[2]))
+            s.layer_states[layer] = FP16Layer(kx, vx, int(kx.shape[2]))
         else:
-            s._states[layer] = FP16Layer(torch.cat([st.k, kx], dim=2), torch.cat([st.v, vx], dim=2),
-                                         st.length + int(kx.shape[2]))
+            s.layer_states[layer] = FP16Layer(torch.cat([st.k, kx], dim=2), torch.cat([st.v, vx], dim=2),
+                                              st.length + int(kx.shape[2]))
 
     def read(self, layer: int, dtype, memo: dict):
-        st = self.store._states[layer]
+        st = self.store.layer_states[layer]
         if st.k is None:
-            return self.store._empty(dtype, layer)
+            return self.store.empty(dtype, layer)
         return st.k.to(dtype), st.v.to(dtype)
 
     def decode_attention(self, layer: int, q, scale=None):
         K, V = self.store.keys_values(layer, q.dtype)
-        return M._torch().nn.functional.scaled_dot_product_attention(q, K, V, scale=scale,
-                                                                     enable_gqa=q.shape[1] != K.shape[1])
+        return M.import_torch().nn.functional.scaled_dot_product_attention(q, K, V, scale=scale,
+                                                                           enable_gqa=q.shape[1] != K.shape[1])
 
     def allocated_bytes(self) -> int:
-        return int(sum(t.numel() * t.element_size() for st in self.store._states for t in (st.k, st.v)
+        return int(sum(t.numel() * t.element_size() for st in self.store.layer_states for t in (st.k, st.v)
                        if t is not None))
 
 
@@ -445,7 +446,7 @@ class OSCAR(Family):
         return cal
 
     def append(self, layer, k, v):
-        self.mod.append(self.store.cfg, self.store.calibration[layer], self.store._states[layer], k, v)
+        self.mod.append(self.store.cfg, self.store.calibration[layer], self.store.layer_states[layer], k, v)
 
     def mod_dequantize(self, layer, st):
         return self.mod.dequantize(self.store.cfg, self.store.calibration[layer], st)
@@ -504,9 +505,10 @@ class Waiting:
 
 
 class AquaKV(Family):
-    """AQUA-KV: every layer in one cross-layer state (``_shared``), with the predictors (``AquaPredictors``)
-    reading the layer before; each layer's tokens wait (``_states``: :class:`Waiting`) until every layer has
-    them, then one ``aqua_cache.append`` compresses them all (the commit)."""
+    """AQUA-KV: every layer in one cross-layer state (``shared_state``), with the predictors
+    (``AquaPredictors``) reading the layer before; each layer's tokens wait (``layer_states``:
+    :class:`Waiting`) until every layer has them, then one ``aqua_cache.append`` compresses them all (the
+    commit)."""
 
     name = "aqua"
     calibration = "aqua"
@@ -531,7 +533,7 @@ class AquaKV(Family):
             if bname not in overrides and isinstance(bb, aqua.Uniform) and head_dim % bb.group_size:
                 adapt[bname] = dataclasses.replace(bb, group_size=_largest_divisor(head_dim, bb.group_size))
             if bname not in overrides and isinstance(bb, aqua.Higgs) and kv_heads is not None:
-                F = M._check_pos_int("kv_heads", kv_heads) * head_dim
+                F = M.check_pos_int("kv_heads", kv_heads) * head_dim
                 g = F & -F                                          # largest power of two dividing F
                 if g < bb.cfg.group_size and g % bb.cfg.d == 0:
                     adapt[bname] = aqua.Higgs(dataclasses.replace(bb.cfg, group_size=g))
@@ -609,42 +611,42 @@ class AquaKV(Family):
 
     def init(self, cfg):
         s = self.store
-        with s._device_ctx(0):
+        with s.device_ctx(0):
             shared = self.mod.init(cfg, s.n_layers, s.batch, s.kv_heads, s.head_dim)
         return [Waiting()] * s.n_layers, shared
 
     def grown(self, cfg):
         s = self.store
-        with s._device_ctx(0):
+        with s.device_ctx(0):
             new = self.mod.init(cfg, s.n_layers, s.batch, s.kv_heads, s.head_dim)
-            return s._states, M._copy_state(s._shared, new, cfg)
+            return s.layer_states, M.copy_state(s.shared_state, new, cfg)
 
     @property
     def pending_k(self) -> list:
         """Every layer's waiting keys (None where none wait)."""
-        return [w.k for w in self.store._states]
+        return [w.k for w in self.store.layer_states]
 
     @property
     def pending_v(self) -> list:
-        return [w.v for w in self.store._states]
+        return [w.v for w in self.store.layer_states]
 
     def length(self, layer):
-        p = self.store._states[layer].k
-        return int(self.store._shared.length) + (0 if p is None else int(p.shape[2]))
+        p = self.store.layer_states[layer].k
+        return int(self.store.shared_state.length) + (0 if p is None else int(p.shape[2]))
 
     def state(self, layer):
-        return self.store._shared
+        return self.store.shared_state
 
     def held(self):
-        return [self.store._shared]
+        return [self.store.shared_state]
 
     def pending(self, layer):
-        p = self.store._states[layer].k
+        p = self.store.layer_states[layer].k
         return 0 if p is None else int(p.shape[2])
 
     def prepare(self, layer, kx, vx, k_in):
         """fp16 tokens (NaN / inf and overflow refused), and keys the layer's commit could not quantize refused."""
-        k16, v16 = self.store._round16(kx, "k"), self.store._round16(vx, "v")
+        k16, v16 = self.store.round16(kx, "k"), self.store.round16(vx, "v")
         self._check_quantizable(layer, k16)
         return k16, v16
 
@@ -668,7 +670,7 @@ class AquaKV(Family):
         if k.shape[2] == 0 or float(abs(k).max()) <= self._ROPE_SAFE:
             return
         pos = np.arange(t0 + skip, t0 + int(k16.shape[2]))
-        k_pre = apply_rope(M._to_numpy(k).astype(np.float32), pos, cfg.rope_theta, inverse=True)   # (B, H, T, D)
+        k_pre = apply_rope(M.to_numpy(k).astype(np.float32), pos, cfg.rope_theta, inverse=True)   # (B, H, T, D)
         quantizer = cfg.first_layer if layer == 0 else cfg.backbone
         try:
             quantizer.encode(aqua.to_tokens(k_pre))
@@ -679,47 +681,48 @@ class AquaKV(Family):
 
     def write(self, layer, kx, vx):
         """The tokens wait; the commit grows the state."""
-        torch = M._torch()
+        torch = M.import_torch()
         cat = (lambda a, b: torch.cat([a, b], dim=2)) if isinstance(kx, torch.Tensor) else \
             (lambda a, b: np.concatenate([a, b], axis=2))
-        w = self.store._states[layer]
-        self.store._states[layer] = Waiting(kx if w.k is None else cat(w.k, kx), vx if w.v is None else cat(w.v, vx))
+        w = self.store.layer_states[layer]
+        self.store.layer_states[layer] = Waiting(kx if w.k is None else cat(w.k, kx),
+                                                 vx if w.v is None else cat(w.v, vx))
 
     def commit(self) -> None:
         """Append the tokens every layer has received (the common prefix) with one call. The method's append
         validates and encodes before it writes, so a failure (a residual beyond fp16 metadata, NaN
         predictions) leaves its state and every layer's waiting tokens as they were; the error names the
         commit, and the store's ``_atomic`` takes back the tokens of the append that completed it."""
-        torch = M._torch()
+        torch = M.import_torch()
         s = self.store
-        if any(w.k is None for w in s._states):
+        if any(w.k is None for w in s.layer_states):
             return
-        n = min(int(w.k.shape[2]) for w in s._states)
+        n = min(int(w.k.shape[2]) for w in s.layer_states)
         if n == 0:
             return
-        if isinstance(s._states[0].k, torch.Tensor):
-            K = torch.stack([w.k[:, :, :n] for w in s._states])
-            V = torch.stack([w.v[:, :, :n] for w in s._states])
+        if isinstance(s.layer_states[0].k, torch.Tensor):
+            K = torch.stack([w.k[:, :, :n] for w in s.layer_states])
+            V = torch.stack([w.v[:, :, :n] for w in s.layer_states])
         else:
-            K = np.stack([w.k[:, :, :n] for w in s._states])
-            V = np.stack([w.v[:, :, :n] for w in s._states])
-        before = (s.cfg, s.max_tokens, s.growths, s._shared)
+            K = np.stack([w.k[:, :, :n] for w in s.layer_states])
+            V = np.stack([w.v[:, :, :n] for w in s.layer_states])
+        before = (s.cfg, s.max_tokens, s.growths, s.shared_state)
         try:
-            s._grow_to(int(s._shared.length) + n)
-            with s._device_ctx(0):
-                self.mod.append(s.cfg, s.calibration, s._shared, K, V)
+            s.grow_to(int(s.shared_state.length) + n)
+            with s.device_ctx(0):
+                self.mod.append(s.cfg, s.calibration, s.shared_state, K, V)
         except (ValueError, TypeError) as e:
-            s.cfg, s.max_tokens, s.growths, s._shared = before
+            s.cfg, s.max_tokens, s.growths, s.shared_state = before
             raise type(e)(f"{s.name} could not compress the {n} token(s) of every layer that this append "
                           f"completed, so the append was undone: {e}") from e
-        for l, w in enumerate(s._states):
+        for l, w in enumerate(s.layer_states):
             rest_k, rest_v = w.k[:, :, n:], w.v[:, :, n:]
-            s._states[l] = Waiting(rest_k, rest_v) if rest_k.shape[2] > 0 else Waiting()
-            s._memo[l].clear()
+            s.layer_states[l] = Waiting(rest_k, rest_v) if rest_k.shape[2] > 0 else Waiting()
+            s.clear_memo(l)
 
     def attended(self, layer):
         """Commit, and forget the history reconstructed for the step once the last layer has attended."""
-        layer = self.store._check_layer(layer)
+        layer = self.store.check_layer(layer)
         self.commit()
         if layer == self.store.n_layers - 1:
             self.history = None
@@ -729,40 +732,40 @@ class AquaKV(Family):
         ``(K_hat, V_hat)`` token vectors of every encoded chunk), from layer ``layer - 1``'s, which is kept
         only during one model step (one layer at a time, never every layer), else decoded from layer 0."""
         s = self.store
-        st = s._shared
+        st = s.shared_state
         chunks = _aqua_counts(s.cfg, st.length)[1]
         prev = None
         if layer and self.history is not None and self.history[:2] == (layer - 1, chunks):
             prev = self.history[2]
-        with s._device_ctx(layer):
+        with s.device_ctx(layer):
             hat = self.mod.decode_layer(s.cfg, s.calibration, st, layer, prev)
         self.history = (layer, chunks, hat)
         return hat
 
     def dequantize(self, layer):
         """Committed, then waiting."""
-        torch = M._torch()
+        torch = M.import_torch()
         s = self.store
         K, V = self.committed(layer)
-        w = s._states[layer]
+        w = s.layer_states[layer]
         if w.k is not None:
-            K = torch.cat([K, s._tensor(w.k, layer)], dim=2)
-            V = torch.cat([V, s._tensor(w.v, layer)], dim=2)
+            K = torch.cat([K, s.tensor(w.k, layer)], dim=2)
+            V = torch.cat([V, s.tensor(w.v, layer)], dim=2)
         return K, V
 
     def committed(self, layer: int):
         """Layer ``layer``'s committed cache, fp32 torch: sink, decoded chunks, buffer."""
-        torch = M._torch()
+        torch = M.import_torch()
         s = self.store
-        st, cfg, P = s._shared, s.cfg, s.calibration
+        st, cfg, P = s.shared_state, s.cfg, s.calibration
         if st.length == 0:
-            return s._empty(torch.float32, layer)
+            return s.empty(torch.float32, layer)
         if s.backend != "reference":
             if self.all is None or self.all[0] != st.length:
-                with s._device_ctx(layer):
+                with s.device_ctx(layer):
                     self.all = (st.length, self.mod.dequantize(cfg, P, st))
             K, V = self.all[1][layer]
-            return s._tensor(K, layer), s._tensor(V, layer)
+            return s.tensor(K, layer), s.tensor(V, layer)
         L, B, H, D = st.shape
         n_sink, n_chunks, n_buf = _aqua_counts(cfg, st.length)
         F, R = H * D, cfg.buffer
@@ -784,25 +787,25 @@ class AquaKV(Family):
         vs = [st.sink_v[layer][:, :, :n_sink].astype(np.float32)] + [ch[layer][1] for ch in self.chunks[:n_chunks]]
         ks.append(st.buf_k[layer][:, :, :n_buf].astype(np.float32))
         vs.append(st.buf_v[layer][:, :, :n_buf].astype(np.float32))
-        return s._tensor(np.concatenate(ks, axis=2), layer), s._tensor(np.concatenate(vs, axis=2), layer)
+        return s.tensor(np.concatenate(ks, axis=2), layer), s.tensor(np.concatenate(vs, axis=2), layer)
 
     def decode_attention(self, layer, q, scale=None):
         """Sink, reconstructed history and buffer of the committed cache, then the waiting tokens, merged by
         log-sum-exp."""
-        torch = M._torch()
+        torch = M.import_torch()
         s = self.store
-        w = s._states[layer]
+        w = s.layer_states[layer]
         if s.backend == "reference":                     # the committed chunks, each decoded once, then waiting
             from kvq.reference import attention as RA
             segs = []
-            if s._shared.length:
+            if s.shared_state.length:
                 K, V = self.committed(layer)
                 segs.append((K.cpu().numpy(), V.cpu().numpy()))
             if w.k is not None:
                 segs.append((w.k.astype(np.float32), w.v.astype(np.float32)))
             out, _ = RA.decode_attention(q.detach().float().cpu().numpy(), segs, scale=scale)
-            return M._to_out(torch.from_numpy(np.ascontiguousarray(out)).to(q.device), q.dtype)
-        st = s._shared
+            return M.to_out(torch.from_numpy(np.ascontiguousarray(out)).to(q.device), q.dtype)
+        st = s.shared_state
         segs = []
         if st.length:
             fast = importlib.import_module("kvq.fast.caches.aqua_cache")
@@ -811,9 +814,9 @@ class AquaKV(Family):
             segs.append((w.k.float(), w.v.float()))
         segs = [x for x in segs if x[0].shape[2]]
         attn = importlib.import_module(f"kvq.fast.{s.backend}.attention")
-        with s._device_ctx(layer), _no_value_scan():
+        with s.device_ctx(layer), _no_value_scan():
             out, _ = attn.decode_attention(q.float(), segs, scale=scale)
-        return M._to_out(out, q.dtype)
+        return M.to_out(out, q.dtype)
 
 
 #: ``MethodSpec.family`` -> the class of its behaviour

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from .attention import kvq_attention_forward
+from .attention import kvq_attention_forward, tag_states
+from .methods import same_device
 
 __all__ = ["DecodeGraphs", "generate"]
 
@@ -104,7 +105,7 @@ class DecodeGraphs:
         if store is None or store.length(0) == 0:
             raise ValueError("the cache is empty: prefill the prompt through model(...) first (or use "
                              "kvq.integrations.graphs.generate, which does)")
-        if store.devices is not None and any(not _same(d, self.device) for d in store.devices):
+        if store.devices is not None and any(not same_device(d, self.device, unindexed="zero") for d in store.devices):
             raise ValueError(f"CUDA-graph decode takes a cache on the model's device ({self.device}); this one "
                              f"keeps layers on {sorted({str(d) for d in store.devices})}")
         from .transformers import cache_argument
@@ -182,18 +183,18 @@ class DecodeGraphs:
         cache = self.cache
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             self._begin()
-            cache._capture = self
+            cache.graph_capture = self
             try:
                 logits = self._forward()[:, -1]
             except BaseException:
-                cache._capture = None
+                cache.graph_capture = None
                 try:
                     self._graphs[-1].capture_end()
                 except Exception:                                     # noqa: BLE001 - the first error is the one
                     pass
                 self._graphs, self._pieces = [], []
                 raise
-            cache._capture = None
+            cache.graph_capture = None
             self._graphs[-1].capture_end()
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
         self._logits = logits
@@ -208,9 +209,9 @@ class DecodeGraphs:
     def capture_update(self, layer: int, key_states, value_states):
         """``KVQCache.update`` while capturing: nothing is appended; the states come back tagged, as the
         fused path's update returns them (the tokens cached before them: the cache's length)."""
-        from .attention import _tag
         prior = self.cache.store.length(layer)
-        return _tag(key_states, self.cache, layer, prior), _tag(value_states, self.cache, layer, prior)
+        return (tag_states(key_states, self.cache, layer, prior),
+                tag_states(value_states, self.cache, layer, prior))
 
     def capture_attention(self, module, layer: int, query, key, value, kwargs):
         """The attention function while capturing: the current graph ends after allocating the attention
@@ -223,11 +224,6 @@ class DecodeGraphs:
         self._pieces.append(_Piece(self.cache, layer, module, query, key, value, dict(kwargs), out))
         self._begin()
         return out, None
-
-
-def _same(a, b) -> bool:
-    a, b = torch.device(a), torch.device(b)
-    return a.type == b.type and (a.index or 0) == (b.index or 0)
 
 
 def _eos_ids(eos_token_id) -> list[int] | None:

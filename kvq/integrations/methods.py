@@ -15,6 +15,10 @@ What differs between the methods' families (config adaptations, memory accountin
 store writes, reads and decodes) is one class per family in ``kvq.integrations.families``; this module and
 the store dispatch through it and never branch on the family.
 
+The helpers the integration modules share live here too, public but outside ``__all__``:
+:func:`check_pos_int`, :func:`import_torch`, :func:`to_numpy`, :func:`checked_half`, :func:`to_out`,
+:func:`copy_state`, :func:`layer_devices` and :func:`same_device`.
+
 This module imports NumPy and kvq.reference only; torch is imported when a store is built.
 """
 
@@ -95,7 +99,9 @@ def get_method(name: str) -> MethodSpec:
     return METHODS[name]
 
 
-def _check_pos_int(name: str, v) -> int:
+def check_pos_int(name: str, v) -> int:
+    """``v`` as an int when it is a positive integer (bool excluded); ValueError naming ``name`` otherwise.
+    The check of every size argument of ``configure``, ``KVStore`` and the HF caches."""
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
         raise ValueError(f"{name} must be a positive int, got {v!r}")
     return int(v)
@@ -135,8 +141,8 @@ def configure(name: str, *, head_dim: int, max_tokens: int, kv_heads: int | None
     Raises ValueError with the method's name where it cannot serve ``head_dim``.
     """
     spec = get_method(name)
-    head_dim = _check_pos_int("head_dim", head_dim)
-    max_tokens = _check_pos_int("max_tokens", max_tokens)
+    head_dim = check_pos_int("head_dim", head_dim)
+    max_tokens = check_pos_int("max_tokens", max_tokens)
     base = spec.base()
     fields = {f.name for f in dataclasses.fields(base)} - {"name", "max_tokens"}
     unknown = sorted(set(overrides) - fields)
@@ -183,9 +189,9 @@ def bits_per_element(name: str, cfg, *, context: int, head_dim: int, kv_heads: i
     spec = get_method(name)
     if accounting not in ACCOUNTINGS:
         raise ValueError(f"accounting={accounting!r} is unknown; choose one of {ACCOUNTINGS}")
-    T = _check_pos_int("context", context)
+    T = check_pos_int("context", context)
     for n, v in (("head_dim", head_dim), ("kv_heads", kv_heads), ("n_layers", n_layers)):
-        _check_pos_int(n, v)
+        check_pos_int(n, v)
     return F.family_of(spec).bits_per_element(cfg, T, head_dim, kv_heads, n_layers, accounting)
 
 
@@ -193,7 +199,8 @@ def bits_per_element(name: str, cfg, *, context: int, head_dim: int, kv_heads: i
 # KVStore
 
 
-def _torch():
+def import_torch():
+    """The ``torch`` module, imported on first use (this module imports NumPy and kvq.reference only)."""
     import torch
     return torch
 
@@ -205,9 +212,9 @@ def _fast_interpreting() -> bool:
     return common.interpreting()
 
 
-def _to_numpy(a):
+def to_numpy(a):
     """A reference array or a fast-tier tensor as a NumPy array (uint16 tensors included)."""
-    torch = _torch()
+    torch = import_torch()
     if isinstance(a, torch.Tensor):
         a = a.detach().cpu()
         if a.dtype == torch.uint16:
@@ -225,10 +232,10 @@ def resolve_calibration(name: str, calibration, *, n_layers: int, kv_heads: int,
     return F.family_of(get_method(name)).resolve_calibration(name, calibration, n_layers, kv_heads, head_dim)
 
 
-def _checked_half(t, dtype, name: str):
+def checked_half(t, dtype, name: str):
     """Torch tensor ``t`` rounded to the 16-bit ``dtype``, refusing NaN / inf input and overflow (the
     methods' rule for what enters an FP16 buffer)."""
-    torch = _torch()
+    torch = import_torch()
     if not bool(torch.isfinite(t).all()):
         raise ValueError(f"{name} contains NaN or inf")
     y = t.to(dtype)
@@ -242,7 +249,7 @@ def _checked_half(t, dtype, name: str):
 OUT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
-def _to_out(x, dtype):
+def to_out(x, dtype):
     """Dequantized fp32 ``x`` in ``dtype``: float16 saturates finite values beyond +-65504 (the numerics
     contract's ``to_out``, on torch tensors ``kvq.fast.common.to_out``: a group holding 65504 has a top code
     whose fp32 value rounds to inf in fp16)."""
@@ -252,7 +259,7 @@ def _to_out(x, dtype):
 def _out_dtype(dtype):
     """The torch dtype of ``keys_values(layer, dtype)``: None (float32), a torch float dtype of
     :data:`OUT_DTYPES` or its name; TypeError otherwise (checked before the store changes)."""
-    torch = _torch()
+    torch = import_torch()
     if dtype is None:
         return torch.float32
     if isinstance(dtype, str) and dtype in OUT_DTYPES:
@@ -263,7 +270,7 @@ def _out_dtype(dtype):
                     f"or a name among {', '.join(OUT_DTYPES)}")
 
 
-def _copy_state(old, new, cfg):
+def copy_state(old, new, cfg):
     """``new`` (an empty state from ``init(cfg, ...)``, larger in capacity only) holding ``old``'s contents:
     every array of ``old`` copied into the leading block of the same array of ``new`` (page pools and tables
     grow along one axis; the used part of each is a prefix, the rest keeps ``init``'s fill), every other field
@@ -280,7 +287,7 @@ def _copy_state(old, new, cfg):
 
 def _copy_into(a, b, name: str):
     """``a`` copied into the leading block of ``b`` (arrays, or dicts of them); other values: ``a``."""
-    torch = _torch()
+    torch = import_torch()
     if isinstance(a, dict):
         return {k: _copy_into(a[k], b[k], f"{name}.{k}") for k in a}
     if isinstance(a, (np.ndarray, torch.Tensor)):
@@ -293,11 +300,11 @@ def _copy_into(a, b, name: str):
     return a
 
 
-def _layer_devices(device, n_layers: int):
+def layer_devices(device, n_layers: int):
     """``KVStore(device=)`` as one torch device per layer: None stays None (the backend's default), one device
     (a ``torch.device``, its string or a CUDA index) serves every layer, a list or tuple gives one per layer.
     ValueError for a wrong length or an unknown device string, TypeError for anything else."""
-    torch = _torch()
+    torch = import_torch()
 
     def one(d, what):
         if isinstance(d, bool) or not isinstance(d, (str, int, np.integer, torch.device)):
@@ -321,9 +328,33 @@ def _layer_devices(device, n_layers: int):
                     f"layer ({n_layers}), got {type(device).__name__}")
 
 
-def _same_device(a, b) -> bool:
-    """Whether torch devices ``a`` and ``b`` are one device ("cuda" without an index matches any CUDA index)."""
-    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+#: what a device without an index ("cuda") stands for in :func:`same_device`
+UNINDEXED = ("any", "zero")
+
+
+def same_device(a, b, *, unindexed: str = "any") -> bool:
+    """Whether devices ``a`` and ``b`` (``torch.device``, a device string or a CUDA index) are one device.
+
+    Devices of different types never are; two indexed devices are one when their indices are equal. A device
+    without an index ("cuda") is read by ``unindexed``:
+
+    * "any" (default): it matches every index of its type ("cuda" names whichever CUDA device is current:
+      what a store's or a cache's device check accepts, ``cuda`` against ``cuda:1`` included);
+    * "zero": it is index 0 ("cuda" is "cuda:0", not "cuda:1": what CUDA-graph decode compares, a model's
+      device against the layers' devices of its cache).
+
+    ValueError for another ``unindexed``; TypeError / RuntimeError from ``torch.device`` for what is no
+    device.
+    """
+    if unindexed not in UNINDEXED:
+        raise ValueError(f"unindexed must be one of {UNINDEXED}, got {unindexed!r}")
+    torch = import_torch()
+    a, b = (d if isinstance(d, torch.device) else torch.device(d) for d in (a, b))
+    if a.type != b.type:
+        return False
+    if unindexed == "zero":
+        return (a.index or 0) == (b.index or 0)
+    return a.index is None or b.index is None or a.index == b.index
 
 
 class KVStore:
@@ -381,9 +412,12 @@ class KVStore:
     What differs between the methods is one object of their family's class (``kvq.integrations.families``):
     the store checks, converts and keeps atomicity the same way for every method and hands the rest to it
     (``prepare`` / ``write`` / ``commit`` an append, ``dequantize`` / ``read`` a layer, ``decode_attention``
-    a query). The store's state is ``_states`` (one entry per layer: the method's state, FP16's tensors,
-    AQUA-KV's waiting tokens) and ``_shared`` (what the layers share: AQUA-KV's cross-layer state, FP16's
-    dtype); a rejected call puts both back.
+    a query). The store's state is ``layer_states`` (one entry per layer: the method's state, FP16's
+    tensors, AQUA-KV's waiting tokens) and ``shared_state`` (what the layers share: AQUA-KV's cross-layer
+    state, FP16's dtype); the family reads and replaces them, and a rejected call puts both back. What the
+    family uses of the store besides them: :meth:`check_layer`, :meth:`device_ctx`, :meth:`tensor`,
+    :meth:`empty`, :meth:`round16`, :meth:`value_checks`, :meth:`grow_to`, :meth:`dequantize` and
+    :meth:`clear_memo`.
 
     Dequantized results are memoised per layer (and output dtype) and recomputed only after the layer's
     state changed (``dequantize_calls`` counts the recomputations). ``memoize=False`` keeps no dequantized
@@ -399,18 +433,18 @@ class KVStore:
         self.spec = get_method(name)
         self.memoize = bool(memoize)
         self.name = name
-        self.n_layers = _check_pos_int("n_layers", n_layers)
-        self.batch = _check_pos_int("batch", batch)
-        self.kv_heads = _check_pos_int("kv_heads", kv_heads)
-        self.head_dim = _check_pos_int("head_dim", head_dim)
-        self.max_tokens = _check_pos_int("max_tokens", max_tokens)
+        self.n_layers = check_pos_int("n_layers", n_layers)
+        self.batch = check_pos_int("batch", batch)
+        self.kv_heads = check_pos_int("kv_heads", kv_heads)
+        self.head_dim = check_pos_int("head_dim", head_dim)
+        self.max_tokens = check_pos_int("max_tokens", max_tokens)
         if not isinstance(grow, (bool, np.bool_)):
             raise TypeError(f"grow must be True or False, got {grow!r}")
         self.grow = bool(grow)
         if not isinstance(validate, (bool, np.bool_)):
             raise TypeError(f"validate must be True or False, got {validate!r}")
         self.validate = bool(validate)
-        self.max_capacity = None if max_capacity is None else _check_pos_int("max_capacity", max_capacity)
+        self.max_capacity = None if max_capacity is None else check_pos_int("max_capacity", max_capacity)
         if self.max_capacity is not None and self.max_capacity < self.max_tokens:
             raise ValueError(f"max_capacity={self.max_capacity} is below max_tokens={self.max_tokens}")
         self.growths = 0                                         # reallocations so far (grow=True)
@@ -425,16 +459,16 @@ class KVStore:
         self._memo = [dict() for _ in range(self.n_layers)]     # layer -> {dtype: (K, V)}
         self._family = family(self)                            # the method's module and derived caches
         # the whole state: one entry per layer (each on its layer's device) and what the layers share
-        self._states, self._shared = self._family.init(self.cfg)
+        self.layer_states, self.shared_state = self._family.init(self.cfg)
 
     # ------------------------------------------------------------------ setup helpers
 
     def _resolve_backend(self, backend, device):
         """(backend, devices): the backend "auto" resolves to and one torch device per layer (see the class)."""
-        torch = _torch()
+        torch = import_torch()
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is unknown; choose one of {BACKENDS}")
-        devs = _layer_devices(device, self.n_layers)
+        devs = layer_devices(device, self.n_layers)
         if backend == "auto":
             backend = "triton" if (devs is not None and all(d.type == "cuda" for d in devs)) else "reference"
         if backend == "reference":
@@ -454,30 +488,17 @@ class KVStore:
         return backend, tuple(torch.device("cuda", torch.cuda.current_device()) if d.index is None else d
                               for d in devs)
 
-    def _device_ctx(self, layer: int = 0):
-        """The fast tier's current-device context of ``layer``'s device (a no-op on the CPU and the reference)."""
-        torch = _torch()
-        dev = self.devices[layer]
-        if dev.type == "cuda" and self.backend != "reference":
-            return torch.cuda.device(dev)
-        return contextlib.nullcontext()
-
     def _resolve_calibration(self, calibration):
         return resolve_calibration(self.name, calibration, n_layers=self.n_layers, kv_heads=self.kv_heads,
                                    head_dim=self.head_dim)
 
     # ------------------------------------------------------------------ inputs
 
-    def _check_layer(self, layer) -> int:
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.n_layers:
-            raise IndexError(f"layer={layer!r} is out of range for {self.n_layers} layers")
-        return int(layer)
-
     def _convert(self, x, name: str, layer: int):
         """x as the method's input: NumPy float16 / float32 (reference) or a torch tensor on ``layer``'s device.
         Host input (NumPy, CPU tensors) is copied over; a CUDA tensor must be on the layer's device where that
         is a CUDA device (ValueError otherwise: a model spread over devices appends each layer on its own)."""
-        torch = _torch()
+        torch = import_torch()
         if not isinstance(x, (torch.Tensor, np.ndarray)):
             try:
                 x = np.asarray(x)
@@ -492,7 +513,7 @@ class KVStore:
             if x.device.type not in ("cpu", "cuda"):
                 raise ValueError(f"{name} is on {x.device}; a kvq store takes CPU or CUDA tensors (or NumPy arrays)")
             dev = self.devices[layer]
-            if x.device.type == "cuda" and dev.type == "cuda" and not _same_device(x.device, dev):
+            if x.device.type == "cuda" and dev.type == "cuda" and not same_device(x.device, dev):
                 raise ValueError(f"{name} is on {x.device}; layer {layer} of this store lives on {dev} (a model "
                                  f"spread over devices appends each layer's tokens on that layer's device)")
             x = x.detach()
@@ -512,21 +533,6 @@ class KVStore:
             return a
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.devices[layer])
 
-    def _round16(self, x, name: str):
-        """x (converted) rounded to fp16, refusing NaN / inf and fp16 overflow (the methods' rule); a new
-        array, never the caller's memory."""
-        torch = _torch()
-        if isinstance(x, torch.Tensor):
-            y = _checked_half(x, torch.float16, name)
-            return y.clone() if y.data_ptr() == x.data_ptr() else y
-        if not np.isfinite(x).all():
-            raise ValueError(f"{name} contains NaN or inf")
-        with np.errstate(over="ignore"):
-            y = x.astype(np.float16)
-        if not np.isfinite(y).all():
-            raise ValueError(f"{name} overflows float16 (|x| > 65504); the FP16 buffers cannot hold it")
-        return y
-
     def _check_capacity(self, layer: int, n: int):
         need = self.length(layer) + n
         if need <= self.max_tokens:
@@ -544,33 +550,20 @@ class KVStore:
         cap = max(need, 2 * self.max_tokens)
         return cap if self.max_capacity is None else min(cap, self.max_capacity)
 
-    def _grow_to(self, need: int) -> None:
-        """Reallocate every layer's state for :meth:`_grown_capacity` tokens and copy the old states in (each
-        array's pages, tables and counters keep their place: a state's capacity only sizes its pools and page
-        tables, whose used part is a prefix). The config changes only in ``max_tokens``. Called by
-        :meth:`_write` inside :meth:`_atomic`, which puts the old states back if the append then fails."""
-        if not self._family.grows or need <= self.max_tokens:
-            return
-        cap = self._grown_capacity(need)
-        cfg = dataclasses.replace(self.cfg, max_tokens=cap)
-        self._states, self._shared = self._family.grown(cfg)
-        self.cfg, self.max_tokens = cfg, cap
-        self.growths += 1
-
     # ------------------------------------------------------------------ public API
 
     def length(self, layer: int) -> int:
         """Tokens appended to ``layer`` so far (AQUA-KV: committed plus waiting)."""
-        return self._family.length(self._check_layer(layer))
+        return self._family.length(self.check_layer(layer))
 
     def state(self, layer: int):
         """The kvq state object holding ``layer`` (AQUA-KV: the one cross-layer state of every layer;
         FP16: ``(K, V)`` as stored, or None before the first append)."""
-        return self._family.state(self._check_layer(layer))
+        return self._family.state(self.check_layer(layer))
 
     def pending(self, layer: int) -> int:
         """AQUA-KV: tokens of ``layer`` waiting for the other layers (0 for the other methods)."""
-        return self._family.pending(self._check_layer(layer))
+        return self._family.pending(self.check_layer(layer))
 
     def append(self, layer: int, k, v, *, commit: bool = True) -> None:
         """Append post-RoPE tokens k, v (B, H_kv, T_new, D) to ``layer``. Everything is checked before any
@@ -579,7 +572,7 @@ class KVStore:
         ``commit=False`` (AQUA-KV): the tokens wait even when every layer has them; :meth:`attended` commits
         after the layer's attention, so that each layer of a model's step reads the cache before the commit
         its tokens complete (Algorithm 4's order, as :meth:`update`)."""
-        layer = self._check_layer(layer)
+        layer = self.check_layer(layer)
         kx, vx = self._validate_append(layer, k, v)
         with self._atomic(layer):
             self._write(layer, kx, vx)
@@ -608,13 +601,13 @@ class KVStore:
         """Attention of ``q`` (B, H_q, T_q, D) over everything held for ``layer``, by the method's fused decode
         on the store's backend (the family's ``decode_attention``); (B, H_q, T_q, D) in q's dtype on q's
         device."""
-        return self._family.decode_attention(self._check_layer(layer), q, scale)
+        return self._family.decode_attention(self.check_layer(layer), q, scale)
 
     def update(self, layer: int, k, v, dtype=None):
         """Append k, v to ``layer`` and return its ``keys_values`` in ``dtype`` (for AQUA-KV read before the
         commit this append completes: the new tokens attend to themselves exactly, Algorithm 4).
         ``dtype`` and the tokens are checked before the append; a rejected call changes nothing."""
-        layer = self._check_layer(layer)
+        layer = self.check_layer(layer)
         dtype = _out_dtype(dtype)
         kx, vx = self._validate_append(layer, k, v)
         with self._atomic(layer):
@@ -627,7 +620,7 @@ class KVStore:
         """(K_hat, V_hat): everything appended to ``layer``, dequantized, torch (B, H_kv, T, D) in ``dtype``
         (None: float32; a torch dtype or a name of ``OUT_DTYPES``) on the layer's device. Memoised until
         the layer's state changes."""
-        layer = self._check_layer(layer)
+        layer = self.check_layer(layer)
         dtype = _out_dtype(dtype)
         memo = self._memo[layer] if self.memoize else {}
         if dtype in memo:
@@ -661,14 +654,84 @@ class KVStore:
         st = self.state(layer)
         if st is None or isinstance(st, tuple):
             raise ValueError(f"{self.name} has no kvq state arrays")
-        return {n: _to_numpy(a) for n, a in st.arrays().items()}
+        return {n: to_numpy(a) for n, a in st.arrays().items()}
 
-    # ------------------------------------------------------------------ internals
+    # ------------------------------------------------------------------ what the families use of the store
+    # (kvq.integrations.families: the family object of the store's method reads and writes through these)
 
-    def _empty(self, dtype, layer: int):
-        torch = _torch()
+    def check_layer(self, layer) -> int:
+        """``layer`` as an int when it is a layer index of this store; IndexError otherwise."""
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.n_layers:
+            raise IndexError(f"layer={layer!r} is out of range for {self.n_layers} layers")
+        return int(layer)
+
+    def device_ctx(self, layer: int = 0):
+        """The fast tier's current-device context of ``layer``'s device (a no-op on the CPU and the reference)."""
+        torch = import_torch()
+        dev = self.devices[layer]
+        if dev.type == "cuda" and self.backend != "reference":
+            return torch.cuda.device(dev)
+        return contextlib.nullcontext()
+
+    def tensor(self, a, layer: int):
+        """``a`` (NumPy or torch) as a float32 tensor on ``layer``'s device."""
+        torch = import_torch()
+        if isinstance(a, torch.Tensor):
+            return a.to(self.devices[layer], torch.float32)
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(self.devices[layer])
+
+    def empty(self, dtype, layer: int):
+        """``(K, V)``: two empty (B, H_kv, 0, D) tensors of ``dtype`` on ``layer``'s device (a read of a layer
+        that holds no tokens yet)."""
+        torch = import_torch()
         z = torch.zeros((self.batch, self.kv_heads, 0, self.head_dim), dtype=dtype, device=self.devices[layer])
         return z, z.clone()
+
+    def round16(self, x, name: str):
+        """x (converted) rounded to fp16, refusing NaN / inf and fp16 overflow (the methods' rule); a new
+        array, never the caller's memory."""
+        torch = import_torch()
+        if isinstance(x, torch.Tensor):
+            y = checked_half(x, torch.float16, name)
+            return y.clone() if y.data_ptr() == x.data_ptr() else y
+        if not np.isfinite(x).all():
+            raise ValueError(f"{name} contains NaN or inf")
+        with np.errstate(over="ignore"):
+            y = x.astype(np.float16)
+        if not np.isfinite(y).all():
+            raise ValueError(f"{name} overflows float16 (|x| > 65504); the FP16 buffers cannot hold it")
+        return y
+
+    def value_checks(self):
+        """The fast tier's value scans off for this call where the store was made with ``validate=False``."""
+        if self.validate or self.backend == "reference":
+            return contextlib.nullcontext()
+        return importlib.import_module("kvq.fast.common").validation(False)
+
+    def grow_to(self, need: int) -> None:
+        """Reallocate every layer's state for :meth:`_grown_capacity` tokens and copy the old states in (each
+        array's pages, tables and counters keep their place: a state's capacity only sizes its pools and page
+        tables, whose used part is a prefix). The config changes only in ``max_tokens``; a no-op where the
+        family does not grow or ``need`` fits. Called by the family's ``write`` (from :meth:`_write`, inside
+        :meth:`_atomic`, which puts the old states back if the append then fails)."""
+        if not self._family.grows or need <= self.max_tokens:
+            return
+        cap = self._grown_capacity(need)
+        cfg = dataclasses.replace(self.cfg, max_tokens=cap)
+        self.layer_states, self.shared_state = self._family.grown(cfg)
+        self.cfg, self.max_tokens = cfg, cap
+        self.growths += 1
+
+    def dequantize(self, layer: int):
+        """The layer's cache dequantized, fp32 torch (B, H, T, D) (the family's ``dequantize``; AQUA-KV:
+        committed, then waiting), computed afresh and counted in ``dequantize_calls``: what a family's ``read``
+        calls; :meth:`keys_values` is the memoised read in any output dtype."""
+        self.dequantize_calls += 1
+        return self._family.dequantize(layer)
+
+    def clear_memo(self, layer: int) -> None:
+        """Forget ``layer``'s memoised ``keys_values`` (its state changed: a write, AQUA-KV's commit)."""
+        self._memo[layer].clear()
 
     # ------------------------------------------------------------------ append: validate, then write
 
@@ -692,51 +755,32 @@ class KVStore:
         if int(kx.shape[2]) == 0:
             return
         self._family.write(layer, kx, vx)
-        self._memo[layer].clear()
-
-    def _value_checks(self):
-        """The fast tier's value scans off for this call where the store was made with ``validate=False``."""
-        if self.validate or self.backend == "reference":
-            return contextlib.nullcontext()
-        return importlib.import_module("kvq.fast.common").validation(False)
+        self.clear_memo(layer)
 
     @contextlib.contextmanager
     def _atomic(self, layer: int):
         """Run an append of ``layer``; if it raises, put back what the store itself keeps (every layer's entry of
-        ``_states``: FP16 tensors and length, AQUA-KV's waiting tokens, the per-layer states a growth replaced;
-        ``_shared``: FP16's dtype, AQUA-KV's state; the config and capacity; the memo and counter) and
+        ``layer_states``: FP16 tensors and length, AQUA-KV's waiting tokens, the per-layer states a growth
+        replaced; ``shared_state``: FP16's dtype, AQUA-KV's state; the config and capacity; the memo and counter) and
         re-raise. With the
         methods' appends validating before they write, a rejected call, AQUA-KV's failed commit included,
         leaves the store exactly as it was: the call that completed the commit gets the error and its
         tokens are taken back, so later appends work."""
         memo, calls = dict(self._memo[layer]), self.dequantize_calls
-        held = (list(self._states), self._shared, self.cfg, self.max_tokens, self.growths)
+        held = (list(self.layer_states), self.shared_state, self.cfg, self.max_tokens, self.growths)
         try:
             yield
         except BaseException:
             self._memo[layer].clear()
             self._memo[layer].update(memo)
             self.dequantize_calls = calls
-            self._states, self._shared, self.cfg, self.max_tokens, self.growths = held
+            self.layer_states, self.shared_state, self.cfg, self.max_tokens, self.growths = held
             raise
 
     def _commit(self) -> None:
         """Write what every layer has received where the family holds tokens back for a cross-layer step
         (AQUA-KV's commit; a no-op for the other methods)."""
         self._family.commit()
-
-    def _tensor(self, a, layer: int):
-        """``a`` (NumPy or torch) as a float32 tensor on ``layer``'s device."""
-        torch = _torch()
-        if isinstance(a, torch.Tensor):
-            return a.to(self.devices[layer], torch.float32)
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(self.devices[layer])
-
-    def _dequantize(self, layer: int):
-        """The layer's cache dequantized, fp32 torch (B, H, T, D) (the family's ``dequantize``; AQUA-KV:
-        committed, then waiting)."""
-        self.dequantize_calls += 1
-        return self._family.dequantize(layer)
 
     # ------------------------------------------------------------------ read-only views of the family's parts
     # (the names the store's attributes had before the families; tests and benchmarks read them)
@@ -749,7 +793,7 @@ class KVStore:
     @property
     def _state(self):
         """AQUA-KV: the one cross-layer state."""
-        return self._shared
+        return self.shared_state
 
     @property
     def _pending_k(self) -> list:

@@ -114,13 +114,13 @@ def _offline() -> bool:
                for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
-def _looks_like_path(name: str) -> bool:
+def looks_like_path(name: str) -> bool:
     """True for names a hub id can never be: absolute, ~, ./ or ../ prefixes, or more than one slash."""
     return (name.startswith(("/", "~", "./", "../", ".\\")) or os.sep != "/" and os.sep in name
             or name.count("/") > 1 or name in (".", ".."))
 
 
-def _resolve_dtype(dtype):
+def resolve_dtype(dtype):
     """``None`` / a torch.dtype / a name such as "bfloat16" or "auto" -> what from_pretrained takes."""
     if dtype is None or dtype == "auto":
         return dtype
@@ -150,7 +150,7 @@ def load_model(name_or_path, *, device="cpu", dtype=None):
     if not name:
         raise ValueError("name_or_path is empty")
     kwargs = {}
-    torch_dtype = _resolve_dtype(dtype)
+    torch_dtype = resolve_dtype(dtype)
     if torch_dtype is not None:
         kwargs["dtype"] = torch_dtype
     path = pathlib.Path(name).expanduser()
@@ -170,7 +170,7 @@ def load_model(name_or_path, *, device="cpu", dtype=None):
         return model.to(device).eval(), tokenizer
 
     offline = _offline()
-    if _looks_like_path(name):
+    if looks_like_path(name):
         raise FileNotFoundError(f"model directory {str(path)!r} does not exist"
                                 + (" (and HF_HUB_OFFLINE is set, so nothing is downloaded)" if offline else ""))
     try:

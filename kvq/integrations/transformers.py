@@ -48,7 +48,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import families as F
 from . import methods as M
-from .attention import ATTN_IMPLEMENTATION, _tag, use_kvq_attention
+from .attention import ATTN_IMPLEMENTATION, tag_states, use_kvq_attention
 
 __all__ = ["DEFAULT_MAX_TOKENS", "KVQLayer", "KVQCache", "KIVICache", "KittyCache", "OSCARCache", "AquaKVCache",
            "BitDecodingCache", "FP16Cache", "cache_argument", "hf_layer_devices", "make_cache", "model_dims"]
@@ -289,7 +289,9 @@ class KVQCache(Cache):
 
     The method, config and calibration are validated here; the store is created at the first
     ``update`` (its batch size and device are the states'). ``bits_per_element`` / ``memory_bytes``
-    report the compressed state.
+    report the compressed state. ``graph_capture`` is the ``kvq.integrations.graphs.DecodeGraphs``
+    recording a step of this cache (None otherwise): while it is set, ``update`` writes nothing and hands
+    the states to it, and the attention function hands the layer's work to it.
     """
 
     family: str | None = None
@@ -321,7 +323,7 @@ class KVQCache(Cache):
         self.max_capacity = min(limits) if (self.grow and limits) else None
         if max_tokens is None:
             max_tokens = min(self.max_capacity, DEFAULT_MAX_TOKENS) if self.max_capacity else DEFAULT_MAX_TOKENS
-        max_tokens = M._check_pos_int("max_tokens", max_tokens)
+        max_tokens = M.check_pos_int("max_tokens", max_tokens)
         _check_attention_layers(config, self.max_capacity or max_tokens)
         if isinstance(calibration, (str, os.PathLike)) and str(calibration) != "identity":
             calibration, file_overrides = load_calibration_file(method, calibration, dims)
@@ -343,10 +345,10 @@ class KVQCache(Cache):
         self._device = getattr(model_or_config, "device", None) if not hasattr(model_or_config, "to_dict") else None
         if device is None:
             device = hf_layer_devices(model_or_config, self.n_layers)
-        self._layer_devices = M._layer_devices(device, self.n_layers)      # None: the first key states' device
+        self._layer_devices = M.layer_devices(device, self.n_layers)      # None: the first key states' device
         family.check_devices(method, self._layer_devices)
         self._store: M.KVStore | None = None
-        self._capture = None                         # the DecodeGraphs recording a step (kvq.integrations.graphs)
+        self.graph_capture = None                    # the DecodeGraphs recording a step (kvq.integrations.graphs)
         self.attention = attention
         self._model_config = config
         self._warned = False
@@ -391,7 +393,7 @@ class KVQCache(Cache):
         if devs is None:
             return
         dev = devs[layer_idx]
-        if not M._same_device(key_states.device, dev):
+        if not M.same_device(key_states.device, dev):
             where = ("the model's hf_device_map or device=" if self._layer_devices is not None
                      else "the device of the cache's first update")
             raise ValueError(f"key_states of layer {layer_idx} are on {key_states.device}; this cache keeps layer "
@@ -420,8 +422,8 @@ class KVQCache(Cache):
         created is dropped again (the batch size is not fixed by a rejected first update)."""
         self._check_states(key_states, value_states)
         self._check_device(layer_idx, key_states)
-        if self._capture is not None:               # kvq.integrations.graphs records a step: nothing is written
-            return self._capture.capture_update(layer_idx, key_states, value_states)
+        if self.graph_capture is not None:          # kvq.integrations.graphs records a step: nothing is written
+            return self.graph_capture.capture_update(layer_idx, key_states, value_states)
         fused = self.fused
         created = self._store is None
         store = self._ensure_store(key_states)
@@ -436,7 +438,8 @@ class KVQCache(Cache):
                 self._store = None
             raise
         if fused:                                   # the new tokens only, tagged for kvq's attention function
-            return _tag(key_states, self, layer_idx, prior), _tag(value_states, self, layer_idx, prior)
+            return (tag_states(key_states, self, layer_idx, prior),
+                    tag_states(value_states, self, layer_idx, prior))
         if K.device != key_states.device:
             K, V = K.to(key_states.device), V.to(key_states.device)
         return K, V

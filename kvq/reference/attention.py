@@ -54,7 +54,7 @@ def _compute_dtype(**arrays) -> type:
     return next(iter(kinds.values()))
 
 
-def _check_finite(a: np.ndarray, name: str) -> None:
+def check_finite(a: np.ndarray, name: str) -> None:
     """Numerics rule 8: NaN / inf raise at the API boundary."""
     if not np.all(np.isfinite(a)):
         raise ValueError(f"{name} contains non-finite values ({int(np.isnan(a).sum())} NaN, "
@@ -88,17 +88,17 @@ def check_shapes(q_shape, k_shape, v_shape) -> None:
         raise ValueError(f"GQA needs H_q to be a multiple of H_kv; got H_q={H_q}, H_kv={H_kv}")
 
 
-def _check_qkv(q, k, v):
+def check_qkv(q, k, v):
     """Shapes (B, H_q, T_q, D) and (B, H_kv, T_k, D), H_q a multiple of H_kv; returns the arrays and dtype."""
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     check_shapes(q.shape, k.shape, v.shape)
     dtype = _compute_dtype(q=q, k=k, v=v)
     for name, a in (("q", q), ("k", k), ("v", v)):
-        _check_finite(a, name)
+        check_finite(a, name)
     return q.astype(dtype, copy=False), k.astype(dtype, copy=False), v.astype(dtype, copy=False), dtype
 
 
-def _scale(scale, D: int, dtype) -> np.floating:
+def resolve_scale(scale, D: int, dtype) -> np.floating:
     """Default 1/sqrt(D), computed in float64 and rounded once to the compute dtype (what kernels get
     when handed a Python float ``sm_scale``)."""
     if scale is None:
@@ -116,7 +116,7 @@ def _scale(scale, D: int, dtype) -> np.floating:
 # the pieces: scores, visibility, softmax
 
 
-def _scores(q, k, scale) -> np.ndarray:
+def scaled_scores(q, k, scale) -> np.ndarray:
     """Scaled scores ``s = (q @ k^T) * scale``, (B, H_q, T_q, T_k), one GQA group at a time.
 
     GQA: the H_q query heads form H_kv groups of ``g = H_q // H_kv`` consecutive heads; query head h
@@ -144,7 +144,7 @@ def _weighted_values(e, v) -> np.ndarray:
     return out
 
 
-def _visible(B: int, T_q: int, T_k: int, causal: bool, key_padding_mask) -> np.ndarray | None:
+def visible_keys(B: int, T_q: int, T_k: int, causal: bool, key_padding_mask) -> np.ndarray | None:
     """Which keys each query row sees, (B, 1, T_q, T_k) bool, or None when every key is visible.
 
     Causal is bottom-right aligned: query i sits at absolute position ``T_k - T_q + i`` and sees the
@@ -180,10 +180,10 @@ def _visible(B: int, T_q: int, T_k: int, causal: bool, key_padding_mask) -> np.n
     return vis
 
 
-def _softmax_parts(s, visible):
+def softmax_parts(s, visible):
     """Stable softmax pieces of scores s (..., T_k): ``e = exp(s - m)`` (0 where hidden), row max m,
     row sum l. The probabilities are ``e / l``; the log-sum-exp is ``m + log(l)``. Every row must see
-    at least one key (checked by :func:`_visible`)."""
+    at least one key (checked by :func:`visible_keys`)."""
     if visible is not None:
         s = np.where(visible, s, s.dtype.type(-np.inf))
     m = s.max(axis=-1, keepdims=True)                       # (..., 1), finite
@@ -213,17 +213,17 @@ def attention(q, k, v, *, causal: bool = False, key_padding_mask=None, scale=Non
         TypeError on other dtypes or a float64 / float32 mix; ValueError on bad shapes, non-finite
         input, or a query row that sees no key (naming the row).
     """
-    q, k, v, dtype = _check_qkv(q, k, v)
+    q, k, v, dtype = check_qkv(q, k, v)
     B, _, T_q, D = q.shape
     T_k = k.shape[2]
-    sc = _scale(scale, D, dtype)
-    visible = _visible(B, T_q, T_k, bool(causal), key_padding_mask)   # (B, 1, T_q, T_k) or None
+    sc = resolve_scale(scale, D, dtype)
+    visible = visible_keys(B, T_q, T_k, bool(causal), key_padding_mask) # (B, 1, T_q, T_k) or None
     if T_q == 0:
         return np.zeros(q.shape, dtype)
     if T_k == 0:
         raise ValueError(f"k and v hold no keys (T_k=0): every one of the {T_q} query rows sees no key")
-    s = _scores(q, k, sc)                                   # (B, H_q, T_q, T_k)
-    e, _, l = _softmax_parts(s, visible)
+    s = scaled_scores(q, k, sc)                             # (B, H_q, T_q, T_k)
+    e, _, l = softmax_parts(s, visible)
     return _weighted_values(e, v) / l                       # (B, H_q, T_q, D)
 
 
@@ -235,13 +235,13 @@ def partial_attention(q, k, v, *, scale=None):
         (B, H_q, T_q) = ``log(sum_j exp(s_j))`` of the scaled scores (natural log). An empty segment
         (T_k == 0) gives o = 0 and lse = -inf, which :func:`merge` ignores.
     """
-    q, k, v, dtype = _check_qkv(q, k, v)
+    q, k, v, dtype = check_qkv(q, k, v)
     B, H_q, T_q, D = q.shape
-    sc = _scale(scale, D, dtype)
+    sc = resolve_scale(scale, D, dtype)
     if k.shape[2] == 0:
         return np.zeros((B, H_q, T_q, D), dtype), np.full((B, H_q, T_q), -np.inf, dtype)
-    s = _scores(q, k, sc)                                   # (B, H_q, T_q, T_k)
-    e, m, l = _softmax_parts(s, None)
+    s = scaled_scores(q, k, sc)                             # (B, H_q, T_q, T_k)
+    e, m, l = softmax_parts(s, None)
     o = _weighted_values(e, v) / l                          # (B, H_q, T_q, D)
     lse = (m + np.log(l))[..., 0]                           # (B, H_q, T_q)
     return o, lse
@@ -274,7 +274,7 @@ def merge(partials):
             raise ValueError(f"partial {i}: o has shape {o.shape}, partial 0 has {os_[0].shape}")
         if np.any(np.isnan(lse)) or np.any(lse == np.inf):
             raise ValueError(f"partial {i}: lse contains NaN or +inf")
-        _check_finite(o, f"partial {i} o")
+        check_finite(o, f"partial {i} o")
         os_.append(o)
         lses.append(lse)
     dtype = _compute_dtype(**{f"partial {i}": a for i, a in enumerate(os_ + lses)})

@@ -134,13 +134,13 @@ CONFIGS = {f"BitDecoding-K{m[0].upper()}{b}": BitDecodingConfig(bits=b, k_mode=m
 # the induced layout of one page (vectorized; bitdecoding_lanes derives the same words lane by lane)
 
 
-def _check_cfg(cfg) -> None:
+def check_cfg(cfg) -> None:
     """``cfg`` must be a :class:`BitDecodingConfig` (TypeError): the first check of the page functions."""
     check_config(cfg, BitDecodingConfig)
 
 
 def _check_block(cfg: BitDecodingConfig, x, name: str) -> np.ndarray:
-    _check_cfg(cfg)
+    check_cfg(cfg)
     x = np.asarray(x)
     if x.dtype not in (np.float16, np.float32):
         raise TypeError(f"{name} has dtype {x.dtype}; expected float16 or float32")
@@ -151,7 +151,7 @@ def _check_block(cfg: BitDecodingConfig, x, name: str) -> np.ndarray:
     return x
 
 
-def _pack_words(codes: np.ndarray, bits: int) -> np.ndarray:
+def pack_words(codes: np.ndarray, bits: int) -> np.ndarray:
     """(..., R) uint8 codes -> (...) uint16 words, slot i in bits [bits i, bits i + bits)."""
     shifts = (np.arange(codes.shape[-1]) * bits).astype(np.uint16)
     return np.bitwise_or.reduce(codes.astype(np.uint16) << shifts, axis=-1).astype(np.uint16)
@@ -178,7 +178,7 @@ def pack_keys(cfg: BitDecodingConfig, k):
     codes, scale, mn = _quantize(k, cfg.bits, cfg.k_group, axis=axis)
     lead, D = codes.shape[:-2], codes.shape[-1]
     c = codes.reshape(*lead, cfg.warps_n, R, P_N, D)                  # [w, i, g, c]
-    words = _pack_words(np.moveaxis(c, -3, -1), cfg.bits)             # [w, g, c]
+    words = pack_words(np.moveaxis(c, -3, -1), cfg.bits)              # [w, g, c]
     return words.reshape(*lead, cfg.warps_n * P_N, D), _half2(scale, mn)
 
 
@@ -191,13 +191,13 @@ def pack_values(cfg: BitDecodingConfig, v):
     codes, scale, mn = _quantize(v, cfg.bits, cfg.v_group, axis=-1)
     lead, D = codes.shape[:-1], codes.shape[-1]
     c = codes.reshape(*lead, D // (P_N * R), R, P_N)                  # [t, u, i, g]
-    words = _pack_words(np.swapaxes(c, -1, -2), cfg.bits)             # [t, u, g]
+    words = pack_words(np.swapaxes(c, -1, -2), cfg.bits)              # [t, u, g]
     return words.reshape(*lead, D // R), _half2(scale, mn)
 
 
 def unpack_keys(cfg: BitDecodingConfig, k_words) -> np.ndarray:
     """Inverse of :func:`pack_keys`' layout: k_words (..., 8 W_n, D) -> codes (..., N_r, D) uint8."""
-    _check_cfg(cfg)
+    check_cfg(cfg)
     k_words = np.asarray(k_words)
     if k_words.dtype != np.uint16 or k_words.ndim < 2 or k_words.shape[-2] != P_N * cfg.warps_n:
         raise ValueError(f"k_words has dtype {k_words.dtype}, shape {k_words.shape}; expected uint16 "
@@ -209,7 +209,7 @@ def unpack_keys(cfg: BitDecodingConfig, k_words) -> np.ndarray:
 
 def unpack_values(cfg: BitDecodingConfig, v_words) -> np.ndarray:
     """Inverse of :func:`pack_values`' layout: v_words (..., N_r, D / R) -> codes (..., N_r, D) uint8."""
-    _check_cfg(cfg)
+    check_cfg(cfg)
     v_words = np.asarray(v_words)
     R = cfg.per_word
     if v_words.dtype != np.uint16 or v_words.ndim < 2 or v_words.shape[-1] % P_N:
@@ -227,7 +227,7 @@ def dequantize_page(cfg: BitDecodingConfig, k_words, k_params, v_words, v_params
     The arguments are what :func:`pack_keys` / :func:`pack_values` return for one page: v_words must hold
     the keys' N_r tokens and D channels, and k_params / v_params are float16 (or float32) half2 pairs of
     the layout's shape (NaN metadata propagates into K, V)."""
-    _check_cfg(cfg)
+    check_cfg(cfg)
     kc, vc = unpack_keys(cfg, k_words), unpack_values(cfg, v_words)
     lead, D = kc.shape[:-2], kc.shape[-1]
     if vc.shape != kc.shape:
@@ -241,14 +241,14 @@ def dequantize_page(cfg: BitDecodingConfig, k_words, k_params, v_words, v_params
         axis, kp_want = -1, lead + (cfg.n_r, D // cfg.k_group, 2)
     if D % cfg.v_group:
         raise ValueError(f"v_words has D={D} channels, not a multiple of v_group={cfg.v_group}")
-    kp = _check_params(k_params, "k_params", kp_want)
-    vp = _check_params(v_params, "v_params", lead + (cfg.n_r, D // cfg.v_group, 2))
+    kp = check_params(k_params, "k_params", kp_want)
+    vp = check_params(v_params, "v_params", lead + (cfg.n_r, D // cfg.v_group, 2))
     K = _dequantize(kc, kp[..., 0], kp[..., 1], cfg.k_group, axis=axis, out_dtype=F16)
     V = _dequantize(vc, vp[..., 0], vp[..., 1], cfg.v_group, axis=-1, out_dtype=F16)
     return K, V
 
 
-def _check_params(p, name: str, want: tuple) -> np.ndarray:
+def check_params(p, name: str, want: tuple) -> np.ndarray:
     """Half2 (scale, min) pairs: a float16 / float32 array of shape ``want`` (ValueError / TypeError)."""
     if p is None:
         raise TypeError(f"{name} must be an array of (scale, min) pairs, got None")

@@ -25,8 +25,7 @@ import numpy as np
 from . import checks
 from . import fragments as fr
 from . import numerics as nx
-from .bitdecoding import P_N, BitDecodingConfig, _check_cfg, _pack_words
-from .bitdecoding import _check_params as _params   # a page's (scale, min) pairs: dtype and shape
+from .bitdecoding import P_N, BitDecodingConfig, check_cfg, check_params, pack_words
 from .quant import quantize as _quantize
 
 __all__ = ["residual_kernel_keys", "residual_kernel_values", "key_fragments", "value_fragments",
@@ -40,7 +39,7 @@ __all__ = ["residual_kernel_keys", "residual_kernel_values", "key_fragments", "v
 
 def _page(cfg, x, name: str, multiple: int) -> np.ndarray:
     """One page (N_r, D) of fp16 / fp32 tokens, finite, D a multiple of ``multiple`` (and of the groups)."""
-    _check_cfg(cfg)
+    check_cfg(cfg)
     x = np.asarray(x)
     if x.dtype not in (np.float16, np.float32):
         raise TypeError(f"{name} has dtype {x.dtype}; expected float16 or float32")
@@ -98,7 +97,7 @@ def residual_kernel_keys(cfg: BitDecodingConfig, k) -> np.ndarray:
                         ch = 32 * s + 8 * m + col
                         toks = [w * P_N * R + P_N * i + row for i in range(R)]
                         codes = np.array([_codes(k[t, ch], scale[t, ch], mn[t, ch], cfg.bits) for t in toks])
-                        words[P_N * w + row, ch] = _pack_words(codes, cfg.bits)
+                        words[P_N * w + row, ch] = pack_words(codes, cfg.bits)
     return words
 
 
@@ -109,7 +108,7 @@ def residual_kernel_values(cfg: BitDecodingConfig, v) -> np.ndarray:
     tokens ``16 kk + 8 m ..``) gives lane L in half h of register m the element (row, col) =
     ``ldmatrix(L, m, h, trans=True)`` of each channel tile j = u R + i: token ``16 kk + 8 m + row``,
     channel ``8 j + col``. Its R values (one per tile) go into one word at (token, 8 u + col)."""
-    _check_cfg(cfg)
+    check_cfg(cfg)
     R = cfg.per_word
     v = _page(cfg, v, "v", P_N * R)
     Nr, D = v.shape
@@ -125,7 +124,7 @@ def residual_kernel_values(cfg: BitDecodingConfig, v) -> np.ndarray:
                         t = 16 * kk + 8 * m + row
                         chans = [P_N * (u * R + i) + col for i in range(R)]
                         codes = np.array([_codes(v[t, c], scale[t, c], mn[t, c], cfg.bits) for c in chans])
-                        words[t, P_N * u + col] = _pack_words(codes, cfg.bits)
+                        words[t, P_N * u + col] = pack_words(codes, cfg.bits)
     return words
 
 
@@ -204,14 +203,14 @@ def key_fragments(cfg: BitDecodingConfig, k_words, k_params, w: int, i: int, kk:
     (tokens ``w * 8R + 8 i ..``) and k-tile kk (channels ``16 kk ..``) after ``ldmatrix.x4`` of the words,
     ``lop3_codes`` and dequantization with the page's params. k_words (8 W_n, D) and k_params are one
     page of :func:`bitdecoding.pack_keys`; w in [0, W_n), i in [0, R), kk in [0, D / 16)."""
-    _check_cfg(cfg)
+    check_cfg(cfg)
     D = np.shape(k_words)[-1] if np.ndim(k_words) else 0
     k_words = _words(k_words, "k_words", (P_N * cfg.warps_n, D))
     if D == 0 or D % 32 or (cfg.k_mode == "tensor" and D % cfg.k_group):
         raise ValueError(f"k_words has D={D} channels; expected a positive multiple of 32"
                          + (f" and of k_group={cfg.k_group}" if cfg.k_mode == "tensor" else ""))
-    kp = _params(k_params, "k_params", (cfg.n_r // cfg.k_group, D, 2) if cfg.k_mode == "channel"
-                 else (cfg.n_r, D // cfg.k_group, 2))
+    kp = check_params(k_params, "k_params", (cfg.n_r // cfg.k_group, D, 2) if cfg.k_mode == "channel"
+                      else (cfg.n_r, D // cfg.k_group, 2))
     w = checks.int_arg(w, "w", 0, cfg.warps_n - 1)
     i = checks.int_arg(i, "i", 0, cfg.per_word - 1)
     kk = checks.int_arg(kk, "kk", 0, D // 16 - 1)
@@ -234,7 +233,7 @@ def value_fragments(cfg: BitDecodingConfig, v_words, v_params, kk: int, j: int) 
     tile j (channels ``8 j ..``) after ``ldmatrix.x2.trans`` of the words, ``lop3_codes`` and dequantization.
     v_words (N_r, D / R) and v_params are one page of :func:`bitdecoding.pack_values`; kk in
     [0, N_r / 16), j in [0, D / 8)."""
-    _check_cfg(cfg)
+    check_cfg(cfg)
     R = cfg.per_word
     W = np.shape(v_words)[-1] if np.ndim(v_words) else 0
     v_words = _words(v_words, "v_words", (cfg.n_r, W))
@@ -242,7 +241,7 @@ def value_fragments(cfg: BitDecodingConfig, v_words, v_params, kk: int, j: int) 
     if D == 0 or W % P_N or D % cfg.v_group:
         raise ValueError(f"v_words has shape {v_words.shape}: D = {W} x {R} = {D} channels; expected a positive "
                          f"multiple of {P_N * R} and of v_group={cfg.v_group}")
-    vp = _params(v_params, "v_params", (cfg.n_r, D // cfg.v_group, 2))
+    vp = check_params(v_params, "v_params", (cfg.n_r, D // cfg.v_group, 2))
     kk = checks.int_arg(kk, "kk", 0, cfg.n_r // 16 - 1)
     j = checks.int_arg(j, "j", 0, D // P_N - 1)
     u, i = divmod(j, R)

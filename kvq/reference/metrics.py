@@ -22,7 +22,7 @@ from . import attention as attn
 F64 = np.float64
 
 
-def _f64(x, name: str) -> np.ndarray:
+def as_f64(x, name: str) -> np.ndarray:
     """float16 / float32 / float64 -> float64 (exact); anything else is refused."""
     a = np.asarray(x)
     if a.dtype not in (np.float16, np.float32, np.float64):
@@ -34,7 +34,7 @@ def _finite(**arrays) -> None:
     """Numerics rule 8 for the attention metrics: NaN / inf in any input raise, naming that input (the
     attention behind them would name only its own q / k / v)."""
     for name, a in arrays.items():
-        attn._check_finite(a, name)
+        attn.check_finite(a, name)
 
 
 def _same_shape(a, b, na: str, nb: str) -> None:
@@ -44,7 +44,7 @@ def _same_shape(a, b, na: str, nb: str) -> None:
 
 def relative_mse(x, x_hat) -> float:
     """``||x - x_hat||^2 / ||x||^2`` over all elements (0 for a perfect reconstruction)."""
-    x, x_hat = _f64(x, "x"), _f64(x_hat, "x_hat")
+    x, x_hat = as_f64(x, "x"), as_f64(x_hat, "x_hat")
     _same_shape(x, x_hat, "x", "x_hat")
     den = float(np.sum(x * x))
     if den == 0.0:
@@ -54,8 +54,8 @@ def relative_mse(x, x_hat) -> float:
 
 def _scores_f64(q, k, scale):
     """Scaled scores in float64, (B, H_q, T_q, T_k), validated as attention validates them."""
-    q, k, _, dtype = attn._check_qkv(q, k, k)
-    return attn._scores(q, k, attn._scale(scale, q.shape[-1], dtype))
+    q, k, _, dtype = attn.check_qkv(q, k, k)
+    return attn.scaled_scores(q, k, attn.resolve_scale(scale, q.shape[-1], dtype))
 
 
 def logit_mse(q, k, k_hat, scale=None) -> float:
@@ -63,7 +63,7 @@ def logit_mse(q, k, k_hat, scale=None) -> float:
 
     The mean runs over every (batch, query head, query, key) logit; no mask is applied.
     """
-    q, k, k_hat = _f64(q, "q"), _f64(k, "k"), _f64(k_hat, "k_hat")
+    q, k, k_hat = as_f64(q, "q"), as_f64(k, "k"), as_f64(k_hat, "k_hat")
     _same_shape(k, k_hat, "k", "k_hat")
     _finite(q=q, k=k, k_hat=k_hat)
     s, s_hat = _scores_f64(q, k, scale), _scores_f64(q, k_hat, scale)
@@ -76,10 +76,10 @@ def _log_probs(q, k, causal: bool, scale):
     """Attention log-probabilities ``s - m - log(l)`` (float64, -inf where a key is hidden)."""
     s = _scores_f64(q, k, scale)                            # (B, H_q, T_q, T_k)
     B, _, T_q, T_k = s.shape
-    visible = attn._visible(B, T_q, T_k, causal, None)      # (B, 1, T_q, T_k) or None
+    visible = attn.visible_keys(B, T_q, T_k, causal, None)  # (B, 1, T_q, T_k) or None
     if T_k == 0:
         raise ValueError("k holds no keys (T_k=0); attention is undefined")
-    _, m, l = attn._softmax_parts(s, visible)
+    _, m, l = attn.softmax_parts(s, visible)
     logp = s - m - np.log(l)
     if visible is not None:
         logp = np.where(visible, logp, -np.inf)
@@ -92,7 +92,7 @@ def attention_scores(q, k, causal: bool = False, scale=None) -> np.ndarray:
     Hidden keys (causal mask) get probability 0. This is eq. (1) of the Kitty paper, the matrix whose
     perturbation measures a channel's sensitivity.
     """
-    return np.exp(_log_probs(_f64(q, "q"), _f64(k, "k"), bool(causal), scale))
+    return np.exp(_log_probs(as_f64(q, "q"), as_f64(k, "k"), bool(causal), scale))
 
 
 def attention_kl(q, k, k_hat, causal: bool = False, scale=None) -> float:
@@ -101,7 +101,7 @@ def attention_kl(q, k, k_hat, causal: bool = False, scale=None) -> float:
     Each row's KL is ``sum_j p_j (log p_j - log p_hat_j)`` over the keys it sees; the log-probabilities
     come from the log-sum-exp, so no probability is rounded to 0 before its log is taken.
     """
-    q, k, k_hat = _f64(q, "q"), _f64(k, "k"), _f64(k_hat, "k_hat")
+    q, k, k_hat = as_f64(q, "q"), as_f64(k, "k"), as_f64(k_hat, "k_hat")
     _same_shape(k, k_hat, "k", "k_hat")
     _finite(q=q, k=k, k_hat=k_hat)
     logp = _log_probs(q, k, bool(causal), scale)            # (B, H_q, T_q, T_k)
@@ -117,8 +117,8 @@ def attention_kl(q, k, k_hat, causal: bool = False, scale=None) -> float:
 
 def output_mse(q, k, v, k_hat, v_hat, causal: bool = False, scale=None) -> float:
     """Mean squared error of the attention output with the exact cache against the quantized one."""
-    q, k, v = _f64(q, "q"), _f64(k, "k"), _f64(v, "v")
-    k_hat, v_hat = _f64(k_hat, "k_hat"), _f64(v_hat, "v_hat")
+    q, k, v = as_f64(q, "q"), as_f64(k, "k"), as_f64(v, "v")
+    k_hat, v_hat = as_f64(k_hat, "k_hat"), as_f64(v_hat, "v_hat")
     _same_shape(k, k_hat, "k", "k_hat")
     _same_shape(v, v_hat, "v", "v_hat")
     _finite(q=q, k=k, v=v, k_hat=k_hat, v_hat=v_hat)

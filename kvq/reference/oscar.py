@@ -37,7 +37,8 @@ from . import numerics as nx
 from .state import FlatArrays, cfg_field, check_config, check_dims, check_host_device, check_state, check_str
 from .packing import pack, unpack
 from .quant import dequantize as _dequantize
-from .rotations import ROTATIONS, _heads, _mat, _real64, compose, eig_desc, quantize_tokens, rotate
+from .rotations import (ROTATIONS, as_real64, broadcast_heads, compose, eig_desc, head_matrices, quantize_tokens,
+                        rotate)
 from .rotations import target_covariances
 
 F16 = np.float16
@@ -133,12 +134,12 @@ def calibrate_clip(x_rot, M, group_size: int, bits: int = 2, ratios=CLIP_GRID, m
     if x.ndim != 4:
         raise ValueError(f"x_rot must be (B, H, T, D) rotated tokens, got shape {x.shape}")
     B, H, T, D = x.shape
-    M = _real64(M, "M", ndim=(2, 3), square=True)
+    M = as_real64(M, "M", ndim=(2, 3), square=True)
     if M.shape[-1] != D or (M.ndim == 3 and M.shape[0] != H):
         raise ValueError(f"M has shape {M.shape}; tokens x_rot {x.shape} need ({D}, {D}) or ({H}, {D}, {D})")
     nx.check_finite(M, "M")
     ratios = _check_ratios(ratios)
-    M = _mat(M, H)
+    M = head_matrices(M, H)
     obj = []
     for c in ratios:
         codes, s, m = quantize_tokens(x, c, group_size, bits, meta_dtype)
@@ -326,7 +327,7 @@ def init(cfg: OSCARConfig, batch: int, kv_heads: int, head_dim: int, *, device=N
 def _rotate16(x, R, name: str):
     """Rotate (B, H, n, D) by R (fp32) and round to the FP16 the buffers hold; overflow raises."""
     with np.errstate(over="ignore"):
-        y = rotate(x, _heads(R, np.shape(x)[1])).astype(F16)
+        y = rotate(x, broadcast_heads(R, np.shape(x)[1])).astype(F16)
     if not np.isfinite(y).all():
         raise ValueError(f"{name} R overflows float16 (|x| > 65504); the FP16 buffers cannot hold it")
     return y
@@ -425,7 +426,7 @@ def dequantize(cfg: OSCARConfig, calib: OSCARCalibration, state: OSCARState, *, 
     if rotated:
         return K, V
     H = state.shape[1]
-    return rotate(K, _heads(_transpose(calib.R_K), H)), rotate(V, _heads(_transpose(calib.R_V), H))
+    return rotate(K, broadcast_heads(_transpose(calib.R_K), H)), rotate(V, broadcast_heads(_transpose(calib.R_V), H))
 
 
 def _per_query_head(R, H_q: int, H_kv: int):
@@ -476,8 +477,8 @@ def fold_value_rotation(W_V, W_O, R_V, n_heads: int):
     the layer's output is unchanged. R_V: (D, D) or (H_kv, D, D); n_heads: H_q, a multiple of H_kv.
     Real arrays (float or integer; NaN / inf propagate into the result).
     """
-    W_V, W_O = _real64(W_V, "W_V", ndim=2), _real64(W_O, "W_O", ndim=2)
-    R = _real64(R_V, "R_V", ndim=(2, 3), square=True)
+    W_V, W_O = as_real64(W_V, "W_V", ndim=2), as_real64(W_O, "W_O", ndim=2)
+    R = as_real64(R_V, "R_V", ndim=(2, 3), square=True)
     n_heads = checks.int_arg(n_heads, "n_heads", lo=1)
     D = R.shape[-1]
     if D == 0 or W_V.shape[1] % D:
@@ -492,7 +493,7 @@ def fold_value_rotation(W_V, W_O, R_V, n_heads: int):
     if W_O.shape[0] != n_heads * D:
         raise ValueError(f"W_O has shape {W_O.shape}; n_heads={n_heads} query heads of D={D} need "
                          f"({n_heads * D}, d_model)")
-    R = _mat(R, H_kv)                                                     # (H_kv, D, D)
+    R = head_matrices(R, H_kv)                                                     # (H_kv, D, D)
     W_V2 = np.einsum("mhd,hde->mhe", W_V.reshape(-1, H_kv, D), R).reshape(W_V.shape)
     Rq = R[np.arange(n_heads) // (n_heads // H_kv)]                       # (H_q, D, D)
     W_O2 = np.einsum("hde,hdm->hem", Rq, W_O.reshape(n_heads, D, -1)).reshape(W_O.shape)

@@ -45,7 +45,7 @@ ROTATIONS = {
 }
 
 
-def _real64(x, name: str, *, ndim=None, min_ndim: int | None = None, square: bool = False) -> np.ndarray:
+def as_real64(x, name: str, *, ndim=None, min_ndim: int | None = None, square: bool = False) -> np.ndarray:
     """``x`` as a float64 ndarray for the float64 analysis functions (eigenbases, compositions, folds).
 
     Real numbers only: float16 / 32 / 64 and integer arrays convert exactly (as ``np.asarray(x, float64)``
@@ -138,7 +138,7 @@ def eig_desc(C) -> tuple[np.ndarray, np.ndarray]:
     to sign; this makes the result deterministic). Raises on NaN / inf, a non-square or a non-real C
     (complex, bool, strings).
     """
-    C = _real64(C, "C", square=True)
+    C = as_real64(C, "C", square=True)
     nx.check_finite(C, "C")
     lam, U = np.linalg.eigh((C + np.swapaxes(C, -1, -2)) / 2)     # ascending
     lam, U = lam[..., ::-1], U[..., ::-1]
@@ -172,7 +172,7 @@ def compose(kind: str, U=None, d: int | None = None, rng=None) -> np.ndarray:
     d = checks.int_arg(d, "d", lo=1, optional=True)
     rng = _check_rng(rng, optional=True)
     if U is not None:
-        U = _real64(U, "U", square=True)
+        U = as_real64(U, "U", square=True)
         nx.check_finite(U, "U")
         if d is not None and d != U.shape[-1]:
             raise ValueError(f"d={d} does not match U of shape {U.shape}; give one of them")
@@ -224,7 +224,7 @@ def rotate(x, R) -> np.ndarray:
 def frozen_surrogate(R, C, E) -> float:
     """Theorem 1's frozen-error surrogate ``tr(R^T C R E)``, float64 (all three (D, D), real; NaN
     propagates)."""
-    R, C, E = (_real64(a, n, ndim=2, square=True) for a, n in ((R, "R"), (C, "C"), (E, "E")))
+    R, C, E = (as_real64(a, n, ndim=2, square=True) for a, n in ((R, "R"), (C, "C"), (E, "E")))
     if not R.shape == C.shape == E.shape:
         raise ValueError(f"R {R.shape}, C {C.shape} and E {E.shape} must all be (D, D) with the same D")
     return float(np.trace(R.T @ C @ R @ E))
@@ -246,7 +246,7 @@ def target_covariances(q, k, v, *, per_head: bool = False, scale=None, causal: b
     ``per_head=False`` (the paper's production metric) also averages over KV heads: (D, D) each;
     ``per_head=True`` keeps (H_kv, D, D).
     """
-    q, k, v = (metrics._f64(a, n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
+    q, k, v = (metrics.as_f64(a, n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
     attn.check_shapes(q.shape, k.shape, v.shape)
     B, _, T, _ = k.shape
     H_kv, N = k.shape[1], B * T
@@ -271,7 +271,7 @@ def rotation_table(q, k, rotations: dict, group_size: int, bits: int = 2, clip: 
     then over KV heads when R is (D, D)); ``tr_E`` = tr(E_K) per token, E_K = sum_t e_t^T e_t with
     e = Q(clip(K~)) - K~ (INT2, fp32 metadata: the quantizer's error, not the fp16 rounding).
     """
-    q64, k64 = metrics._f64(q, "q"), metrics._f64(k, "k")
+    q64, k64 = metrics.as_f64(q, "q"), metrics.as_f64(k, "k")
     B, H, T, D = k64.shape
     C = _group_mean(np.einsum("bhtd,bhte->hde", q64, q64) / (B * T), H)          # (H, D, D)
     out = {}
@@ -292,13 +292,13 @@ def rotation_table(q, k, rotations: dict, group_size: int, bits: int = 2, clip: 
     return out
 
 
-def _heads(R, H: int):
+def broadcast_heads(R, H: int):
     """A rotation (D, D) as is, or (H, D, D) as (H, 1, D, D) to broadcast over (B, H, T, D)."""
     R = np.asarray(R)
     return R if R.ndim == 2 else R[:, None]
 
 
-def _mat(R, H: int):
+def head_matrices(R, H: int):
     """(D, D) or (H, D, D) -> (H, D, D) float64."""
     R = np.asarray(R, dtype=np.float64)
     return np.broadcast_to(R, (H,) + R.shape[-2:])
@@ -321,7 +321,7 @@ def fake_quantize(x, R, clip: float, group_size: int, bits: int = 2) -> np.ndarr
     x = nx.as_f32(x, "x")
     if x.ndim == 0:
         raise ValueError("x is a scalar (0-d); fake_quantize takes tokens (B, H, T, D)")
-    R = _real64(R, "R", ndim=(2, 3), square=True).astype(np.float32)
+    R = as_real64(R, "R", ndim=(2, 3), square=True).astype(np.float32)
     if R.shape[-1] != x.shape[-1]:
         raise ValueError(f"R has shape {R.shape}; tokens of x {x.shape} need ({x.shape[-1]}, {x.shape[-1]})")
     if R.ndim == 3 and (x.ndim != 4 or x.shape[1] != R.shape[0]):
@@ -329,10 +329,10 @@ def fake_quantize(x, R, clip: float, group_size: int, bits: int = 2) -> np.ndarr
                          f"got {x.shape}")
     clip = checks.real_arg(clip, "clip", 0.0, 1.0, lo_open=True)
     H = R.shape[0] if R.ndim == 3 else 1
-    xr = rotate(x, _heads(R, H)).astype(np.float16)
+    xr = rotate(x, broadcast_heads(R, H)).astype(np.float16)
     codes, s, m = quantize_tokens(xr, clip, group_size, bits)
     xq = dequantize(codes, s, m, group_size, -1, np.float32)
-    return rotate(xq, _heads(np.ascontiguousarray(np.swapaxes(R, -1, -2)), H))
+    return rotate(xq, broadcast_heads(np.ascontiguousarray(np.swapaxes(R, -1, -2)), H))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ torch. matplotlib itself is imported only when a function is called.
 
 Every figure has a title (``title=`` where the function takes one, else a default; a title already on
 a caller's Axes is kept), axis labels with units where the quantity has one, and any legend outside the
-data area (``_common.set_title`` / ``_common.legend_outside``), so it covers nothing;
+data area (``common.set_title`` / ``common.legend_outside``), so it covers nothing;
 ``tests/viz/test_figure_labels.py`` checks each function's figure for all three.
 
     from kvq.viz import plot_channel_magnitudes
@@ -18,7 +18,9 @@ section 4.1, Figure 3a), ``groups`` (per-token vs per-channel group ranges, KIVI
 probes, HIGGS grids, residual variance per layer), ``oscar`` (OSCAR Table 10 / Figs. 1, 2, 3, 7: group
 ranges under each rotation, spectra, alignment, KL versus context, the error table), ``fragments``
 (BitDecoding Fig. 3a: the mma.m16n8k16 register fragment layouts), ``bitdecoding`` (BitDecoding Fig. 5:
-the induced low-bit packing of one lane; Fig. 6: the warp partition along N with sTMP and sAcc).
+the induced low-bit packing of one lane; Fig. 6: the warp partition along N with sTMP and sAcc);
+``common``: what they share (``new_figure`` / ``new_axes`` without pyplot, titles, outside legends, the
+argument checks).
 """
 
 from .aqua import plot_explained_variance, plot_higgs_grid, plot_residual_variance

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import as_array, legend_outside, new_axes, set_title
+from .common import as_array, legend_outside, new_axes, set_title
 
 __all__ = ["plot_explained_variance", "plot_higgs_grid", "plot_residual_variance"]
 

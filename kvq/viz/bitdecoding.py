@@ -20,7 +20,7 @@ import numpy as np
 from kvq.reference import fragments as fr
 from kvq.reference.bitdecoding import P_N, BitDecodingConfig
 
-from ._common import new_axes
+from .common import new_axes
 
 __all__ = ["lane_cells", "plot_induced_packing", "plot_warp_partition"]
 

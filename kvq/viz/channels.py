@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import as_array, check_top, legend_outside, new_axes, set_title
+from .common import as_array, check_top, legend_outside, new_axes, set_title
 
 __all__ = ["plot_channel_magnitudes", "plot_channel_sensitivity", "plot_error_vs_boost"]
 

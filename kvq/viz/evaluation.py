@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from ._common import legend_outside, new_axes, set_title
+from .common import legend_outside, new_axes, set_title
 
 __all__ = ["plot_quality_vs_bits", "plot_ppl_by_position", "plot_retrieval_by_depth"]
 
@@ -197,7 +197,7 @@ def plot_retrieval_by_depth(rows, contexts=None, title=None):
         missing = [n for n in contexts if n not in seen]
         if not contexts or missing:
             raise ValueError(f"contexts must be context lengths of the cells ({seen}); got {contexts}")
-    from ._common import new_figure
+    from .common import new_figure
     fig = new_figure(figsize=(min(3.2 * len(contexts) + 2.0, 16.0), 3.6))
     axes = fig.subplots(1, len(contexts), sharey=True, squeeze=False)[0]
     styles = _row_styles(got)

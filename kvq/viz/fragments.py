@@ -18,7 +18,7 @@ import numpy as np
 
 from kvq.reference.fragments import LANES, OPERAND_SHAPES, table
 
-from ._common import new_axes
+from .common import new_axes
 
 __all__ = ["plot_fragment_layout"]
 

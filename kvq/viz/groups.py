@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import legend_outside, new_axes, set_title
+from .common import legend_outside, new_axes, set_title
 
 __all__ = ["group_ranges", "plot_group_ranges"]
 

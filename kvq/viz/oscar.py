@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import as_array, check_top, legend_outside, new_axes, new_figure, set_title
+from .common import as_array, check_top, legend_outside, new_axes, new_figure, set_title
 
 __all__ = ["plot_token_groups", "plot_spectra", "plot_alignment", "plot_kl_vs_context", "plot_error_table"]
 

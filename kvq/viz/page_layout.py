@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import as_array, check_codes, new_axes
+from .common import as_array, check_codes, new_axes
 
 __all__ = ["plot_page_layout"]
 

@@ -121,6 +121,25 @@ def test_hf_layer_devices_reads_the_device_map():
         hf_layer_devices(model, 4)
 
 
+def test_same_device_reads_an_unindexed_device_by_its_keyword():
+    """``methods.same_device``, the one device comparison of the store and the HF cache (an unindexed "cuda"
+    matches any CUDA index) and of the CUDA-graph decode (an unindexed "cuda" is cuda:0)."""
+    cuda, cuda0, cuda1, cpu = (torch.device(d) for d in ("cuda", "cuda:0", "cuda:1", "cpu"))
+    # "any" (the default): an unindexed device matches every index of its type
+    assert M.same_device(cuda, cuda1) and M.same_device(cuda1, cuda) and M.same_device(cuda, cuda0)
+    assert M.same_device("cuda", "cuda:1", unindexed="any")
+    # "zero": an unindexed device is index 0
+    assert M.same_device(cuda, cuda0, unindexed="zero") and M.same_device("cuda:0", "cuda", unindexed="zero")
+    assert not M.same_device(cuda, cuda1, unindexed="zero") and not M.same_device(cuda1, cuda, unindexed="zero")
+    # either way: two indices compare, and devices of different types never match
+    for unindexed in M.UNINDEXED:
+        assert M.same_device(cuda1, "cuda:1", unindexed=unindexed) and M.same_device("cpu", cpu, unindexed=unindexed)
+        assert not M.same_device(cuda0, cuda1, unindexed=unindexed)
+        assert not M.same_device(cpu, cuda, unindexed=unindexed) and not M.same_device(cpu, cuda0, unindexed=unindexed)
+    with pytest.raises(ValueError, match=r"unindexed must be one of \('any', 'zero'\), got 'first'"):
+        M.same_device(cuda, cuda0, unindexed="first")
+
+
 def test_cache_refuses_a_layer_on_another_device_and_stays_unchanged():
     """A layer's states arriving on a device other than its state's: ValueError before the cache changes
     (on the CPU: the device map puts layer 1 on cuda:1 and the model hands it CPU tensors)."""

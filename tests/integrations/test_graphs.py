@@ -91,22 +91,22 @@ class _Recorder(G.DecodeGraphs):
     def capture_attention(self, module, layer, query, key, value, kwargs):
         out, none = super().capture_attention(module, layer, query, key, value, kwargs)
         if self.run_now:                                     # as a replay runs it: the cache not recording
-            self.cache._capture = None
+            self.cache.graph_capture = None
             try:
                 self._pieces[-1]()
             finally:
-                self.cache._capture = self
+                self.cache.graph_capture = self
         return out, none
 
 
 def _step(model, cache, tok, recorder=None):
     pos = torch.full((tok.shape[0], 1), cache.get_seq_length(), dtype=torch.long)
-    cache._capture = recorder
+    cache.graph_capture = recorder
     try:
         with torch.no_grad():
             return model(input_ids=tok, position_ids=pos, **{cache_argument(model): cache}).logits[:, -1]
     finally:
-        cache._capture = None
+        cache.graph_capture = None
 
 
 @pytest.mark.parametrize("name", ["KIVI-K2V2", "AQUA-KV", "FP16"])

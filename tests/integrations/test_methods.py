@@ -211,6 +211,11 @@ def test_memoisation_and_invalidation():
     assert store.dequantize_calls == n + 1 and c[0].shape[2] == 31      # invalidated by the append
     ref = kitty.dequantize(store.cfg, store.state(0))
     assert np.array_equal(c[0].numpy(), ref[0])
+    store.keys_values(1)
+    store.clear_memo(0)                                                 # what a family calls on a commit
+    d = store.keys_values(0)
+    assert d[0] is not c[0] and store.dequantize_calls == n + 3 and np.array_equal(d[0].numpy(), ref[0])
+    assert store.keys_values(1)[0] is store.keys_values(1)[0] and store.dequantize_calls == n + 3   # layer 1 kept
 
 
 def test_memoize_off_keeps_no_copy():

@@ -44,7 +44,7 @@ def _bits(a):
     if isinstance(a, torch.Tensor):
         a = a.detach().cpu()
         a = a.view(torch.int16) if a.dtype == torch.bfloat16 else a
-        a = M._to_numpy(a)
+        a = M.to_numpy(a)
     a = np.asarray(a)
     return str(a.dtype), a.shape, a.tobytes()
 

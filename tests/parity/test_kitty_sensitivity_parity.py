@@ -80,11 +80,11 @@ def sensitivity32(q, k, *, bits=2, group_size=None, causal=True, scale=None) -> 
     G = T if group_size is None else group_size
     codes, s, m = RQ.quantize(k32, bits, G, axis=2)
     k_q = RQ.dequantize(codes, s, m, G, axis=2, out_dtype=np.float32)
-    sc = RA._scale(scale, D, np.float32)
-    visible = RA._visible(B, q32.shape[2], T, causal, None)
+    sc = RA.resolve_scale(scale, D, np.float32)
+    visible = RA.visible_keys(B, q32.shape[2], T, causal, None)
 
     def probs(kk):
-        e, _, l = RA._softmax_parts(RA._scores(q32, kk, sc), visible)
+        e, _, l = RA.softmax_parts(RA.scaled_scores(q32, kk, sc), visible)
         return e / l
 
     ref = probs(k32)

@@ -125,12 +125,12 @@ def test_word_positions_written_out():
     # keys: word (8 w + g, c) slot i = K[w * 64 + 8 i + g, c]; warp 2, g = 5, channel 17
     toks = [2 * 64 + 8 * i + 5 for i in range(8)]
     word = sum(int(codes[t, 17]) << (2 * i) for i, t in enumerate(toks))
-    packed = bd._pack_words(np.moveaxis(codes.reshape(4, 8, 8, 128), 1, -1), 2).reshape(32, 128)
+    packed = bd.pack_words(np.moveaxis(codes.reshape(4, 8, 8, 128), 1, -1), 2).reshape(32, 128)
     assert packed[8 * 2 + 5, 17] == word
     # values: word (t, 8 u + g) slot i = V[t, 8 (u R + i) + g]; token 9, u = 1, g = 3
     chans = [8 * (8 + i) + 3 for i in range(8)]
     word = sum(int(codes[9, c]) << (2 * i) for i, c in enumerate(chans))
-    vpacked = bd._pack_words(np.swapaxes(codes.reshape(256, 2, 8, 8), -1, -2), 2).reshape(256, 16)
+    vpacked = bd.pack_words(np.swapaxes(codes.reshape(256, 2, 8, 8), -1, -2), 2).reshape(256, 16)
     assert vpacked[9, 8 + 3] == word
     assert np.array_equal(bd.unpack_values(cfg, vpacked), codes)
 

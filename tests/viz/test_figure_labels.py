@@ -27,7 +27,7 @@ from matplotlib.lines import Line2D  # noqa: E402
 import kvq.viz as viz  # noqa: E402
 from kvq.reference import bitdecoding as bd  # noqa: E402
 from kvq.reference.higgs import load_grid  # noqa: E402
-from kvq.viz._common import legend_outside, new_figure, set_title  # noqa: E402
+from kvq.viz.common import legend_outside, new_figure, set_title  # noqa: E402
 
 RNG = np.random.default_rng(0)
 PIXEL = 1.5                     # tolerance, display pixels (anti-aliasing, rounding of text extents)

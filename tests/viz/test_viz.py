@@ -24,7 +24,7 @@ from kvq.viz import (  # noqa: E402
     plot_group_ranges,
     plot_page_layout,
 )
-from kvq.viz._common import new_figure  # noqa: E402
+from kvq.viz.common import new_figure  # noqa: E402
 
 RNG = np.random.default_rng(0)
 

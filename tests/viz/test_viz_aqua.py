@@ -13,7 +13,7 @@ matplotlib = pytest.importorskip("matplotlib")
 from matplotlib.figure import Figure  # noqa: E402
 
 from kvq.reference.higgs import load_grid  # noqa: E402
-from kvq.viz._common import new_figure  # noqa: E402
+from kvq.viz.common import new_figure  # noqa: E402
 from kvq.viz.aqua import plot_explained_variance, plot_higgs_grid, plot_residual_variance  # noqa: E402
 
 PROBES = {"K": {"L-1": 0.6, "L-1..2": 0.7, "T-1": -0.02, "V": 0.64},

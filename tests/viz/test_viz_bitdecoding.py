@@ -17,7 +17,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from kvq.reference import bitdecoding as bd  # noqa: E402
 from kvq.reference import fragments as fr  # noqa: E402
 from kvq.viz import plot_fragment_layout, plot_induced_packing, plot_warp_partition  # noqa: E402
-from kvq.viz._common import new_figure  # noqa: E402
+from kvq.viz.common import new_figure  # noqa: E402
 from kvq.viz.bitdecoding import lane_cells  # noqa: E402
 
 from ._fresh import run_fresh  # noqa: E402

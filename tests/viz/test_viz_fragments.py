@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 
 from matplotlib.figure import Figure  # noqa: E402
 
-from kvq.viz._common import new_figure  # noqa: E402
+from kvq.viz.common import new_figure  # noqa: E402
 from kvq.viz.fragments import plot_fragment_layout  # noqa: E402
 
 from ._fresh import run_fresh  # noqa: E402

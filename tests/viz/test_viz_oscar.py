@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 
 from matplotlib.figure import Figure  # noqa: E402
 
-from kvq.viz._common import new_figure  # noqa: E402
+from kvq.viz.common import new_figure  # noqa: E402
 from kvq.viz.oscar import (  # noqa: E402
     plot_alignment,
     plot_error_table,
