@@ -34,6 +34,20 @@ def _kivi_shape(B, T, sdpa, rows):
     return {"B": B, "T": T, "fp16": {"sdpa_best": {"ms": sdpa}}, "methods": rows}
 
 
+def _lm_row(method, budget, bits, bits_paper, ppl):
+    """A long_lm.json perplexity row (``benchmarks/train_long_lm.py``'s layout)."""
+    label = method if method == "FP16" else f"{method} (paper)" if budget is None else f"{method} @ <={budget:g} b/e"
+    return {"method": method, "label": label, "budget": budget, "bits_per_element": bits,
+            "bits_per_element_paper": bits_paper, "ppl": ppl, "buckets": [{"start": 0, "end": 4096, "ppl": ppl}]}
+
+
+def _lm_hits(label, accs):
+    """A long_lm.json retrieval row: accuracies at (1024, 0.1), (1024, 0.9), (4096, 0.1), (4096, 0.9)."""
+    cells = [{"context": n, "depth": d, "accuracy": a, "bits_per_element": 2.0}
+             for (n, d), a in zip([(1024, 0.1), (1024, 0.9), (4096, 0.1), (4096, 0.9)], accs)]
+    return {"method": label.split(" ")[0], "label": label, "cells": cells}
+
+
 @pytest.fixture()
 def results(tmp_path):
     r = tmp_path / "results"
@@ -48,6 +62,16 @@ def results(tmp_path):
         {"method": "no cache", "ppl": 2.0, "bits_per_element": 32.0, "bits_per_element_paper": 32.0},
         {"method": "KIVI-K2V2", "ppl": 2.5, "bits_per_element": 2.5, "bits_per_element_paper": 2.25},
         {"method": "OSCAR", "ppl": 2.1, "bits_per_element": 4.4, "bits_per_element_paper": 4.4}]})
+    _write(r / "cpu", "long_lm.json", {"script": "benchmarks/train_long_lm.py", "argv": ["--tiny"],
+                                       "device_name": "cpu", "commit": "abc1234", "date_utc": "2026-01-02T03:04:05Z",
+                                       "args": {"budgets": [2.5]}, "complete": True,
+                                       "ppl_by_position": {"context": 4096, "buckets": [[0, 4096]], "rows": [
+        _lm_row("FP16", None, 16.0, 16.0, 2.0), _lm_row("KIVI-K2V2", None, 2.3, 2.25, 2.5),
+        _lm_row("KIVI-K2V2", 2.5, 2.45, 2.4, 2.4), _lm_row("OSCAR", None, 2.52, 2.52, 2.1)]},
+                                       "retrieval": {"contexts": [1024, 4096], "depths": [0.1, 0.9], "trials": 2,
+                                                     "rows": [
+        _lm_hits("FP16", [1.0, 1.0, 1.0, 1.0]), _lm_hits("KIVI-K2V2 (paper)", [0.0, 0.0, 0.5, 1.0]),
+        _lm_hits("KIVI-K2V2 @ <=2.5 b/e", [1.0, 1.0, 1.0, 1.0]), _lm_hits("OSCAR (paper)", [1.0, 0.5, 0.5, 0.5])]}})
     _write(r / "h200", "e2e.json", {"info": {"device": "Test GPU 2", "commit": "def5678", "date": "2026-01-03"},
                                     "rows": [
         {"cache": "StaticCache", "batch": 8, "context": 32768, "ms_per_step": 100.0, "status": "ok", "cache_bytes": 8},
@@ -80,9 +104,13 @@ def test_page_has_one_table_per_benchmark_under_its_run_line(results):
 def test_method_table_from_the_json_and_dashes_where_nothing_was_measured(results):
     table = RP.methods_table(results)
     rows = {r[0]: r for r in _rows(table, "") if r[0] not in ("method", "---")}
-    assert list(rows) == ["KIVI-K2V2", "OSCAR"]                                      # the evaluated methods
-    assert rows["KIVI-K2V2"][1:] == ["2.25 / 2.50", "2.500 (+25.00%)", "—", "4.00x / 0.50x (CuPy)", "no"]
-    assert rows["OSCAR"][4:] == ["— / —", "yes (`kvq calibrate oscar`)"]            # no e2e row: no speed
+    assert list(rows) == ["FP16", "KIVI-K2V2", "OSCAR"]             # long_lm.json's paper rows, in its order
+    assert rows["KIVI-K2V2"][1:] == ["2.25 / 2.30", "2.500 (+25.00%)", "0.750", "—", "4.00x / 0.50x (CuPy)", "no"]
+    assert rows["OSCAR"][2:4] == ["2.100 (+5.00%)", "0.500"]                         # retrieval at 4096 only
+    assert rows["OSCAR"][5:] == ["— / —", "yes (`kvq calibrate oscar`)"]            # no e2e row: no speed
+    assert "bits / element at 4K (paper / state)" in table
+    assert "`benchmarks/results/cpu/long_lm.json` (cpu, commit `abc1234`, 2026-01-02)" in table
+    assert f"](docs/figures/{RP.FIGURE.name})" in table                              # the figure under the table
     assert "`benchmarks/results/h200/e2e.json` (Test GPU 2, commit `def5678`, 2026-01-03)" in table
     assert "Attention KL: no `attention.json` committed." in table
 
@@ -100,15 +128,19 @@ def test_unknown_json_and_missing_markers_are_errors(results, tmp_path):
 def test_main_writes_then_check_passes(results, tmp_path, capsys):
     out, readme = tmp_path / "docs" / "results.md", tmp_path / "README.md"
     readme.write_text(f"# kvq\n\n{RP.BEGIN}\nold table\n{RP.END}\n\nmore text\n")
-    args = ["--results", str(results), "--out", str(out), "--readme", str(readme)]
+    figure = tmp_path / "docs" / "figures" / "q.png"
+    args = ["--results", str(results), "--out", str(out), "--readme", str(readme), "--figure", str(figure)]
     assert RP.main(args + ["--check"]) == 1                                          # nothing generated yet
     assert "out of date" in capsys.readouterr().err
     assert RP.main(args) == 0
     assert out.read_text() == RP.page(results)
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"                          # the figure, drawn
     text = readme.read_text()
     assert "old table" not in text and text.endswith(f"{RP.END}\n\nmore text\n")
     assert RP.methods_table(results) in text
     assert RP.main(args + ["--check"]) == 0
+    figure.unlink()
+    assert RP.main(args + ["--check"]) == 1 and str(figure) in capsys.readouterr().err   # the figure is missing
 
 
 def test_committed_results_page_and_readme_table_are_current():
@@ -116,11 +148,8 @@ def test_committed_results_page_and_readme_table_are_current():
     assert (ROOT / "docs" / "results.md").read_text() == RP.page(RP.RESULTS)
     readme = (ROOT / "README.md").read_text()
     assert RP.fill_markers(readme, RP.methods_table(RP.RESULTS)) == readme
+    assert RP.FIGURE.is_file()                                       # the figure the table shows is committed
 
-
-#: Commit-named runs still in benchmarks/results/ because book/evaluation.md reads them by name (issue 38
-#: moved every other run to lab/<date>-<question>/results/); none may be added.
-READ_BY_NAME = {"h100-5c4a0f3-tiny-lm", "cpu-5c4a0f3-minilm-attention"}
 
 #: A results folder or file named by its path from the repository root (not a placeholder like ``<card>``).
 RESULT_PATH = re.compile(r"(?<![\w./:-])((?:benchmarks/results|lab/[\w.-]+/results)/[\w.-]+)")
@@ -141,7 +170,7 @@ def test_benchmarks_results_holds_one_folder_per_card():
     cards = {p.name for p in RP.card_dirs(RP.RESULTS)}
     entries = {p.name for p in RP.RESULTS.iterdir()}
     assert cards >= {"cpu", "h100", "h200"}
-    stray = entries - cards - READ_BY_NAME
+    stray = entries - cards
     assert not stray, f"{sorted(stray)}: move each run to lab/<date>-<question>/results/ (see lab/README.md)"
 
 
@@ -162,3 +191,13 @@ def test_results_paths_named_in_the_docs_exist():
              *(p for p in ROOT.glob("lab/**/*.md") if not any(s.startswith(".") for s in p.relative_to(ROOT).parts))]
     missing = [f"{p.relative_to(ROOT)}: {name}" for p in pages for name in missing_paths(p.read_text(), p)]
     assert not missing, "\n".join(missing)
+
+
+def test_run_line_of_merged_runs_names_every_part():
+    """A long_lm.json merged from several --load runs (train_long_lm.py --merge) shows each part's command."""
+    doc = {"script": "benchmarks/train_long_lm.py", "argv": ["--merge", "<part 0>", "<part 1>"],
+           "commit": "abc1234", "date_utc": "2026-11-28T22:00:00Z", "device_name": "NVIDIA H200",
+           "parts": [{"argv": ["--load", "m", "--methods", "FP16"]}, {"argv": ["--load", "m", "--methods", "Kitty"]}]}
+    cmd = RP.run_info(doc)["command"]
+    assert cmd == ("benchmarks/train_long_lm.py --load m --methods FP16 ; "
+                   "benchmarks/train_long_lm.py --load m --methods Kitty (merged: 2 runs)")
