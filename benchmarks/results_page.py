@@ -4,8 +4,7 @@
     python benchmarks/results_page.py --check      # exit 1 where either differs from what the JSON gives
 
 Input: ``benchmarks/results/<card>/*.json``, the latest run of each benchmark on each card (a card folder is
-named without a dash: ``h100``, ``h200``, ``cpu``; the commit-named folders beside them are older runs that
-the book and notes cite, and are not read here). A file ``<name>.json`` or ``<name>_<part>.json`` (one run
+named without a dash: ``h100``, ``h200``, ``cpu``; older runs live in ``lab/<date>-<question>/results/``). A file ``<name>.json`` or ``<name>_<part>.json`` (one run
 written in parts) belongs to the benchmark ``<name>`` of :data:`BENCHMARKS`; a JSON of no known benchmark
 is an error, so that nothing committed goes unshown. The long-context model's run
 (``benchmarks/train_long_lm.py``) is the card file ``benchmarks/results/<card>/long_lm.json``, rendered by
@@ -13,8 +12,10 @@ is an error, so that nothing committed goes unshown. The long-context model's ru
 
 Output: docs/results.md, one section per card and one table per benchmark, each under the card, commit,
 date and protocol of its JSON; and, between the markers ``<!-- results:methods -->`` and
-``<!-- /results -->`` of README.md, the table that helps choose a method (:func:`methods_table`). Every
-number comes from the JSON; a cell with no measurement is "—".
+``<!-- /results -->`` of README.md, the table that helps choose a method (:func:`methods_table`), with
+the figure of quality against bits per element it shows (:func:`quality_figure`,
+``docs/figures/long_lm_quality_vs_bits.png``). Every number comes from the JSON; a cell with no
+measurement is "—".
 """
 
 from __future__ import annotations
@@ -167,6 +168,9 @@ def run_info(doc: dict) -> dict:
     if script and argv and not argv[0].endswith(".py"):
         argv.insert(0, script)
     command = " ".join(argv) or None
+    if doc.get("parts"):                                # runs of one model merged (train_long_lm.py --merge)
+        command = " ; ".join(" ".join([script or ""] + [str(a) for a in part["argv"]]).strip()
+                             for part in doc["parts"]) + f" (merged: {len(doc['parts'])} runs)"
     protocol = doc.get("protocol")
     if protocol:
         protocol = protocol.split(". ")[0].rstrip(".") + "."
@@ -254,43 +258,73 @@ def _calibration(method: str) -> str:
     return f"yes (`kvq calibrate {kind}`)" if kind else "no"
 
 
+#: the README's quality-against-bits figure, drawn from the newest long_lm.json by :func:`quality_figure`
+FIGURE = ROOT / "docs" / "figures" / "long_lm_quality_vs_bits.png"
+
+
 def methods_table(results: Path = RESULTS) -> str:
-    """The README's table to choose a method: per method its bits per element and perplexity on the tiny LM
-    (the newest ``ppl.json``), MiniLM's attention KL (the newest ``attention.json``), the end-to-end decode
-    step against FP16 (the newest ``e2e.json``) and whether it needs a calibration; then the sources."""
-    ppl, att, e2e = (_newest(results, n) for n in ("ppl", "attention", "e2e"))
-    if ppl is None:
-        raise ValueError(f"no ppl.json under {results}/<card>/: the method table lists the evaluated methods")
+    """The README's table to choose a method: per method of the evaluation model's run (the newest
+    ``long_lm.json``: a 16K-context LM trained here), its paper configuration's bits per element,
+    perplexity against FP16's and retrieval accuracy at the model's context; MiniLM's attention KL (the
+    newest ``attention.json``), the end-to-end decode step against FP16 (the newest ``e2e.json``) and
+    whether it needs a calibration; then the sources and the quality-against-bits figure."""
+    lm, att, e2e = (_newest(results, n) for n in ("long_lm", "attention", "e2e"))
+    if lm is None:
+        raise ValueError(f"no long_lm.json under {results}/<card>/: the method table lists the evaluated methods")
+    paper = E.long_lm_paper_rows(lm[2])
+    n = lm[2]["ppl_by_position"].get("context")
     kl = {r["method"]: (r.get("mean") or {}).get("attention_kl") for r in (att[2]["rows"] if att else [])}
-    base = next((r["ppl"] for r in ppl[2]["rows"] if r["method"] == "no cache"), None)
+    base = (paper.get("FP16") or {}).get("ppl")
     shapes = " / ".join(f"{b} x {t // 1024}K" for b, t in SPEED_SHAPES)
-    head = ["method", f"bits / element (paper / state at {ppl[2].get('seq_len', '?')} tokens)",
-            "tiny LM perplexity (vs no cache)", "MiniLM attention KL", f"decode step vs FP16 ({shapes})",
-            "calibration"]
+    head = ["method", f"bits / element at {n // 1024}K (paper / state)", f"perplexity at {n // 1024}K (vs FP16)",
+            f"retrieval at {n // 1024}K", "MiniLM attention KL", f"decode step vs FP16 ({shapes})", "calibration"]
     rows = []
-    for r in ppl[2]["rows"]:
-        m = r["method"]
-        if m == "no cache":
-            continue
-        v = r.get("ppl")
+    for m, r in paper.items():
+        v = r["ppl"]
         quality = f"{v:.3f} ({100.0 * (v / base - 1):+.2f}%)" if v and base else NONE
-        k = kl.get(m)
         cells, backend = _speedups(e2e[2], m) if e2e else ([NONE] * len(SPEED_SHAPES), None)
         speed = " / ".join(cells) + (f" ({backend})" if backend and any(c != NONE for c in cells) else "")
-        rows.append([m, f"{S._fmt(r.get('bits_per_element_paper'), '.2f')} / {S._fmt(r.get('bits_per_element'), '.2f')}",
-                     quality, S._fmt(k, ".3g"), speed, _calibration(m)])
+        rows.append([m, f"{S._fmt(r['bits_paper'], '.2f')} / {S._fmt(r['bits'], '.2f')}", quality,
+                     S._fmt(r["retrieval"], ".3f"), S._fmt(kl.get(m), ".3g"), speed, _calibration(m)])
 
     def src(x):
         i = run_info(x[2])
         return f"`benchmarks/results/{x[0]}/{x[1]}` ({i['device']}, commit `{i['commit']}`, {i['date']})"
 
-    notes = [f"Bits and perplexity: {src(ppl)}."]
+    notes = [f"Bits, perplexity and retrieval: {src(lm)}, each method at its paper's configuration (the "
+             "equal-memory rows and the protocol: [docs/results.md](docs/results.md))."]
     notes.append(f"Attention KL: {src(att)}." if att else "Attention KL: no `attention.json` committed.")
     notes.append(f"Speed: {src(e2e)}: transformers' FP16 StaticCache step over the method's fastest backend's "
                  "(above 1x: faster than FP16; `oom`: did not fit)." if e2e else "Speed: no `e2e.json` committed.")
-    notes.append("\"—\": not measured. Every number comes from that JSON (`make results` regenerates this table); "
-                 "all measurements: [docs/results.md](docs/results.md).")
-    return S.md_table(head, rows) + "\n\n" + " ".join(notes)
+    notes.append("\"—\": not measured. Every number comes from that JSON (`make results` regenerates this table "
+                 "and the figure); all measurements: [docs/results.md](docs/results.md).")
+    figure = (f"![Perplexity against bits per element on the {n // 1024}K-context evaluation model, one series "
+              f"per method](docs/figures/{FIGURE.name})")
+    return S.md_table(head, rows) + "\n\n" + " ".join(notes) + "\n\n" + figure
+
+
+def quality_figure(results: Path = RESULTS, path: Path = FIGURE) -> Path:
+    """Draw perplexity against bits per element (state accounting) of the newest ``long_lm.json``, one
+    series per method (hollow: the paper's configuration), FP16 as a line, the budgets dashed; write
+    ``path`` (PNG). ValueError when no long_lm.json is committed."""
+    lm = _newest(results, "long_lm")
+    if lm is None:
+        raise ValueError(f"no long_lm.json under {results}/<card>/: nothing to draw")
+    import matplotlib
+    matplotlib.use("Agg")
+    from kvq.viz.evaluation import plot_quality_vs_bits
+    doc = lm[2]
+    pts, fp = E.long_lm_quality_points(doc)
+    n = doc["ppl_by_position"].get("context")
+    fig = plot_quality_vs_bits(pts, quality=f"perplexity at {n} tokens", budgets=doc["args"].get("budgets"),
+                               reference=None if fp is None else ("FP16", fp),
+                               title=f"Long-context LM ({run_info(doc)['device']}): perplexity against bits "
+                                     "per element")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Software": None})
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    return path
 
 
 def fill_markers(text: str, table: str, where: str = "README.md") -> str:
@@ -307,6 +341,7 @@ def main(argv=None) -> int:
     ap.add_argument("--results", default=str(RESULTS), help="the results folder (benchmarks/results)")
     ap.add_argument("--out", default=str(PAGE), help="the page to write (docs/results.md)")
     ap.add_argument("--readme", default=str(README), help="the README whose method table to refill")
+    ap.add_argument("--figure", default=str(FIGURE), help="the README's quality-against-bits figure (PNG)")
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 where a file is out of date")
     a = ap.parse_args(argv)
     results, out, readme = Path(a.results), Path(a.out), Path(a.readme)
@@ -317,14 +352,22 @@ def main(argv=None) -> int:
         print(f"results_page: {e}", file=sys.stderr)
         return 2
     stale = [p for p, text in ((out, new_page), (readme, new_readme)) if not p.exists() or p.read_text() != text]
+    figure = Path(a.figure)
     if a.check:
+        if not figure.is_file():
+            stale.append(figure)
         for p in stale:
             print(f"results_page: {p} is out of date; run `make results`", file=sys.stderr)
         return 1 if stale else 0
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(new_page)
     readme.write_text(new_readme)
-    print(f"wrote {out} and the method table of {readme}")
+    try:
+        quality_figure(results, figure)
+    except (ValueError, OSError) as e:
+        print(f"results_page: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}, the method table of {readme} and {figure}")
     return 0
 
 

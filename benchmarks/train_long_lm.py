@@ -15,9 +15,10 @@ configuration and at equal memory (``kvq.budgets.equal_memory_config``, budgets 
   byte of the value is the model's argmax given the bytes before it (teacher forcing; equal to greedy
   decoding's exact match).
 
-    python3 benchmarks/train_long_lm.py --out runs/long-lm                        # H200: 5 min training + eval
+    python3 benchmarks/train_long_lm.py --out runs/long-lm                        # H200: 3.5 min training + eval
     python3 benchmarks/train_long_lm.py --out /tmp/l --tiny --device cpu         # CPU smoke, < 1 minute
     python3 benchmarks/train_long_lm.py --out runs/long-lm --load runs/long-lm    # evaluate a saved model
+    python3 benchmarks/train_long_lm.py --merge a.json b.json --json long_lm.json  # join --load runs' methods
 
 The retrieval format (bytes): a plant ``"\\n@key abcde = 123456\\n"`` overwrites the text at its depth; the
 query block at the document's end is ``"\\n@get abcde = "`` followed by the value and ``"\\n"``. Training
@@ -94,7 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, sampler and planted pairs (default 0)")
     t = p.add_argument_group("training")
-    t.add_argument("--minutes", type=float, default=None, help="training wall budget in minutes (default 5; tiny 0.15)")
+    t.add_argument("--minutes", type=float, default=None,
+                   help="training wall budget in minutes (default 3.5: the recipe that learned retrieval in both "
+                        "H200 runs, where a 5-minute run did not: lab/2026-11-28-long-lm/NOTE.md; tiny 0.15)")
     t.add_argument("--steps", type=int, default=None, help="cap on optimizer steps (default: none; tiny 3)")
     t.add_argument("--context", type=int, default=None, help="model positions and long training windows "
                    "(default 16384; tiny 256)")
@@ -139,7 +142,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "calibration (default 65536; tiny 256)")
     args = p.parse_args(argv)
     tiny = args.tiny
-    defaults = dict(pairs=1 if tiny else 8, distractors=1 if tiny else 3, minutes=0.15 if tiny else 5.0,
+    defaults = dict(pairs=1 if tiny else 8, distractors=1 if tiny else 3, minutes=0.15 if tiny else 3.5,
                     steps=3 if tiny else None, context=256 if tiny else 16384, short_context=128 if tiny else 2048,
                     batch_tokens=256 if tiny else 131072, log_every=1 if tiny else 20, trials=1 if tiny else 8,
                     ppl_windows=1 if tiny else 4, chunk=128 if tiny else 1024, eval_batch=4 if tiny else 8,
@@ -553,5 +556,78 @@ def _summary(args, argv, config, training, cal_src, device) -> dict:
     }
 
 
+#: the args every part of a merged run must share (the model, the data, the protocol); methods and
+#: calibration sizes may differ per part (each calibration's size is in ``calibrations``)
+MERGE_SAME_ARGS = ("context", "budgets", "no_paper_configs", "eval_contexts", "depths", "trials", "distractors",
+                   "ppl_windows", "chunk", "backend", "seed", "tiny")
+
+
+def merge_runs(parts: list[dict]) -> dict:
+    """One long_lm.json from evaluation runs of ONE saved model that split the methods between them
+    (``--load DIR --methods ...`` in parallel processes or consecutive calls).
+
+    Every part must be complete, be a ``--load`` of the same trained model (the same ``training``
+    record), share :data:`MERGE_SAME_ARGS`, the model config, the protocol and the per-cell layout, and
+    evaluate methods no other part evaluates. The result keeps the first part's fields, the rows of all
+    parts in the order of the parts, ``args.methods`` as their union, every part's calibrations, and
+    ``parts``: each part's argv, methods, calibration tokens, commit, date and wall seconds. Raises
+    ValueError naming the first field in which two parts differ.
+    """
+    if len(parts) < 2:
+        raise ValueError(f"merge needs at least two runs; got {len(parts)}")
+    first = parts[0]
+    seen: set[str] = set()
+    for i, part in enumerate(parts):
+        if part.get("complete") is not True:
+            raise ValueError(f"part {i} is not complete (a run stopped before its last row)")
+        if not (part.get("training") or {}).get("loaded_from"):
+            raise ValueError(f"part {i} trained its own model: only --load runs of one saved model merge")
+        for field in ("training", "config", "protocol", "equal_memory_rule", "accounting", "data", "device_name"):
+            if part.get(field) != first.get(field):
+                raise ValueError(f"part {i} differs from part 0 in {field!r}: not runs of one model and protocol")
+        for name in MERGE_SAME_ARGS:
+            if part["args"].get(name) != first["args"].get(name):
+                raise ValueError(f"part {i} differs from part 0 in --{name.replace('_', '-')}: "
+                                 f"{part['args'].get(name)!r} != {first['args'].get(name)!r}")
+        for table in ("ppl_by_position", "retrieval"):
+            layout = {k: v for k, v in part[table].items() if k != "rows"}
+            if layout != {k: v for k, v in first[table].items() if k != "rows"}:
+                raise ValueError(f"part {i} differs from part 0 in the layout of {table!r}")
+        methods = set(part["args"]["methods"])
+        if methods & seen:
+            raise ValueError(f"part {i} evaluates {sorted(methods & seen)} again")
+        seen |= methods
+    merged = json.loads(json.dumps(first))
+    merged["args"]["methods"] = [m for part in parts for m in part["args"]["methods"]]
+    for table in ("ppl_by_position", "retrieval"):
+        merged[table]["rows"] = [row for part in parts for row in part[table]["rows"]]
+    merged["calibrations"] = {k: v for part in parts for k, v in (part.get("calibrations") or {}).items()}
+    merged["parts"] = [{"argv": part["argv"], "methods": part["args"]["methods"],
+                        "calib_tokens": part["args"].get("calib_tokens"), "commit": part["commit"],
+                        "date_utc": part["date_utc"], "wall_s": part["wall_s"]} for part in parts]
+    merged["commit"] = ",".join(dict.fromkeys(part["commit"] for part in parts))
+    merged["wall_s"] = round(sum(part["wall_s"] for part in parts), 3)
+    merged["date_utc"] = max(part["date_utc"] for part in parts)
+    merged["argv"] = ["--merge"] + [f"<part {i}>" for i in range(len(parts))]    # the parts' own argv: ``parts``
+    return merged
+
+
+def merge_main(argv) -> dict:
+    """``train_long_lm.py --merge A.json B.json ... --json OUT.json``: :func:`merge_runs`, written to OUT."""
+    p = argparse.ArgumentParser(prog="train_long_lm.py --merge",
+                                description="merge long_lm.json files of --load runs of one model")
+    p.add_argument("--merge", nargs="+", required=True, help="long_lm.json files of the parts, in row order")
+    p.add_argument("--json", required=True, help="where to write the merged long_lm.json")
+    args = p.parse_args(argv)
+    merged = merge_runs([json.loads(Path(f).read_text()) for f in args.merge])
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(merged, indent=1, default=str))
+    print(f"merged {len(args.merge)} runs ({len(merged['args']['methods'])} methods) into {args.json}")
+    return merged
+
+
 if __name__ == "__main__":
-    main()
+    if "--merge" in sys.argv[1:]:
+        merge_main(sys.argv[1:])
+    else:
+        main()

@@ -404,6 +404,40 @@ def long_lm_retrieval_tables(doc: dict) -> str:
     return out
 
 
+def long_lm_quality_points(doc: dict) -> tuple[list[dict], float | None]:
+    """The points of :func:`kvq.viz.evaluation.plot_quality_vs_bits` from a ``long_lm.json``: one per
+    evaluated row other than FP16 (method, state bits per element at the perplexity context, whole-window
+    perplexity, config "paper" or "<=B"), and FP16's perplexity (None when FP16 was not evaluated).
+    Skipped and failed rows give no point."""
+    _check_long_lm(doc)
+    rows = [r for r in doc["ppl_by_position"].get("rows") or [] if r.get("ppl") is not None and not _why_not(r)]
+    points = [{"method": r["method"], "bits": r["bits_per_element"], "value": r["ppl"],
+               "config": "paper" if r.get("budget") is None else f"<={r['budget']:g}"}
+              for r in rows if r["method"] != "FP16"]
+    fp16 = next((r["ppl"] for r in rows if r["method"] == "FP16"), None)
+    return points, fp16
+
+
+def long_lm_paper_rows(doc: dict) -> dict:
+    """Per method of a ``long_lm.json`` (FP16 included), its paper configuration's row: ``{method: {"bits":
+    state bits per element, "bits_paper": the papers' accounting, "ppl": whole-window perplexity,
+    "retrieval": mean accuracy over depths at the perplexity context (None when not measured there)}}``.
+    Skipped or failed rows are left out."""
+    _check_long_lm(doc)
+    n = doc["ppl_by_position"].get("context")
+    ret = {r.get("label"): r for r in doc["retrieval"].get("rows") or []}
+    out = {}
+    for r in doc["ppl_by_position"].get("rows") or []:
+        if r.get("budget") is not None or _why_not(r) or r.get("ppl") is None:
+            continue
+        cells = [c for c in (ret.get(r.get("label")) or {}).get("cells") or []
+                 if c.get("context") == n and "accuracy" in c]
+        out[r["method"]] = {"bits": r.get("bits_per_element"), "bits_paper": r.get("bits_per_element_paper"),
+                            "ppl": r["ppl"],
+                            "retrieval": float(np.mean([c["accuracy"] for c in cells])) if cells else None}
+    return out
+
+
 def long_lm_report(doc: dict) -> str:
     """Markdown of a ``long_lm.json``: :func:`long_lm_protocol`, the perplexity-by-position table
     (:func:`long_lm_ppl_table`) and the retrieval tables (:func:`long_lm_retrieval_tables`)."""

@@ -112,3 +112,40 @@ def test_a_partial_run_says_so(long_lm):
     _, doc = long_lm
     assert doc["complete"] is True and "partial" not in E.long_lm_protocol(doc)
     assert "stopped before every row was evaluated" in E.long_lm_protocol({**doc, "complete": False})
+
+
+def test_paper_rows_and_quality_points_come_from_the_json(long_lm):
+    """The README's method table and figure read each row of the JSON: the paper rows (bits, perplexity,
+    mean retrieval at the perplexity context) and one point per evaluated non-FP16 row."""
+    results, doc = long_lm
+    pp, rt = doc["ppl_by_position"], doc["retrieval"]
+    paper = E.long_lm_paper_rows(doc)
+    want = [r for r in pp["rows"] if r["budget"] is None and "ppl" in r]
+    assert list(paper) == [r["method"] for r in want]
+    for r in want:
+        cells = [c["accuracy"] for x in rt["rows"] if x["label"] == r["label"] for c in x["cells"]
+                 if c["context"] == pp["context"] and "accuracy" in c]
+        got = paper[r["method"]]
+        assert (got["bits"], got["bits_paper"], got["ppl"]) == (r["bits_per_element"], r["bits_per_element_paper"],
+                                                                r["ppl"])
+        assert got["retrieval"] == (pytest.approx(sum(cells) / len(cells)) if cells else None)
+    points, fp16 = E.long_lm_quality_points(doc)
+    measured = [r for r in pp["rows"] if r["method"] != "FP16" and "ppl" in r]
+    assert [(p["method"], p["bits"], p["value"]) for p in points] == [
+        (r["method"], r["bits_per_element"], r["ppl"]) for r in measured]
+    assert [p["config"] for p in points] == ["paper" if r["budget"] is None else f"<={r['budget']:g}" for r in measured]
+    assert fp16 == next(r["ppl"] for r in pp["rows"] if r["method"] == "FP16")
+    with pytest.raises(ValueError, match="long_lm.json"):
+        E.long_lm_paper_rows({"rows": []})
+
+
+def test_method_table_and_figure_from_a_long_lm_run(long_lm, tmp_path):
+    results, doc = long_lm
+    table = RP.methods_table(results)
+    lines = [ln for ln in table.splitlines() if ln.startswith("| ") and not ln.startswith("| ---")]
+    assert [ln.split("|")[1].strip() for ln in lines[1:]] == list(E.long_lm_paper_rows(doc))
+    png = RP.quality_figure(results, tmp_path / "f.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "empty" / "h200").mkdir(parents=True)                 # a card with no long_lm.json
+    with pytest.raises(ValueError, match="no long_lm.json"):
+        RP.quality_figure(tmp_path / "empty", tmp_path / "g.png")

@@ -141,3 +141,32 @@ def test_a_stopped_run_keeps_the_rows_it_finished(smoke, tmp_path, monkeypatch):
     assert doc["complete"] is False
     assert [r["label"] for r in doc["ppl_by_position"]["rows"]] == ["FP16"]
     assert [r["label"] for r in doc["retrieval"]["rows"]] == ["FP16"]
+
+
+def test_merge_joins_the_methods_of_load_runs_of_one_model(smoke, tmp_path):
+    """--merge: --load runs of one saved model that split the methods give one long_lm.json whose rows are
+    those of a single run over all the methods; runs that differ in model or protocol are refused."""
+    out = smoke[0]
+    common = ["--load", str(out), "--tiny", "--device", "cpu", "--budgets"]
+    whole = S.main(common + ["--out", str(tmp_path / "w"), "--methods", "FP16", "KIVI-K2V2"])
+    a = S.main(common + ["--out", str(tmp_path / "a"), "--methods", "FP16", "--json", str(tmp_path / "a.json")])
+    b = S.main(common + ["--out", str(tmp_path / "b"), "--methods", "KIVI-K2V2", "--json", str(tmp_path / "b.json")])
+    merged = S.merge_main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                           "--json", str(tmp_path / "m" / "long_lm.json")])
+    assert json.loads((tmp_path / "m" / "long_lm.json").read_text()) == merged
+    assert merged["args"]["methods"] == ["FP16", "KIVI-K2V2"]
+    assert [p["methods"] for p in merged["parts"]] == [["FP16"], ["KIVI-K2V2"]]
+    for table in ("ppl_by_position", "retrieval"):
+        assert [r["label"] for r in merged[table]["rows"]] == [r["label"] for r in whole[table]["rows"]]
+    assert [r["ppl"] for r in merged["ppl_by_position"]["rows"]] == pytest.approx(
+        [r["ppl"] for r in whole["ppl_by_position"]["rows"]])
+    with pytest.raises(ValueError, match="again"):                    # a method in two parts
+        S.merge_runs([a, a])
+    with pytest.raises(ValueError, match="--trials"):                 # another protocol
+        S.merge_runs([a, {**b, "args": {**b["args"], "trials": 2}}])
+    with pytest.raises(ValueError, match="'training'"):               # another model
+        S.merge_runs([a, {**b, "training": {**b["training"], "steps": 99}}])
+    with pytest.raises(ValueError, match="not complete"):
+        S.merge_runs([a, {**b, "complete": False}])
+    with pytest.raises(ValueError, match="at least two"):
+        S.merge_runs([a])

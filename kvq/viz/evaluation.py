@@ -78,8 +78,8 @@ def plot_quality_vs_bits(points, quality: str = "perplexity", budgets=None, refe
         ax.plot([], [], marker=mk, color=colors[i], ls="-", label=m)
     for b in budgets:
         ax.axvline(b, color="0.5", ls="--", lw=0.8)
-        ax.annotate(f"{b:g} b/e", (b, 1.0), xycoords=("data", "axes fraction"), ha="left", va="top",
-                    fontsize=7, color="0.4", xytext=(2, -2), textcoords="offset points")
+        ax.annotate(f"{b:g} b/e", (b, 1.0), xycoords=("data", "axes fraction"), ha="right", va="top",
+                    fontsize=7, color="0.4", xytext=(-2, -2), textcoords="offset points")   # inside the axes
     if reference is not None:
         label, value = reference
         ax.axhline(float(value), color="k", lw=0.8, ls=":", label=str(label))
