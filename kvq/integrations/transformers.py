@@ -449,14 +449,20 @@ class KVQCache(Cache):
         """True when the model attends through kvq (``attention="auto"`` and the model's attention
         implementation is ``"kvq"``): ``update`` only appends and the method's decode reads the compressed
         state. False: ``update`` returns the layer's whole cache dequantized (``attention="dequantize"``, or a
-        model that attends with another implementation)."""
+        model that attends with another implementation).
+
+        Warns once when the model's config names another attention implementation (``"sdpa"``, ``"eager"``,
+        ...): that model pays a dequantized copy of the cache per layer and step. A config that no model has
+        bound yet (implementation None: a cache used on its own, ``update`` called directly) gets no warning.
+        """
         if self.attention != "auto":
             return False
-        if getattr(self._model_config, "_attn_implementation", None) == ATTN_IMPLEMENTATION:
+        impl = getattr(self._model_config, "_attn_implementation", None)
+        if impl == ATTN_IMPLEMENTATION:
             return True
-        if not self._warned:
+        if impl is not None and not self._warned:
             self._warned = True
-            warnings.warn(f"this model attends with {getattr(self._model_config, '_attn_implementation', None)!r}, "
+            warnings.warn(f"this model attends with {impl!r}, "
                           f"so the kvq cache hands it every layer dequantized at every step; set "
                           f"model.set_attn_implementation({ATTN_IMPLEMENTATION!r}) (make_cache does) for the fused "
                           f"decode over the compressed cache", stacklevel=4)

@@ -38,7 +38,8 @@ def explained_variance(y, y_hat) -> float:
     if not np.any(y != y[:1]):                      # every channel constant (its variance 0, or rounding noise)
         raise ValueError(f"y is constant in every channel (zero variance over its N={y.shape[0]} rows): the "
                          f"explained variance 1 - Var(y - y_hat) / Var(y) is undefined")
-    return float(1.0 - (y - y_hat).var(axis=0).sum() / y.var(axis=0).sum())
+    with np.errstate(invalid="ignore", over="ignore"):     # NaN / inf propagate to a NaN result (documented)
+        return float(1.0 - (y - y_hat).var(axis=0).sum() / y.var(axis=0).sum())
 
 
 def _observations(x, name: str) -> np.ndarray:

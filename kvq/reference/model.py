@@ -157,8 +157,9 @@ def rms_norm(x, w, eps: float) -> np.ndarray:
     x = checks.real_array(x, "x", min_ndim=1)
     w = checks.real_array(w, "w", shape=(x.shape[-1],))
     eps = checks.real_arg(eps, "eps", 0.0)
-    ms = np.mean(x * x, axis=-1, keepdims=True, dtype=F32)
-    return (x / np.sqrt(ms + F32(eps))) * w
+    with np.errstate(over="ignore", invalid="ignore"):     # inf / NaN in x propagate (to inf / NaN), silently
+        ms = np.mean(x * x, axis=-1, keepdims=True, dtype=F32)
+        return (x / np.sqrt(ms + F32(eps))) * w
 
 
 def _silu(x):

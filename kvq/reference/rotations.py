@@ -329,7 +329,8 @@ def fake_quantize(x, R, clip: float, group_size: int, bits: int = 2) -> np.ndarr
                          f"got {x.shape}")
     clip = checks.real_arg(clip, "clip", 0.0, 1.0, lo_open=True)
     H = R.shape[0] if R.ndim == 3 else 1
-    xr = rotate(x, broadcast_heads(R, H)).astype(np.float16)
+    with np.errstate(over="ignore"):              # |x| > 65504 becomes +-inf in fp16: the cast's rule, no warning
+        xr = rotate(x, broadcast_heads(R, H)).astype(np.float16)
     codes, s, m = quantize_tokens(xr, clip, group_size, bits)
     xq = dequantize(codes, s, m, group_size, -1, np.float32)
     return rotate(xq, broadcast_heads(np.ascontiguousarray(np.swapaxes(R, -1, -2)), H))

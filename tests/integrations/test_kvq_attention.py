@@ -197,3 +197,28 @@ def test_the_new_cache_argument_and_the_old_one_give_the_same_generation():
         if name == arg:
             assert not [x for x in w if "past_key_values" in str(x.message)]
     assert all(torch.equal(outs[0], o) for o in outs)
+
+
+def test_warns_once_only_when_a_model_attends_another_way():
+    """attention="auto": a cache bound to a model whose attention is not kvq's (the user set it back to SDPA
+    after make_cache) warns once that the model gets a dequantized copy; a cache from a bare config that no
+    model has bound (update called directly) and a model attending through kvq do not warn."""
+    import warnings
+    model = tiny()
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    assert getattr(cfg, "_attn_implementation", None) is None
+    k = torch.randn(1, 2, 3, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bare = make_cache("KIVI-K2V2", cfg, max_tokens=64)
+        K, _ = bare.update(k, k, 0)                                  # standalone: the dequantized cache, silently
+        assert K.shape == (1, 2, 3, 32) and not bare.fused
+        cache = make_cache("KIVI-K2V2", model, max_tokens=64)        # make_cache sets kvq attention
+        assert cache.fused
+    model.set_attn_implementation("sdpa")
+    with pytest.warns(UserWarning, match="attends with 'sdpa'"):
+        assert not cache.fused
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not cache.fused                                       # once per cache

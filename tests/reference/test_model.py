@@ -119,3 +119,22 @@ def test_bad_arguments_name_the_argument(tiny):
         M.forward(tiny, tok, past="past")
     with pytest.raises(ValueError, match="past_k must be"):
         tiny.layer(0, tiny.embed(tok), np.zeros((1, 2, 2, 16), np.float32), np.zeros((1, 2, 2, 16), np.float32))
+
+
+def test_non_finite_inputs_propagate_without_numpy_warnings():
+    """inf / NaN handed to rms_norm and aqua_probes.explained_variance propagate as documented, and tokens
+    beyond fp16's range are refused by rotations.fake_quantize, all without a NumPy RuntimeWarning (the
+    suite ends without a wall of warnings)."""
+    import warnings
+
+    from kvq.reference import aqua_probes, model, rotations
+    x = np.array([[np.inf, 1.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0]], np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = model.rms_norm(x, np.ones(4, np.float32), 1e-6)
+        assert np.isnan(y[0]).any() and np.isfinite(y[1]).all()
+        big = np.full((1, 1, 2, 4), 1e6, np.float32)
+        with pytest.raises(ValueError, match="non-finite"):              # beyond fp16: refused, not warned
+            rotations.fake_quantize(big, np.eye(4), clip=1.0, group_size=4, bits=2)
+        ev = aqua_probes.explained_variance(np.array([[1.0, np.inf], [2.0, 3.0]]), np.zeros((2, 2)))
+        assert np.isnan(ev)
