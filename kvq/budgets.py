@@ -15,8 +15,9 @@ comparison uses) is ``kvq.reference.memory``'s "full" accounting for this exact 
 context: FP16 sinks, windows, Q-buffers and residual blocks at 16 bits, quantized tokens at payload +
 metadata + index bits, without rounding the last page up to a whole page.
 
-:func:`attention_errors_at_budgets` and :func:`perplexity_at_budgets` run ``kvq.evaluation``'s
-evaluations at each budget. ``kvq.evaluation`` re-exports every public name of this module, so
+:func:`kvq.evaluation.attention_errors_at_budgets` and :func:`kvq.evaluation.perplexity_at_budgets` run
+the evaluations at each budget with this module's choices (this module imports no evaluation: the
+evaluation builds on it). ``kvq.evaluation`` re-exports every public name of this module, so
 ``from kvq import evaluation as E; E.equal_memory_config(...)`` keeps working.
 """
 
@@ -28,7 +29,7 @@ import math
 import numpy as np
 
 __all__ = ["EQUAL_MEMORY_ACCOUNTING", "DEFAULT_BUDGETS", "SEARCH_SPACE", "EQUAL_MEMORY_RULE", "paper_config",
-           "equal_memory_config", "amortized_overhead", "attention_errors_at_budgets", "perplexity_at_budgets"]
+           "equal_memory_config", "amortized_overhead"]
 
 # ---------------------------------------------------------------------------------------------------
 # equal-memory configurations
@@ -241,70 +242,3 @@ def amortized_overhead(*, quantize_ms: float, step_ms: float, rank_ms: float = 0
     frac = per_step / vals["step_ms"]
     return {"flush_ms": flush, "per_step_ms": per_step, "fraction": frac, "percent": 100.0 * frac,
             "layers": int(layers), "period": int(period), "step_ms": vals["step_ms"]}
-
-
-def attention_errors_at_budgets(layers, methods, budgets=DEFAULT_BUDGETS, *, calibrations: dict | None = None,
-                                causal: bool = False, backend: str = "reference", progress: bool = True,
-                                overrides: dict | None = None) -> list[dict]:
-    """:func:`kvq.evaluation.attention_errors` of each method at equal memory: for every budget (bits per element),
-    the method's :func:`equal_memory_config` at the captured length, head dim, KV heads and layers
-    (``overrides[method]`` held fixed, e.g. a calibration's AQUA-KV config or ``--set`` values).
-
-    Returns ``[{"budget", "rows": [...]}]``, one entry per budget in order; each row is an
-    :func:`kvq.evaluation.attention_errors` row plus ``budget``, ``label``, ``overrides`` (the chosen configuration) and
-    ``bits_per_element_state`` equal to the chosen configuration's bits; a method none of whose
-    configurations fits is a row with ``skipped`` (why, and the least it reaches). FP16 has no budget
-    row (it is the reference, at 16 bits). Bits per element: ``kvq.integrations.methods.bits_per_element``
-    (``kvq.reference.memory``'s accountings), as in :func:`equal_memory_config`.
-    """
-    if not layers:
-        raise ValueError("layers is empty: capture some activations first")
-    overrides = dict(overrides or {})
-    B, H_kv, T, D = np.shape(layers[0]["k"])
-    dims = dict(context=int(T), head_dim=int(D), kv_heads=int(H_kv), n_layers=len(layers))
-    from kvq.evaluation import attention_errors
-    return _at_budgets(methods, budgets, overrides, dims, lambda fit, over: attention_errors(
-        layers, fit, calibrations=calibrations, causal=causal, backend=backend, progress=progress, overrides=over))
-
-
-def _at_budgets(methods, budgets, overrides: dict, dims: dict, run) -> list[dict]:
-    """For every budget: each method's :func:`equal_memory_config` at ``dims`` (``overrides[method]`` held
-    fixed), ``run(fitting methods, {method: chosen overrides})`` -> ``{"rows": [...]}`` over those that fit,
-    and one row per method (the run's, or ``skipped`` with the reason) with ``budget``, ``label`` and
-    ``overrides`` added; FP16 has no budget row."""
-    out = []
-    for b in budgets:
-        chosen = {m: equal_memory_config(m, b, fixed=overrides.get(m), **dims) for m in methods if m != "FP16"}
-        fit = [m for m, c in chosen.items() if c["feasible"]]
-        res = run(fit, {m: chosen[m]["overrides"] for m in fit}) if fit else {"rows": []}
-        by_name = {r["method"]: r for r in res["rows"]}
-        rows = []
-        for m, c in chosen.items():
-            r = dict(by_name.get(m) or {"method": m, "skipped": c.get("reason", "")})
-            r.update(budget=float(b), label=c["label"], overrides=c["overrides"])
-            rows.append(r)
-        out.append({"budget": float(b), "rows": rows})
-    return out
-
-
-def perplexity_at_budgets(model, windows, methods, budgets=DEFAULT_BUDGETS, *, calibrations: dict | None = None,
-                          overrides: dict | None = None, **kwargs) -> list[dict]:
-    """:func:`kvq.evaluation.perplexity` of each method at equal memory: for every budget, the method's
-    :func:`equal_memory_config` at the windows' length and the model's head dim, KV heads and layers
-    (``overrides[method]`` held fixed). ``kwargs``: :func:`kvq.evaluation.perplexity`'s (chunk,
-    batch_size, backend, progress). Returns ``[{"budget", "rows": [...]}]`` like
-    :func:`attention_errors_at_budgets`: each row a :func:`kvq.evaluation.perplexity` row plus ``budget``,
-    ``label`` and ``overrides``, or ``skipped`` with the reason; no FP16 or "no cache" rows (they are the
-    reference). Bits per element: ``kvq.integrations.methods.bits_per_element`` (``kvq.reference.memory``'s
-    accountings), as in :func:`equal_memory_config`."""
-    from kvq.evaluation import perplexity
-    from kvq.integrations.transformers import model_dims
-    windows = np.asarray(windows)
-    if windows.ndim != 2 or windows.shape[1] < 2:
-        raise ValueError(f"windows must be (N, S) token ids with S >= 2, got shape {windows.shape}")
-    overrides = dict(overrides or {})
-    geo = model_dims(model)
-    dims = dict(context=int(windows.shape[1]), head_dim=int(geo["head_dim"]), kv_heads=int(geo["kv_heads"]),
-                n_layers=int(geo["n_layers"]))
-    return _at_budgets(methods, budgets, overrides, dims, lambda fit, over: perplexity(
-        model, windows, fit, calibrations=calibrations, no_cache_row=False, overrides=over, **kwargs))

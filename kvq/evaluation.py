@@ -9,12 +9,13 @@ Both take method names of ``kvq.integrations.methods.METHODS`` and write the pro
 into their result (``result["protocol"]``), so a number is never separated from how it was obtained.
 ``kvq eval ppl`` and ``kvq eval attention`` (``kvq.commands.eval``) are the command-line front ends.
 
-Methods at equal memory and the amortized cost of a periodic flush (issue 40) live in ``kvq.budgets``
-(their bits per element come from ``kvq.integrations.methods.bits_per_element``, i.e.
-``kvq.reference.memory``'s accountings); this module re-exports their public names, so that
-``E.equal_memory_config``, ``E.paper_config``, ``E.perplexity_at_budgets``,
-``E.attention_errors_at_budgets``, ``E.amortized_overhead``, ``E.DEFAULT_BUDGETS``,
-``E.EQUAL_MEMORY_RULE``, ``E.EQUAL_MEMORY_ACCOUNTING`` and ``E.SEARCH_SPACE`` keep working:
+The choice of a method's configuration at equal memory and the amortized cost of a periodic flush (issue
+40) live in ``kvq.budgets`` (their bits per element come from ``kvq.integrations.methods.bits_per_element``,
+i.e. ``kvq.reference.memory``'s accountings); this module runs the evaluations at each budget
+(:func:`perplexity_at_budgets`, :func:`attention_errors_at_budgets`) and re-exports the budgets' public
+names, so that ``E.equal_memory_config``, ``E.paper_config``, ``E.amortized_overhead``,
+``E.DEFAULT_BUDGETS``, ``E.EQUAL_MEMORY_RULE``, ``E.EQUAL_MEMORY_ACCOUNTING`` and ``E.SEARCH_SPACE`` keep
+working:
 
     row = E.equal_memory_config("KIVI-K2V2", 2.5, context=16384, head_dim=128, kv_heads=2, n_layers=6)
     row["overrides"], row["bits_per_element"]        # the configuration closest to 2.5 b/e, and its bits
@@ -28,8 +29,7 @@ import time
 import numpy as np
 
 from kvq.budgets import (DEFAULT_BUDGETS, EQUAL_MEMORY_ACCOUNTING, EQUAL_MEMORY_RULE,  # noqa: F401 (re-exported)
-                         SEARCH_SPACE, amortized_overhead, attention_errors_at_budgets, equal_memory_config,
-                         paper_config, perplexity_at_budgets, search_values)
+                         SEARCH_SPACE, amortized_overhead, equal_memory_config, paper_config, search_values)
 from kvq.reference import metrics
 
 #: the one comparison of issue 7, in the order of its table
@@ -273,6 +273,71 @@ def _tokens(n: int) -> str:
 def _count(n, word: str) -> str:
     """"1 trial", "8 trials", "? trials" (n unknown)."""
     return f"{n} {word}" if n == 1 else f"{'?' if n is None else n} {word}s"
+
+
+def attention_errors_at_budgets(layers, methods, budgets=DEFAULT_BUDGETS, *, calibrations: dict | None = None,
+                                causal: bool = False, backend: str = "reference", progress: bool = True,
+                                overrides: dict | None = None) -> list[dict]:
+    """:func:`attention_errors` of each method at equal memory: for every budget (bits per element),
+    the method's :func:`kvq.budgets.equal_memory_config` at the captured length, head dim, KV heads and layers
+    (``overrides[method]`` held fixed, e.g. a calibration's AQUA-KV config or ``--set`` values).
+
+    Returns ``[{"budget", "rows": [...]}]``, one entry per budget in order; each row is an
+    :func:`attention_errors` row plus ``budget``, ``label``, ``overrides`` (the chosen configuration) and
+    ``bits_per_element_state`` equal to the chosen configuration's bits; a method none of whose
+    configurations fits is a row with ``skipped`` (why, and the least it reaches). FP16 has no budget
+    row (it is the reference, at 16 bits). Bits per element: ``kvq.integrations.methods.bits_per_element``
+    (``kvq.reference.memory``'s accountings), as in :func:`equal_memory_config`.
+    """
+    if not layers:
+        raise ValueError("layers is empty: capture some activations first")
+    overrides = dict(overrides or {})
+    B, H_kv, T, D = np.shape(layers[0]["k"])
+    dims = dict(context=int(T), head_dim=int(D), kv_heads=int(H_kv), n_layers=len(layers))
+    return _at_budgets(methods, budgets, overrides, dims, lambda fit, over: attention_errors(
+        layers, fit, calibrations=calibrations, causal=causal, backend=backend, progress=progress, overrides=over))
+
+
+def _at_budgets(methods, budgets, overrides: dict, dims: dict, run) -> list[dict]:
+    """For every budget: each method's :func:`equal_memory_config` at ``dims`` (``overrides[method]`` held
+    fixed), ``run(fitting methods, {method: chosen overrides})`` -> ``{"rows": [...]}`` over those that fit,
+    and one row per method (the run's, or ``skipped`` with the reason) with ``budget``, ``label`` and
+    ``overrides`` added; FP16 has no budget row."""
+    out = []
+    for b in budgets:
+        chosen = {m: equal_memory_config(m, b, fixed=overrides.get(m), **dims) for m in methods if m != "FP16"}
+        fit = [m for m, c in chosen.items() if c["feasible"]]
+        res = run(fit, {m: chosen[m]["overrides"] for m in fit}) if fit else {"rows": []}
+        by_name = {r["method"]: r for r in res["rows"]}
+        rows = []
+        for m, c in chosen.items():
+            r = dict(by_name.get(m) or {"method": m, "skipped": c.get("reason", "")})
+            r.update(budget=float(b), label=c["label"], overrides=c["overrides"])
+            rows.append(r)
+        out.append({"budget": float(b), "rows": rows})
+    return out
+
+
+def perplexity_at_budgets(model, windows, methods, budgets=DEFAULT_BUDGETS, *, calibrations: dict | None = None,
+                          overrides: dict | None = None, **kwargs) -> list[dict]:
+    """:func:`perplexity` of each method at equal memory: for every budget, the method's
+    :func:`equal_memory_config` at the windows' length and the model's head dim, KV heads and layers
+    (``overrides[method]`` held fixed). ``kwargs``: :func:`perplexity`'s (chunk,
+    batch_size, backend, progress). Returns ``[{"budget", "rows": [...]}]`` like
+    :func:`attention_errors_at_budgets`: each row a :func:`perplexity` row plus ``budget``,
+    ``label`` and ``overrides``, or ``skipped`` with the reason; no FP16 or "no cache" rows (they are the
+    reference). Bits per element: ``kvq.integrations.methods.bits_per_element`` (``kvq.reference.memory``'s
+    accountings), as in :func:`equal_memory_config`."""
+    from kvq.integrations.transformers import model_dims
+    windows = np.asarray(windows)
+    if windows.ndim != 2 or windows.shape[1] < 2:
+        raise ValueError(f"windows must be (N, S) token ids with S >= 2, got shape {windows.shape}")
+    overrides = dict(overrides or {})
+    geo = model_dims(model)
+    dims = dict(context=int(windows.shape[1]), head_dim=int(geo["head_dim"]), kv_heads=int(geo["kv_heads"]),
+                n_layers=int(geo["n_layers"]))
+    return _at_budgets(methods, budgets, overrides, dims, lambda fit, over: perplexity(
+        model, windows, fit, calibrations=calibrations, no_cache_row=False, overrides=over, **kwargs))
 
 
 def _check_long_lm(doc) -> None:

@@ -250,7 +250,7 @@ def run_ppl(args) -> dict:
     res = E.perplexity(model, windows, methods, chunk=args.chunk, batch_size=args.batch_size, backend=args.backend,
                        calibrations=cal, overrides=ovr, progress=not args.quiet)
     if args.budget:                              # opt-in here: each budget costs a full perplexity run
-        res["equal_memory"] = B.perplexity_at_budgets(model, windows, methods, args.budget, calibrations=cal,
+        res["equal_memory"] = E.perplexity_at_budgets(model, windows, methods, args.budget, calibrations=cal,
                                                       overrides=ovr, chunk=args.chunk, batch_size=args.batch_size,
                                                       backend=args.backend, progress=not args.quiet)
         res["equal_memory_rule"] = B.EQUAL_MEMORY_RULE
@@ -314,7 +314,7 @@ def run_attention(args) -> dict:
                              progress=not args.quiet, overrides=ovr)
     budgets = [] if args.paper_only else list(args.budget)
     if budgets:                                  # the same methods again, each at equal memory
-        res["equal_memory"] = B.attention_errors_at_budgets(layers, methods, budgets, calibrations=cal,
+        res["equal_memory"] = E.attention_errors_at_budgets(layers, methods, budgets, calibrations=cal,
                                                             causal=causal, backend=args.backend,
                                                             progress=not args.quiet, overrides=ovr)
         res["equal_memory_rule"] = B.EQUAL_MEMORY_RULE

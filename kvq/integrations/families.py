@@ -34,7 +34,7 @@ import numpy as np
 from kvq.reference import aqua, aqua_cache, bitdecoding, oscar, paged
 from kvq.reference.model import apply_rope
 
-from . import methods as M
+from . import tensors as T
 
 __all__ = ["Family", "FP16", "Paged", "Kitty", "OSCAR", "BitDecoding", "AquaKV", "FAMILIES", "family_of"]
 
@@ -181,7 +181,7 @@ class Family:
         states = []
         for l, old in enumerate(s.layer_states):
             with s.device_ctx(l):
-                states.append(M.copy_state(old, self.mod.init(cfg, s.batch, s.kv_heads, s.head_dim), cfg))
+                states.append(T.copy_state(old, self.mod.init(cfg, s.batch, s.kv_heads, s.head_dim), cfg))
         return states, s.shared_state
 
     def length(self, layer: int) -> int:
@@ -221,7 +221,7 @@ class Family:
         s = self.store
         st = s.layer_states[layer]
         if st.length == 0:
-            return s.empty(M.import_torch().float32, layer)
+            return s.empty(T.import_torch().float32, layer)
         with s.device_ctx(layer):
             K, V = self.mod_dequantize(layer, st)
         return s.tensor(K, layer), s.tensor(V, layer)
@@ -231,26 +231,26 @@ class Family:
 
     def read(self, layer: int, dtype, memo: dict):
         """``keys_values(layer, dtype)`` through the memo: the fp32 dequantization once, then each dtype."""
-        torch = M.import_torch()
+        torch = T.import_torch()
         if torch.float32 in memo:
             K, V = memo[torch.float32]
         else:
             K, V = self.store.dequantize(layer)
             memo[torch.float32] = (K, V)
-        return M.to_out(K, dtype), M.to_out(V, dtype)
+        return T.to_out(K, dtype), T.to_out(V, dtype)
 
     def decode_attention(self, layer: int, q, scale=None):
         """Attention of ``q`` (B, H_q, T_q, D) over ``layer``'s state by the method's decode on the store's
         backend (the reference in NumPy fp32), (B, H_q, T_q, D) in q's dtype on q's device."""
-        torch = M.import_torch()
+        torch = T.import_torch()
         s = self.store
         st = s.layer_states[layer]
         if s.backend == "reference":
             out, _ = self.mod_decode(layer, st, q.detach().float().cpu().numpy(), scale)
-            return M.to_out(torch.from_numpy(np.ascontiguousarray(out)).to(q.device), q.dtype)
+            return T.to_out(torch.from_numpy(np.ascontiguousarray(out)).to(q.device), q.dtype)
         with s.device_ctx(layer), _no_value_scan():
             out, _ = self.mod_decode(layer, st, q, scale)
-        return M.to_out(out, q.dtype)
+        return T.to_out(out, q.dtype)
 
     def mod_decode(self, layer: int, st, q, scale):
         return self.mod.decode_attention(self.store.cfg, st, q, scale=scale)
@@ -314,7 +314,7 @@ class FP16(Family):
 
     def _dtype_for(self, k_in):
         """The store's dtype, fixed by its first accepted append (that input's fp16 / bf16, else fp16)."""
-        torch = M.import_torch()
+        torch = T.import_torch()
         if self.store.shared_state is not None:
             return self.store.shared_state
         src = getattr(k_in, "dtype", None)
@@ -323,14 +323,14 @@ class FP16(Family):
     def _tensor(self, x, dtype, name: str, layer: int):
         """x as a new tensor of ``dtype`` on ``layer``'s device, NaN / inf and overflow refused whatever the
         input dtype (the quantized methods' rule); never the caller's memory."""
-        torch = M.import_torch()
+        torch = T.import_torch()
         t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
         t = t.to(self.store.devices[layer])
-        y = M.checked_half(t, dtype, name)
+        y = T.checked_half(t, dtype, name)
         return y.clone() if y is t else y
 
     def write(self, layer: int, kx, vx) -> None:
-        torch = M.import_torch()
+        torch = T.import_torch()
         s = self.store
         if s.shared_state is None:
             s.shared_state = kx.dtype                             # fixed by the first accepted append
@@ -349,7 +349,7 @@ class FP16(Family):
 
     def decode_attention(self, layer: int, q, scale=None):
         K, V = self.store.keys_values(layer, q.dtype)
-        return M.import_torch().nn.functional.scaled_dot_product_attention(q, K, V, scale=scale,
+        return T.import_torch().nn.functional.scaled_dot_product_attention(q, K, V, scale=scale,
                                                                            enable_gqa=q.shape[1] != K.shape[1])
 
     def allocated_bytes(self) -> int:
@@ -533,7 +533,7 @@ class AquaKV(Family):
             if bname not in overrides and isinstance(bb, aqua.Uniform) and head_dim % bb.group_size:
                 adapt[bname] = dataclasses.replace(bb, group_size=_largest_divisor(head_dim, bb.group_size))
             if bname not in overrides and isinstance(bb, aqua.Higgs) and kv_heads is not None:
-                F = M.check_pos_int("kv_heads", kv_heads) * head_dim
+                F = T.check_pos_int("kv_heads", kv_heads) * head_dim
                 g = F & -F                                          # largest power of two dividing F
                 if g < bb.cfg.group_size and g % bb.cfg.d == 0:
                     adapt[bname] = aqua.Higgs(dataclasses.replace(bb.cfg, group_size=g))
@@ -619,7 +619,7 @@ class AquaKV(Family):
         s = self.store
         with s.device_ctx(0):
             new = self.mod.init(cfg, s.n_layers, s.batch, s.kv_heads, s.head_dim)
-            return s.layer_states, M.copy_state(s.shared_state, new, cfg)
+            return s.layer_states, T.copy_state(s.shared_state, new, cfg)
 
     @property
     def pending_k(self) -> list:
@@ -670,7 +670,7 @@ class AquaKV(Family):
         if k.shape[2] == 0 or float(abs(k).max()) <= self._ROPE_SAFE:
             return
         pos = np.arange(t0 + skip, t0 + int(k16.shape[2]))
-        k_pre = apply_rope(M.to_numpy(k).astype(np.float32), pos, cfg.rope_theta, inverse=True)   # (B, H, T, D)
+        k_pre = apply_rope(T.to_numpy(k).astype(np.float32), pos, cfg.rope_theta, inverse=True)   # (B, H, T, D)
         quantizer = cfg.first_layer if layer == 0 else cfg.backbone
         try:
             quantizer.encode(aqua.to_tokens(k_pre))
@@ -681,7 +681,7 @@ class AquaKV(Family):
 
     def write(self, layer, kx, vx):
         """The tokens wait; the commit grows the state."""
-        torch = M.import_torch()
+        torch = T.import_torch()
         cat = (lambda a, b: torch.cat([a, b], dim=2)) if isinstance(kx, torch.Tensor) else \
             (lambda a, b: np.concatenate([a, b], axis=2))
         w = self.store.layer_states[layer]
@@ -693,7 +693,7 @@ class AquaKV(Family):
         validates and encodes before it writes, so a failure (a residual beyond fp16 metadata, NaN
         predictions) leaves its state and every layer's waiting tokens as they were; the error names the
         commit, and the store's ``_atomic`` takes back the tokens of the append that completed it."""
-        torch = M.import_torch()
+        torch = T.import_torch()
         s = self.store
         if any(w.k is None for w in s.layer_states):
             return
@@ -744,7 +744,7 @@ class AquaKV(Family):
 
     def dequantize(self, layer):
         """Committed, then waiting."""
-        torch = M.import_torch()
+        torch = T.import_torch()
         s = self.store
         K, V = self.committed(layer)
         w = s.layer_states[layer]
@@ -755,7 +755,7 @@ class AquaKV(Family):
 
     def committed(self, layer: int):
         """Layer ``layer``'s committed cache, fp32 torch: sink, decoded chunks, buffer."""
-        torch = M.import_torch()
+        torch = T.import_torch()
         s = self.store
         st, cfg, P = s.shared_state, s.cfg, s.calibration
         if st.length == 0:
@@ -792,7 +792,7 @@ class AquaKV(Family):
     def decode_attention(self, layer, q, scale=None):
         """Sink, reconstructed history and buffer of the committed cache, then the waiting tokens, merged by
         log-sum-exp."""
-        torch = M.import_torch()
+        torch = T.import_torch()
         s = self.store
         w = s.layer_states[layer]
         if s.backend == "reference":                     # the committed chunks, each decoded once, then waiting
@@ -804,7 +804,7 @@ class AquaKV(Family):
             if w.k is not None:
                 segs.append((w.k.astype(np.float32), w.v.astype(np.float32)))
             out, _ = RA.decode_attention(q.detach().float().cpu().numpy(), segs, scale=scale)
-            return M.to_out(torch.from_numpy(np.ascontiguousarray(out)).to(q.device), q.dtype)
+            return T.to_out(torch.from_numpy(np.ascontiguousarray(out)).to(q.device), q.dtype)
         st = s.shared_state
         segs = []
         if st.length:
@@ -816,7 +816,7 @@ class AquaKV(Family):
         attn = importlib.import_module(f"kvq.fast.{s.backend}.attention")
         with s.device_ctx(layer), _no_value_scan():
             out, _ = attn.decode_attention(q.float(), segs, scale=scale)
-        return M.to_out(out, q.dtype)
+        return T.to_out(out, q.dtype)
 
 
 #: ``MethodSpec.family`` -> the class of its behaviour

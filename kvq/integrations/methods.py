@@ -15,9 +15,9 @@ What differs between the methods' families (config adaptations, memory accountin
 store writes, reads and decodes) is one class per family in ``kvq.integrations.families``; this module and
 the store dispatch through it and never branch on the family.
 
-The helpers the integration modules share live here too, public but outside ``__all__``:
-:func:`check_pos_int`, :func:`import_torch`, :func:`to_numpy`, :func:`checked_half`, :func:`to_out`,
-:func:`copy_state`, :func:`layer_devices` and :func:`same_device`.
+The device helpers the integration modules share live here too, public but outside ``__all__``:
+:func:`layer_devices` and :func:`same_device`; the tensor helpers of the store and the families are
+``kvq.integrations.tensors``.
 
 This module imports NumPy and kvq.reference only; torch is imported when a store is built.
 """
@@ -36,6 +36,7 @@ import numpy as np
 from kvq.reference import aqua, bitdecoding, kitty, kivi, oscar
 
 from . import families as F
+from .tensors import check_pos_int, checked_half, import_torch, to_numpy
 
 __all__ = ["MethodSpec", "METHODS", "FP16Config", "BACKENDS", "ACCOUNTINGS", "get_method", "configure", "resolve_calibration",
            "bits_per_element", "KVStore"]
@@ -97,14 +98,6 @@ def get_method(name: str) -> MethodSpec:
     if not isinstance(name, str) or name not in METHODS:
         raise ValueError(f"unknown kvq method {name!r}; known methods: {', '.join(METHODS)}")
     return METHODS[name]
-
-
-def check_pos_int(name: str, v) -> int:
-    """``v`` as an int when it is a positive integer (bool excluded); ValueError naming ``name`` otherwise.
-    The check of every size argument of ``configure``, ``KVStore`` and the HF caches."""
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-        raise ValueError(f"{name} must be a positive int, got {v!r}")
-    return int(v)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -199,28 +192,11 @@ def bits_per_element(name: str, cfg, *, context: int, head_dim: int, kv_heads: i
 # KVStore
 
 
-def import_torch():
-    """The ``torch`` module, imported on first use (this module imports NumPy and kvq.reference only)."""
-    import torch
-    return torch
-
-
 def _fast_interpreting() -> bool:
     """Whether kvq's Triton kernels run under Triton's CPU interpreter: the process-wide fact of
     ``kvq.fast.common.interpreting`` (fixed when the kernels were decorated), never the environment."""
     from kvq.fast import common
     return common.interpreting()
-
-
-def to_numpy(a):
-    """A reference array or a fast-tier tensor as a NumPy array (uint16 tensors included)."""
-    torch = import_torch()
-    if isinstance(a, torch.Tensor):
-        a = a.detach().cpu()
-        if a.dtype == torch.uint16:
-            return a.view(torch.int16).numpy().view(np.uint16)
-        return a.numpy()
-    return np.asarray(a)
 
 
 def resolve_calibration(name: str, calibration, *, n_layers: int, kv_heads: int, head_dim: int):
@@ -232,28 +208,8 @@ def resolve_calibration(name: str, calibration, *, n_layers: int, kv_heads: int,
     return F.family_of(get_method(name)).resolve_calibration(name, calibration, n_layers, kv_heads, head_dim)
 
 
-def checked_half(t, dtype, name: str):
-    """Torch tensor ``t`` rounded to the 16-bit ``dtype``, refusing NaN / inf input and overflow (the
-    methods' rule for what enters an FP16 buffer)."""
-    torch = import_torch()
-    if not bool(torch.isfinite(t).all()):
-        raise ValueError(f"{name} contains NaN or inf")
-    y = t.to(dtype)
-    if not bool(torch.isfinite(y).all()):
-        raise ValueError(f"{name} overflows {str(dtype).replace('torch.', '')} (|x| > "
-                         f"{torch.finfo(dtype).max:g}); the FP16 buffers cannot hold it")
-    return y
-
-
 #: the dtypes ``KVStore.keys_values`` / ``update`` return, by name
 OUT_DTYPES = ("float16", "bfloat16", "float32", "float64")
-
-
-def to_out(x, dtype):
-    """Dequantized fp32 ``x`` in ``dtype``: float16 saturates finite values beyond +-65504 (the numerics
-    contract's ``to_out``, on torch tensors ``kvq.fast.common.to_out``: a group holding 65504 has a top code
-    whose fp32 value rounds to inf in fp16)."""
-    return importlib.import_module("kvq.fast.common").to_out(x, dtype)
 
 
 def _out_dtype(dtype):
@@ -268,36 +224,6 @@ def _out_dtype(dtype):
         return dtype
     raise TypeError(f"dtype={dtype!r} is not an output dtype of a kvq store; pass None (float32), a torch dtype "
                     f"or a name among {', '.join(OUT_DTYPES)}")
-
-
-def copy_state(old, new, cfg):
-    """``new`` (an empty state from ``init(cfg, ...)``, larger in capacity only) holding ``old``'s contents:
-    every array of ``old`` copied into the leading block of the same array of ``new`` (page pools and tables
-    grow along one axis; the used part of each is a prefix, the rest keeps ``init``'s fill), every other field
-    (length, page counters, shape) taken from ``old``, and ``cfg`` recorded."""
-    fields = {}
-    for f in dataclasses.fields(old):
-        a, b = getattr(old, f.name), getattr(new, f.name)
-        if f.name == "cfg":
-            fields[f.name] = cfg
-        else:
-            fields[f.name] = _copy_into(a, b, f.name)
-    return dataclasses.replace(new, **fields)
-
-
-def _copy_into(a, b, name: str):
-    """``a`` copied into the leading block of ``b`` (arrays, or dicts of them); other values: ``a``."""
-    torch = import_torch()
-    if isinstance(a, dict):
-        return {k: _copy_into(a[k], b[k], f"{name}.{k}") for k in a}
-    if isinstance(a, (np.ndarray, torch.Tensor)):
-        if tuple(a.shape) == tuple(b.shape):
-            return a
-        if a.ndim != b.ndim or any(x > y for x, y in zip(a.shape, b.shape)):
-            raise AssertionError(f"state array {name} cannot grow from {tuple(a.shape)} to {tuple(b.shape)}")
-        b[tuple(slice(0, x) for x in a.shape)] = a
-        return b
-    return a
 
 
 def layer_devices(device, n_layers: int):
