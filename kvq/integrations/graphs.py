@@ -105,7 +105,8 @@ class DecodeGraphs:
         if store is None or store.length(0) == 0:
             raise ValueError("the cache is empty: prefill the prompt through model(...) first (or use "
                              "kvq.integrations.graphs.generate, which does)")
-        if store.devices is not None and any(not same_device(d, self.device, unindexed="zero") for d in store.devices):
+        if store.devices is not None and any(not same_device(d, self.device, unindexed="zero")
+                                             for d in store.devices):
             raise ValueError(f"CUDA-graph decode takes a cache on the model's device ({self.device}); this one "
                              f"keeps layers on {sorted({str(d) for d in store.devices})}")
         from .transformers import cache_argument
