@@ -43,6 +43,8 @@ import stat
 
 import numpy as np
 
+from kvq.reference import aqua as RA
+
 __all__ = ["SCHEMA", "SCHEMA_VERSION", "CalibrationFileError", "checksum", "save_oscar", "load_oscar",
            "save_aqua", "load_aqua", "inspect"]
 
@@ -63,11 +65,9 @@ MAX_TOKENS = 1 << 24
 #: Caches allocate these buffers up front (B x H_kv x tokens x D per layer), so a corrupted ``sink=1e9``
 #: must fail here rather than ask for hundreds of GiB at the first update.
 MAX_FP16_TOKENS = 1 << 16
-#: largest |weight| or |bias| of an AQUA-KV predictor: 1e6. Ridge fits on activations give weights of
-#: order one (a layer's keys from the previous layer's); a weight of 1e6 already maps any realistic
-#: activation (|x| ~ 1..100) to a prediction beyond fp16's 65504, whose residual's scale then overflows the
-#: fp16 metadata. Larger values (1e30, ...) are corruption, never calibration.
-MAX_PREDICTOR_ABS = 1e6
+#: largest |weight| or |bias| of an AQUA-KV predictor (1e6): defined beside the predictors' check,
+#: ``kvq.reference.aqua.MAX_PREDICTOR_ABS``, and enforced by the loader here too
+MAX_PREDICTOR_ABS = RA.MAX_PREDICTOR_ABS
 #: deepest nesting of a metadata JSON value (the writer's deepest is 4: config.fields.backbone.type);
 #: deeper documents are refused instead of recursing (no RecursionError)
 MAX_META_DEPTH = 32

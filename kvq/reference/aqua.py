@@ -277,12 +277,18 @@ def _check_predictor(p, where: str, f_in: int, F: int) -> None:
 
 #: the AquaPredictors whose values :func:`_check_predictor_values` has read, by identity (weak references:
 #: an entry goes with its object, so a later object at the same address is read again)
+#: largest |weight| or |bias| of an AQUA-KV predictor: 1e6 (``kvq.calibration``'s loader enforces it too). Ridge fits on activations give weights of
+#: order one (a layer's keys from the previous layer's); a weight of 1e6 already maps any realistic
+#: activation (|x| ~ 1..100) to a prediction beyond fp16's 65504, whose residual's scale then overflows the
+#: fp16 metadata. Larger values (1e30, ...) are corruption, never calibration.
+MAX_PREDICTOR_ABS = 1e6
+
 _VALUES_CHECKED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def _check_predictor_values(P: AquaPredictors) -> None:
     """Every matrix and intercept of P's predictors (layers >= 1) is finite, with |w| <= MAX_PREDICTOR_ABS
-    (``kvq.calibration``'s bound, 1e6: no ridge fit gives larger weights; NaN or 1e30 weights are a
+    (1e6: no ridge fit gives larger weights; NaN or 1e30 weights are a
     corrupted calibration, whose predictions would be NaN or overflow float16), else ValueError naming it.
 
     The values are read once per AquaPredictors object, remembered by identity (one read of every weight
@@ -290,8 +296,6 @@ def _check_predictor_values(P: AquaPredictors) -> None:
     not be modified in place after a call (the fast tier keeps device copies of them too)."""
     if _VALUES_CHECKED.get(id(P)) is P:
         return
-    from kvq.calibration import MAX_PREDICTOR_ABS
-
     for role in ("f_key", "f_value"):
         for l, p in enumerate(getattr(P, role)):
             if l == 0 or not isinstance(p, Predictor):
