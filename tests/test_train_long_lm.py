@@ -103,7 +103,7 @@ def test_position_buckets_and_options():
     assert S.position_buckets(100) == [(0, 100)]
     a = S.parse_args(["--out", "/tmp/x"])
     assert a.context == 16384 and a.eval_contexts[-1] == 16384 and a.budgets == [2.5, 4.5]
-    assert "OSCAR" in a.methods and a.minutes == 5.0
+    assert "OSCAR" in a.methods and a.minutes == 3.5
     for bad in (["--short-context", "40000"], ["--eval-contexts", "99999"], ["--depths", "1.5"],
                 ["--budgets", "0"], ["--pairs", "0"]):
         with pytest.raises(SystemExit):
