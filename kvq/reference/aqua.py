@@ -427,7 +427,7 @@ def _prev_hat(x, name: str, l: int, shape: tuple | None, F: int) -> np.ndarray:
     return a
 
 
-def _real_matrix(x, name: str, *, finite: bool) -> np.ndarray:
+def real_matrix(x, name: str, *, finite: bool) -> np.ndarray:
     """``x`` as a float64 (N, F) matrix with N, F >= 1: float or integer dtype (bool, complex, strings and
     objects refused), finite where ``finite``."""
     if x is None:
@@ -449,7 +449,7 @@ def _real_matrix(x, name: str, *, finite: bool) -> np.ndarray:
 
 
 def _centered(X, Y):
-    X, Y = _real_matrix(X, "X", finite=True), _real_matrix(Y, "Y", finite=True)
+    X, Y = real_matrix(X, "X", finite=True), real_matrix(Y, "Y", finite=True)
     if X.shape[0] != Y.shape[0] or X.shape[0] < 2:
         raise ValueError(f"X {X.shape} and Y {Y.shape} must be (N, F_in) and (N, F_out) with N >= 2")
     mx, my = X.mean(0), Y.mean(0)
@@ -527,7 +527,7 @@ def from_tokens(x, H: int) -> np.ndarray:
     return np.ascontiguousarray(a.reshape(B, T, H, F // H).transpose(0, 2, 1, 3))
 
 
-def _kv_pairs(kv) -> list:
+def kv_pairs(kv) -> list:
     """``kv``: an iterable of (K_l, V_l) pairs, float16 / float32 (B, H, T, D) of the same sequences (B, T)
     -> fp32 pairs."""
     if kv is None or isinstance(kv, (str, bytes, dict)) or not hasattr(kv, "__iter__"):
@@ -552,7 +552,7 @@ def calibration_tokens(cfg: AquaConfig, kv) -> list:
     """
     check_config(cfg)
     out = []
-    for K, V in _kv_pairs(kv):
+    for K, V in kv_pairs(kv):
         if cfg.pre_rope:
             K = apply_rope(K, np.arange(K.shape[2]), cfg.rope_theta, inverse=True)
         K, V = to_tokens(K[:, :, cfg.sink:]), to_tokens(V[:, :, cfg.sink:])
@@ -578,7 +578,7 @@ def _backbone_encode(bb, x, what: str) -> dict:
         raise ValueError(f"{what} cannot be quantized by the {bb.label} backbone: {e}") from e
 
 
-def _what(name: str, l: int, pred, role: str) -> str:
+def residual_label(name: str, l: int, pred, role: str) -> str:
     """The vector a backbone quantizes at layer l: ``name`` itself, or its residual after the prediction."""
     return f"{name} of layer {l}" + (f" minus its prediction by P.{role}[{l}]" if pred is not None else "")
 
@@ -616,10 +616,10 @@ def encode(cfg: AquaConfig, P: AquaPredictors, l: int, K, V, K_prev_hat=None, V_
         K_prev_hat = _prev_hat(K_prev_hat, "K_prev_hat", l, K.shape, K.shape[-1])
     if fv is not None:
         V_prev_hat = _prev_hat(V_prev_hat, "V_prev_hat", l, K.shape, K.shape[-1])
-    return _encode(cfg, P, l, K, V, K_prev_hat, V_prev_hat)
+    return encode_checked(cfg, P, l, K, V, K_prev_hat, V_prev_hat)
 
 
-def _encode(cfg: AquaConfig, P: AquaPredictors, l: int, K, V, K_prev_hat=None, V_prev_hat=None):
+def encode_checked(cfg: AquaConfig, P: AquaPredictors, l: int, K, V, K_prev_hat=None, V_prev_hat=None):
     """:func:`encode` on checked arguments (the cache and the calibration call it directly)."""
     F = K.shape[-1]
     if l == 0:
@@ -628,10 +628,10 @@ def _encode(cfg: AquaConfig, P: AquaPredictors, l: int, K, V, K_prev_hat=None, V
         return Kq, Vq, cfg.first_layer.decode(Kq, F), cfg.first_layer.decode(Vq, F)
     fk, fv = _predictions(cfg, P, l)
     K_pred = fk(K_prev_hat) if fk is not None else np.zeros_like(K)
-    Kq = _backbone_encode(cfg.backbone, nx.sub(K, K_pred), _what("K", l, fk, "f_key"))
+    Kq = _backbone_encode(cfg.backbone, nx.sub(K, K_pred), residual_label("K", l, fk, "f_key"))
     K_hat = nx.add(cfg.backbone.decode(Kq, F), K_pred)
     V_pred = fv(np.concatenate([V_prev_hat, K_hat], axis=-1)) if fv is not None else np.zeros_like(V)
-    Vq = _backbone_encode(cfg.backbone, nx.sub(V, V_pred), _what("V", l, fv, "f_value"))
+    Vq = _backbone_encode(cfg.backbone, nx.sub(V, V_pred), residual_label("V", l, fv, "f_value"))
     V_hat = nx.add(cfg.backbone.decode(Vq, F), V_pred)
     return Kq, Vq, K_hat, V_hat
 
@@ -656,10 +656,10 @@ def decode(cfg: AquaConfig, P: AquaPredictors, l: int, Kq: dict, Vq: dict, F: in
         K_prev_hat = _prev_hat(K_prev_hat, "K_prev_hat", l, shape, F)
     if fv is not None:
         V_prev_hat = _prev_hat(V_prev_hat, "V_prev_hat", l, shape, F)
-    return _decode(cfg, P, l, Kq, Vq, F, K_prev_hat, V_prev_hat)
+    return decode_checked(cfg, P, l, Kq, Vq, F, K_prev_hat, V_prev_hat)
 
 
-def _decode(cfg: AquaConfig, P: AquaPredictors, l: int, Kq: dict, Vq: dict, F: int, K_prev_hat=None,
+def decode_checked(cfg: AquaConfig, P: AquaPredictors, l: int, Kq: dict, Vq: dict, F: int, K_prev_hat=None,
             V_prev_hat=None):
     """:func:`decode` on checked arguments (the cache calls it directly)."""
     if l == 0:
@@ -695,7 +695,7 @@ def calibrate(cfg: AquaConfig, kv, *, ridge: float = 1e-3, rank: int | None = No
         raise ValueError("kv is empty: calibration needs the keys and values of at least one layer")
     fit = (lambda X, Y: fit_ridge(X, Y, ridge)) if rank is None else (lambda X, Y: fit_reduced_rank(X, Y, rank, ridge))
     f_key, f_value = [None], [None]
-    _, _, K_hat, V_hat = _encode(cfg, AquaPredictors((None,), (None,)), 0, *toks[0])
+    _, _, K_hat, V_hat = encode_checked(cfg, AquaPredictors((None,), (None,)), 0, *toks[0])
     for l in range(1, len(toks)):
         K, V = toks[l]                                                       # (N, F) clean, layer l
         if quantizer_agnostic:
@@ -705,12 +705,12 @@ def calibrate(cfg: AquaConfig, kv, *, ridge: float = 1e-3, rank: int | None = No
         else:
             fk = fit(K_hat, K)                                               # line 13
             K_pred = fk(K_hat) if cfg.predict_keys else np.zeros_like(K)
-            what = _what("K", l, fk if cfg.predict_keys else None, "f_key")
+            what = residual_label("K", l, fk if cfg.predict_keys else None, "f_key")
             Kq = _backbone_encode(cfg.backbone, nx.sub(K, K_pred), what)
             K_rec = nx.add(cfg.backbone.decode(Kq, K.shape[-1]), K_pred)     # lines 14-15
             fv = fit(np.concatenate([V_hat, K_rec], axis=-1), V)             # line 17
         f_key.append(fk)
         f_value.append(fv)
         P = AquaPredictors(tuple(f_key), tuple(f_value))
-        _, _, K_hat, V_hat = _encode(cfg, P, l, K, V, K_hat, V_hat)          # lines 14-19, 21
+        _, _, K_hat, V_hat = encode_checked(cfg, P, l, K, V, K_hat, V_hat)          # lines 14-19, 21
     return AquaPredictors(tuple(f_key), tuple(f_value))

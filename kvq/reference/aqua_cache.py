@@ -28,7 +28,7 @@ import numpy as np
 
 from . import numerics as nx
 from . import checks
-from .aqua import AquaConfig, AquaPredictors, Uniform, _decode, _encode, from_tokens, to_tokens
+from .aqua import AquaConfig, AquaPredictors, Uniform, decode_checked, encode_checked, from_tokens, to_tokens
 from .aqua import check_predictors as _check_predictors
 from .model import apply_rope
 from .state import cfg_field, check_config, check_dims, check_host_device, check_state
@@ -72,7 +72,7 @@ class AquaState:
                                         for g in ("first_k", "first_v", "res_k", "res_v")})
 
 
-def _counts(cfg: AquaConfig, T: int):
+def counts(cfg: AquaConfig, T: int):
     """(n_sink, n_chunks, n_buf) of a sequence of T tokens."""
     n_sink = min(T, cfg.sink)
     post = T - n_sink
@@ -173,7 +173,7 @@ def _flush(cfg: AquaConfig, P: AquaPredictors, st: AquaState, c: int) -> None:
     for l in range(L):
         K = to_tokens(_keys_in(cfg, st.buf_k[l], pos))                # (B, R, F)
         V = to_tokens(st.buf_v[l].astype(np.float32))
-        Kq, Vq, K_hat, V_hat = _encode(cfg, P, l, K, V, K_hat, V_hat)
+        Kq, Vq, K_hat, V_hat = encode_checked(cfg, P, l, K, V, K_hat, V_hat)
         for dst, codes in ((st.first_k if l == 0 else st.res_k, Kq), (st.first_v if l == 0 else st.res_v, Vq)):
             for name, a in codes.items():
                 (dst[name][:, c] if l == 0 else dst[name][l - 1, :, c])[...] = a
@@ -191,7 +191,7 @@ def append(cfg: AquaConfig, P: AquaPredictors, st: AquaState, K, V) -> AquaState
     new = st.copy()
     R = cfg.buffer
     for t in range(K16.shape[3]):
-        n_sink, n_chunks, n_buf = _counts(cfg, new.length)
+        n_sink, n_chunks, n_buf = counts(cfg, new.length)
         if new.length < cfg.sink:
             new.sink_k[:, :, :, n_sink] = K16[:, :, :, t]
             new.sink_v[:, :, :, n_sink] = V16[:, :, :, t]
@@ -213,7 +213,7 @@ def dequantize(cfg: AquaConfig, P: AquaPredictors, st: AquaState) -> list:
     """
     check_call(cfg, P, st)
     L, B, H, D = st.shape
-    n_sink, n_chunks, n_buf = _counts(cfg, st.length)
+    n_sink, n_chunks, n_buf = counts(cfg, st.length)
     F, R = H * D, cfg.buffer
     parts = [[[st.sink_k[l][:, :, :n_sink].astype(np.float32)], [st.sink_v[l][:, :, :n_sink].astype(np.float32)]]
              for l in range(L)]
@@ -223,7 +223,7 @@ def dequantize(cfg: AquaConfig, P: AquaPredictors, st: AquaState) -> list:
         for l in range(L):
             Kq = {n: (a[:, c] if l == 0 else a[l - 1, :, c]) for n, a in (st.first_k if l == 0 else st.res_k).items()}
             Vq = {n: (a[:, c] if l == 0 else a[l - 1, :, c]) for n, a in (st.first_v if l == 0 else st.res_v).items()}
-            K_hat, V_hat = _decode(cfg, P, l, Kq, Vq, F, K_hat, V_hat)           # (B, R, F)
+            K_hat, V_hat = decode_checked(cfg, P, l, Kq, Vq, F, K_hat, V_hat)           # (B, R, F)
             k = from_tokens(K_hat, H)
             if cfg.pre_rope:
                 k = apply_rope(k, pos, cfg.rope_theta)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import checks
-from .aqua import (AquaConfig, AquaPredictors, _kv_pairs, _real_matrix, calibration_tokens, check_config,
+from .aqua import (AquaConfig, AquaPredictors, kv_pairs, real_matrix, calibration_tokens, check_config,
                    check_predictors, encode, fit_ridge, to_tokens)
 from .model import apply_rope
 
@@ -43,10 +43,10 @@ def explained_variance(y, y_hat) -> float:
 
 
 def _observations(x, name: str) -> np.ndarray:
-    """``x`` (N, F), or (N,) as one channel, as a float64 matrix (``aqua._real_matrix``'s rules, NaN kept)."""
+    """``x`` (N, F), or (N,) as one channel, as a float64 matrix (``aqua.real_matrix``'s rules, NaN kept)."""
     if x is not None and np.ndim(x) == 1:
         x = np.asarray(x)[:, None]
-    return _real_matrix(x, name, finite=False)
+    return real_matrix(x, name, finite=False)
 
 
 def probe_explained_variance(cfg: AquaConfig, kv_train, kv_test, *, depth: int = 3, ridge: float = 1e-3):
@@ -64,7 +64,7 @@ def probe_explained_variance(cfg: AquaConfig, kv_train, kv_test, *, depth: int =
 
     def prep(kv):
         out = []
-        for K, V in _kv_pairs(kv):
+        for K, V in kv_pairs(kv):
             if cfg.pre_rope:
                 K = apply_rope(K, np.arange(K.shape[2]), cfg.rope_theta, inverse=True)
             out.append({"K": to_tokens(K), "V": to_tokens(V)})                       # (B, T, F)

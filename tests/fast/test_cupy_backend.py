@@ -503,7 +503,7 @@ def _patch_decode_glue(monkeypatch, sms=132, per_sm_max=4):
     monkeypatch.setattr(PD, "mma_ok", lambda *a: True)
     monkeypatch.setattr(PD, "fused_ok", lambda cfg, D: True)
     monkeypatch.setattr(PD, "_aligned", lambda *t: True)
-    monkeypatch.setattr(A, "_merge_launch", lambda *a: rec.append(("merge",) + a))
+    monkeypatch.setattr(A, "merge_launch", lambda *a: rec.append(("merge",) + a))
     stream = type("S", (), {"wait_stream": lambda self, o: None})()
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: stream)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

@@ -282,7 +282,7 @@ def test_aqua_pending_and_commit(name):
         for l in range(L):
             K, V = store.keys_values(l)
             assert np.array_equal(K.numpy(), ref[l][0]) and np.array_equal(V.numpy(), ref[l][1])
-    assert st.length == 40 and aqua_cache._counts(store.cfg, 40)[1] == 2          # two chunks compressed
+    assert st.length == 40 and aqua_cache.counts(store.cfg, 40)[1] == 2          # two chunks compressed
     assert len(store._chunks) == 2                                                   # each decoded once
 
 

@@ -68,7 +68,7 @@ def compressed_tokens(cache: KVQCache) -> int:
     if fam == "bitdecoding":
         return bitdecoding.partition(st.length, cfg.n_r)[0]
     if fam == "aqua":
-        return aqua_cache._counts(cfg, st.length)[1] * cfg.buffer
+        return aqua_cache.counts(cfg, st.length)[1] * cfg.buffer
     return 0
 
 

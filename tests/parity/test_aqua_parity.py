@@ -336,7 +336,7 @@ def _replay(target, cfg, P, K, V, fs) -> int:
     S, R = cfg.sink, cfg.buffer
     w = _A.weights(P, fs.device)
     flips = 0
-    for c in range(RC._counts(cfg, fs.length)[1]):
+    for c in range(RC.counts(cfg, fs.length)[1]):
         sl = slice(S + c * R, S + (c + 1) * R)
         kp = vp = None
         for l in range(L):
@@ -452,7 +452,7 @@ def test_state_parity(fast_target, name):
         assert tuple(fa[n].shape) == ra[n].shape and _np(fa[n]).dtype == ra[n].dtype, n
         if not n.startswith("res_"):
             assert_bits_equal(fa[n], ra[n], n)
-    assert RC._counts(cfg, bulk.length)[1] >= 2                         # at least two chunks were encoded
+    assert RC.counts(cfg, bulk.length)[1] >= 2                         # at least two chunks were encoded
     _replay(fast_target, cfg, P, K, V, bulk)
     assert FC.state_bytes(bulk) == RC.state_bytes(rs)
 
@@ -460,7 +460,7 @@ def test_state_parity(fast_target, name):
 def _truth(cfg, P, rst) -> list:
     """[(K_l, V_l)] float64 (B, H, T, D) of a reference state: Algorithm 3 chunk by chunk in exact arithmetic
     on the stored codes and the fp32 predictor weights, RoPE with the fp32 tables (the float64 truth)."""
-    n_sink, n, n_buf = RC._counts(cfg, rst.length)
+    n_sink, n, n_buf = RC.counts(cfg, rst.length)
     S, R = cfg.sink, cfg.buffer
     parts = [[[rst.sink_k[l][:, :, :n_sink]], [rst.sink_v[l][:, :, :n_sink]]] for l in range(L)]
     for c in range(n):
@@ -497,7 +497,7 @@ def test_dequantize(fast_target, name):
     rst = _ref_state(fs)
     ref, truth = RC.dequantize(cfg, P, rst), _truth(cfg, P, rst)
     got = FC.dequantize(cfg, P, fs)
-    n_sink, n, _ = RC._counts(cfg, fs.length)
+    n_sink, n, _ = RC.counts(cfg, fs.length)
     hist = slice(n_sink, n_sink + n * cfg.buffer)
     hat = None
     for l in range(L):

@@ -155,3 +155,50 @@ def test_the_shared_fast_logic_is_a_named_layer():
         mod = importlib.import_module(f"kvq.fast.caches.{name}")
         assert (mod.__doc__ or "").strip(), f"kvq.fast.caches.{name} has no docstring"
         assert f"``{name}``" in caches.__doc__, f"kvq.fast.caches' docstring does not list {name}"
+
+
+def _kvq_module_aliases(path: pathlib.Path, tree, modules: dict) -> dict:
+    """alias -> kvq module name, for every ``import kvq.x as a`` / ``from kvq.x import y [as a]`` (y a module)
+    of a module of kvq (relative imports resolved)."""
+    root = pathlib.Path(F.__file__).parents[1]
+    cur = ".".join(path.relative_to(root.parent).with_suffix("").parts)
+    pkg = cur.split(".")[:-1] if path.name != "__init__.py" else cur.split(".")[:-1]
+    out = {}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom):
+            base = n.module or ""
+            if n.level:
+                up = pkg[: len(pkg) - (n.level - 1)]
+                base = ".".join(up + ([n.module] if n.module else []))
+            for a in n.names:
+                if f"{base}.{a.name}" in modules:
+                    out[a.asname or a.name] = f"{base}.{a.name}"
+        elif isinstance(n, ast.Import):
+            for a in n.names:
+                if a.asname and a.name in modules:
+                    out[a.asname] = a.name
+    return out
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    """Issue 38: a module of kvq uses another module's public names only: no ``other._helper`` on an imported
+    kvq module, no ``from kvq.x import _helper``. (A private module of a backend, such as
+    ``kvq.fast.cupy._loader``, may be imported by its own backend; what it offers is public.)"""
+    root = pathlib.Path(F.__file__).parents[1]
+    paths = sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts)
+    modules = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p for p in paths}
+    found = []
+    for path in paths:
+        tree = ast.parse(path.read_text())
+        aliases = _kvq_module_aliases(path, tree, modules)
+        me = ".".join(path.relative_to(root.parent).with_suffix("").parts)
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in aliases:
+                if n.attr.startswith("_") and not n.attr.startswith("__") and aliases[n.value.id] != me:
+                    found.append(f"{path.relative_to(root.parent)}:{n.lineno}: {n.value.id}.{n.attr}")
+            elif isinstance(n, ast.ImportFrom) and (n.level or (n.module or "").startswith("kvq")):
+                for a in n.names:
+                    if a.name.startswith("_") and not a.name.startswith("__") and \
+                            not any(k.endswith(f".{a.name}") for k in modules):
+                        found.append(f"{path.relative_to(root.parent)}:{n.lineno}: from {n.module} import {a.name}")
+    assert not found, "private names used across modules:\n  " + "\n  ".join(found)

@@ -303,10 +303,10 @@ def encode(ops, cfg, P, l: int, K, V, K_prev_hat=None, V_prev_hat=None):
         K_prev_hat = _prev_hat(K_prev_hat, "K_prev_hat", l, K.shape, K.device, allow, True)
     if l and cfg.predict_values and P.f_value[l] is not None:
         V_prev_hat = _prev_hat(V_prev_hat, "V_prev_hat", l, K.shape, K.device, allow, True)
-    return _encode(ops, cfg, P, l, K.float(), V.float(), K_prev_hat, V_prev_hat)
+    return encode_checked(ops, cfg, P, l, K.float(), V.float(), K_prev_hat, V_prev_hat)
 
 
-def _encode(ops, cfg, P, l: int, K, V, K_prev_hat=None, V_prev_hat=None):
+def encode_checked(ops, cfg, P, l: int, K, V, K_prev_hat=None, V_prev_hat=None):
     """:func:`encode` on checked fp32 arguments (the cache calls it for every chunk)."""
     F = K.shape[-1]
     if l == 0:
@@ -314,8 +314,8 @@ def _encode(ops, cfg, P, l: int, K, V, K_prev_hat=None, V_prev_hat=None):
         Vq = _encode_codes(ops, cfg.first_layer, V, "V of layer 0")
         return Kq, Vq, reconstruct(ops, cfg.first_layer, Kq, F), reconstruct(ops, cfg.first_layer, Vq, F)
     fk, fv = _layer_predictors(cfg, P, l, K.device, K_prev_hat, V_prev_hat)
-    Kq, K_hat = _encode_one(ops, cfg.backbone, K, fk, [K_prev_hat], RA._what("K", l, fk, "f_key"))
-    Vq, V_hat = _encode_one(ops, cfg.backbone, V, fv, [V_prev_hat, K_hat], RA._what("V", l, fv, "f_value"))
+    Kq, K_hat = _encode_one(ops, cfg.backbone, K, fk, [K_prev_hat], RA.residual_label("K", l, fk, "f_key"))
+    Vq, V_hat = _encode_one(ops, cfg.backbone, V, fv, [V_prev_hat, K_hat], RA.residual_label("V", l, fv, "f_value"))
     return Kq, Vq, K_hat, V_hat
 
 
@@ -348,10 +348,10 @@ def decode(ops, cfg, P, l: int, Kq: dict, Vq: dict, F: int, K_prev_hat=None, V_p
             K_prev_hat = _prev_hat(K_prev_hat, "K_prev_hat", l, lead + (F,), device, allow, False)
         if cfg.predict_values and P.f_value[l] is not None:
             V_prev_hat = _prev_hat(V_prev_hat, "V_prev_hat", l, lead + (F,), device, allow, False)
-    return _decode(ops, cfg, P, l, Kq, Vq, F, K_prev_hat, V_prev_hat)
+    return decode_checked(ops, cfg, P, l, Kq, Vq, F, K_prev_hat, V_prev_hat)
 
 
-def _decode(ops, cfg, P, l: int, Kq: dict, Vq: dict, F: int, K_prev_hat=None, V_prev_hat=None):
+def decode_checked(ops, cfg, P, l: int, Kq: dict, Vq: dict, F: int, K_prev_hat=None, V_prev_hat=None):
     """:func:`decode` on checked arguments (the cache calls it for every layer)."""
     if l == 0:
         return reconstruct(ops, cfg.first_layer, Kq, F), reconstruct(ops, cfg.first_layer, Vq, F)

@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from kvq.fast import common as C
-from kvq.fast.caches.aqua import _decode, _encode, check_backbone, to_tokens
-from kvq.fast.caches.oscar import _dtype_name
+from kvq.fast.caches.aqua import decode_checked, encode_checked, check_backbone, to_tokens
+from kvq.fast.caches.oscar import dtype_name
 from kvq.reference import aqua_cache as RAC
 from kvq.reference import state as RS
 from kvq.reference.aqua import AquaConfig
@@ -161,7 +161,7 @@ def _check_append(ops, cfg, P, st: AquaTensorState, K, V):
     for name, x in (("K", K), ("V", V)):
         C.check_tensor(x, name, allow_cpu=ops.allow_cpu())
         if x.dtype not in (torch.float16, torch.float32):
-            raise TypeError(f"{name} has dtype {_dtype_name(x.dtype)}; append takes float16 or float32")
+            raise TypeError(f"{name} has dtype {dtype_name(x.dtype)}; append takes float16 or float32")
         if x.dim() != 5 or tuple(x.shape[:3]) != (L, B, H) or x.shape[4] != D:
             raise ValueError(f"{name} has shape {tuple(x.shape)}; this cache takes (L={L}, B={B}, H_kv={H}, "
                              f"T_new, D={D})")
@@ -191,7 +191,7 @@ def _encode_chunk(ops, cfg, P, st: AquaTensorState, k16, v16, c: int) -> list:
         k = k16[l].float()
         if cfg.pre_rope:
             k = _rope(k, cos, sin, inverse=True)
-        Kq, Vq, K_hat, V_hat = _encode(ops, cfg, P, l, to_tokens(k), to_tokens(v16[l].float()), K_hat, V_hat)
+        Kq, Vq, K_hat, V_hat = encode_checked(ops, cfg, P, l, to_tokens(k), to_tokens(v16[l].float()), K_hat, V_hat)
         out.append((Kq, Vq))
     return out
 
@@ -205,7 +205,7 @@ def append(ops, cfg, P, state: AquaTensorState, K, V) -> AquaTensorState:
     n, T0 = K16.shape[3], st.length
     if n == 0:
         return st
-    _, c0, b0 = RAC._counts(cfg, T0)
+    _, c0, b0 = RAC.counts(cfg, T0)
     s = max(0, min(S - T0, n))                                       # new tokens that go to the sink
     m = b0 + n - s                                                   # post-sink tokens not in a chunk yet
     full = m // R
@@ -267,7 +267,7 @@ def decode_layer(ops, cfg, P, st: AquaTensorState, l: int, prev=None) -> tuple:
     L, B, H, D = st.shape
     l = _check_layer(l, L)
     F = H * D
-    _, n, _ = RAC._counts(cfg, st.length)
+    _, n, _ = RAC.counts(cfg, st.length)
     if n == 0:
         return tuple(torch.zeros((B, 0, F), dtype=torch.float32, device=st.device) for _ in range(2))
     if l and prev is None:
@@ -278,13 +278,13 @@ def decode_layer(ops, cfg, P, st: AquaTensorState, l: int, prev=None) -> tuple:
         if len(prev) != 2 or any(tuple(p.shape) != want for p in prev):
             raise ValueError(f"prev must be layer {l - 1}'s (K_hat, V_hat), each of shape {want}")
     Kq, Vq = _layer_codes(st, l, n)
-    return _decode(ops, cfg, P, l, Kq, Vq, F, *(prev if l else (None, None)))
+    return decode_checked(ops, cfg, P, l, Kq, Vq, F, *(prev if l else (None, None)))
 
 
 def segments(cfg, st: AquaTensorState, l: int, hat) -> list:
     """Layer l's cache as three (K, V) fp32 segments (B, H, T_i, D), keys post-RoPE: sink, history, buffer."""
     L, B, H, D = st.shape
-    n_sink, n, n_buf = RAC._counts(cfg, st.length)
+    n_sink, n, n_buf = RAC.counts(cfg, st.length)
     K_hat, V_hat = hat
     k = K_hat.reshape(B, -1, H, D).transpose(1, 2)                          # (B, H, n * R, D), a view
     if cfg.pre_rope and k.shape[2]:
@@ -315,7 +315,7 @@ def decode_attention(ops, cfg, P, st: AquaTensorState, l: int, q, hat=None, *, s
     l = _check_layer(l, L)
     if hat is None:
         hat = decode_layer(ops, cfg, P, st, l)
-    want = (B, RAC._counts(cfg, st.length)[1] * cfg.buffer, H * D)
+    want = (B, RAC.counts(cfg, st.length)[1] * cfg.buffer, H * D)
     if len(hat) != 2 or any(tuple(h.shape) != want for h in hat):
         raise ValueError(f"hat must be layer {l}'s (K_hat, V_hat) from decode_layer, each of shape {want}")
     out, lse = ops.attention.decode_attention(q.float(), segments(cfg, st, l, hat), scale=scale)

@@ -18,11 +18,11 @@ from kvq.reference.higgs import HiggsConfig
 _TORCH_INDEX = {np.dtype(np.uint8): torch.uint8, np.dtype(np.uint16): torch.uint16,
                 np.dtype(np.uint32): torch.uint32}
 #: index dtype -> (the signed container the kernels write / read, its bits)
-_CONTAINER = {torch.uint8: (torch.uint8, 8), torch.uint16: (torch.int16, 16), torch.uint32: (torch.int32, 32)}
+CONTAINER = {torch.uint8: (torch.uint8, 8), torch.uint16: (torch.int16, 16), torch.uint32: (torch.int32, 32)}
 _GRIDS: dict = {}
 
 
-def _grid_tensor(cfg: HiggsConfig, device) -> torch.Tensor:
+def grid_tensor(cfg: HiggsConfig, device) -> torch.Tensor:
     """The config's (n, d) fp32 grid on ``device`` (shipped grids cached per device)."""
     device = torch.device(device)
     if cfg.grid is not None:
@@ -47,7 +47,7 @@ def index_dtype(n: int) -> torch.dtype:
     return _TORCH_INDEX[RG.index_dtype(n)]
 
 
-def _check_scale(x: torch.Tensor, scale: torch.Tensor, meta: str) -> None:
+def check_scale(x: torch.Tensor, scale: torch.Tensor, meta: str) -> None:
     """After the quantize kernel: a non-finite scale means NaN / inf input, or a metadata overflow."""
     if not C.validation_enabled() or bool(torch.isfinite(scale).all()):
         return
@@ -57,7 +57,7 @@ def _check_scale(x: torch.Tensor, scale: torch.Tensor, meta: str) -> None:
 
 
 def _idx_max(idx: torch.Tensor) -> int:
-    cont, bits = _CONTAINER[idx.dtype]
+    cont, bits = CONTAINER[idx.dtype]
     w = idx.view(cont).to(torch.int64)
     if bits < 64:
         w = w & ((1 << bits) - 1)

@@ -62,7 +62,7 @@ class OscarOps:
     fused_append: ModuleType | None = None
     #: ``rotate_heads(x, R, out_dtype) -> x R`` for the query-side tensors (q, and the output rotated
     #: back; R: the calibration's fp32 values): float64 sums rounded to fp32, then to out_dtype, in one launch
-    #: (``kvq.fast.cupy.oscar_decode.rotate_heads``); None: :func:`_rotate_heads` (torch float64 matmul)
+    #: (``kvq.fast.cupy.oscar_decode.rotate_heads``); None: :func:`rotate_query_heads` (torch float64 matmul)
     rotate_heads: Callable | None = None
 
 
@@ -159,7 +159,7 @@ def _rotate16(ops, x, R: torch.Tensor, name: str) -> torch.Tensor:
     return y
 
 
-def _dtype_name(dt: torch.dtype) -> str:
+def dtype_name(dt: torch.dtype) -> str:
     return str(dt).replace("torch.", "")
 
 
@@ -393,7 +393,7 @@ def dequantize(ops: "OscarOps", cfg, calib, state: OSCARTensorState, *, rotated:
 
 def decode_attention(ops: "OscarOps", cfg, calib, state: OSCARTensorState, q, *, scale=None,
                      rotate_back: bool = True):
-    """q rotated by R_K (``ops.rotate_heads``, or ``_rotate_heads``); the backend's fused decode over the
+    """q rotated by R_K (``ops.rotate_heads``, or ``rotate_query_heads``); the backend's fused decode over the
     packed pages and the FP16 segment, or (without one) the three segments, history dequantized to fp32,
     attended by its FP16-baseline kernel in fp32; the output rotated back by R_V^T unless
     ``rotate_back=False``."""
@@ -405,7 +405,7 @@ def decode_attention(ops: "OscarOps", cfg, calib, state: OSCARTensorState, q, *,
     # the backend's rotation takes the fp32 calibration as it is (half the bytes; sums in float64), the
     # torch fallback a float64 copy
     rdt = torch.float32 if ops.rotate_heads is not None else torch.float64
-    rot = ops.rotate_heads or (lambda x, R, dt: _rotate_heads(x, R).to(dt))
+    rot = ops.rotate_heads or (lambda x, R, dt: rotate_query_heads(x, R).to(dt))
     qr = rot(q, _rot(calib.R_K, dev, dtype=rdt), torch.float32)                # (B, H_q, T_q, D) fp32
     R_out = _rot(calib.R_V, dev, True, rdt) if rotate_back else None           # R_V^T
     if ops.fused_decode is not None:
@@ -415,7 +415,7 @@ def decode_attention(ops: "OscarOps", cfg, calib, state: OSCARTensorState, q, *,
     return (out.to(q.dtype) if R_out is None else rot(out, R_out, q.dtype)), lse
 
 
-def _rotate_heads(x: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
+def rotate_query_heads(x: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
     """fp32(x R) for a query-side tensor x (B, H_q, T, D): head h times the R of KV head h // (H_q / H_kv)
     (R: (D, D) or (H_kv, D, D)), as one batched float64 matmul. The query and the output are a few rows,
     so unlike the cache (whose rotation must give the reference's bits: the fixed-order kernel) they

@@ -19,7 +19,7 @@ import torch
 
 from kvq.fast.caches import aqua as _A
 from kvq.fast.caches.aqua import from_tokens, to_tokens  # noqa: F401  (layout helpers, shared)
-from kvq.fast.caches.higgs import _CONTAINER, _grid_tensor
+from kvq.fast.caches.higgs import CONTAINER, grid_tensor
 from kvq.reference.aqua import (AquaConfig, AquaPredictors, Higgs, KeepFP16,  # noqa: F401
                                 Predictor, Uniform)                           # (the reference's objects)
 
@@ -58,14 +58,14 @@ def reconstruct(backbone, codes: dict, F: int, y=None, bias=None) -> torch.Tenso
     if isinstance(backbone, Higgs):
         cfg = backbone.cfg
         g, d = cfg.group_size, cfg.d
-        HG._check_group(g)
-        HG._check_d(d)
+        HG.check_group(g)
+        HG.check_d(d)
         NG = cfg.n_groups(F)
         NGR = rows * NG
-        cont, bits = _CONTAINER[codes["idx"].dtype]
+        cont, bits = CONTAINER[codes["idx"].dtype]
         sc = codes["scale"]
-        L.run(L.kernel(_SRC, f"aqua_higgs<{bits}>"), (-(-NGR // HG._rows_per_block(g)),), (_NT,),
-              (codes["idx"].view(cont), sc, _grid_tensor(cfg, dev), yy, bb, out, np.int64(NGR), np.int64(F),
+        L.run(L.kernel(_SRC, f"aqua_higgs<{bits}>"), (-(-NGR // HG.groups_per_block(g)),), (_NT,),
+              (codes["idx"].view(cont), sc, grid_tensor(cfg, dev), yy, bb, out, np.int64(NGR), np.int64(F),
                np.int64(NG), np.float32(fwht_scale(g)), np.int32(cfg.n), np.int32(g.bit_length() - 1),
                np.int32(d.bit_length() - 1), np.int32(sc.dtype == torch.float16), np.int32(has)), dev)
         return out

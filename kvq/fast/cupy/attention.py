@@ -48,7 +48,7 @@ def _check_d(D: int, dtype: torch.dtype) -> None:
                          f"kvq.reference.attention for others")
 
 
-def _splits(T: int, blocks_per_split: int, tile: int, sms: int, tiles_per_warp: int = 2):
+def split_sizes(T: int, blocks_per_split: int, tile: int, sms: int, tiles_per_warp: int = 2):
     """(keys per split, number of splits): >= 4 blocks per SM in all, <= _MAX_CHUNK keys per split, and
     at least ``tiles_per_warp`` tiles of keys per warp (2 for a kernel on its own; the decode tails that
     run beside a fused kernel take 1: their latency, not their efficiency, counts); keys per split a
@@ -71,7 +71,7 @@ def _kv_operand(t: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _split_kernel(dt: int, D: int, QT: int, nw: int, qdt: int | None = None, precise: bool = False,
+def split_kernel(dt: int, D: int, QT: int, nw: int, qdt: int | None = None, precise: bool = False,
                   sums: int | None = None):
     """attn_split for these template values; with ``qdt`` (the queries' dtype code, when it is not the
     keys'): attention.cu's PRECISE = ``precise`` (double accumulators, natural units; else float
@@ -111,7 +111,7 @@ def _merge_geometry(rows: int, S: int, D: int) -> tuple:
     return ndl, wpr, (blocks, -(-D // (32 * ndl)))
 
 
-def _merge_launch(o_part, lse_part, out, lse, rows: int, S: int, D: int) -> None:
+def merge_launch(o_part, lse_part, out, lse, rows: int, S: int, D: int) -> None:
     """o_part (S, rows, D) fp32, lse_part (S, rows) fp32 -> out (rows, D) in out's dtype, lse (rows,):
     attention.cu attn_merge, blocks of 4 warps, ``merge_warps_per_row(S)`` warps per row, lane l holding
     dims 32 i + l of the block's 32 x ``L.merge_dims_per_lane(D)`` dims (more blocks along the grid's y for
@@ -123,7 +123,7 @@ def _merge_launch(o_part, lse_part, out, lse, rows: int, S: int, D: int) -> None
 
 
 def merge_prepared(rows: int, S: int, D: int, out_dtype: torch.dtype, slots: tuple) -> "L.Prepared":
-    """:func:`_merge_launch` planned once: a ``_loader.Prepared`` attn_merge whose (o_part, lse_part, out,
+    """:func:`merge_launch` planned once: a ``_loader.Prepared`` attn_merge whose (o_part, lse_part, out,
     lse) are the ``slots`` (four ``_loader.Slot`` of the caller's per-call values)."""
     ndl, wpr, grid = _merge_geometry(rows, S, D)
     fn = L.kernel(_SRC, f"attn_merge<{L.DT[out_dtype]}, {ndl}>")
@@ -183,7 +183,7 @@ def decode_attention(q, segments, *, scale=None):
     o_part = torch.empty((S, B, H_q, T_q, D), dtype=torch.float32, device=dev)
     lse_part = torch.empty((S, B, H_q, T_q), dtype=torch.float32, device=dev)
     split_launch(q, plan, o_part, lse_part, sc)
-    _merge_launch(o_part, lse_part, out, lse, rows, S, D)
+    merge_launch(o_part, lse_part, out, lse, rows, S, D)
     return out, lse
 
 
@@ -203,7 +203,7 @@ def split_plan(q, segments, s0: int = 0):
         T = k.shape[2]
         if T == 0:
             continue
-        chunk, n = _splits(T, B * H_kv * qtiles, 32 * nw, sms)
+        chunk, n = split_sizes(T, B * H_kv * qtiles, 32 * nw, sms)
         plan.append((k, v, T, chunk, n, S))
         S += n
     return plan, S
@@ -225,7 +225,7 @@ def split_launch(q, plan, o_part, lse_part, sc: float, stream: int | None = None
     if mixed and not (q.dtype == torch.float32 and plan[0][0].dtype == torch.float16):
         raise ValueError(f"split_launch takes segments in q's dtype or fp16 segments for fp32 q; got q "
                          f"{q.dtype}, segments {plan[0][0].dtype}")
-    fn = _split_kernel(dt, D, QT, nw, L.DT[torch.float32], precise=True) if mixed else _split_kernel(dt, D, QT, nw)
+    fn = split_kernel(dt, D, QT, nw, L.DT[torch.float32], precise=True) if mixed else split_kernel(dt, D, QT, nw)
     qk_scale = np.float32(sc if q.dtype == torch.float32 else sc * LOG2E)     # attn_split: fp32 in natural units
     for k, v, T, chunk, n, s0 in plan:
         kk, vv = _kv_operand(k), _kv_operand(v)
@@ -267,5 +267,5 @@ def merge(partials):
         return out, lse
     o_part = torch.stack([o.reshape(rows, D).float() for o in os_]).contiguous()       # (S, rows, D)
     lse_part = torch.stack([ls.reshape(rows).float() for ls in lses]).contiguous()     # (S, rows)
-    _merge_launch(o_part, lse_part, out, lse, rows, len(os_), D)
+    merge_launch(o_part, lse_part, out, lse, rows, len(os_), D)
     return out, lse

@@ -114,5 +114,5 @@ def decode(cfg, st, q, *, scale=None):
         A.split_launch(q32, tail, o_part, lse_part, sc)
     out = torch.empty((B, H_q, T_q, D), dtype=q.dtype, device=dev)
     lse = torch.empty((B, H_q, T_q), dtype=torch.float32, device=dev)
-    A._merge_launch(o_part, lse_part, out, lse, rows, S, D)
+    A.merge_launch(o_part, lse_part, out, lse, rows, S, D)
     return out, lse

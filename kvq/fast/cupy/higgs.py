@@ -38,18 +38,18 @@ _MAXR = 256             # token groups per block at most (MAXR in higgs.cu)
 _MAXD = 16              # the largest vector dimension d (MAXD in higgs.cu)
 
 
-def _rows_per_block(g: int) -> int:
+def groups_per_block(g: int) -> int:
     """Token groups per block: rows_per_block in higgs.cu."""
     return min(_MAXR, _TILE // g)
 
 
-def _check_group(g: int) -> None:
+def check_group(g: int) -> None:
     if g > _TILE:
         raise ValueError(f"group_size={g}: the CuPy HIGGS kernels keep a group in shared memory, "
                          f"at most {_TILE} values (use the Triton backend for longer groups)")
 
 
-def _check_d(d: int) -> None:
+def check_d(d: int) -> None:
     if d > _MAXD:
         raise ValueError(f"d={d}: the CuPy HIGGS kernels search grids of vectors of at most {_MAXD} values")
 
@@ -84,14 +84,14 @@ def group_sum_of_squares(xg) -> torch.Tensor:
         raise ValueError(f"xg has shape {tuple(xg.shape)}; the halving tree needs a power-of-two last axis "
                          f"(zero-pad each group to the next power of two, as quantize does)")
     g = xg.shape[-1]
-    _check_group(g)
+    check_group(g)
     x = xg.contiguous()
     out = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     R = out.numel()
     if R == 0:
         return out
     fn = L.kernel(_SRC, f"higgs_ss<{L.DT[x.dtype]}>")
-    L.run(fn, (-(-R // _rows_per_block(g)),), (_NT,), (x, out, np.int64(R), np.int32(g.bit_length() - 1)),
+    L.run(fn, (-(-R // groups_per_block(g)),), (_NT,), (x, out, np.int64(R), np.int32(g.bit_length() - 1)),
           x.device)
     return out
 
@@ -111,7 +111,7 @@ def nearest(v, grid) -> torch.Tensor:
         raise ValueError(f"v {tuple(v.shape)} and grid {tuple(g.shape)}: need v (..., d) and grid (n, d) "
                          f"with n >= 1")
     D = int(g.shape[1])
-    _check_d(D)
+    check_d(D)
     g = g.to(v.device).contiguous()
     x = v.contiguous()
     out = torch.empty(x.shape[:-1], dtype=torch.int64, device=x.device)
@@ -139,25 +139,25 @@ def quantize(cfg: HiggsConfig, x):
     if x.dim() == 0 or x.numel() == 0:
         raise ValueError(f"x is empty or a scalar (shape {tuple(x.shape)}); HIGGS quantizes (..., F) vectors")
     g, d = cfg.group_size, cfg.d
-    _check_group(g)
-    _check_d(d)
+    check_group(g)
+    check_d(d)
     F = x.shape[-1]
     n_g = cfg.n_groups(F)
     lead = tuple(x.shape[:-1])
     meta = nx.dtype_name(cfg.meta_dtype)
     itype = index_dtype(cfg.n)
-    cont, bits = TG._CONTAINER[itype]
+    cont, bits = TG.CONTAINER[itype]
     xc = x.contiguous()
     idx = torch.empty(lead + (n_g, g // d), dtype=cont, device=x.device)
     scale = torch.empty(lead + (n_g,), dtype=C.torch_dtype(meta), device=x.device)
     NGR = scale.numel()
-    grid = TG._grid_tensor(cfg, x.device)
+    grid = TG.grid_tensor(cfg, x.device)
     fn = L.kernel(_SRC, f"higgs_quant<{L.DT[xc.dtype]}, {bits}>")
-    L.run(fn, (-(-NGR // _rows_per_block(g)),), (_NT,),
+    L.run(fn, (-(-NGR // groups_per_block(g)),), (_NT,),
           (xc, grid, idx, scale, np.int64(NGR), np.int64(F), np.int64(n_g), np.float32(fwht_scale(g)),
            np.int32(cfg.n), np.int32(g.bit_length() - 1), np.int32(d.bit_length() - 1),
            np.int32(scale.dtype == torch.float16)), x.device)
-    TG._check_scale(xc, scale, meta)
+    TG.check_scale(xc, scale, meta)
     return (idx if cont == itype else idx.view(itype)), scale
 
 
@@ -172,8 +172,8 @@ def dequantize(cfg: HiggsConfig, idx, scale, F: int, out_dtype=np.float32) -> to
     ``kvq.fast.validation`` is on; with it off the kernel clamps indices into the grid.
     """
     itype, out = TG.dequant_args(cfg, idx, scale, F, out_dtype)
-    _check_group(cfg.group_size)
-    _check_d(cfg.d)
+    check_group(cfg.group_size)
+    check_d(cfg.d)
     TG.check_idx_range(cfg, idx)
     g, d, n_g = cfg.group_size, cfg.d, cfg.n_groups(F)
     lead = tuple(idx.shape[:-2])
@@ -181,12 +181,12 @@ def dequantize(cfg: HiggsConfig, idx, scale, F: int, out_dtype=np.float32) -> to
     NGR = scale.numel()
     if NGR == 0 or F == 0:
         return o
-    cont, bits = TG._CONTAINER[itype]
+    cont, bits = TG.CONTAINER[itype]
     ic = idx.contiguous().view(cont)
     sc = scale.contiguous()
-    grid = TG._grid_tensor(cfg, idx.device)
+    grid = TG.grid_tensor(cfg, idx.device)
     fn = L.kernel(_SRC, f"higgs_dequant<{L.DT[out]}, {bits}>")
-    L.run(fn, (-(-NGR // _rows_per_block(g)),), (_NT,),
+    L.run(fn, (-(-NGR // groups_per_block(g)),), (_NT,),
           (ic, sc, grid, o, np.int64(NGR), np.int64(F), np.int64(n_g), np.float32(fwht_scale(g)),
            np.int32(cfg.n), np.int32(g.bit_length() - 1), np.int32(d.bit_length() - 1),
            np.int32(sc.dtype == torch.float16)), idx.device)

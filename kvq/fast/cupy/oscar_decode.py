@@ -126,7 +126,7 @@ def _plan(B, H, H_q, T_q, D, n_sink, n_win, n_pages, sms, slots, knobs) -> Plan:
     tqtiles = -(-M // tqt)
     tnw = L.attn_warps(L.DT[torch.float16], D)
     NT = n_sink + n_win
-    chunk, nt = A._splits(NT, B * H * tqtiles, 32 * tnw, sms, tiles_per_warp=1) if NT else (0, 0)
+    chunk, nt = A.split_sizes(NT, B * H * tqtiles, 32 * tnw, sms, tiles_per_warp=1) if NT else (0, 0)
     nw = PD.MMA_MAX_WARPS
     n_split = pps = 0
     if n_pages:
@@ -216,11 +216,11 @@ def decode(cfg, st, q_rot, *, scale=None, out_dtype=torch.float32, R_out=None, k
     if R3 is not None and not one_launch:
         # more rows: the redundant merges would read the partials D / 32 times over; merge, then rotate
         o32 = torch.empty((B, H_q, T_q, D), dtype=torch.float32, device=dev)
-        A._merge_launch(o_part, lse_part, o32, lse, rows, S_TOTAL, D)
+        A.merge_launch(o_part, lse_part, o32, lse, rows, S_TOTAL, D)
         return rotate_heads(o32, R3, out_dtype), lse
     out = torch.empty((B, H_q, T_q, D), dtype=out_dtype, device=dev)
     if R3 is None:
-        A._merge_launch(o_part, lse_part, out, lse, rows, S_TOTAL, D)
+        A.merge_launch(o_part, lse_part, out, lse, rows, S_TOTAL, D)
     else:
         # one wave of merge-rotate blocks (each merges its row again: free while the launch is latency-bound)
         L.run(L.kernel(_SRC, f"oscar_merge_rotate<{L.DT[out_dtype]}, {rt}>"), (rows, D // 32), (32, _ROT_SLICES),
@@ -249,7 +249,7 @@ def rotate_heads(x: torch.Tensor, R: torch.Tensor, out_dtype: torch.dtype = torc
     or float32 (D, D) or (H_R, D, D) on x's device; float32 is read as float64: the sums of its values
     in float64, half the bytes to read: the decode passes the fp32 calibration so), float64 sums rounded
     to fp32 and then to ``out_dtype``: one launch of ``rotate_heads_f64`` (the decode's q and output
-    rotations; the torch form is ``kvq.fast.caches.oscar._rotate_heads``, the same sums in a library order)."""
+    rotations; the torch form is ``kvq.fast.caches.oscar.rotate_query_heads``, the same sums in a library order)."""
     B, Hq, T, D = x.shape
     R3, rt = _heads_R(R, x)
     out = torch.empty((B, Hq, T, D), dtype=out_dtype, device=x.device)

@@ -21,7 +21,7 @@ from kvq.fast import common as C
 
 from . import _loader as L
 from . import quant as Q
-from .packing import _launch_pack
+from .packing import launch_pack
 
 __all__ = ["quantize_tokens"]
 
@@ -40,7 +40,7 @@ def _launch(x: torch.Tensor, clip, G: int, bits: int, meta: torch.dtype, per: in
     mn = torch.empty_like(scale)
     if R == 0:
         return q, scale, mn
-    bs = Q._pow2_ceil(D)
+    bs = Q.pow2_ceil(D)
     fn = L.kernel("oscar.cu", f"oscar_quant_rows<{L.DT[x.dtype]}>")
     L.run(fn, (L.grid_1d(R, 1),), (Q.sort_threads(bs),),
           (x, q, scale, mn, np.int64(R), np.int32(D), np.int32(G), np.int32(bs), np.int32(lo), np.int32(hi),
@@ -76,7 +76,7 @@ def quantize_tokens(x_rot, clip: float, group_size: int, bits: int = 2, meta_dty
         fused = per > 1 and G % per == 0
         q, scale, mn = Q.launch_quantize(xc, bits, G, axis, meta, False, bits if fused else 8)
         if per > 1 and not fused:
-            q = _launch_pack(q, bits, axis, unpack=False)
+            q = launch_pack(q, bits, axis, unpack=False)
     else:
         q, scale, mn = _launch(x, clip, G, bits, meta, per)
     C.check_meta(x, scale, mn)

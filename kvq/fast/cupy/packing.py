@@ -31,7 +31,7 @@ _SRC = "quant.cu"
 _THREADS = 256
 
 
-def _launch_pack(codes, bits: int, axis: int, unpack: bool):
+def launch_pack(codes, bits: int, axis: int, unpack: bool):
     """pack (codes -> bytes) or unpack (bytes -> codes) along ``axis``; one byte per thread."""
     src = codes.contiguous()
     outer, n, inner = C.axis_view(tuple(src.shape), axis)
@@ -67,7 +67,7 @@ def pack(codes, bits: int, axis: int = -1):
         top = int(codes.max())
         if top >= 2 ** bits:
             raise ValueError(f"codes contain {top}, out of range for {bits} bits (max {2 ** bits - 1})")
-    return _launch_pack(codes, bits, axis, unpack=False)
+    return launch_pack(codes, bits, axis, unpack=False)
 
 
 def unpack(packed, bits: int, axis: int = -1):
@@ -78,7 +78,7 @@ def unpack(packed, bits: int, axis: int = -1):
     bits = check_pack_bits(bits)
     C.check_codes(packed, "packed")
     axis = nx.normalize_axis(axis, packed.dim())
-    return _launch_pack(packed, bits, axis, unpack=True)
+    return launch_pack(packed, bits, axis, unpack=True)
 
 
 def quantize_pack(x, bits: int, group_size, axis: int = -1, meta_dtype=np.float16, *, symmetric: bool = False):
@@ -116,5 +116,5 @@ def unpack_dequantize(packed, scale, mn, bits: int, group_size, axis: int = -1, 
     C.check_meta_shapes(tuple(codes_shape), scale, mn, G, axis)
     odt = Q.out_dtype_of(out_dtype)
     if G % per:
-        return Q.launch_dequantize(_launch_pack(packed, bits, axis, unpack=True), scale, mn, G, axis, odt, 8)
+        return Q.launch_dequantize(launch_pack(packed, bits, axis, unpack=True), scale, mn, G, axis, odt, 8)
     return Q.launch_dequantize(packed, scale, mn, G, axis, odt, bits)

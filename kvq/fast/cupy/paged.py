@@ -528,7 +528,7 @@ def _decode_plan(cfg, shape, T, q_dtype, H_q, T_q, dev_index, k_bits, kitty, db,
     # query tiles of each kind's kernel: attention.cu's QT rows, paged_tail_mma's 8
     qtiles_of = {"mma": -(-M // 8), "mixed_mma": -(-M // 8)}
     # (kind, rows, first tail row or skipped rows, warps per block, keys per split, splits)
-    parts = [(kind, rows, u, nw_t, *A._splits(rows, B * H * qtiles_of.get(kind, tqtiles), 32 * nw_t, sms,
+    parts = [(kind, rows, u, nw_t, *A.split_sizes(rows, B * H * qtiles_of.get(kind, tqtiles), 32 * nw_t, sms,
                                               knobs.tail_tiles))
              for kind, rows, u in parts if rows > 0 for nw_t in (tail_warps(kind),)]
     nt = sum(p[-1] for p in parts)
@@ -549,8 +549,8 @@ def _decode_plan(cfg, shape, T, q_dtype, H_q, T_q, dev_index, k_bits, kitty, db,
         side = None if side_obj is None else side_obj.cuda_stream
         grid = (n * qtiles_of.get(kind, tqtiles), H, B)
         if kind == "gather":
-            fn_t = (A._split_kernel(L.DT[torch.float32], D, tqt, nw_t) if precise else
-                    A._split_kernel(L.DT[torch.float32], D, tqt, nw_t, L.DT[q_dtype], sums=sums))
+            fn_t = (A.split_kernel(L.DT[torch.float32], D, tqt, nw_t) if precise else
+                    A.split_kernel(L.DT[torch.float32], D, tqt, nw_t, L.DT[q_dtype], sums=sums))
             tail.append((side, _Gather(NF, fn_t, grid, 32 * nw_t, side_obj, (B, H_q, H, T_q),
                                        (n_rows, chunk, n, split0), precise)))
             split0 += n

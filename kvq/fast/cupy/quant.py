@@ -37,7 +37,7 @@ _R = 4                  # cols kernels: tokens per chunk (R in quant.cu)
 MAX_SORT = 4096         # longest row sorted by one block (OSCAR_MAX_SORT in oscar.cu); longer: torch.sort
 
 
-def _pow2_ceil(v: int) -> int:
+def pow2_ceil(v: int) -> int:
     return 1 << max(0, int(v) - 1).bit_length()
 
 
@@ -45,8 +45,8 @@ def _team_log2(nchunks: int, cached: int) -> int:
     """log2 of the lanes sharing one group in a rows kernel: enough that each lane's chunks fit its
     ``cached`` registers, at least 4 (64 contiguous bytes per access) when the group has that many
     chunks, at most a warp."""
-    ts = _pow2_ceil(-(-nchunks // cached))
-    ts = max(ts, min(4, _pow2_ceil(nchunks)))
+    ts = pow2_ceil(-(-nchunks // cached))
+    ts = max(ts, min(4, pow2_ceil(nchunks)))
     return min(ts, 32).bit_length() - 1
 
 
@@ -198,7 +198,7 @@ def launch_quantile_rows(x: torch.Tensor, n: int, rho, clip: bool):
             y = torch.where((xf > -t) | torch.isnan(xf), xf, -t)
             out.copy_(torch.where((y < t) | torch.isnan(y), y, t).reshape(x.shape))
         return tau, out
-    bs = _pow2_ceil(n)
+    bs = pow2_ceil(n)
     fn = L.kernel("oscar.cu", f"quantile_rows<{L.DT[x.dtype]}>")
     L.run(fn, (L.grid_1d(rows, 1),), (sort_threads(bs),),
           (x, tau, out if clip else tau, np.int64(rows), np.int32(n), np.int32(bs), np.int32(lo), np.int32(hi),

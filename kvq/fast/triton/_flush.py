@@ -32,7 +32,7 @@ import triton.language as tl
 from kvq.fast import common as C
 from kvq.fast.caches.codecs import check_key_flush, check_value_evict, key_flush_operands
 
-from .quant import _codes, _fast_ok, _load_f32, _meta
+from .quant import group_codes, fast_ok, load_f32, group_meta
 
 __all__ = ["flush_key_pages", "evict_values"]
 
@@ -62,14 +62,14 @@ def _key_flush_kernel(x_ptr, low_ptr, high_ptr, idx_ptr, s_ptr, m_ptr, sx_b, sx_
     dvalid = dd < D
     m = (j3 < NJ) & (d3 < D)
     base = b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h + jp.to(tl.int64) * G * D
-    x = _load_f32(x_ptr + base + (j3 * PER + k3) * D + d3, m, False)
+    x = load_f32(x_ptr + base + (j3 * PER + k3) * D + d3, m, False)
     # per channel over the page's tokens (rule 2; nz: NaN where the channel holds a non-finite key;
     # padding channels: 0)
     lo = tl.where(dvalid, tl.min(tl.min(tl.where(m, x, float("inf")), axis=1), axis=0), 0.0)
     hi = tl.where(dvalid, tl.max(tl.max(tl.where(m, x, float("-inf")), axis=1), axis=0), 0.0)
     nz = tl.sum(tl.sum(x * 0.0, axis=1), axis=0)
-    sa_st, ma_st, sa, ma = _meta(lo, hi, nz, s_ptr, QMAX, 0.0, False)
-    ca = _codes(x, sa[None, None, :], ma[None, None, :], tl.div_rn(1.0, sa)[None, None, :], _fast_ok(sa, dvalid),
+    sa_st, ma_st, sa, ma = group_meta(lo, hi, nz, s_ptr, QMAX, 0.0, False)
+    ca = group_codes(x, sa[None, None, :], ma[None, None, :], tl.div_rn(1.0, sa)[None, None, :], fast_ok(sa, dvalid),
                 QMAX, 0.0, False, BITS, FASTDIV)
     ph = (first + pid).to(tl.int64) * H + h
     j2 = tl.arange(0, BLOCK_J)[:, None]
@@ -82,9 +82,9 @@ def _key_flush_kernel(x_ptr, low_ptr, high_ptr, idx_ptr, s_ptr, m_ptr, sx_b, sx_
         sc = tl.where(dvalid, sc, float("-inf"))
         before = (sc[None, :] > sc[:, None]) | ((sc[None, :] == sc[:, None]) & (dd[None, :] < dd[:, None]))
         boost = (tl.sum(before.to(tl.int32), axis=1) < DB) & dvalid
-        s4_st, m4_st, s4, m4 = _meta(lo, hi, nz, s_ptr, 15.0, 0.0, False)
-        c4 = _codes(x, s4[None, None, :], m4[None, None, :], tl.div_rn(1.0, s4)[None, None, :],
-                    _fast_ok(s4, dvalid), 15.0, 0.0, False, 4, FASTDIV)
+        s4_st, m4_st, s4, m4 = group_meta(lo, hi, nz, s_ptr, 15.0, 0.0, False)
+        c4 = group_codes(x, s4[None, None, :], m4[None, None, :], tl.div_rn(1.0, s4)[None, None, :],
+                    fast_ok(s4, dvalid), 15.0, 0.0, False, 4, FASTDIV)
         codes = tl.where(boost[None, None, :], c4 & 3, ca)
         s_out = tl.where(boost, s4_st, sa_st)
         m_out = tl.where(boost, m4_st, ma_st)
@@ -141,7 +141,7 @@ def _value_evict_kernel(x_ptr, c_ptr, s_ptr, m_ptr, tab_ptr, sx_b, sx_h, sx_t, q
     jj = tl.arange(0, BLOCK_J)
     c = jj[:, None] * PER + tl.arange(0, PER)[None, :]                     # (BLOCK_J, PER) channels
     m = c < D
-    x = _load_f32(x_ptr + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h + t.to(tl.int64) * sx_t + c, m, False)
+    x = load_f32(x_ptr + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h + t.to(tl.int64) * sx_t + c, m, False)
     gg = tl.arange(0, BLOCK_G)
     gvalid = gg < NGV
     gm = ((c // GV)[None, :, :] == gg[:, None, None]) & m[None, :, :]        # channel c in group g
@@ -149,12 +149,12 @@ def _value_evict_kernel(x_ptr, c_ptr, s_ptr, m_ptr, tab_ptr, sx_b, sx_h, sx_t, q
     lo = tl.where(gvalid, tl.min(tl.min(tl.where(gm, x3, float("inf")), axis=2), axis=1), 0.0)
     hi = tl.where(gvalid, tl.max(tl.max(tl.where(gm, x3, float("-inf")), axis=2), axis=1), 0.0)
     nz = tl.sum(tl.sum(tl.where(gm, x3 * 0.0, 0.0), axis=2), axis=1)
-    s_st, m_st, s32, m32 = _meta(lo, hi, nz, s_ptr, QMAX, 0.0, False)
+    s_st, m_st, s32, m32 = group_meta(lo, hi, nz, s_ptr, QMAX, 0.0, False)
     # each channel's group metadata: a sum with one nonzero term per channel (exact)
     se = tl.sum(tl.where(gm, s32[:, None, None], 0.0), axis=0)
     me = tl.sum(tl.where(gm, m32[:, None, None], 0.0), axis=0)
     re = tl.sum(tl.where(gm, tl.div_rn(1.0, s32)[:, None, None], 0.0), axis=0)
-    code = _codes(x, se, me, re, _fast_ok(s32, gvalid), QMAX, 0.0, False, BITS, FASTDIV)
+    code = group_codes(x, se, me, re, fast_ok(s32, gvalid), QMAX, 0.0, False, BITS, FASTDIV)
     byte = tl.sum(code << (tl.arange(0, PER)[None, :] * BITS), axis=1)      # (BLOCK_J,)
     q = q0 + t
     page = tl.load(tab_ptr + b.to(tl.int64) * n_tab + q // G).to(tl.int64)

@@ -27,21 +27,21 @@ import triton.language as tl
 from kvq.fast.caches import aqua as _A
 from kvq.fast import common as C
 from kvq.fast.caches.aqua import from_tokens, to_tokens  # noqa: F401  (layout helpers, shared)
-from kvq.fast.caches.higgs import _CONTAINER, _grid_tensor
+from kvq.fast.caches.higgs import CONTAINER, grid_tensor
 from kvq.reference.aqua import (AquaConfig, AquaPredictors, Higgs, KeepFP16,  # noqa: F401
                                 Predictor, Uniform)                           # (the reference's objects)
 
 from . import attention as A
 from . import higgs as HG
 from . import packing as PK
-from .quant import _unpack_last
+from .quant import unpack_last
 
 __all__ = ["Uniform", "Higgs", "KeepFP16", "AquaConfig", "Predictor", "AquaPredictors", "to_tokens",
            "from_tokens", "encode", "decode", "reconstruct"]
 
 
 # Fused AQUA-KV decode, HIGGS backbone: one program takes BLOCK_R token groups of G values.
-# Computes: x = fwht(grid[idx] * scale) (``higgs._decode_groups``: lookup, one rounded multiply, the
+# Computes: x = fwht(grid[idx] * scale) (``higgs.decode_groups``: lookup, one rounded multiply, the
 #   butterflies, one multiply by FS); if HAS_PRED, x = x + (y + bias) (two rounded adds, that order);
 #   fp32 out, the padding past F dropped.
 # Grid: (cdiv(rows * NG, BLOCK_R),). Bytes: reads rows*NG*G/D indices, rows*NG scales, the grid and
@@ -55,7 +55,7 @@ def _higgs_kernel(i_ptr, s_ptr, grid_ptr, y_ptr, b_ptr, o_ptr, NGR, F, NG, N, FS
     col = (gi % NG)[:, None] * G + tl.arange(0, G)[None, :]
     m = gm[:, None] & (col < F)
     offs = (gi // NG)[:, None] * F + col
-    x = HG._decode_groups(i_ptr, s_ptr, grid_ptr, gi, gm, N, FS, G, LOG2G, D, IDX_BITS, BLOCK_R)
+    x = HG.decode_groups(i_ptr, s_ptr, grid_ptr, gi, gm, N, FS, G, LOG2G, D, IDX_BITS, BLOCK_R)
     if HAS_PRED:
         x = x + (tl.load(y_ptr + offs, mask=m, other=0.0) + tl.load(b_ptr + col, mask=m, other=0.0))
     tl.store(o_ptr + offs, x, mask=m)
@@ -76,7 +76,7 @@ def _uniform_kernel(q_ptr, s_ptr, m_ptr, y_ptr, b_ptr, o_ptr, R, F, NGF, G,
     NJ = F // PER
     j = jb + tl.arange(0, BLOCK_J)[None, :]
     byte = tl.load(q_ptr + r * NJ + j, mask=(r < R) & (j < NJ), other=0).to(tl.int32)
-    code = _unpack_last(byte, BLOCK_R, BLOCK_J, PER, BITS)                  # (BLOCK_R, BLOCK_J * PER)
+    code = unpack_last(byte, BLOCK_R, BLOCK_J, PER, BITS)                  # (BLOCK_R, BLOCK_J * PER)
     e = jb * PER + tl.arange(0, BLOCK_J * PER)[None, :]
     m = (r < R) & (e < F)
     g = r * NGF + e // G
@@ -115,12 +115,12 @@ def reconstruct(backbone, codes: dict, F: int, y=None, bias=None) -> torch.Tenso
         g, d = cfg.group_size, cfg.d
         NG = cfg.n_groups(F)
         NGR = rows * NG
-        cont, bits = _CONTAINER[codes["idx"].dtype]
-        BR = HG._tile(NGR, g)
+        cont, bits = CONTAINER[codes["idx"].dtype]
+        BR = HG.row_tile(NGR, g)
         _higgs_kernel[(triton.cdiv(NGR, BR),)](
-            codes["idx"].view(cont), codes["scale"], _grid_tensor(cfg, dev), yy, bb, out, NGR, F, NG, cfg.n,
+            codes["idx"].view(cont), codes["scale"], grid_tensor(cfg, dev), yy, bb, out, NGR, F, NG, cfg.n,
             float(HG.fwht_scale(g)), G=g, LOG2G=g.bit_length() - 1, D=d, IDX_BITS=bits, HAS_PRED=has,
-            BLOCK_R=BR, num_warps=HG._warps(BR * g), enable_fp_fusion=False)
+            BLOCK_R=BR, num_warps=HG.warps(BR * g), enable_fp_fusion=False)
         return out
     G = F // codes["scale"].shape[-1]
     per = 8 // backbone.bits

@@ -29,7 +29,7 @@ from triton.language.extra import libdevice
 from kvq.fast import common as C
 from kvq.reference.attention import pairs_arg
 
-from .quant import _store_out
+from .quant import store_out
 
 __all__ = ["partial_attention", "merge", "decode_attention"]
 
@@ -86,7 +86,7 @@ def _tree_dot(q_ptrs, rmask, sq_d, k_rows, cmask, sk_d, LO: tl.constexpr, N: tl.
 
 
 @triton.jit
-def _softmax_step(s, m_i, l_i, PRECISE: tl.constexpr, LIBDEVICE: tl.constexpr, NAT2: tl.constexpr = False):
+def softmax_step(s, m_i, l_i, PRECISE: tl.constexpr, LIBDEVICE: tl.constexpr, NAT2: tl.constexpr = False):
     """One online-softmax step over a block of scores s (BLOCK_M, N) (masked keys at -inf): returns
     ``(m_new, alpha, p, l_new)``, alpha = exp(m_i - m_new) rescaling the running sums. PRECISE: natural
     units, accurate exp; NAT2: natural units, exp as exp2 of (s - m) log2(e) (the log2(e) rounding
@@ -106,7 +106,7 @@ def _softmax_step(s, m_i, l_i, PRECISE: tl.constexpr, LIBDEVICE: tl.constexpr, N
 
 
 @triton.jit
-def _query_rows(q_ptr, bh, mb, H_KV, sq_b, sq_h, sq_t, T_Q, M, G_Q: tl.constexpr, BLOCK_M: tl.constexpr):
+def query_rows(q_ptr, bh, mb, H_KV, sq_b, sq_h, sq_t, T_Q, M, G_Q: tl.constexpr, BLOCK_M: tl.constexpr):
     """The query rows of program (bh, mb): row m of kv head (b, hk) is query head hk * G_q + m // T_q,
     token m % T_q (GQA). Returns ``(b, hk, h, t, rmask, q_ptrs)``, q_ptrs (BLOCK_M, 1) at channel 0."""
     b = bh // H_KV
@@ -120,7 +120,7 @@ def _query_rows(q_ptr, bh, mb, H_KV, sq_b, sq_h, sq_t, T_Q, M, G_Q: tl.constexpr
 
 
 @triton.jit
-def _store_split(o_ptr, m_ptr, l_ptr, b, h, t, H_Q, T_Q, S_TOTAL, split, acc, m_i, l_i, rmask, cols,
+def store_split(o_ptr, m_ptr, l_ptr, b, h, t, H_Q, T_Q, S_TOTAL, split, acc, m_i, l_i, rmask, cols,
                  D: tl.constexpr):
     """Store one split's un-normalized (acc, m, l) at partial slot ``split`` of rows (b, h, t): o (rows,
     S_TOTAL, D) with acc's columns at channels ``cols``, m and l (rows, S_TOTAL)."""
@@ -151,7 +151,7 @@ def _attend_block(q, q_ptrs, rmask, sq_d, k_base, v_base, n0, end, sk_t, sk_d, s
         k = _ld(k_base + c64[:, None] * sk_t + d[None, :] * sk_d, cmask[:, None], BF16_BITS)
         s = tl.dot(q, tl.trans(k))
     s = tl.where(cmask[None, :], s * qk_scale, float("-inf"))
-    m_new, alpha, p, l_i = _softmax_step(s, m_i, l_i, PRECISE, LIBDEVICE)
+    m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, PRECISE, LIBDEVICE)
     v = _ld(v_base + c64[:, None] * sv_t + d[None, :] * sv_d, cmask[:, None], BF16_BITS)
     if PRECISE:
         pv = tl.dot(p, v, input_precision="ieee")
@@ -180,7 +180,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr,
     sp = tl.program_id(1)
     mb = tl.program_id(2)
     LIBDEVICE: tl.constexpr = TIGHT                    # TIGHT <=> compiled for the GPU
-    b, hk, h, t, rmask, q_ptrs = _query_rows(q_ptr, bh, mb, H_KV, sq_b, sq_h, sq_t, T_Q, M, G_Q, BLOCK_M)
+    b, hk, h, t, rmask, q_ptrs = query_rows(q_ptr, bh, mb, H_KV, sq_b, sq_h, sq_t, T_Q, M, G_Q, BLOCK_M)
     d = tl.arange(0, D)
     if PRECISE:
         q = tl.zeros((BLOCK_M, 16), tl.float32)        # unused: the precise path loads q in chunks
@@ -209,7 +209,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr,
     # store the split un-normalized: (acc, m, l). The merge weighs splits by exp(m_s - M), exact for
     # close maxima; going through lse_s = m_s + log(l_s) would round lse_s at its magnitude and cost
     # up to an ulp of |lse| in relative weight.
-    _store_split(o_ptr, m_ptr, l_ptr, b, h, t, H_Q, T_Q, S_TOTAL, SPLIT0 + sp, acc, m_i, l_i, rmask, d, D)
+    store_split(o_ptr, m_ptr, l_ptr, b, h, t, H_Q, T_Q, S_TOTAL, SPLIT0 + sp, acc, m_i, l_i, rmask, d, D)
 
 
 @triton.jit
@@ -278,7 +278,7 @@ def _merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, lse_out_ptr, S, D,
     den_safe = tl.where(empty, 1.0, den_t)
     res = tl.where(empty, 0.0, tl.div_rn(num, den_safe))
     d = tl.arange(0, BLOCK_D)
-    _store_out(out_ptr + row * D + d, res, d < D, OUT_KIND)
+    store_out(out_ptr + row * D + d, res, d < D, OUT_KIND)
     if LOG2:
         lse = M_safe * 0.6931471805599453 + _log(den_safe, LIBDEVICE)
     else:
@@ -293,7 +293,7 @@ _OUT_KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 # launch configuration
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4                                       # the interpreter: a few programs per KV head
     idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -327,7 +327,7 @@ def _splits(base_programs: int, T: int, block_n: int, min_keys: int, sms: int):
 # validation
 
 
-def _check_d(D: int):
+def check_d(D: int):
     if D < 16 or D > 256 or D & (D - 1):
         raise ValueError(f"head dim D={D} is not supported by the Triton decode kernel; it takes powers "
                          f"of two from 16 to 256 (use kvq.reference.attention for others)")
@@ -367,50 +367,50 @@ def decode_attention(q, segments, *, scale=None):
     for i, (k, _) in enumerate(segments):
         if k.shape[1] != H_kv:
             raise ValueError(f"segment {i}: has H_kv={k.shape[1]}, segment 0 has H_kv={H_kv}")
-    _check_d(D)
+    check_d(D)
     sc = C.softmax_scale(scale, D)
     dev = q.device
     out = torch.empty((B, H_q, T_q, D), dtype=q.dtype, device=dev)
     lse = torch.empty((B, H_q, T_q), dtype=torch.float32, device=dev)
     if out.numel() == 0:
         return out, lse
-    _, m_blocks = _row_blocks(H_q // H_kv, T_q)
-    plan, S = _plan(segments, B * H_kv * m_blocks, q.dtype, dev)
+    _, m_blocks = row_blocks(H_q // H_kv, T_q)
+    plan, S = split_plan(segments, B * H_kv * m_blocks, q.dtype, dev)
     if S == 0:
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
     rows = B * H_q * T_q
-    parts = _partials(rows, S, D, dev)
+    parts = partial_buffers(rows, S, D, dev)
     precise = q.dtype == torch.float32
     interp = C.interpreting()
     bits = interp and q.dtype == torch.bfloat16         # the interpreter computes bf16 dots on raw bits:
     precise = precise or bits                           # there bf16 is widened to fp32 in the kernel
-    _launch_partials(q, plan, parts, S, H_kv, sc, precise, bits)
-    _merge_launch(*parts, out, lse, rows, S, D, log2=not precise)
+    launch_partials(q, plan, parts, S, H_kv, sc, precise, bits)
+    merge_launch(*parts, out, lse, rows, S, D, log2=not precise)
     return out, lse
 
 
-def _row_blocks(G_q: int, T_q: int):
+def row_blocks(G_q: int, T_q: int):
     """``(BLOCK_M, blocks)``: the G_q * T_q query rows of a kv head in blocks of BLOCK_M (>= 16 for tl.dot)."""
     M = G_q * T_q
     BLOCK_M = max(16, min(triton.next_power_of_2(M), 64))
     return BLOCK_M, triton.cdiv(M, BLOCK_M)
 
 
-def _partials(rows: int, S: int, D: int, dev: torch.device):
+def partial_buffers(rows: int, S: int, D: int, dev: torch.device):
     """The partial buffers of S splits per row, one fp32 allocation: o (rows, S, D), m and l (rows, S)."""
     part = torch.empty(rows * S * (D + 2), dtype=torch.float32, device=dev)
     return (part[:rows * S * D].view(rows, S, D), part[rows * S * D:rows * S * (D + 1)].view(rows, S),
             part[rows * S * (D + 1):].view(rows, S))
 
 
-def _plan(segments, base_programs: int, dtype: torch.dtype, dev: torch.device, s0: int = 0):
+def split_plan(segments, base_programs: int, dtype: torch.dtype, dev: torch.device, s0: int = 0):
     """Splits of the non-empty (k, v) segments, numbered from partial slot s0: ``(plan, end slot)``, one
     ``(k, v, T, keys per split, splits, first slot, (BLOCK_N, warps, stages))`` per segment."""
     D = segments[0][0].shape[3]
     block_n, warps, stages, min_keys = _config(D, dtype, dev)
-    sms = _sm_count(dev)
+    sms = sm_count(dev)
     plan = []
     S = s0
     for k, v in segments:
@@ -423,12 +423,12 @@ def _plan(segments, base_programs: int, dtype: torch.dtype, dev: torch.device, s
     return plan, S
 
 
-def _launch_partials(q, plan, parts, S: int, H_kv: int, sc: float, precise: bool, bits: bool):
-    """Launch the partial kernel of every planned segment into ``parts`` (from :func:`_partials`, S
+def launch_partials(q, plan, parts, S: int, H_kv: int, sc: float, precise: bool, bits: bool):
+    """Launch the partial kernel of every planned segment into ``parts`` (from :func:`partial_buffers`, S
     slots per row). bits: bf16 q / K / V passed as int16 bits (the interpreter)."""
     B, H_q, T_q, D = q.shape
     G_q = H_q // H_kv
-    BLOCK_M, m_blocks = _row_blocks(G_q, T_q)
+    BLOCK_M, m_blocks = row_blocks(G_q, T_q)
     interp = C.interpreting()
     qa = q.view(torch.int16) if bits else q
     for k, v, T, kps, n, s0, (block_n, warps, stages) in plan:
@@ -440,7 +440,7 @@ def _launch_partials(q, plan, parts, S: int, H_kv: int, sc: float, precise: bool
             NBLK=kps // block_n if interp else 0, BF16_BITS=bits, num_warps=warps, num_stages=stages)
 
 
-def _merge_launch(o_part, m_part, l_part, out, lse, rows: int, S: int, D: int, log2: bool):
+def merge_launch(o_part, m_part, l_part, out, lse, rows: int, S: int, D: int, log2: bool):
     """Merge (rows, S, D) partials into out (rows, D) and lse (rows,); l_part None: normalized partials."""
     BLOCK_S = min(triton.next_power_of_2(S), 16)
     BLOCK_D = triton.next_power_of_2(D)
@@ -484,5 +484,5 @@ def merge(partials):
         return out, lse
     o_part = torch.stack([o.reshape(rows, D).float() for o in os_], dim=1).contiguous()       # (rows, S, D)
     lse_part = torch.stack([ls.reshape(rows).float() for ls in lses], dim=1).contiguous()     # (rows, S)
-    _merge_launch(o_part, lse_part, None, out, lse, rows, len(os_), D, log2=False)
+    merge_launch(o_part, lse_part, None, out, lse, rows, len(os_), D, log2=False)
     return out, lse

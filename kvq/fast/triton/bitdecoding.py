@@ -16,7 +16,7 @@ Both are a reshape of the natural order: token ``w 8R + 8 i + g`` is row-major (
 ``8 (u R + i) + g`` is row-major (u, i, g). So a program holds its page as one (tokens, channels) tile,
 quantizes it in place and packs by reshaping the codes to (..., R, 8, ...) and OR-ing (summing disjoint
 bit fields) over the R axis: no shared-memory shuffles of its own. Quantization is the contract's
-(``kvq.fast.triton.quant``'s helpers: ``_load_f32``, ``_meta``, ``_codes_f`` with ``tl.div_rn``), launched
+(``kvq.fast.triton.quant``'s helpers: ``load_f32``, ``group_meta``, ``codes_f`` with ``tl.div_rn``), launched
 with ``enable_fp_fusion=False``.
 
 The cache (``init`` / ``append`` / ``dequantize`` / ``decode_attention`` on a
@@ -46,7 +46,7 @@ from kvq.reference import bitdecoding as _R
 from kvq.reference.bitdecoding import CONFIGS, P_N, BitDecodingConfig  # noqa: F401  (the reference's objects)
 
 from . import attention as A
-from .quant import _codes_f, _load_f32, _meta, _sat_f16
+from .quant import codes_f, load_f32, group_meta, sat_f16
 
 __all__ = ["BitDecodingConfig", "CONFIGS", "residual_block_size", "partition", "pack_keys", "pack_values",
            "unpack_keys", "unpack_values", "dequantize_page", "query_transform", "query_untransform",
@@ -123,7 +123,7 @@ def _bd_pack_kernel(x_ptr, w_ptr, p_ptr, NR, D, G,
     t = tl.arange(0, BT)[:, None]                                # (BT, 1) token
     c = tl.arange(0, BC)[None, :]                                # (1, BC) channel
     valid = (t < NR) & (c < D)
-    x = _load_f32(x_ptr + page * NR * D + (t * D + c), valid, False)
+    x = load_f32(x_ptr + page * NR * D + (t * D + c), valid, False)
     if GAXIS == 0:
         gid = t // G
         pidx = gid * D + c                                       # (N_r / G, D) params
@@ -133,11 +133,11 @@ def _bd_pack_kernel(x_ptr, w_ptr, p_ptr, NR, D, G,
         pidx = t * NG + gid                                      # (N_r, D / G) params
         first = valid & (c % G == 0)
     lo, hi, nz = _seg_stats(x, valid, gid, NG, GAXIS, POW2, GP, BT, BC)
-    scale_st, mn_st, s32, m32 = _meta(lo, hi, nz, p_ptr, QMAX, 0.0, False)
+    scale_st, mn_st, s32, m32 = group_meta(lo, hi, nz, p_ptr, QMAX, 0.0, False)
     pp = p_ptr + (page * (NR * D // G) + pidx) * 2              # N_r D / G groups per page
     tl.store(pp, scale_st, mask=first)                          # half2: [.., 0] scale, [.., 1] min
     tl.store(pp + 1, mn_st, mask=first)
-    code = tl.where(valid, _codes_f(x, s32, m32, s32, QMAX, 0.0, False, BITS, False), 0)
+    code = tl.where(valid, codes_f(x, s32, m32, s32, QMAX, 0.0, False, BITS, False), 0)
     if KEYS:
         # token w 8R + 8 i + g = row-major (w, i, g): word row 8 w + g, slot i
         c4 = tl.reshape(code, (BT // (8 * R), R, 8, BC))
@@ -156,7 +156,7 @@ def _bd_pack_kernel(x_ptr, w_ptr, p_ptr, NR, D, G,
 
 
 # Dequantize pages: K and V (..., N_r, D) fp16 = fp16(fp32(code) * scale_s + mn_s), two rounded fp32 ops,
-#   saturated at +-65504 before the rounding (_sat_f16, numerics.to_out).
+#   saturated at +-65504 before the rounding (sat_f16, numerics.to_out).
 # Computes: per element its word and slot in the induced layout (keys: row (t // 8R) 8 + t % 8, slot
 #   (t // 8) % R; values: column (c // 8R) 8 + c % 8, slot (c // 8) % R) and its group's half2 params.
 # Grid: (pages, cdiv(N_r, BT)); tile (BT, BC), BC = next_pow2(D).
@@ -181,7 +181,7 @@ def _bd_dequant_kernel(kw_ptr, kp_ptr, vw_ptr, vp_ptr, ko_ptr, vo_ptr, NR, D, KG
     kp = kp_ptr + (page * (NR * D // KG) + kidx) * 2            # N_r D / k_group groups per page
     s = tl.load(kp, mask=valid, other=0.0).to(tl.float32)
     m = tl.load(kp + 1, mask=valid, other=0.0).to(tl.float32)
-    tl.store(ko_ptr + out, _sat_f16(kc.to(tl.float32) * s + m).to(tl.float16), mask=valid)
+    tl.store(ko_ptr + out, sat_f16(kc.to(tl.float32) * s + m).to(tl.float16), mask=valid)
     # values
     DW = D // R
     vw = tl.load(vw_ptr + page * NR * DW + (t * DW + ((c // (8 * R)) * 8 + c % 8)), mask=valid, other=0)
@@ -189,7 +189,7 @@ def _bd_dequant_kernel(kw_ptr, kp_ptr, vw_ptr, vp_ptr, ko_ptr, vo_ptr, NR, D, KG
     vp = vp_ptr + (page * NR * NVG + (t * NVG + c // VG)) * 2
     s = tl.load(vp, mask=valid, other=0.0).to(tl.float32)
     m = tl.load(vp + 1, mask=valid, other=0.0).to(tl.float32)
-    tl.store(vo_ptr + out, _sat_f16(vc.to(tl.float32) * s + m).to(tl.float16), mask=valid)
+    tl.store(vo_ptr + out, sat_f16(vc.to(tl.float32) * s + m).to(tl.float16), mask=valid)
 
 
 # ----------------------------------------------------------------------------------------------------

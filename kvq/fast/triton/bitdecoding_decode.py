@@ -30,10 +30,10 @@ group covers the chunk (channel-wise keys: one row of D; per-token groups: (BT, 
 most 64 rows). The chunks of a sequence, ``L // N_r`` pages x ``W_n / WB`` page chunks in token order
 then ``cdiv(L mod N_r, BT)`` residual chunks (fp16 rows loaded as they are, masked past the residual's
 length), are split into ranges so that the grid holds about ``Knobs.waves`` = 4 programs per SM
-(``attention._sm_count``; at least 256 tokens per split on the GPU). Each program runs flash-decoding over
+(``attention.sm_count``; at least 256 tokens per split on the GPU). Each program runs flash-decoding over
 its range and writes fp32 partials (acc, m, l) in ``kvq.fast.triton.attention``'s partial layout
-(``_partials``); ``attention._merge_launch`` normalizes: two launches per decode. (The residual is fused
-rather than sent through ``attention._launch_partials``: that kernel's fast path works in base-2 units
+(``_partials``); ``attention.merge_launch`` normalizes: two launches per decode. (The residual is fused
+rather than sent through ``attention.launch_partials``: that kernel's fast path works in base-2 units
 with one long dot (at 0.98 of the rule-7 bound on residual-only caches under the interpreter), its
 precise path needs fp32 copies of the residual and IEEE dots (about 30 us more per decode at B = 1 on an
 H100).)
@@ -82,7 +82,7 @@ import triton.language as tl
 from kvq.fast import common as C
 
 from . import attention as A
-from .quant import _sat_f16
+from .quant import sat_f16
 
 __all__ = ["supported", "decode"]
 
@@ -151,12 +151,12 @@ def _per_group(pp_rows, mask, NG: tl.constexpr, G: tl.constexpr, BT: tl.constexp
 @triton.jit
 def _dequant(code, s, m):
     """Rule 3 exactly: ``fp16(fp32(code) * scale + mn)``, saturated at +-65504 before the rounding
-    (``quant._sat_f16``, numerics.to_out). The code (< 2^bits) becomes fp32 through the exponent trick
+    (``quant.sat_f16``, numerics.to_out). The code (< 2^bits) becomes fp32 through the exponent trick
     ``bits(2^23 + code) - 2^23`` (exact; an integer-to-float conversion runs at a fraction of the FMA
     rate and bounded the kernel); ``code * scale`` is exact in fp32, so an FMA contraction rounds as the
     separate multiply and add do."""
     cf = (code | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    return _sat_f16(cf * s + m).to(tl.float16)
+    return sat_f16(cf * s + m).to(tl.float16)
 
 
 @triton.jit
@@ -351,7 +351,7 @@ def _chunk(q, q_ptrs, rmask, sq_d, m_i, l_i, acc, n, end, NPC, RES, b, hk, H_KV,
                               LEAF, UNPACK)
     s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))
     PRECISE: tl.constexpr = MODE == 2
-    m_new, alpha, p, l_i = A._softmax_step(s, m_i, l_i, PRECISE, LIBDEVICE, True)
+    m_new, alpha, p, l_i = A.softmax_step(s, m_i, l_i, PRECISE, LIBDEVICE, True)
     if MODE == 2:
         pv = _tree_pv(p, v.to(tl.float32), BT, p.shape[0], D)
     else:
@@ -382,7 +382,7 @@ def _decode_kernel(q_ptr, kw_ptr, kp_ptr, vw_ptr, vp_ptr, tab_ptr, rk_ptr, rv_pt
     sp = tl.program_id(1)
     mb = tl.program_id(2)
     LIBDEVICE: tl.constexpr = TIGHT                    # TIGHT <=> compiled for the GPU
-    b, hk, h, t, rmask, q_ptrs = A._query_rows(q_ptr, bh, mb, H_KV, sq_b, sq_h, sq_t, T_Q, M, G_Q, BLOCK_M)
+    b, hk, h, t, rmask, q_ptrs = A.query_rows(q_ptr, bh, mb, H_KV, sq_b, sq_h, sq_t, T_Q, M, G_Q, BLOCK_M)
     d = tl.arange(0, D)
     if LEAF < D:
         q = tl.zeros((BLOCK_M, 16), tl.float32)        # unused: the tree loads q in chunks of LEAF channels
@@ -406,7 +406,7 @@ def _decode_kernel(q_ptr, kw_ptr, kp_ptr, vw_ptr, vp_ptr, tab_ptr, rk_ptr, rv_pt
             m_i, l_i, acc = _chunk(q, q_ptrs, rmask, sq_d, m_i, l_i, acc, start + it, end, NPC, RES, b, hk, H_KV,
                                    N_TAB, qk_scale, kw_ptr, kp_ptr, vw_ptr, vp_ptr, tab_ptr, rk_ptr, rv_ptr, D,
                                    NR, WN, WB, R, BITS, CHAN, KG, VG, MODE, LEAF, UNPACK, LIBDEVICE)
-    A._store_split(o_ptr, m_ptr, l_ptr, b, h, t, H_Q, T_Q, S_TOTAL, sp, acc, m_i, l_i, rmask, d, D)
+    A.store_split(o_ptr, m_ptr, l_ptr, b, h, t, H_Q, T_Q, S_TOTAL, sp, acc, m_i, l_i, rmask, d, D)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -526,7 +526,7 @@ def decode(cfg, st, q, *, scale=None, knobs: Knobs | None = None):
     uint16; k_params, v_params fp16 half2; table (B, N) int32; the pool and params contiguous), ``length``
     and ``shape`` = (B, H, D). Nothing is checked here: the caller (the cache wrapper) has validated q
     and the state, and :func:`supported` is true. One launch attends the packed pages and the residual
-    rows ``[0, length mod N_r)`` in splits, one ``attention._merge_launch`` joins the splits; an empty
+    rows ``[0, length mod N_r)`` in splits, one ``attention.merge_launch`` joins the splits; an empty
     cache gives out = 0, lse = -inf. ``knobs``: the launch knobs (None: the defaults), planned by
     ``plan``."""
     B, H, D = (int(x) for x in st.shape)
@@ -542,8 +542,8 @@ def decode(cfg, st, q, *, scale=None, knobs: Knobs | None = None):
         mode = _MODE_FP16
     qk = q.float() if (mode == _MODE_FP32 and q.dtype != torch.float32) else q
     n_pages, res = divmod(int(st.length), cfg.n_r)
-    BLOCK_M, m_blocks = A._row_blocks(H_q // H, T_q)
-    lp = plan(cfg.per_word, cfg.warps_n, D, mode, n_pages, res, B * H * m_blocks, BLOCK_M, A._sm_count(dev),
+    BLOCK_M, m_blocks = A.row_blocks(H_q // H, T_q)
+    lp = plan(cfg.per_word, cfg.warps_n, D, mode, n_pages, res, B * H * m_blocks, BLOCK_M, A.sm_count(dev),
               cuda=dev.type == "cuda", interp=interp, knobs=knobs)
     leaf, WB, n_pc, n_chunks, cps, S = lp.leaf, lp.WB, lp.n_pc, lp.n_chunks, lp.cps, lp.S
     out = torch.empty((B, H_q, T_q, D), dtype=q.dtype, device=dev)
@@ -555,7 +555,7 @@ def decode(cfg, st, q, *, scale=None, knobs: Knobs | None = None):
         lse.fill_(float("-inf"))
         return out, lse
     rows = B * H_q * T_q
-    parts = A._partials(rows, S, D, dev)
+    parts = A.partial_buffers(rows, S, D, dev)
     _decode_kernel[(B * H, S, m_blocks)](
         qk, st.k_words.view(torch.int16), st.k_params.view(torch.int32), st.v_words.view(torch.int16),
         st.v_params.view(torch.int32), st.table, st.res_k.contiguous(), st.res_v.contiguous(), *parts,
@@ -564,5 +564,5 @@ def decode(cfg, st, q, *, scale=None, knobs: Knobs | None = None):
         CHAN=cfg.k_mode == "channel", KG=cfg.k_group, VG=cfg.v_group, BLOCK_M=BLOCK_M, MODE=mode, LEAF=leaf,
         UNPACK=lp.unpack, TIGHT=not interp, NBLK=cps if interp else 0, num_warps=lp.warps,
         num_stages=lp.stages)
-    A._merge_launch(*parts, out, lse, rows, S, D, log2=False)
+    A.merge_launch(*parts, out, lse, rows, S, D, log2=False)
     return out, lse

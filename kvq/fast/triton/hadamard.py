@@ -4,7 +4,7 @@ Mirrors ``kvq.reference.hadamard``: ``fwht`` runs the same ``log2(d)`` butterfly
 order (stage s: stride h = 2**s, ``(a, b) -> (a + b, a - b)``, each one rounded fp32 add / subtract),
 then one rounded multiply by ``fwht_scale(d)`` (the same fp32 constant, computed on the host), launched
 with ``enable_fp_fusion=False``: bit-identical to the reference on the GPU and under the interpreter.
-The butterfly helper ``_butterflies`` is shared with the fused HIGGS kernels (``higgs.py``).
+The butterfly helper ``butterfly_stages`` is shared with the fused HIGGS kernels (``higgs.py``).
 
     from kvq.fast.triton.hadamard import fwht, hadamard_matrix
     y = fwht(x)                    # x (..., d) torch fp16 / bf16 / fp32, d a power of two -> fp32
@@ -23,7 +23,7 @@ from kvq.reference import numerics as nx
 
 from kvq.fast.caches.higgs import hadamard_matrix  # noqa: F401
 
-from .quant import _load_f32
+from .quant import load_f32
 
 __all__ = ["is_power_of_two", "hadamard_matrix", "fwht_scale", "fwht"]
 
@@ -48,7 +48,7 @@ def _stage(x, R: tl.constexpr, N: tl.constexpr, H: tl.constexpr):
 
 
 @triton.jit
-def _butterflies(x, R: tl.constexpr, N: tl.constexpr, LOG2N: tl.constexpr):
+def butterfly_stages(x, R: tl.constexpr, N: tl.constexpr, LOG2N: tl.constexpr):
     """Stages s = 0 .. LOG2N - 1 (stride 2**s) on each row of x (R, N), in the reference's order."""
     for s in tl.static_range(LOG2N):
         x = _stage(x, R, N, 1 << s)
@@ -66,8 +66,8 @@ def _fwht_rows_kernel(x_ptr, o_ptr, R, FS, N: tl.constexpr, LOG2N: tl.constexpr,
     e = tl.arange(0, N)[None, :]
     m = ((r0 + r) < R) & (e < N)
     offs = r0 * N + (r.to(tl.int64) * N + e)
-    x = _load_f32(x_ptr + offs, m, IN_BF16)
-    x = _butterflies(x, BLOCK_R, N, LOG2N)
+    x = load_f32(x_ptr + offs, m, IN_BF16)
+    x = butterfly_stages(x, BLOCK_R, N, LOG2N)
     if SCALE:
         x = x * FS
     tl.store(o_ptr + offs, x, mask=m)

@@ -6,7 +6,7 @@ step is the reference's fp32 operation in the reference's order, launched with
 
 1. ``ss``: ``x*x``, then the halving tree ``a[:h] + a[h:]`` for h = g/2, ..., 1 (``_halving_sum``);
 2. ``rms = sqrt_rn(div_rn(ss, g))``, rounded to the metadata dtype;
-3. ``z = div_rn(fwht(x), scale)`` with the butterflies of ``hadamard._butterflies`` and one multiply
+3. ``z = div_rn(fwht(x), scale)`` with the butterflies of ``hadamard.butterfly_stages`` and one multiply
    by ``fwht_scale(g)``; ``z = 0`` where the stored scale is 0;
 4. ``nearest``: for j = 0 .. n-1, ``dist = sum_k (v_k - c_jk)**2`` accumulated over k in order, kept on
    a strict ``<`` (ties to the lowest index); indices stored in ``index_dtype(n)`` (never wrapped).
@@ -32,11 +32,11 @@ from kvq.reference import higgs as RG
 from kvq.reference import numerics as nx
 from kvq.reference.higgs import SHIPPED_GRIDS, HiggsConfig  # noqa: F401  (data: the reference's objects)
 
-from kvq.fast.caches.higgs import (_CONTAINER, _check_scale, _grid_tensor, check_idx_range, dequant_args,  # noqa: F401
+from kvq.fast.caches.higgs import (CONTAINER, check_scale, grid_tensor, check_idx_range, dequant_args,  # noqa: F401
                              index_dtype, load_grid)
 
-from .hadamard import _butterflies, fwht_scale
-from .quant import _OUT_KIND, _load_f32, _store_out
+from .hadamard import butterfly_stages, fwht_scale
+from .quant import OUT_KIND_CODE, load_f32, store_out
 
 __all__ = ["SHIPPED_GRIDS", "HiggsConfig", "load_grid", "index_dtype", "group_sum_of_squares",
            "nearest", "quantize", "dequantize", "bits_per_value"]
@@ -138,13 +138,13 @@ def _quantize_kernel(x_ptr, grid_ptr, i_ptr, s_ptr, NGR, F, NG, FS, N: tl.conste
     row = gi // NG
     col = (gi % NG)[:, None] * G + tl.arange(0, G)[None, :]                 # (BLOCK_R, G)
     m = gm[:, None] & (col < F)
-    x = _load_f32(x_ptr + row[:, None] * F + col, m, IN_BF16)              # zero padding past F
+    x = load_f32(x_ptr + row[:, None] * F + col, m, IN_BF16)              # zero padding past F
     ss = _halving_sum(x * x, BLOCK_R, G, LOG2G)                            # group_sum_of_squares
     rms = tl.sqrt_rn(tl.div_rn(ss, G * 1.0))
     scale_st = rms.to(s_ptr.dtype.element_ty)                              # numerics.to_meta
     tl.store(s_ptr + gi, scale_st, mask=gm)
     s32 = scale_st.to(tl.float32)[:, None]
-    y = _butterflies(x, BLOCK_R, G, LOG2G) * FS                            # hadamard.fwht
+    y = butterfly_stages(x, BLOCK_R, G, LOG2G) * FS                            # hadamard.fwht
     z = tl.where(s32 == 0.0, 0.0, tl.div_rn(y, tl.where(s32 == 0.0, 1.0, s32)))
     v = tl.reshape(z, (BLOCK_R * GD, D))                                   # D divides G: a power of two
     idx = tl.reshape(_nearest(v, grid_ptr, N, BLOCK_R * GD, D, BLOCK_D), (BLOCK_R, GD))
@@ -159,7 +159,7 @@ def _quantize_kernel(x_ptr, grid_ptr, i_ptr, s_ptr, NGR, F, NG, FS, N: tl.conste
 
 
 @triton.jit
-def _decode_groups(i_ptr, s_ptr, grid_ptr, gi, gm, N, FS, G: tl.constexpr, LOG2G: tl.constexpr,
+def decode_groups(i_ptr, s_ptr, grid_ptr, gi, gm, N, FS, G: tl.constexpr, LOG2G: tl.constexpr,
                    D: tl.constexpr, IDX_BITS: tl.constexpr, BLOCK_R: tl.constexpr):
     """fwht(grid[idx] * scale) of the BLOCK_R token groups ``gi`` (masked by ``gm``) -> (BLOCK_R, G) fp32.
 
@@ -175,7 +175,7 @@ def _decode_groups(i_ptr, s_ptr, grid_ptr, gi, gm, N, FS, G: tl.constexpr, LOG2G
     c = tl.load(grid_ptr + ii * D + e % D)
     s = tl.load(s_ptr + gi, mask=gm, other=0.0).to(tl.float32)
     y = c * s[:, None]
-    return _butterflies(y, BLOCK_R, G, LOG2G) * FS
+    return butterfly_stages(y, BLOCK_R, G, LOG2G) * FS
 
 
 # Fused HIGGS decoder: one program takes BLOCK_R token groups of G values.
@@ -190,20 +190,20 @@ def _dequantize_kernel(i_ptr, s_ptr, grid_ptr, o_ptr, NGR, F, NG, N, FS,
     gm = gi < NGR
     row = gi // NG
     col = (gi % NG)[:, None] * G + tl.arange(0, G)[None, :]
-    y = _decode_groups(i_ptr, s_ptr, grid_ptr, gi, gm, N, FS, G, LOG2G, D, IDX_BITS, BLOCK_R)
-    _store_out(o_ptr + row[:, None] * F + col, y, gm[:, None] & (col < F), OUT_KIND)
+    y = decode_groups(i_ptr, s_ptr, grid_ptr, gi, gm, N, FS, G, LOG2G, D, IDX_BITS, BLOCK_R)
+    store_out(o_ptr + row[:, None] * F + col, y, gm[:, None] & (col < F), OUT_KIND)
 
 
 # ----------------------------------------------------------------------------------------------------
 # host side
 
 
-def _tile(n_rows: int, G: int) -> int:
+def row_tile(n_rows: int, G: int) -> int:
     tile = 16384 if C.interpreting() else 1024
     return max(1, min(triton.next_power_of_2(max(n_rows, 1)), tile // G))
 
 
-def _warps(tile: int) -> int:
+def warps(tile: int) -> int:
     return min(8, max(1, tile // 256))
 
 
@@ -233,11 +233,11 @@ def group_sum_of_squares(xg) -> torch.Tensor:
     R = out.numel()
     if R == 0:
         return out
-    BR = _tile(R, g)
+    BR = row_tile(R, g)
     in_bf16 = x.dtype == torch.bfloat16
     _ss_kernel[(triton.cdiv(R, BR),)](x.view(torch.int16) if in_bf16 else x, out, R, G=g,
                                       LOG2G=g.bit_length() - 1, IN_BF16=in_bf16, BLOCK_R=BR,
-                                      num_warps=_warps(BR * g), enable_fp_fusion=False)
+                                      num_warps=warps(BR * g), enable_fp_fusion=False)
     return out
 
 
@@ -247,7 +247,7 @@ def _ss_kernel(x_ptr, o_ptr, R, G: tl.constexpr, LOG2G: tl.constexpr, IN_BF16: t
                BLOCK_R: tl.constexpr):
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     e = tl.arange(0, G)[None, :]
-    x = _load_f32(x_ptr + r[:, None] * G + e, (r < R)[:, None] & (e < G), IN_BF16)
+    x = load_f32(x_ptr + r[:, None] * G + e, (r < R)[:, None] & (e < G), IN_BF16)
     tl.store(o_ptr + r, _halving_sum(x * x, BLOCK_R, G, LOG2G), mask=r < R)
 
 
@@ -291,9 +291,9 @@ def nearest(v, grid) -> torch.Tensor:
     if M == 0:
         return out
     BD = _p2(D)
-    BM = _tile(M, BD)
+    BM = row_tile(M, BD)
     _nearest_kernel[(triton.cdiv(M, BM),)](x, g, out, M, N=int(g.shape[0]), D=D, BLOCK_D=BD, BLOCK_M=BM,
-                                           num_warps=_warps(BM * BD), enable_fp_fusion=False)
+                                           num_warps=warps(BM * BD), enable_fp_fusion=False)
     return out
 
 
@@ -319,19 +319,19 @@ def quantize(cfg: HiggsConfig, x):
     lead = tuple(x.shape[:-1])
     meta = nx.dtype_name(cfg.meta_dtype)
     itype = index_dtype(cfg.n)
-    cont, bits = _CONTAINER[itype]
+    cont, bits = CONTAINER[itype]
     xc = x.contiguous()
     idx = torch.empty(lead + (n_g, g // d), dtype=cont, device=x.device)
     scale = torch.empty(lead + (n_g,), dtype=C.torch_dtype(meta), device=x.device)
     NGR = scale.numel()
-    grid = _grid_tensor(cfg, x.device)
-    BR = _tile(NGR, g)
+    grid = grid_tensor(cfg, x.device)
+    BR = row_tile(NGR, g)
     in_bf16 = xc.dtype == torch.bfloat16
     _quantize_kernel[(triton.cdiv(NGR, BR),)](
         xc.view(torch.int16) if in_bf16 else xc, grid, idx, scale, NGR, F, n_g, float(fwht_scale(g)), N=cfg.n,
         G=g, LOG2G=g.bit_length() - 1, D=d, BLOCK_D=_p2(d), IDX_BITS=bits, IN_BF16=in_bf16, BLOCK_R=BR,
-        num_warps=_warps(BR * g), enable_fp_fusion=False)
-    _check_scale(xc, scale, meta)
+        num_warps=warps(BR * g), enable_fp_fusion=False)
+    check_scale(xc, scale, meta)
     return (idx if cont == itype else idx.view(itype)), scale
 
 
@@ -352,13 +352,13 @@ def dequantize(cfg: HiggsConfig, idx, scale, F: int, out_dtype=np.float32) -> to
     NGR = scale.numel()
     if NGR == 0 or F == 0:
         return o
-    cont, bits = _CONTAINER[itype]
+    cont, bits = CONTAINER[itype]
     ic = idx.contiguous().view(cont)
     sc = scale.contiguous()
-    grid = _grid_tensor(cfg, idx.device)
-    BR = _tile(NGR, g)
+    grid = grid_tensor(cfg, idx.device)
+    BR = row_tile(NGR, g)
     _dequantize_kernel[(triton.cdiv(NGR, BR),)](
         ic, sc, grid, o.view(torch.int16) if out == torch.bfloat16 else o, NGR, F, n_g, cfg.n,
-        float(fwht_scale(g)), G=g, LOG2G=g.bit_length() - 1, D=d, IDX_BITS=bits, OUT_KIND=_OUT_KIND[out],
-        BLOCK_R=BR, num_warps=_warps(BR * g), enable_fp_fusion=False)
+        float(fwht_scale(g)), G=g, LOG2G=g.bit_length() - 1, D=d, IDX_BITS=bits, OUT_KIND=OUT_KIND_CODE[out],
+        BLOCK_R=BR, num_warps=warps(BR * g), enable_fp_fusion=False)
     return o

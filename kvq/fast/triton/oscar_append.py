@@ -61,19 +61,19 @@ def _select_quantile(key, nnan, N, LO, HI, FRAC, BLOCK_T: tl.constexpr, D: tl.co
     steps, one compare and one row count each: exact, no sort, no shared memory); ``s[HI]`` (HI = LO + 1,
     or LO) is ``s[LO]`` when at least HI + 1 keys are <= it, else the least key above it. Then
     ``tau = s[LO] + FRAC * (s[HI] - s[LO])``, three rounded fp32 ops (launch without FMA contraction),
-    NaN where an order statistic falls on a NaN slot (as ``quant._sorted_quantile``).
+    NaN where an order statistic falls on a NaN slot (as ``quant.sorted_quantile``).
 
     The row counts reduce the 4-D tile over its last three axes. Reshaped to (BLOCK_T, D) first, the same
     bisection miscompiles on the GPU (H100 and H200, Triton 3.6, BLOCK_T = 2 and 4): wrong order
     statistics, NaN clip thresholds, whole rows of wrong codes, while the interpreter was exact.
 
-    RANK (the interpreter's default, ``INTERP_SHORTCUTS``): ``quant._sorted_quantile``'s rank selection
+    RANK (the interpreter's default, ``INTERP_SHORTCUTS``): ``quant.sorted_quantile``'s rank selection
     instead (two (BLOCK_T, D, D) compares: a few NumPy calls, where the interpreter pays per call for
     each of the bisection's 31 row counts). Both select the same order statistics.
     """
     if RANK:
         k2 = tl.reshape(key, (BLOCK_T, D))
-        tau = Q._sorted_quantile(k2.to(tl.float32, bitcast=True), nnan, N, LO, HI, FRAC, D, True)
+        tau = Q.sorted_quantile(k2.to(tl.float32, bitcast=True), nnan, N, LO, HI, FRAC, D, True)
     else:
         lo = tl.zeros_like(nnan)
         hi = tl.zeros_like(nnan) + 0x7F800000
@@ -108,7 +108,7 @@ def _select_quantile(key, nnan, N, LO, HI, FRAC, BLOCK_T: tl.constexpr, D: tl.co
 #     write, a barrier between) -> page position first + i % W;
 #   a row bound for a page (y, or the old token) as oscar_quant's kernel: tau = quantile(|x|, clip)
 #     (_select_quantile), xc = clip(x, tau), per group of G channels mn / mx of xc, scale / mn in the
-#     metadata dtype (quant._meta; NaN scale where the RAW group holds NaN / inf), codes =
+#     metadata dtype (quant.group_meta; NaN scale where the RAW group holds NaN / inf), codes =
 #     clamp(rint((xc - mn_s) / scale_s), 0, QMAX), PER = 8 // BITS channel codes per byte; page position p
 #     -> page table[b, p // PG], slot p % PG.
 # Tile (BLOCK_R, NG, NJ, PER): channel c = g*G + j*PER + k (D and G powers of two, PER | G).
@@ -181,17 +181,17 @@ def _append_kernel(x_ptr, r_ptr, sink_ptr, win_ptr, q_ptr, s_ptr, m_ptr, tab_ptr
     nnan = _rows3((a != a).to(tl.int32))
     key = tl.where(a == a, a, float("inf")).to(tl.int32, bitcast=True)        # (BLOCK_R, NG, NJ, PER)
     tau = _select_quantile(key, nnan, D, LO, HI, FRAC, BLOCK_R, D, RANK)    # (BLOCK_R,)
-    xc = Q._clip(x, tau[:, None, None, None])
+    xc = Q.clip_np(x, tau[:, None, None, None])
     lo = tl.min(tl.min(xc, axis=3), axis=2)
     hi = tl.max(tl.max(xc, axis=3), axis=2)
-    scale_st, mn_st, s32, m32 = Q._meta(lo, hi, nz, s_ptr, QMAX, 0.0, False)
+    scale_st, mn_st, s32, m32 = Q.group_meta(lo, hi, nz, s_ptr, QMAX, 0.0, False)
     g2 = tl.arange(0, NG)[None, :]
     m2 = qrow[:, None] & (g2 >= 0)
     tl.store(s_ptr + prow[:, None] * NG + g2, scale_st, mask=m2)
     tl.store(m_ptr + prow[:, None] * NG + g2, mn_st, mask=m2)
     bad = m2 & (s32 != 0.0) & ((s32 < 1.2621774483536189e-29) | (s32 > 1.329227995784916e36))
-    ok = tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0) == 0            # see quant._fast_ok
-    c = Q._codes(xc, s32[:, :, None, None], m32[:, :, None, None], tl.div_rn(1.0, s32)[:, :, None, None], ok,
+    ok = tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0) == 0            # see quant.fast_ok
+    c = Q.group_codes(xc, s32[:, :, None, None], m32[:, :, None, None], tl.div_rn(1.0, s32)[:, :, None, None], ok,
                  QMAX, 0.0, False, BITS, FASTDIV)
     byte = tl.sum(c << (k4 * BITS), axis=3)                               # (BLOCK_R, NG, NJ)
     g3 = tl.arange(0, NG)[None, :, None]

@@ -40,7 +40,7 @@ from kvq.reference import oscar as RO
 
 from . import attention as A
 from .paged import codes_to, split_dot
-from .quant import _unpack_last
+from .quant import unpack_last
 
 _check_knob = functools.partial(C.check_knob, "triton.oscar_decode")     # ValueError naming triton.oscar_decode.Knobs.<field>
 _is_int = C.is_int
@@ -119,7 +119,7 @@ def _group(c_ptr, s_ptr, m_ptr, row, tmask, g, CB: tl.constexpr, G: tl.constexpr
     jb = tl.arange(0, GKB)
     byte = tl.load(c_ptr + row[:, None] * CB + g * GB + jb[None, :], mask=tmask[:, None] & (jb < GB)[None, :],
                    other=0).to(tl.int32)
-    codes = codes_to(_unpack_last(byte, BT, GKB, PER, BITS), tl.float16, True)
+    codes = codes_to(unpack_last(byte, BT, GKB, PER, BITS), tl.float16, True)
     sc = tl.load(s_ptr + row * NG + g, mask=tmask, other=0.0).to(tl.float32)
     mn = tl.load(m_ptr + row * NG + g, mask=tmask, other=0.0).to(tl.float32)
     return codes, sc, mn
@@ -211,7 +211,7 @@ def _history_block(q_ptrs, rmask, sq_d, m_i, l_i, acc, n0, end, b, hk, H_KV, N_T
         s = _split_scores(q_ptrs, rmask, sq_d, kc_ptr, ks_ptr, km_ptr, row, tmask, CB, G, BITS, BK, BLOCK_M,
                           K_TERMS, SHIFT)
     s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))
-    m_new, alpha, p, l_i = A._softmax_step(s, m_i, l_i, PRECISE, LIBDEVICE, True)
+    m_new, alpha, p, l_i = A.softmax_step(s, m_i, l_i, PRECISE, LIBDEVICE, True)
     if PRECISE:
         v = _dequant(vc_ptr, vs_ptr, vm_ptr, row, tmask, tl.arange(0, D), CB, G, BITS)           # (BT, D)
         pv = tl.dot(p, v, input_precision="ieee")
@@ -243,7 +243,7 @@ def _pages_kernel(q_ptr, kc_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, tab_ptr
     sp = tl.program_id(1)
     mb = tl.program_id(2)
     LIBDEVICE: tl.constexpr = TIGHT                    # TIGHT <=> compiled for the GPU
-    b, hk, h, t, rmask, q_ptrs = A._query_rows(q_ptr, bh, mb, H_KV, sq_b, sq_h, sq_t, T_Q, M, G_Q, BLOCK_M)
+    b, hk, h, t, rmask, q_ptrs = A.query_rows(q_ptr, bh, mb, H_KV, sq_b, sq_h, sq_t, T_Q, M, G_Q, BLOCK_M)
     start = sp * TPS
     end = tl.minimum(start + TPS, NH)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -262,7 +262,7 @@ def _pages_kernel(q_ptr, kc_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, tab_ptr
                                            H_KV, N_TAB, qk_scale, kc_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr,
                                            vm_ptr, tab_ptr, D, G, PG, BITS, BT, BLOCK_M, PRECISE, LIBDEVICE,
                                            K_TERMS, V_TERMS, SHIFT)
-    A._store_split(o_ptr, m_ptr, l_ptr, b, h, t, H_Q, T_Q, S_TOTAL, sp, acc, m_i, l_i, rmask,
+    A.store_split(o_ptr, m_ptr, l_ptr, b, h, t, H_Q, T_Q, S_TOTAL, sp, acc, m_i, l_i, rmask,
                    tl.arange(0, D), D)
 
 
@@ -322,27 +322,27 @@ def decode(cfg, st, qr, *, scale=None, precise: bool = True, out_dtype=torch.flo
     (``kvq.fast.caches.oscar.OSCARTensorState``): the INT-b history through the fused page kernel, the FP16
     sink and window (``kvq.fast.caches.oscar.fp16_segment``: (K, V) fp32, in any order) through the
     FP16-baseline partial kernel, one log-sum-exp merge. Returns ``(out, lse)``, out in the rotated frame
-    (``R_out`` None) or times ``R_out`` (``kvq.fast.caches.oscar._rotate_heads``: float64 sums, the caller's
+    (``R_out`` None) or times ``R_out`` (``kvq.fast.caches.oscar.rotate_query_heads``: float64 sums, the caller's
     R_V^T), in ``out_dtype`` (cast once), lse fp32. ``precise``: the exact-dequantization IEEE fp32 path
     (for an fp32 output); else tensor cores. ``knobs``: the page kernel's launch knobs (None: the
     defaults), planned by ``plan``."""
     tail = _O.fp16_segment(cfg, st)
     B, H, D = st.shape
     _, H_q, T_q, _ = qr.shape
-    A._check_d(D)
+    A.check_d(D)
     sc = C.softmax_scale(scale, D)
     dev = qr.device
     G, bits = cfg.group_size, cfg.bits
     NH = RO.counts(cfg, st.length)["n_hist"]
     precise = precise or G < 16                        # tl.dot takes groups of >= 16 channels
-    BLOCK_M, m_blocks = A._row_blocks(H_q // H, T_q)
+    BLOCK_M, m_blocks = A.row_blocks(H_q // H, T_q)
     base = B * H * m_blocks
     interp = C.interpreting()
-    lp = plan(NH, base, A._sm_count(dev), precise=precise, interp=interp, knobs=knobs)
+    lp = plan(NH, base, A.sm_count(dev), precise=precise, interp=interp, knobs=knobs)
     BT, tps, n_split = lp.BT, lp.tps, lp.n_split
-    tail_plan, S = A._plan([tail], base, torch.float32, dev, s0=n_split)
+    tail_plan, S = A.split_plan([tail], base, torch.float32, dev, s0=n_split)
     rows = B * H_q * T_q
-    parts = A._partials(rows, S, D, dev)
+    parts = A.partial_buffers(rows, S, D, dev)
     out = torch.empty(tuple(qr.shape), dtype=torch.float32, device=dev)
     lse = torch.empty((B, H_q, T_q), dtype=torch.float32, device=dev)
     if n_split:
@@ -353,8 +353,8 @@ def decode(cfg, st, qr, *, scale=None, precise: bool = True, out_dtype=torch.flo
             BLOCK_M=BLOCK_M, PRECISE=precise, TIGHT=not interp, NBLK=tps // BT if interp else 0,
             K_TERMS=lp.k_terms, V_TERMS=lp.v_terms, SHIFT=2048.0,
             num_warps=lp.warps, num_stages=lp.stages)
-    A._launch_partials(qr, tail_plan, parts, S, H, sc, True, False)
-    A._merge_launch(*parts, out, lse, rows, S, D, log2=False)
+    A.launch_partials(qr, tail_plan, parts, S, H, sc, True, False)
+    A.merge_launch(*parts, out, lse, rows, S, D, log2=False)
     if R_out is not None:
-        out = _O._rotate_heads(out, R_out)
+        out = _O.rotate_query_heads(out, R_out)
     return C.to_out(out, out_dtype), lse

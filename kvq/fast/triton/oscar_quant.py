@@ -20,7 +20,7 @@ import triton.language as tl
 from kvq.fast import common as C
 
 from . import quant as Q
-from .packing import _pack_launch
+from .packing import pack_launch
 
 __all__ = ["quantize_tokens"]
 
@@ -53,27 +53,27 @@ def _quantize_tokens_kernel(x_ptr, q_ptr, s_ptr, m_ptr, R, LO, HI, FRAC,
     k4 = tl.arange(0, PER)[None, None, None, :]
     rmask4 = (r0 + r4) < R
     m = rmask4 & (g4 < NG) & (j4 < NJ)
-    x = Q._load_f32(x_ptr + r0 * D + (r4 * D + g4 * G + j4 * PER + k4), m, IN_BF16)
+    x = Q.load_f32(x_ptr + r0 * D + (r4 * D + g4 * G + j4 * PER + k4), m, IN_BF16)
     nz = tl.sum(tl.sum(x * 0.0, axis=3), axis=2)                      # (BLOCK_R, BLOCK_NG): NaN if non-finite
     # percentile clip (quant.percentile_clip): tau from the sorted |x| of the whole row
     a = tl.abs(x)
     nnan = tl.sum(tl.sum(tl.sum((m & (a != a)).to(tl.int32), axis=3), axis=2), axis=1)
     key = tl.reshape(tl.where(m & (a == a), a, float("inf")), (BLOCK_R, BLOCK_S))
-    tau = Q._sorted_quantile(key, nnan, D, LO, HI, FRAC, BLOCK_S, RANK)  # (BLOCK_R,)
-    xc = Q._clip(x, tau[:, None, None, None])
+    tau = Q.sorted_quantile(key, nnan, D, LO, HI, FRAC, BLOCK_S, RANK)  # (BLOCK_R,)
+    xc = Q.clip_np(x, tau[:, None, None, None])
     # per-group asymmetric quantization (quant.quantize, axis=-1)
     lo = tl.min(tl.min(tl.where(m, xc, float("inf")), axis=3), axis=2)
     hi = tl.max(tl.max(tl.where(m, xc, float("-inf")), axis=3), axis=2)
-    scale_st, mn_st, s32, m32 = Q._meta(lo, hi, nz, s_ptr, QMAX, 0.0, False)
+    scale_st, mn_st, s32, m32 = Q.group_meta(lo, hi, nz, s_ptr, QMAX, 0.0, False)
     r2 = rr[:, None]
     g2 = tl.arange(0, BLOCK_NG)[None, :]
     m2 = ((r0 + r2) < R) & (g2 < NG)
     tl.store(s_ptr + r0 * NG + (r2 * NG + g2), scale_st, mask=m2)
     tl.store(m_ptr + r0 * NG + (r2 * NG + g2), mn_st, mask=m2)
     bad = m2 & (s32 != 0.0) & ((s32 < 1.2621774483536189e-29) | (s32 > 1.329227995784916e36))
-    ok = tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0) == 0        # see quant._fast_ok
+    ok = tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0) == 0        # see quant.fast_ok
     s4 = s32[:, :, None, None]
-    c = Q._codes(xc, s4, m32[:, :, None, None], tl.div_rn(1.0, s32)[:, :, None, None], ok, QMAX, 0.0, False,
+    c = Q.group_codes(xc, s4, m32[:, :, None, None], tl.div_rn(1.0, s32)[:, :, None, None], ok, QMAX, 0.0, False,
                  BITS, FASTDIV)
     byte = tl.sum(c << (k4 * BITS), axis=3)                           # (BLOCK_R, BLOCK_NG, BLOCK_J)
     r3 = rr[:, None, None]
@@ -97,7 +97,7 @@ def _launch(x: torch.Tensor, clip, G: int, bits: int, meta: torch.dtype, per: in
         return q, scale, mn
     in_bf16 = x.dtype == torch.bfloat16
     xin = x.view(torch.int16) if in_bf16 else x
-    BNG, BJ = Q._p2(D // G), Q._p2(G // per)
+    BNG, BJ = Q.p2(D // G), Q.p2(G // per)
     BS = BNG * BJ * per
     BR = Q.sort_rows(BS, R)
     _quantize_tokens_kernel[(triton.cdiv(R, BR),)](
@@ -138,5 +138,5 @@ def quantize_tokens(x_rot, clip: float, group_size: int, bits: int = 2, meta_dty
         q, scale, mn = _launch(x, clip, G, bits, meta, 1)
     C.check_meta(x, scale, mn)
     if packed and q.shape[-1] == D and per > 1:
-        q = _pack_launch(q, bits, x.dim() - 1)
+        q = pack_launch(q, bits, x.dim() - 1)
     return q, scale, mn

@@ -68,7 +68,7 @@ def _unpack_kernel(p_ptr, c_ptr, NB, INNER, TOTAL, BITS: tl.constexpr, PER: tl.c
     tl.store(c_ptr + dst * INNER + i[:, None], c.to(tl.uint8), mask=mask[:, None])
 
 
-def _pack_launch(codes: torch.Tensor, bits: int, axis: int) -> torch.Tensor:
+def pack_launch(codes: torch.Tensor, bits: int, axis: int) -> torch.Tensor:
     codes = codes.contiguous()
     per = 8 // bits
     outer, n, inner = C.axis_view(tuple(codes.shape), axis)
@@ -99,7 +99,7 @@ def pack(codes, bits: int, axis: int = -1):
         top = int(codes.max())
         if top >= 2 ** bits:
             raise ValueError(f"codes contain {top}, out of range for {bits} bits (max {2 ** bits - 1})")
-    return _pack_launch(codes, bits, axis)
+    return pack_launch(codes, bits, axis)
 
 
 def unpack(packed, bits: int, axis: int = -1):
@@ -141,7 +141,7 @@ def quantize_pack(x, bits: int, group_size, axis: int = -1, meta_dtype=np.float1
         return packed, scale, mn
     codes, scale, mn = Q.launch_quantize(x, bits, G, axis, meta, symmetric, per=1)
     C.check_meta(x, scale, mn)
-    return _pack_launch(codes, bits, axis), scale, mn
+    return pack_launch(codes, bits, axis), scale, mn
 
 
 def unpack_dequantize(packed, scale, mn, bits: int, group_size, axis: int = -1, out_dtype=np.float16):

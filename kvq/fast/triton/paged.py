@@ -45,7 +45,7 @@ from . import _flush as W
 from . import attention as A
 from . import packing as P
 from . import quant as Q
-from .quant import _unpack_last
+from .quant import unpack_last
 
 #: the bit-exact Triton kernels the shared paged cache (``kvq.fast.caches.paged``) quantizes and packs with
 OPS = Ops("triton", Q, P, C.interpreting, key_flush=W.flush_key_pages, value_evict=W.evict_values)
@@ -145,7 +145,7 @@ def _key_codes(kc_ptr, kh_ptr, ki_ptr, kbase, hbase, dc, c0,
     NB: tl.constexpr = BT // PER
     jb = c0 // PER + tl.arange(0, NB)
     byte = tl.load(kc_ptr + (kbase + dc[:, None]) * GB + jb[None, :]).to(tl.int32)
-    code = _unpack_last(byte, DC, NB, PER, K_BITS)
+    code = unpack_last(byte, DC, NB, PER, K_BITS)
     if KITTY:
         if DB_HIGH > 0:
             idx = tl.load(ki_ptr + kbase + dc).to(tl.int32)
@@ -153,7 +153,7 @@ def _key_codes(kc_ptr, kh_ptr, ki_ptr, kbase, hbase, dc, c0,
             hrow = tl.minimum(idx, DB_HIGH - 1)
             hb = tl.load(kh_ptr + (hbase + hrow[:, None]) * GB + jb[None, :], mask=boosted[:, None],
                          other=0).to(tl.int32)
-            code = code | (_unpack_last(hb, DC, NB, 4, 2) << 2)
+            code = code | (unpack_last(hb, DC, NB, 4, 2) << 2)
     return code
 
 
@@ -322,7 +322,7 @@ def _page_block(q, q_ptrs, rmask, sq_d, m_i, l_i, acc, j, c0, j_end, b, hk, H_KV
         s = (split_dot(q * ks[None, :], kcodes, DT, K_TERMS, SHIFT)
              + tl.sum(q * km[None, :], axis=1)[:, None])
     s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))
-    m_new, alpha, p, l_i = A._softmax_step(s, m_i, l_i, PRECISE, LIBDEVICE)
+    m_new, alpha, p, l_i = A.softmax_step(s, m_i, l_i, PRECISE, LIBDEVICE)
     # values (BT, D) of the same tokens: value page j, slots c0 .. c0 + BT
     vrow = (vpid * H_KV + hk) * G + tok
     if V_WORDS:
@@ -338,7 +338,7 @@ def _page_block(q, q_ptrs, rmask, sq_d, m_i, l_i, acc, j, c0, j_end, b, hk, H_KV
         return m_new, l_i, acc
     vb = tl.arange(0, VB)
     vbyte = tl.load(vc_ptr + vrow[:, None] * VB + vb[None, :], mask=tmask[:, None], other=0).to(tl.int32)
-    vcode = _unpack_last(vbyte, BT, VB, VPER, V_BITS)
+    vcode = unpack_last(vbyte, BT, VB, VPER, V_BITS)
     if NGV == 1 and not PRECISE:
         # one group per token: p v = (p * scale_t) codes + sum_t p_t mn_t, codes exact in q's dtype
         vs = tl.load(vs_ptr + vrow, mask=tmask, other=0.0).to(tl.float32)
@@ -389,7 +389,7 @@ def _fused_kernel(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr,
     mb = tl.program_id(2)
     LIBDEVICE: tl.constexpr = TIGHT
     NSUB: tl.constexpr = G // BT
-    b, hk, h, t, rmask, q_ptrs = A._query_rows(q_ptr, bh, mb, H_KV, sq_b, sq_h, sq_t, T_Q, M, G_Q, BLOCK_M)
+    b, hk, h, t, rmask, q_ptrs = A.query_rows(q_ptr, bh, mb, H_KV, sq_b, sq_h, sq_t, T_Q, M, G_Q, BLOCK_M)
     d = tl.arange(0, D)
     if PRECISE:
         q = tl.zeros((BLOCK_M, 16), tl.float32)            # unused: the precise path loads q in chunks
@@ -424,7 +424,7 @@ def _fused_kernel(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr,
         dst = _word_order(D, V_BITS)                     # acc's channel order (see _page_block)
     else:
         dst = d
-    A._store_split(o_ptr, m_ptr, l_ptr, b, h, t, H_Q, T_Q, S_TOTAL, sp, acc, m_i, l_i, rmask, dst, D)
+    A.store_split(o_ptr, m_ptr, l_ptr, b, h, t, H_Q, T_Q, S_TOTAL, sp, acc, m_i, l_i, rmask, dst, D)
 
 # Gather the tail of the decode: the tokens the fused kernel does not cover (the sink and the post-sink
 # tokens [NF, T - S)), fp32 K / V rows in token order.
@@ -573,8 +573,8 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None, knobs: Knobs 
     qk = q.float() if (precise and q.dtype != torch.float32) else q
     G_q = H_q // H
     M = G_q * T_q
-    BLOCK_M, m_blocks = A._row_blocks(G_q, T_q)
-    sms = A._sm_count(dev)
+    BLOCK_M, m_blocks = A.row_blocks(G_q, T_q)
+    sms = A.sm_count(dev)
     # the fused kernel's launch: splits of about knobs.waves programs per SM, tiles, warps (plan)
     kp = codec.kernel_arrays(cfg, st) if NP else None
     magic = qk.dtype == torch.float16 and not precise
@@ -586,10 +586,10 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None, knobs: Knobs 
     tail_plan = []
     S_TOTAL = n_split
     if c["n_sink"] + c["post"] - NF > 0:
-        tail_plan, S_TOTAL = A._plan([gather_tail(cfg, codec, st, NF)], B * H * m_blocks, torch.float32, dev,
+        tail_plan, S_TOTAL = A.split_plan([gather_tail(cfg, codec, st, NF)], B * H * m_blocks, torch.float32, dev,
                                      s0=n_split)
     rows = B * H_q * T_q
-    o_part, m_part, l_part = A._partials(rows, S_TOTAL, D, dev)
+    o_part, m_part, l_part = A.partial_buffers(rows, S_TOTAL, D, dev)
     if n_split:
         BT = lp.BT
         _fused_kernel[(B * H, n_split, m_blocks)](
@@ -604,6 +604,6 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None, knobs: Knobs 
             num_warps=lp.warps, num_stages=lp.stages)
     if tail_plan:
         qf = q if q.dtype == torch.float32 else q.float()
-        A._launch_partials(qf, tail_plan, (o_part, m_part, l_part), S_TOTAL, H, sc, True, False)
-    A._merge_launch(o_part, m_part, l_part, out, lse, rows, S_TOTAL, D, log2=False)
+        A.launch_partials(qf, tail_plan, (o_part, m_part, l_part), S_TOTAL, H, sc, True, False)
+    A.merge_launch(o_part, m_part, l_part, out, lse, rows, S_TOTAL, D, log2=False)
     return out, lse

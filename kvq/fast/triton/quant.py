@@ -3,7 +3,7 @@
 Mirrors ``kvq.reference.quant`` bit for bit under the numerics contract (DESIGN.md section 2): the
 same fp32 operations in the same order, IEEE round-to-nearest division, no FMA contraction
 (``enable_fp_fusion=False``), round-half-to-even by the magic-number add (``numerics.rint_magic``),
-metadata rounded to fp16 with round-to-nearest-even, fp16 output saturated at +-65504 (``_sat_f16``,
+metadata rounded to fp16 with round-to-nearest-even, fp16 output saturated at +-65504 (``sat_f16``,
 ``numerics.to_out``). The kernels here also serve
 ``kvq.fast.triton.packing``: a kernel with ``PER = 8 // bits > 1`` packs the codes of ``PER``
 consecutive elements along the axis into one byte as it stores them (quantize_pack, one kernel), or
@@ -56,7 +56,7 @@ MAX_SORT = 4096            # longest row sorted in one program (quantile / perce
 INTERP_TILE = 1 << 20     # ... under the interpreter (rank selection: BLOCK_R * BLOCK_S**2)
 INTERP_RANK = True        # interpreter: select order statistics by rank (tl.sort is per element there)
 COLS_WARPS = 4              # warps per program, columns layout (8 measured 1.5-6x slower on an H100)
-_OUT_KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+OUT_KIND_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -64,7 +64,7 @@ _OUT_KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
 @triton.jit
-def _load_f32(ptrs, mask, IN_BF16: tl.constexpr):
+def load_f32(ptrs, mask, IN_BF16: tl.constexpr):
     """Rule 1: load fp16 / fp32 (or bf16 given as int16 bits) and convert exactly to fp32.
 
     bf16 is widened by hand (bits << 16) because the interpreter's bf16 conversion is not exact.
@@ -78,7 +78,7 @@ def _load_f32(ptrs, mask, IN_BF16: tl.constexpr):
 
 
 @triton.jit
-def _sat_f16(x):
+def sat_f16(x):
     """Rule 3's fp16 saturation (numerics.saturate_f16), before a rounding to fp16: a finite x beyond
     +-65504 becomes +-65504 instead of rounding to inf; NaN (every comparison false) and +-inf pass."""
     x = tl.where((x > 65504.0) & (x < float("inf")), 65504.0, x)
@@ -86,15 +86,15 @@ def _sat_f16(x):
 
 
 @triton.jit
-def _store_out(ptrs, x, mask, OUT_KIND: tl.constexpr):
+def store_out(ptrs, x, mask, OUT_KIND: tl.constexpr):
     """Rule 3 (last step, numerics.to_out): round fp32 to the output dtype, nearest even; 0 fp16
-    (saturated at +-65504 by ``_sat_f16``), 1 bf16 (int16 bits), 2 fp32.
+    (saturated at +-65504 by ``sat_f16``), 1 bf16 (int16 bits), 2 fp32.
 
     bf16 is rounded in integer arithmetic (numerics.round_to_bf16): exact on the GPU and in the
     interpreter, whose own fp32 -> bf16 conversion truncates.
     """
     if OUT_KIND == 0:
-        tl.store(ptrs, _sat_f16(x).to(tl.float16), mask=mask)
+        tl.store(ptrs, sat_f16(x).to(tl.float16), mask=mask)
     elif OUT_KIND == 1:
         u = x.to(tl.int32, bitcast=True)
         r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
@@ -105,7 +105,7 @@ def _store_out(ptrs, x, mask, OUT_KIND: tl.constexpr):
 
 
 @triton.jit
-def _meta(lo, hi, nz, s_ptr, QMAX: tl.constexpr, OFF: tl.constexpr, SYMMETRIC: tl.constexpr):
+def group_meta(lo, hi, nz, s_ptr, QMAX: tl.constexpr, OFF: tl.constexpr, SYMMETRIC: tl.constexpr):
     """Rule 2: scale and min from the group statistics; returns (scale, mn) stored and as fp32.
 
     Asymmetric: lo / hi = group min / max; ``mn = lo + 0.0`` (canonical zero);
@@ -139,7 +139,7 @@ def _div(a, b, r, FAST: tl.constexpr):
 
     FAST: ``a * r`` refined by two Markstein corrections, ``q += r * fma(-q, b, a)`` (the residual is
     exact with an FMA): correctly rounded whenever ``b``, ``1 / b`` and the residuals are normal
-    floats, which the caller guarantees (2**-96 <= b <= 2**120, see ``_fast_ok``). Five FMA-unit
+    floats, which the caller guarantees (2**-96 <= b <= 2**120, see ``fast_ok``). Five FMA-unit
     operations instead of a full ``div.rn`` per element. Otherwise ``tl.div_rn``.
     """
     if FAST:
@@ -152,7 +152,7 @@ def _div(a, b, r, FAST: tl.constexpr):
 
 
 @triton.jit
-def _fast_ok(s32, valid):
+def fast_ok(s32, valid):
     """True (one scalar for the program) when every nonzero scale of its groups lies in [2**-96, 2**120],
     the range where ``_div``'s FAST form is exact; tiny or huge scales take ``tl.div_rn``."""
     bad = valid & (s32 != 0.0) & ((s32 < 1.2621774483536189e-29) | (s32 > 1.329227995784916e36))
@@ -160,7 +160,7 @@ def _fast_ok(s32, valid):
 
 
 @triton.jit
-def _codes_f(x, s32, m32, r32, QMAX: tl.constexpr, OFF: tl.constexpr, SYMMETRIC: tl.constexpr,
+def codes_f(x, s32, m32, r32, QMAX: tl.constexpr, OFF: tl.constexpr, SYMMETRIC: tl.constexpr,
              BITS: tl.constexpr, FAST: tl.constexpr):
     """Rule 2: integer codes (int32) from fp32 x and the stored scale / min (broadcast to x's shape).
 
@@ -185,7 +185,7 @@ def _codes_f(x, s32, m32, r32, QMAX: tl.constexpr, OFF: tl.constexpr, SYMMETRIC:
 
 
 @triton.jit
-def _codes(x, s32, m32, r32, ok, QMAX: tl.constexpr, OFF: tl.constexpr, SYMMETRIC: tl.constexpr,
+def group_codes(x, s32, m32, r32, ok, QMAX: tl.constexpr, OFF: tl.constexpr, SYMMETRIC: tl.constexpr,
            BITS: tl.constexpr, FASTDIV: tl.constexpr):
     """Codes with the fast exact division where the program's scales allow it (``ok``), else div_rn.
 
@@ -193,11 +193,11 @@ def _codes(x, s32, m32, r32, ok, QMAX: tl.constexpr, OFF: tl.constexpr, SYMMETRI
     """
     if FASTDIV:
         if ok:
-            c = _codes_f(x, s32, m32, r32, QMAX, OFF, SYMMETRIC, BITS, True)
+            c = codes_f(x, s32, m32, r32, QMAX, OFF, SYMMETRIC, BITS, True)
         else:
-            c = _codes_f(x, s32, m32, r32, QMAX, OFF, SYMMETRIC, BITS, False)
+            c = codes_f(x, s32, m32, r32, QMAX, OFF, SYMMETRIC, BITS, False)
     else:
-        c = _codes_f(x, s32, m32, r32, QMAX, OFF, SYMMETRIC, BITS, False)
+        c = codes_f(x, s32, m32, r32, QMAX, OFF, SYMMETRIC, BITS, False)
     return c
 
 
@@ -221,7 +221,7 @@ def _pack_last(c, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, PER: tl.constexp
 
 
 @triton.jit
-def _unpack_last(byte, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr, PER: tl.constexpr, BITS: tl.constexpr):
+def unpack_last(byte, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr, PER: tl.constexpr, BITS: tl.constexpr):
     """(BLOCK_R, BLOCK_J) bytes -> (BLOCK_R, BLOCK_J * PER) codes (the inverse of ``_pack_last``)."""
     M: tl.constexpr = (1 << (8 // PER)) - 1
     if PER == 1:
@@ -238,7 +238,7 @@ def _unpack_last(byte, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr, PER: tl.con
 
 
 @triton.jit
-def _sorted_quantile(key, nnan, N, LO, HI, FRAC, BLOCK_S: tl.constexpr, RANK: tl.constexpr):
+def sorted_quantile(key, nnan, N, LO, HI, FRAC, BLOCK_S: tl.constexpr, RANK: tl.constexpr):
     """``quant.quantile`` of each row of ``key`` (BLOCK_R, BLOCK_S): returns tau (BLOCK_R,) fp32.
 
     ``key`` holds the row's values with NaN and padding replaced by +inf; ``nnan`` (BLOCK_R,) counts
@@ -277,7 +277,7 @@ def _sorted_quantile(key, nnan, N, LO, HI, FRAC, BLOCK_S: tl.constexpr, RANK: tl
 
 
 @triton.jit
-def _clip(x, t):
+def clip_np(x, t):
     """``np.minimum(np.maximum(x, -t), t)`` bit for bit: NumPy returns its second argument when the two
     compare equal (so +0.0 / -0.0 come out as NumPy's) and propagates a NaN from either argument."""
     nt = -t
@@ -305,7 +305,7 @@ def _quant_last_kernel(x_ptr, q_ptr, s_ptr, m_ptr, R, G,
     r2 = rr[:, None]
     g2 = tl.arange(0, BLOCK_G)[None, :]
     m = ((r0 + r2) < R) & (g2 < G)
-    x = _load_f32(x_ptr + r0 * G + (r2 * G + g2), m, IN_BF16)
+    x = load_f32(x_ptr + r0 * G + (r2 * G + g2), m, IN_BF16)
     if SYMMETRIC:
         lo = tl.zeros((BLOCK_R,), tl.float32)
         hi = tl.max(tl.where(m, tl.abs(x), 0.0), axis=1)
@@ -313,12 +313,12 @@ def _quant_last_kernel(x_ptr, q_ptr, s_ptr, m_ptr, R, G,
         lo = tl.min(tl.where(m, x, float("inf")), axis=1)
         hi = tl.max(tl.where(m, x, float("-inf")), axis=1)
     nz = tl.sum(x * 0.0, axis=1)
-    scale_st, mn_st, s32, m32 = _meta(lo, hi, nz, s_ptr, QMAX, OFF, SYMMETRIC)
+    scale_st, mn_st, s32, m32 = group_meta(lo, hi, nz, s_ptr, QMAX, OFF, SYMMETRIC)
     r1mask = (r0 + rr) < R
     tl.store(s_ptr + r0 + rr, scale_st, mask=r1mask)
     tl.store(m_ptr + r0 + rr, mn_st, mask=r1mask)
-    ok = _fast_ok(s32, r1mask)
-    c = _codes(x, s32[:, None], m32[:, None], tl.div_rn(1.0, s32)[:, None], ok, QMAX, OFF, SYMMETRIC, BITS,
+    ok = fast_ok(s32, r1mask)
+    c = group_codes(x, s32[:, None], m32[:, None], tl.div_rn(1.0, s32)[:, None], ok, QMAX, OFF, SYMMETRIC, BITS,
                FASTDIV)
     byte = _pack_last(c, BLOCK_R, BLOCK_G, PER, BITS)                 # (BLOCK_R, BLOCK_G // PER)
     j2 = tl.arange(0, BLOCK_G // PER)[None, :]
@@ -347,7 +347,7 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, m_ptr, R, G,
     xb = x_ptr + r0 * G
     if N_CHUNKS == 1:
         m = rmask & (j3 < NJ)
-        x = _load_f32(xb + (r3 * G + j3 * PER + k3), m, IN_BF16)
+        x = load_f32(xb + (r3 * G + j3 * PER + k3), m, IN_BF16)
         if SYMMETRIC:
             lo = tl.zeros((BLOCK_R,), tl.float32)
             hi = tl.max(tl.max(tl.where(m, tl.abs(x), 0.0), axis=2), axis=1)
@@ -365,18 +365,18 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, m_ptr, R, G,
         for c in range(N_CHUNKS):
             jj = c * BLOCK_J + j3
             m = rmask & (jj < NJ)
-            x = _load_f32(xb + (r3 * G + jj * PER + k3), m, IN_BF16)
+            x = load_f32(xb + (r3 * G + jj * PER + k3), m, IN_BF16)
             if SYMMETRIC:
                 hi = tl.maximum(hi, tl.max(tl.max(tl.where(m, tl.abs(x), 0.0), axis=2), axis=1))
             else:
                 lo = tl.minimum(lo, tl.min(tl.min(tl.where(m, x, float("inf")), axis=2), axis=1))
                 hi = tl.maximum(hi, tl.max(tl.max(tl.where(m, x, float("-inf")), axis=2), axis=1))
             nz += tl.sum(tl.sum(x * 0.0, axis=2), axis=1)
-    scale_st, mn_st, s32, m32 = _meta(lo, hi, nz, s_ptr, QMAX, OFF, SYMMETRIC)
+    scale_st, mn_st, s32, m32 = group_meta(lo, hi, nz, s_ptr, QMAX, OFF, SYMMETRIC)
     r1mask = (r0 + rr) < R
     tl.store(s_ptr + r0 + rr, scale_st, mask=r1mask)
     tl.store(m_ptr + r0 + rr, mn_st, mask=r1mask)
-    ok = _fast_ok(s32, r1mask)
+    ok = fast_ok(s32, r1mask)
     s3 = s32[:, None, None]
     m3 = m32[:, None, None]
     rc3 = tl.div_rn(1.0, s32)[:, None, None]
@@ -384,15 +384,15 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, m_ptr, R, G,
     r2 = rr[:, None]
     qb = q_ptr + r0 * NJ
     if N_CHUNKS == 1:
-        c = _codes(x, s3, m3, rc3, ok, QMAX, OFF, SYMMETRIC, BITS, FASTDIV)
+        c = group_codes(x, s3, m3, rc3, ok, QMAX, OFF, SYMMETRIC, BITS, FASTDIV)
         byte = tl.sum(c << (k3 * BITS), axis=2)                 # (BLOCK_R, BLOCK_J)
         tl.store(qb + (r2 * NJ + j2), byte.to(tl.uint8), mask=((r0 + r2) < R) & (j2 < NJ))
     else:
         for c in range(N_CHUNKS):
             jj = c * BLOCK_J + j3
             m = rmask & (jj < NJ)
-            x = _load_f32(xb + (r3 * G + jj * PER + k3), m, IN_BF16)
-            code = _codes(x, s3, m3, rc3, ok, QMAX, OFF, SYMMETRIC, BITS, FASTDIV)
+            x = load_f32(xb + (r3 * G + jj * PER + k3), m, IN_BF16)
+            code = group_codes(x, s3, m3, rc3, ok, QMAX, OFF, SYMMETRIC, BITS, FASTDIV)
             byte = tl.sum(code << (k3 * BITS), axis=2)
             jj2 = c * BLOCK_J + j2
             tl.store(qb + (r2 * NJ + jj2), byte.to(tl.uint8), mask=((r0 + r2) < R) & (jj2 < NJ))
@@ -424,7 +424,7 @@ def _quant_cols_kernel(x_ptr, q_ptr, s_ptr, m_ptr, G, INNER, NIB,
     xb = x_ptr + og * G * INNER
     if N_CHUNKS == 1:
         m = imask & (j3 < NJ)
-        x = _load_f32(xb + ((j3 * PER + k3) * INNER + i3), m, IN_BF16)
+        x = load_f32(xb + ((j3 * PER + k3) * INNER + i3), m, IN_BF16)
         if SYMMETRIC:
             lo = tl.zeros((BLOCK_I,), tl.float32)
             hi = tl.max(tl.max(tl.where(m, tl.abs(x), 0.0), axis=1), axis=0)
@@ -442,18 +442,18 @@ def _quant_cols_kernel(x_ptr, q_ptr, s_ptr, m_ptr, G, INNER, NIB,
         for c in range(N_CHUNKS):
             jj = c * BLOCK_J + j3
             m = imask & (jj < NJ)
-            x = _load_f32(xb + ((jj * PER + k3) * INNER + i3), m, IN_BF16)
+            x = load_f32(xb + ((jj * PER + k3) * INNER + i3), m, IN_BF16)
             if SYMMETRIC:
                 hi = tl.maximum(hi, tl.max(tl.max(tl.where(m, tl.abs(x), 0.0), axis=1), axis=0))
             else:
                 lo = tl.minimum(lo, tl.min(tl.min(tl.where(m, x, float("inf")), axis=1), axis=0))
                 hi = tl.maximum(hi, tl.max(tl.max(tl.where(m, x, float("-inf")), axis=1), axis=0))
             nz += tl.sum(tl.sum(x * 0.0, axis=1), axis=0)
-    scale_st, mn_st, s32, m32 = _meta(lo, hi, nz, s_ptr, QMAX, OFF, SYMMETRIC)
+    scale_st, mn_st, s32, m32 = group_meta(lo, hi, nz, s_ptr, QMAX, OFF, SYMMETRIC)
     i1mask = ii < INNER
     tl.store(s_ptr + og * INNER + ii, scale_st, mask=i1mask)
     tl.store(m_ptr + og * INNER + ii, mn_st, mask=i1mask)
-    ok = _fast_ok(s32, i1mask)
+    ok = fast_ok(s32, i1mask)
     s3 = s32[None, None, :]
     m3 = m32[None, None, :]
     rc3 = tl.div_rn(1.0, s32)[None, None, :]
@@ -463,15 +463,15 @@ def _quant_cols_kernel(x_ptr, q_ptr, s_ptr, m_ptr, G, INNER, NIB,
     i2 = ii[None, :]
     qb = q_ptr + og * NJ * INNER
     if N_CHUNKS == 1:
-        code = _codes(x, s3, m3, rc3, ok, QMAX, OFF, SYMMETRIC, BITS, FASTDIV)
+        code = group_codes(x, s3, m3, rc3, ok, QMAX, OFF, SYMMETRIC, BITS, FASTDIV)
         byte = tl.sum(code << (k3 * BITS), axis=1)               # (BLOCK_J, BLOCK_I)
         tl.store(qb + (j2 * INNER + i2), byte.to(tl.uint8), mask=(j2 < NJ) & (i2 < INNER))
     else:
         for c in range(N_CHUNKS):
             jj = c * BLOCK_J + j3
             m = imask & (jj < NJ)
-            x = _load_f32(xb + ((jj * PER + k3) * INNER + i3), m, IN_BF16)
-            code = _codes(x, s3, m3, rc3, ok, QMAX, OFF, SYMMETRIC, BITS, FASTDIV)
+            x = load_f32(xb + ((jj * PER + k3) * INNER + i3), m, IN_BF16)
+            code = group_codes(x, s3, m3, rc3, ok, QMAX, OFF, SYMMETRIC, BITS, FASTDIV)
             byte = tl.sum(code << (k3 * BITS), axis=1)
             jj2 = c * BLOCK_J + j2
             tl.store(qb + (jj2 * INNER + i2), byte.to(tl.uint8), mask=(jj2 < NJ) & (i2 < INNER))
@@ -483,7 +483,7 @@ def _quant_cols_kernel(x_ptr, q_ptr, s_ptr, m_ptr, G, INNER, NIB,
 
 # Dequantize (and unpack) groups of G contiguous elements, last axis (inner == 1).
 # Computes: x = float(code) * scale_s + mn_s (two rounded fp32 ops, no FMA), rounded to the output dtype
-#   (fp16 saturated at +-65504: _store_out); codes unpacked from bytes in registers by join.
+#   (fp16 saturated at +-65504: store_out); codes unpacked from bytes in registers by join.
 # Grid: (cdiv(R, BLOCK_R), cdiv(G // PER, BLOCK_J)); tile (BLOCK_R, BLOCK_J) bytes -> (BLOCK_R, BLOCK_J*PER).
 # Bytes: reads R*G/PER code bytes + 2 R metadata, writes R*G output elements.
 @triton.jit
@@ -500,10 +500,10 @@ def _dequant_rows_kernel(q_ptr, s_ptr, m_ptr, o_ptr, R, G,
     r2 = rr[:, None]
     j2 = jb + tl.arange(0, BLOCK_J)[None, :]
     byte = tl.load(q_ptr + r0 * NJ + (r2 * NJ + j2), mask=((r0 + r2) < R) & (j2 < NJ), other=0).to(tl.int32)
-    code = _unpack_last(byte, BLOCK_R, BLOCK_J, PER, BITS)
+    code = unpack_last(byte, BLOCK_R, BLOCK_J, PER, BITS)
     x = code.to(tl.float32) * s32[:, None] + m32[:, None]
     e2 = jb * PER + tl.arange(0, BLOCK_J * PER)[None, :]
-    _store_out(o_ptr + r0 * G + (r2 * G + e2), x, ((r0 + r2) < R) & (e2 < G), OUT_KIND)
+    store_out(o_ptr + r0 * G + (r2 * G + e2), x, ((r0 + r2) < R) & (e2 < G), OUT_KIND)
 
 
 # Dequantize (and unpack) groups of G elements strided by `inner`, columns layout (inner > 1).
@@ -532,7 +532,7 @@ def _dequant_cols_kernel(q_ptr, s_ptr, m_ptr, o_ptr, G, INNER,
     code = (byte[:, None, :] >> (k3 * BITS)) & ((1 << (8 // PER)) - 1)
     x = code.to(tl.float32) * s32[None, None, :] + m32[None, None, :]
     offs = (j2[:, None, :] * PER + k3) * INNER + i2[:, None, :]
-    _store_out(o_ptr + og * G * INNER + offs, x, mask2[:, None, :] & (k3 < PER), OUT_KIND)
+    store_out(o_ptr + og * G * INNER + offs, x, mask2[:, None, :] & (k3 < PER), OUT_KIND)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -554,22 +554,22 @@ def _quantile_rows_kernel(x_ptr, t_ptr, o_ptr, R, N, LO, HI, FRAC,
     c2 = tl.arange(0, BLOCK_S)[None, :]
     m = ((r0 + r2) < R) & (c2 < N)
     offs = r0 * N + (r2 * N + c2)
-    x = _load_f32(x_ptr + offs, m, IN_BF16)
+    x = load_f32(x_ptr + offs, m, IN_BF16)
     v = tl.abs(x) if ABS else x
     isn = v != v
     nnan = tl.sum((m & isn).to(tl.int32), axis=1)
     key = tl.where(m & (v == v), v, float("inf"))
-    tau = _sorted_quantile(key, nnan, N, LO, HI, FRAC, BLOCK_S, RANK)
+    tau = sorted_quantile(key, nnan, N, LO, HI, FRAC, BLOCK_S, RANK)
     tl.store(t_ptr + r0 + rr, tau, mask=(r0 + rr) < R)
     if CLIP:
-        tl.store(o_ptr + offs, _clip(x, tau[:, None]), mask=m)
+        tl.store(o_ptr + offs, clip_np(x, tau[:, None]), mask=m)
 
 
 # ----------------------------------------------------------------------------------------------------
 # launchers (shared with packing.py)
 
 
-def _p2(n: int) -> int:
+def p2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
@@ -598,7 +598,7 @@ def launch_quantize(x: torch.Tensor, bits: int, G: int, axis: int, meta: torch.d
     else:
         qmax, off = float(2 ** bits - 1), 0.0
     NJ = G // per
-    BJ = _p2(NJ)
+    BJ = p2(NJ)
     BG = BJ * per
     n_groups = outer * (n // G)
     fast = not C.interpreting()
@@ -606,7 +606,7 @@ def launch_quantize(x: torch.Tensor, bits: int, G: int, axis: int, meta: torch.d
                   FASTDIV=fast, enable_fp_fusion=False)
     if inner == 1:
         if BG <= MAX_SINGLE:
-            BR = min(max(1, TILE // BG), _p2(n_groups))
+            BR = min(max(1, TILE // BG), p2(n_groups))
             _quant_last_kernel[(triton.cdiv(n_groups, BR),)](xin, q, scale, mn, n_groups, G, BLOCK_R=BR, BLOCK_G=BG,
                                                             num_warps=_warps(BR * BG), **common)
         else:
@@ -616,10 +616,10 @@ def launch_quantize(x: torch.Tensor, bits: int, G: int, axis: int, meta: torch.d
     else:
         i64 = G * inner >= 2 ** 31
         if BG <= MAX_SINGLE:
-            BI = min(_p2(inner), max(1, TILE_COLS // BG))
+            BI = min(p2(inner), max(1, TILE_COLS // BG))
             chunks, BJc = 1, BJ
         else:
-            BI = min(_p2(inner), 32)
+            BI = min(p2(inner), 32)
             BJc = max(1, TILE_COLS // (per * BI))
             chunks = triton.cdiv(NJ, BJc)
         nib = triton.cdiv(inner, BI)
@@ -640,17 +640,17 @@ def launch_dequantize(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, bi
     oview = o.view(torch.int16) if out == torch.bfloat16 else o
     NJ = G // per
     n_groups = outer * (n // G)
-    kind = _OUT_KIND[out]
+    kind = OUT_KIND_CODE[out]
     if inner == 1:
-        BJ = min(_p2(NJ), max(1, TILE // per))
-        BR = min(max(1, TILE // (BJ * per)), _p2(n_groups))
+        BJ = min(p2(NJ), max(1, TILE // per))
+        BR = min(max(1, TILE // (BJ * per)), p2(n_groups))
         grid = (triton.cdiv(n_groups, BR), triton.cdiv(NJ, BJ))
         _dequant_rows_kernel[grid](q, scale, mn, oview, n_groups, G, BITS=bits, PER=per, OUT_KIND=kind,
                                    BLOCK_R=BR, BLOCK_J=BJ, num_warps=_warps(BR * BJ * per),
                                    enable_fp_fusion=False)
     else:
-        BI = min(_p2(inner), 128)
-        BJ = min(_p2(NJ), max(1, TILE // (per * BI)))
+        BI = min(p2(inner), 128)
+        BJ = min(p2(NJ), max(1, TILE // (per * BI)))
         grid = (n_groups, triton.cdiv(NJ, BJ), triton.cdiv(inner, BI))
         _dequant_cols_kernel[grid](q, scale, mn, oview, G, inner, BITS=bits, PER=per, OUT_KIND=kind,
                                    I64=G * inner >= 2 ** 31, BLOCK_J=BJ, BLOCK_I=BI,
@@ -672,11 +672,11 @@ def sort_rows(row_elems: int, rows: int) -> int:
     if not C.interpreting():
         return 1
     tile = INTERP_TILE // row_elems
-    return min(max(1, tile // row_elems), _p2(rows))
+    return min(max(1, tile // row_elems), p2(rows))
 
 
 def _sort_tile(n: int, rows: int):
-    BS = _p2(n)
+    BS = p2(n)
     return sort_rows(BS, rows), BS
 
 
