@@ -15,6 +15,11 @@ import json
 import sys
 
 
+def status_word(r: dict) -> str:
+    """A row's status for a table cell: ``oom``, ``failed`` or ``unavailable`` (the JSON keeps the reason)."""
+    return r["status"].split(":")[0]
+
+
 def table(doc: dict) -> str:
     rows = doc["rows"]
     shapes = list(dict.fromkeys((r["batch"], r["context"]) for r in rows if not r.get("max_batch")))
@@ -34,7 +39,7 @@ def table(doc: dict) -> str:
             if r is None:
                 cells.append("-")
             elif r["status"] != "ok":
-                cells.append(r["status"])
+                cells.append(status_word(r))
             else:
                 rel = (f" ({r['ms_per_step'] / base['ms_per_step']:.2f}x)"
                        if base and base["status"] == "ok" and c != "StaticCache" else "")
@@ -69,7 +74,7 @@ def _grid(title: str, rows: list, shapes: list, caches: list, cell, keep=None) -
         cells = []
         for b, t in shapes:
             r, base = at.get((c, b, t)), at.get(("StaticCache", b, t))
-            cells.append("-" if r is None else r["status"] if r["status"] != "ok" else cell(r, base))
+            cells.append("-" if r is None else status_word(r) if r["status"] != "ok" else cell(r, base))
         out.append(f"| {c} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -130,7 +135,7 @@ def max_batch_table(rows: list) -> str:
             out.append(f"| {r['cache']} | {r['context'] // 1024}K | {r['batch']} | {r['ms_per_step']:.1f} | "
                        f"{r['tokens_per_s']:.0f} |")
         else:
-            out.append(f"| {r['cache']} | {r['context'] // 1024}K | {r['status']} (at {r['batch']}) | - | - |")
+            out.append(f"| {r['cache']} | {r['context'] // 1024}K | {status_word(r)} (at {r['batch']}) | - | - |")
     return "\n".join(out)
 
 

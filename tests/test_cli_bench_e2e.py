@@ -285,3 +285,56 @@ def test_a_row_lets_go_of_its_cache_before_it_frees_memory(monkeypatch):
     row = bench_e2e.run_one(model, "DynamicCache", 1, 32, args)
     assert row["status"] == "ok" and len(made) == 1
     assert dead[-1], "the row's cache was still reachable when run_one freed the device's memory"
+
+
+def test_a_failing_row_is_recorded_and_the_run_goes_on(tmp_path, capsys, monkeypatch):
+    """A cache whose step raises (not out of memory) gets ``status: "failed: <error> [at file:line]"``; the
+    rows after it still run while the device takes work."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    real_fill = bench_e2e.fill
+
+    def fill(cache, *a, **k):
+        if type(cache).__name__ == "DynamicCache":
+            raise RuntimeError("boom in the peer's kernel")
+        return real_fill(cache, *a, **k)
+
+    monkeypatch.setattr(bench_e2e, "fill", fill)
+    out = tmp_path / "e2e.json"
+    rc, stdout, err = _run(["bench", "e2e", "--tiny", "--device", "cpu", "--shapes", "1x40", "--caches", "DynamicCache",
+                            "FP16", "--steps", "1", "--warmup", "0", "--chunk", "32", "--out", str(out)], capsys)
+    assert rc == 0, err
+    doc = json.loads(out.read_text())
+    failed, ok = doc["rows"]
+    assert re.fullmatch(r"failed: RuntimeError: boom in the peer's kernel \[at test_cli_bench_e2e\.py:\d+\]",
+                        failed["status"]), failed
+    assert ok["cache"] == "FP16" and ok["status"] == "ok" and "stopped" not in doc["info"]
+    assert "failed: RuntimeError" in stdout
+
+
+def test_a_row_that_loses_the_device_stops_the_run(tmp_path, capsys, monkeypatch):
+    """A failure that takes the device with it (an illegal memory access leaves the CUDA context unusable):
+    the run records where in ``info["stopped"]``, runs no further row and ends with status 1."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    real_fill, alive = bench_e2e.fill, [True]
+
+    def fill(cache, *a, **k):
+        if type(cache).__name__ == "DynamicCache":
+            alive[0] = False
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real_fill(cache, *a, **k)
+
+    monkeypatch.setattr(bench_e2e, "fill", fill)
+    monkeypatch.setattr(bench_e2e, "device_alive", lambda device: alive[0])
+    out = tmp_path / "e2e.json"
+    rc, stdout, err = _run(["bench", "e2e", "--tiny", "--device", "cpu", "--shapes", "1x40", "2x40", "--caches",
+                            "FP16", "DynamicCache", "--steps", "1", "--warmup", "0", "--chunk", "32", "--out", str(out)],
+                           capsys)
+    assert rc == 1
+    doc = json.loads(out.read_text())
+    assert [(r["cache"], r["batch"], r["status"][:6]) for r in doc["rows"]] == [("FP16", 1, "ok"), ("DynamicCache", 1, "failed")]
+    assert doc["info"]["stopped"].startswith("the CUDA context was lost at DynamicCache 1 x 40 (failed: RuntimeError")
+    assert "the rows after it were not run" in stdout
+
+
+def test_device_alive_on_the_cpu():
+    assert bench_e2e.device_alive("cpu") is True

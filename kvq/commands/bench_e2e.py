@@ -27,7 +27,10 @@ be captured gets ``graph_status`` with the reason). ``--graphed N`` adds, for th
 through ``kvq.integrations.graphs`` (the model's step replayed from CUDA graphs, each layer's kvq work eager
 between them: what ``graphs.generate`` runs; ``graphed_ms_per_step``, Python included). ``--max-batch`` adds, per cache, the largest batch that fits the card at that context (from the measured
 bytes per sequence, confirmed by running a step at it) and its tokens per second. Rows that do not fit
-are recorded as ``"oom"``; a transformers cache whose package is missing as ``"unavailable: ..."``.
+are recorded as ``"oom"``; a transformers cache whose package is missing as ``"unavailable: ..."``; a row
+that raises anything else as ``"failed: <error> [at file:line]"``, and the run goes on with the next row,
+unless the failure took the CUDA context with it (an illegal memory access in a kernel): then the JSON's
+``info["stopped"]`` says where, and the run ends with status 1.
 
 On the CPU (``--device cpu``) the kvq caches run on the NumPy reference backend (``NAME:reference`` or
 ``NAME``); Triton only under ``TRITON_INTERPRET=1``, CuPy never. The default ``--caches`` on the CPU are
@@ -57,7 +60,7 @@ from kvq.commands import CommandError, Parser, check_device, check_out_file, non
     non_negative_int, positive_int, report
 
 __all__ = ["DEFAULT_SHAPES", "DEFAULT_CACHES", "DEFAULT_CPU_CACHES", "TRANSFORMERS_CACHES", "llama_config",
-           "build_model", "make", "fill", "step_fn", "run_one", "graph_time", "graphed_time", "max_batch", "device_info", "parse_shape",
+           "build_model", "make", "fill", "step_fn", "run_one", "device_alive", "graph_time", "graphed_time", "max_batch", "device_info", "parse_shape",
            "model_bytes", "check_cache_name", "add_arguments", "build_parser", "validate", "run", "execute", "main"]
 
 DEFAULT_SHAPES = ["8x32768", "1x32768", "1x131072", "32x32768", "8x8192", "1x8192", "32x8192"]   # the headline first
@@ -223,14 +226,29 @@ def run_one(model, name: str, batch: int, context: int, args) -> dict:
         row["status"] = "oom"
     except ImportError as e:
         row["status"] = f"unavailable: {e}"
+    except Exception as e:                                   # noqa: BLE001 - recorded in the row, the run goes on
+        row["status"] = f"failed: {_err(e)}"                 # (run() stops if the device is lost with it)
     finally:
         step = cache = None                                  # the step's closure holds the cache too
         gc.collect()
-        if dev != "cpu":
+        if dev != "cpu" and device_alive(dev):
             torch.cuda.empty_cache()
         model.set_attn_implementation("sdpa")
     row.setdefault("status", "ok")
     return row
+
+
+def device_alive(device: str) -> bool:
+    """False when ``device`` (a CUDA device) no longer takes work: a kernel's illegal memory access leaves the
+    process's CUDA context unusable, and every later call fails (such a run must stop). True on the CPU."""
+    if device == "cpu":
+        return True
+    import torch
+    try:
+        torch.cuda.synchronize(device)
+        return True
+    except Exception:                                        # noqa: BLE001 - any error here means the context is lost
+        return False
 
 
 def graph_time(step, replays: int) -> dict:
@@ -334,7 +352,7 @@ def max_batch(model, name: str, context: int, per_seq: float, args) -> dict:
     b = max(1, int(free // per_seq))
     for _ in range(4):
         row = run_one(model, name, b, context, args)
-        if row["status"] == "ok":
+        if row["status"] != "oom":                           # it fits, or it failed otherwise (recorded as is)
             return dict(row, max_batch=True)
         b = max(1, int(b * 0.85))
     return dict(row, max_batch=True)
@@ -525,7 +543,8 @@ def validate(args, prog: str = "kvq bench e2e") -> None:
 
 def run(args) -> int:
     """Build the model, time every (shape, cache), then the --max-batch rows; print a line per row and
-    rewrite ``args.out`` after each. ``args`` as :func:`validate` left them."""
+    rewrite ``args.out`` after each. ``args`` as :func:`validate` left them. Returns 0, or 1 when a failed
+    row took the device with it (``info["stopped"]``)."""
     max_ctx = max(t for _, t in args.shapes) + args.warmup + args.steps + 8
     model = build_model(args.tiny, args.device, max(max_ctx, args.max_batch or 0) + 64)
     info = device_info(args.device)
@@ -539,12 +558,24 @@ def run(args) -> int:
             with open(args.out, "w") as f:
                 json.dump({"info": info, "rows": rows}, f, indent=1)
 
+    def lost(row) -> bool:
+        """After a failed row: True (and the run's ``info["stopped"]`` set) when the device is lost with it."""
+        if not row["status"].startswith("failed") or device_alive(args.device):
+            return False
+        info["stopped"] = (f"the CUDA context was lost at {row['cache']} {row['batch']} x {row['context']} "
+                           f"({row['status']}); the rows after it were not run")
+        save()
+        print(f"# {info['stopped']}", flush=True)
+        return True
+
     for batch, context in args.shapes:
         for name in args.caches:
             row = run_one(model, name, batch, context, args)
             rows.append(row)
             save()
             print(_line(row), flush=True)
+            if lost(row):
+                return 1
     if args.max_batch:
         for name in args.max_batch_caches or args.caches:
             per = [r for r in rows if r["cache"] == name and r["status"] == "ok" and "cache_bytes" in r]
@@ -556,6 +587,8 @@ def run(args) -> int:
             rows.append(row)
             save()
             print(_line(row), flush=True)
+            if lost(row):
+                return 1
     return 0
 
 
