@@ -156,7 +156,9 @@ def step_fn(model, cache, batch: int, context: int):
 
     from kvq.integrations.transformers import cache_argument
     dev = model.device
-    ids = torch.randint(0, model.config.vocab_size, (batch, 1), device=dev)
+    # the token ids from a CPU generator: a failed capture of an earlier row (--graph) may leave the default
+    # CUDA generator unusable ("Offset increment outside graph capture"), and every later row with it
+    ids = torch.randint(0, model.config.vocab_size, (batch, 1), generator=torch.Generator().manual_seed(batch)).to(dev)
     count = [0]
     arg = cache_argument(model)                  # "cache" on newer transformers 5, else "past_key_values"
 
