@@ -186,6 +186,9 @@ def _run_line(card: str, name: str, doc: dict) -> str:
         line += f" Protocol: {i['protocol']}"
     if i["command"]:
         line += f" Run: `{i['command']}`" + (f" ({i['mode']})" if i["mode"] else "") + "."
+    note = (doc.get("info") or {}).get("note")
+    if note:                                            # what the file keeps of its run, and why (e2e's info)
+        line += f" Note: {note}."
     return line
 
 
@@ -214,14 +217,24 @@ def page(results: Path = RESULTS) -> str:
     return "\n".join(out).rstrip("\n") + "\n"
 
 
-def _newest(results: Path, name: str):
-    """(card, file name, JSON) of the newest run of benchmark ``name`` over every card, or None."""
-    found = [(run_info(d)["date"], c.name, f, d) for c in card_dirs(results) for f, d in load_card(c).get(name, [])]
+def _newest(results: Path, name: str, keep=None):
+    """(card, file name, JSON) of the newest run of benchmark ``name`` over every card (of those for which
+    ``keep(JSON)`` is true, when given), or None."""
+    found = [(run_info(d)["date"], c.name, f, d) for c in card_dirs(results) for f, d in load_card(c).get(name, [])
+             if keep is None or keep(d)]
     if not found:
         return None
     # the newest run; on one date the benchmark's main file (``e2e.json`` before ``e2e_graph.json``)
     _, card, fname, doc = max(found, key=lambda x: (x[0], x[2] == f"{name}.json"))
     return card, fname, doc
+
+
+def _has_speed_shapes(doc) -> bool:
+    """An e2e run that measured StaticCache at every one of :data:`SPEED_SHAPES` (the table's columns): a
+    newer run of other shapes only does not replace it there."""
+    ran = {(r["batch"], r["context"]) for r in doc.get("rows", []) if r["cache"] == "StaticCache"
+           and not r.get("max_batch")}
+    return set(SPEED_SHAPES) <= ran
 
 
 def _speedups(e2e_doc, method: str) -> tuple:
@@ -266,9 +279,11 @@ def methods_table(results: Path = RESULTS) -> str:
     """The README's table to choose a method: per method of the evaluation model's run (the newest
     ``long_lm.json``: a 16K-context LM trained here), its paper configuration's bits per element,
     perplexity against FP16's and retrieval accuracy at the model's context; MiniLM's attention KL (the
-    newest ``attention.json``), the end-to-end decode step against FP16 (the newest ``e2e.json``) and
+    newest ``attention.json``), the end-to-end decode step against FP16 (the newest ``e2e`` run that measured
+    :data:`SPEED_SHAPES`) and
     whether it needs a calibration; then the sources and the quality-against-bits figure."""
-    lm, att, e2e = (_newest(results, n) for n in ("long_lm", "attention", "e2e"))
+    lm, att = (_newest(results, n) for n in ("long_lm", "attention"))
+    e2e = _newest(results, "e2e", keep=_has_speed_shapes)
     if lm is None:
         raise ValueError(f"no long_lm.json under {results}/<card>/: the method table lists the evaluated methods")
     paper = E.long_lm_paper_rows(lm[2])

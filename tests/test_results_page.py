@@ -115,6 +115,31 @@ def test_method_table_from_the_json_and_dashes_where_nothing_was_measured(result
     assert "Attention KL: no `attention.json` committed." in table
 
 
+def test_a_newer_e2e_run_of_other_shapes_does_not_replace_the_speed_column(results):
+    """The method table's speed reads the newest e2e run that measured its shapes (8 x 32K, 1 x 32K): a newer
+    run of other shapes (a part file) gets its own table on the results page, with its note, and the
+    method table's speed and source stay."""
+    _write(results / "h200", "e2e_8k.json", {"info": {"device": "Test GPU 2", "commit": "fff0000", "date": "2026-02-01",
+                                                       "note": "only the 8K rows"}, "rows": [
+        {"cache": "StaticCache", "batch": 1, "context": 8192, "ms_per_step": 10.0, "status": "ok"},
+        {"cache": "KIVI-K2V2:cupy", "batch": 1, "context": 8192, "ms_per_step": 5.0, "status": "ok"}]})
+    table = RP.methods_table(results)
+    rows = {r[0]: r for r in _rows(table, "") if r[0] not in ("method", "---")}
+    assert rows["KIVI-K2V2"][5] == "4.00x / 0.50x (CuPy)"
+    assert "`benchmarks/results/h200/e2e.json` (Test GPU 2, commit `def5678`, 2026-01-03)" in table
+    page = RP.page(results)
+    assert "commit `fff0000`, 2026-02-01; `e2e_8k.json`. Note: only the 8K rows." in page
+    _write(results / "h200", "e2e_8k.json", {"info": {"device": "Test GPU 2", "commit": "fff0000", "date": "2026-02-01"},
+                                               "rows": [dict(r, context=c) for c in (8192, 32768) for r in (
+        {"cache": "StaticCache", "batch": 8, "ms_per_step": 80.0, "status": "ok"},
+        {"cache": "StaticCache", "batch": 1, "ms_per_step": 20.0, "status": "ok"},
+        {"cache": "KIVI-K2V2:cupy", "batch": 8, "ms_per_step": 20.0, "status": "ok"},
+        {"cache": "KIVI-K2V2:cupy", "batch": 1, "ms_per_step": 40.0, "status": "ok"})]})
+    table = RP.methods_table(results)                                   # a newer run of those shapes does
+    rows = {r[0]: r for r in _rows(table, "") if r[0] not in ("method", "---")}
+    assert rows["KIVI-K2V2"][5] == "4.00x / 0.50x (CuPy)" and "commit `fff0000`" in table
+
+
 def test_unknown_json_and_missing_markers_are_errors(results, tmp_path):
     _write(results / "h100", "mystery.json", {"meta": META})
     with pytest.raises(ValueError, match="mystery"):
