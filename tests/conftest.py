@@ -2,7 +2,7 @@
 
 Without a CUDA GPU, Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1`` must be set
 before kvq's Triton kernels are imported: ``@triton.jit`` reads it when it decorates a kernel, and
-``kvq.fast.common.interpreting`` reports that fact for the whole process), on CPU tensors. With a GPU
+``kvq.fast.triton.quant.interpreting`` reports that fact for the whole process), on CPU tensors. With a GPU
 (the device machine, ``pytest -m gpu``) the same parity tests run on CUDA tensors for both backends.
 
 The ``fast_target`` fixture yields ``(backend, device)`` pairs:

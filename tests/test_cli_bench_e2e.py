@@ -163,14 +163,15 @@ def test_bad_invocation_one_line_status_2_before_any_work(argv, fragment, tmp_pa
 
 
 def test_triton_on_the_cpu_only_under_the_interpreter(monkeypatch, no_work, capsys):
-    from kvq.fast import common
+    pytest.importorskip("triton")
+    from kvq.fast.triton import quant
 
-    monkeypatch.setattr(common, "interpreting", lambda: False)
+    monkeypatch.setattr(quant, "interpreting", lambda: False)
     rc, out, err = _run(["bench", "e2e", "--tiny", "--device", "cpu", "--caches", "KIVI-K2V2:triton"], capsys)
     assert rc == 2 and len(err.strip().splitlines()) == 1
     assert "the triton backend needs a CUDA device, or Triton's CPU interpreter" in err
     assert "KIVI-K2V2:reference" in err
-    monkeypatch.setattr(common, "interpreting", lambda: True)
+    monkeypatch.setattr(quant, "interpreting", lambda: True)
     bench_e2e.check_cache_name("KIVI-K2V2:triton", "cpu")                        # accepted under the interpreter
 
 

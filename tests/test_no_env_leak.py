@@ -1,7 +1,7 @@
 """Order independence (issue 36): no environment variable decides where data lives mid-process, and no
 test leaks an environment change.
 
-* ``kvq.fast.common.interpreting()`` is a fact fixed once per process (how ``@triton.jit`` decorated
+* ``kvq.fast.triton.quant.interpreting()`` is a fact fixed once per process (how ``@triton.jit`` decorated
   kvq's kernels), not a read of ``TRITON_INTERPRET`` at call time;
 * ``kvq.fast.common.cache_device(ops, device)``: an explicit device wins, validated; None -> the CPU under
   the interpreter, else the current CUDA device;
@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from kvq.fast import common as C  # noqa: E402
+from kvq.fast.triton import quant as Q  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HAS_CUDA = torch.cuda.is_available()
@@ -53,8 +54,8 @@ def test_interpreting_matches_the_kernels_in_this_process():
     from kvq.fast.triton import attention, quant
     for mod in (quant, attention):
         kernels = [k for n, k in vars(mod).items() if n.endswith("_kernel")]
-        assert kernels and all(isinstance(k, InterpretedFunction) == C.interpreting() for k in kernels)
-    assert C.interpreting() == (not HAS_CUDA)         # tests/conftest.py sets the variable only without CUDA
+        assert kernels and all(isinstance(k, InterpretedFunction) == Q.interpreting() for k in kernels)
+    assert Q.interpreting() == (not HAS_CUDA)         # tests/conftest.py sets the variable only without CUDA
 
 
 @pytest.mark.parametrize("value", [None, "0", "1"])
@@ -62,13 +63,13 @@ def test_environment_changes_decide_nothing_mid_process(value, monkeypatch):
     """Setting or removing TRITON_INTERPRET after the kernels exist changes neither interpreting() nor
     where a new cache lives (the GPU suite failed in any order because it did)."""
     from kvq.fast.triton import kivi
-    want = C.interpreting()
+    want = Q.interpreting()
     home = torch.device("cpu") if want else torch.device("cuda", torch.cuda.current_device())
     if value is None:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     else:
         monkeypatch.setenv("TRITON_INTERPRET", value)
-    assert C.interpreting() is want
+    assert Q.interpreting() is want
     assert C.cache_device(kivi.paged.OPS) == home
     st = kivi.init(kivi.CONFIGS["KIVI-K2V2"], 1, 1, 128)
     assert st.device == home and all(a.device == home for a in st.arrays().values())
@@ -79,27 +80,26 @@ def test_interpreting_in_fresh_processes():
     kvq's kernels were decorated (compiled kernels): False."""
     code = """
         import os
-        from kvq.fast import common as C
-        a = C.interpreting()
+        from kvq.fast.triton import quant as Q
+        a = Q.interpreting()
         os.environ.pop("TRITON_INTERPRET", None)
-        print(a, C.interpreting())
+        print(a, Q.interpreting())
     """
     assert _run(code, interpret=True) == "True True"
-    assert _run("from kvq.fast import common as C; print(C.interpreting())", interpret=False) == "False"
+    assert _run("from kvq.fast.triton import quant as Q; print(Q.interpreting())", interpret=False) == "False"
     late = """
         import os
-        import kvq.fast.triton.quant
+        import kvq.fast.triton.quant as Q
         os.environ["TRITON_INTERPRET"] = "1"
-        from kvq.fast import common as C
-        print(C.interpreting())
+        print(Q.interpreting())
     """
     assert _run(late, interpret=False) == "False"
 
 
 def test_kvstore_uses_the_same_fact(monkeypatch):
     from kvq.integrations import methods
-    monkeypatch.setenv("TRITON_INTERPRET", "0" if C.interpreting() else "1")
-    assert methods._fast_interpreting() is C.interpreting()
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if Q.interpreting() else "1")
+    assert methods._fast_interpreting() is Q.interpreting()
 
 
 # ----------------------------------------------------------------------------- cache_device()

@@ -495,7 +495,7 @@ def check_cache_name(name: str, device: str, option: str = "--caches", prog: str
                            f"{method}:reference)", prog)
     if backend == "triton":
         try:
-            from kvq.fast.common import interpreting
+            from kvq.fast.triton.quant import interpreting
             ok = interpreting()
         except ImportError:
             ok = False

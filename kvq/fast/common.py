@@ -54,29 +54,6 @@ def validation(enabled: bool):
         _STATE["validate"] = old
 
 
-@functools.cache
-def interpreting() -> bool:
-    """True when kvq's Triton kernels run through Triton's CPU interpreter: a fact fixed once per process.
-
-    ``@triton.jit`` reads ``TRITON_INTERPRET`` when it decorates a kernel, i.e. when the kernel's module
-    is imported, and returns an ``InterpretedFunction`` (run on the CPU with NumPy) or a ``JITFunction``
-    (compiled for the GPU). So the rule is: the variable's value in force when ``kvq.fast.triton.quant``
-    is first imported decides, for the whole process (every kvq Triton module but ``rotate`` imports it
-    before decorating its own kernels; the first call of this function imports it too). The answer is
-    read from Triton itself, the type of that module's kernels, and cached; changing the variable later
-    changes nothing (set it before importing kvq's Triton modules, or run a subprocess with its own
-    environment). False where Triton cannot be imported."""
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-        from triton.runtime.jit import KernelInterface
-
-        from kvq.fast.triton import quant
-    except ImportError:
-        return False
-    kernels = [k for k in vars(quant).values() if isinstance(k, KernelInterface)]
-    return any(isinstance(k, InterpretedFunction) for k in kernels)
-
-
 def torch_dtype(dtype) -> torch.dtype:
     """A dtype given as torch / NumPy dtype or string, as the torch float dtype."""
     name = nx.dtype_name(dtype)
@@ -374,7 +351,7 @@ def rotation_operands(x, R, *, allow_cpu: bool = False):
 
 def cache_device(ops, device=None) -> torch.device:
     """Where a backend's new cache lives (``ops.name``: the backend's name; ``ops.allow_cpu()``: whether
-    its kernels run on the CPU, i.e. Triton under the interpreter, see :func:`interpreting`).
+    its kernels run on the CPU, i.e. Triton under the interpreter, see ``kvq.fast.triton.quant.interpreting``).
 
     ``device`` (a torch.device, a string such as ``"cuda:1"`` / ``"cpu"``, or a CUDA index) wins when
     given: a CUDA device must exist (``"cuda"`` alone means the current one); the CPU is accepted only

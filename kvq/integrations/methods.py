@@ -194,9 +194,13 @@ def bits_per_element(name: str, cfg, *, context: int, head_dim: int, kv_heads: i
 
 def _fast_interpreting() -> bool:
     """Whether kvq's Triton kernels run under Triton's CPU interpreter: the process-wide fact of
-    ``kvq.fast.common.interpreting`` (fixed when the kernels were decorated), never the environment."""
-    from kvq.fast import common
-    return common.interpreting()
+    ``kvq.fast.triton.quant.interpreting`` (fixed when the kernels were decorated), never the environment.
+    False where Triton cannot be imported."""
+    try:
+        from kvq.fast.triton import quant
+    except ImportError:
+        return False
+    return quant.interpreting()
 
 
 def resolve_calibration(name: str, calibration, *, n_layers: int, kv_heads: int, head_dim: int):

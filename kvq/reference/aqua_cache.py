@@ -31,7 +31,7 @@ from . import checks
 from .aqua import AquaConfig, AquaPredictors, Uniform, decode_checked, encode_checked, from_tokens, to_tokens
 from .aqua import check_predictors as _check_predictors
 from .model import apply_rope
-from .state import cfg_field, check_config, check_dims, check_host_device, check_state
+from .state import cfg_field, check_config, check_dims, check_host_device, check_state, register_layout
 
 F16 = np.float16
 
@@ -133,6 +133,9 @@ def init(cfg: AquaConfig, n_layers: int, batch: int, kv_heads: int, head_dim: in
                      first_v=_empty_codes(cfg.first_layer, (B, C), R, F),
                      res_k=_empty_codes(cfg.backbone, (L - 1, B, C), R, F),
                      res_v=_empty_codes(cfg.backbone, (L - 1, B, C), R, F), shape=(L, B, H, D), cfg=cfg)
+
+
+register_layout(AquaConfig, init)                   # what state.check_layout holds a hand-built state against
 
 
 def _check(cfg: AquaConfig, P: AquaPredictors, st: AquaState, K, V):

@@ -40,7 +40,7 @@ import numpy as np
 
 from . import attention as attn
 from . import numerics as nx
-from .state import FlatArrays, cfg_field, check_config, check_dims, check_host_device, check_state, check_str
+from .state import FlatArrays, cfg_field, check_config, check_dims, check_host_device, check_state, check_str, register_layout
 from .quant import dequantize as _dequantize
 from .quant import quantize as _quantize
 
@@ -340,6 +340,9 @@ def init(cfg: BitDecodingConfig, batch: int, kv_heads: int, head_dim: int, *, de
     return BitDecodingState(z(B, H, Nr, D), z(B, H, Nr, D), z(P, H, P_N * cfg.warps_n, D, dt=np.uint16),
                             z(P, H, *kp, 2), z(P, H, Nr, D // R, dt=np.uint16), z(P, H, Nr, D // cfg.v_group, 2),
                             np.full((B, N), -1, np.int32), shape=(B, H, D), cfg=cfg)
+
+
+register_layout(BitDecodingConfig, init)                   # what state.check_layout holds a hand-built state against
 
 
 def _check_append(cfg: BitDecodingConfig, st: BitDecodingState, k, v):

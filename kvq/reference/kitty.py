@@ -34,7 +34,7 @@ from .attention import check_shapes
 from .packing import pack, unpack
 from .quant import dequantize as _dequantize
 from .quant import quantize
-from .state import check_int, check_real, check_str
+from .state import check_int, check_real, check_str, register_layout
 
 __all__ = ["KittyConfig", "CONFIGS", "init", "append", "dequantize", "decode_attention",
            "channel_scores", "select_boost", "encode_page", "dequantize_page", "channel_sensitivity"]
@@ -43,7 +43,7 @@ SELECTIONS = ("magnitude", "random")
 
 
 @dataclass(frozen=True)
-class KittyConfig:
+class KittyConfig(paged.PagedConfig):
     """A Kitty cache configuration.
 
     Attributes:
@@ -268,6 +268,9 @@ def init(cfg: KittyConfig, batch: int, kv_heads: int, head_dim: int, *, device=N
     """An empty Kitty cache (sink, key Q-buffer, value local window and Q-buffer, page pool); the state
     records ``cfg``, and every later call must pass the same configuration. ``device``: None or "cpu"."""
     return paged.init(cfg, KeyCodec, batch, kv_heads, head_dim, device=device)
+
+
+register_layout(KittyConfig, init)                   # what state.check_layout holds a hand-built state against
 
 
 def append(cfg: KittyConfig, state: paged.PagedState, k, v) -> paged.PagedState:

@@ -25,13 +25,13 @@ from . import paged
 from .packing import pack, unpack
 from .quant import dequantize as _dequantize
 from .quant import quantize
-from .state import check_int, check_str
+from .state import check_int, check_str, register_layout
 
 __all__ = ["KIVIConfig", "CONFIGS", "init", "append", "dequantize", "decode_attention"]
 
 
 @dataclass(frozen=True)
-class KIVIConfig:
+class KIVIConfig(paged.PagedConfig):
     """A KIVI cache configuration (sizes in tokens; bits per quantized element).
 
     Attributes:
@@ -125,6 +125,9 @@ def init(cfg: KIVIConfig, batch: int, kv_heads: int, head_dim: int, *, device=No
     records ``cfg``, and every later call must pass the same configuration. ``device``: None or "cpu"
     (the fast tiers' argument; NumPy arrays live on the host)."""
     return paged.init(cfg, KeyCodec, batch, kv_heads, head_dim, device=device)
+
+
+register_layout(KIVIConfig, init)                   # what state.check_layout holds a hand-built state against
 
 
 def append(cfg: KIVIConfig, state: paged.PagedState, k, v) -> paged.PagedState:

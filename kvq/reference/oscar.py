@@ -34,7 +34,7 @@ import numpy as np
 from . import attention as attn
 from . import checks
 from . import numerics as nx
-from .state import FlatArrays, cfg_field, check_config, check_dims, check_host_device, check_state, check_str
+from .state import FlatArrays, cfg_field, check_config, check_dims, check_host_device, check_state, check_str, register_layout
 from .packing import pack, unpack
 from .quant import dequantize as _dequantize
 from .rotations import (ROTATIONS, as_real64, broadcast_heads, compose, eig_desc, head_matrices, quantize_tokens,
@@ -322,6 +322,9 @@ def init(cfg: OSCARConfig, batch: int, kv_heads: int, head_dim: int, *, device=N
                       z(B * N, H, Pg, cb, dt=np.uint8), z(B * N, H, Pg, mg, dt=meta), z(B * N, H, Pg, mg, dt=meta),
                       z(B * N, H, Pg, cb, dt=np.uint8), z(B * N, H, Pg, mg, dt=meta), z(B * N, H, Pg, mg, dt=meta),
                       np.full((B, N), -1, np.int32), shape=(B, H, D), cfg=cfg)
+
+
+register_layout(OSCARConfig, init)                   # what state.check_layout holds a hand-built state against
 
 
 def _rotate16(x, R, name: str):

@@ -87,12 +87,18 @@ class PagedState:
 # counts: everything derives from the number of tokens T
 
 
+class PagedConfig:
+    """The base of the configurations of a paged cache (``kivi.KIVIConfig``, ``kitty.KittyConfig``), whose
+    fields (``sink``, ``group_size``, ``residual``, ``max_tokens``, ``v_qbuffer``) the counts below read. It
+    holds no field itself; it lets this module know a paged configuration without importing the methods
+    that import it."""
+
+    __slots__ = ()
+
+
 def _check_paged_cfg(cfg) -> None:
     """``cfg`` must configure a paged cache: a ``kivi.KIVIConfig`` or a ``kitty.KittyConfig`` (TypeError)."""
-    from .kitty import KittyConfig                      # (kivi and kitty import this module)
-    from .kivi import KIVIConfig
-
-    if not isinstance(cfg, (KIVIConfig, KittyConfig)):
+    if not isinstance(cfg, PagedConfig):
         raise TypeError(f"cfg must be a KIVIConfig or a KittyConfig (the configuration of a paged cache), got "
                         f"{type(cfg).__name__}")
 

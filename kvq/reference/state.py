@@ -37,6 +37,16 @@ def cfg_field():
 #: the family name of a configuration class, where it is not the class name without "Config"
 _FAMILY = {"AquaConfig": "AQUA-KV"}
 
+#: configuration class -> the ``init`` of its method's module (:func:`register_layout`)
+_LAYOUTS: dict = {}
+
+
+def register_layout(cfg_type: type, init) -> None:
+    """Name ``init`` (``init(cfg, *state.shape)``) as the layout of ``cfg_type``'s states, for
+    :func:`check_layout`. Each method's module registers its own, beside its ``init``, so that this module
+    imports no method (the methods import it)."""
+    _LAYOUTS[cfg_type] = init
+
 
 class FlatArrays:
     """Mixin for a dataclass state: every ``np.ndarray`` field by name, and a deep copy of those arrays."""
@@ -132,15 +142,14 @@ def check_layout(state, cfg) -> None:
     """A state that does not record its configuration (built field by field, e.g. around another tier's
     arrays): every array must have the name, shape and dtype that the reference ``init(cfg, *state.shape)``
     gives it (the fast tiers' states hold the same fields), else ValueError. Allocates that layout
-    (zeros) once per call: the path of hand-built states only."""
-    from . import aqua_cache, bitdecoding, kitty, kivi, oscar
-
-    mods = ((kivi.KIVIConfig, kivi), (kitty.KittyConfig, kitty), (oscar.OSCARConfig, oscar),
-            (bitdecoding.BitDecodingConfig, bitdecoding), (aqua_cache.AquaConfig, aqua_cache))
-    mod = next(m for t, m in mods if isinstance(cfg, t))
+    (zeros) once per call: the path of hand-built states only. The layout is the ``init`` that ``cfg``'s
+    method registered (:func:`register_layout`)."""
+    init = _LAYOUTS.get(type(cfg))
+    if init is None:
+        raise TypeError(f"no state layout is registered for {type(cfg).__name__} (register_layout)")
     shape = tuple(getattr(state, "shape", ()))
     try:
-        want = {n: (tuple(a.shape), _dtype(a)) for n, a in mod.init(cfg, *shape).arrays().items()}
+        want = {n: (tuple(a.shape), _dtype(a)) for n, a in init(cfg, *shape).arrays().items()}
     except (TypeError, ValueError) as err:
         raise ValueError(f"state does not record its configuration (state.cfg is None), and cfg does not fit its "
                          f"shape {shape}: {err}") from None

@@ -202,3 +202,77 @@ def test_no_module_reaches_into_another_modules_private_names():
                             not any(k.endswith(f".{a.name}") for k in modules):
                         found.append(f"{path.relative_to(root.parent)}:{n.lineno}: from {n.module} import {a.name}")
     assert not found, "private names used across modules:\n  " + "\n  ".join(found)
+
+
+def _import_graph(root: pathlib.Path) -> dict:
+    """module -> the kvq modules it imports anywhere in its code (module level and inside functions), from
+    the source (``ast``): ``from kvq.x import y`` names the module ``kvq.x.y`` where that is one, else
+    ``kvq.x``; relative imports resolved."""
+    paths = sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts)
+    mods = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p for p in paths}
+    graph = {}
+    for name, path in mods.items():
+        pkg = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        out = set()
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.ImportFrom):
+                base = n.module or ""
+                if n.level:
+                    base = ".".join(pkg[: len(pkg) - (n.level - 1)] + ([n.module] if n.module else []))
+                for a in n.names:
+                    out.add(f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base)
+            elif isinstance(n, ast.Import):
+                out.update(a.name for a in n.names)
+        graph[name] = {m for m in out if m in mods and m != name}
+    return graph
+
+
+def _circles(graph: dict) -> list:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_circle_finder_finds_a_circle(tmp_path):
+    pkg = tmp_path / "kvq"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from kvq.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from .c import g\n")          # inside a function too
+    (pkg / "sub" / "c.py").write_text("from ..a import x\n")
+    (pkg / "d.py").write_text("import kvq.a\n")
+    assert _circles(_import_graph(pkg)) == [["kvq.a", "kvq.sub.b", "kvq.sub.c"]]
+
+
+def test_kvq_has_no_import_circles():
+    """Issue 38: no two modules of kvq import each other, directly or around a loop, not even inside a
+    function (the last two were ``kvq.fast.common.interpreting`` importing ``kvq.fast.triton.quant``, and
+    the reference's paged / state dispatching on the method modules that import them)."""
+    circles = _circles(_import_graph(pathlib.Path(F.__file__).parents[1]))
+    assert not circles, "import circles in kvq:\n  " + "\n  ".join(" <-> ".join(c) for c in circles)

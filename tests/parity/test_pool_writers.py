@@ -143,7 +143,7 @@ def test_interpreter_takes_the_quantizer_for_large_evictions(monkeypatch):
     calls = []
     real = _paged.quantize_values
     monkeypatch.setattr(_paged, "quantize_values", lambda *a: calls.append(a[2].shape[2]) or real(*a))
-    monkeypatch.setattr(_paged.C, "interpreting", lambda: True)
+    monkeypatch.setattr(W, "interpreting", lambda: True)
     fs = TV.init(cfg, 1, 2, 16)
     TV.append(cfg, fs, torch.from_numpy(k[:, :, :30]), torch.from_numpy(v[:, :, :30]))    # 26 x 2 programs
     TV.append(cfg, fs, torch.from_numpy(k[:, :, 30:33]), torch.from_numpy(v[:, :, 30:33]))  # 3 x 2 programs

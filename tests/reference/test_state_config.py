@@ -283,3 +283,32 @@ def test_same_config_compares_array_fields():
     c = RA.AquaConfig(backbone=RA.Higgs(higgs.HiggsConfig(grid=grid[::-1].copy())))
     assert S.same_config(a, b) and not S.same_config(a, c)
     assert S.config_diff(a, c) and S.config_diff(a, b) == []
+
+
+def test_every_method_registers_its_layout():
+    """state.check_layout reads the layout of a hand-built state from the ``init`` its method's module
+    registered (so that kvq.reference.state imports no method); a configuration no method registered is a
+    TypeError, not a wrong layout."""
+    for cfg_type, mod in ((RK.KIVIConfig, RK), (RT.KittyConfig, RT), (RO.OSCARConfig, RO),
+                          (RB.BitDecodingConfig, RB), (RA.AquaConfig, RAC)):
+        assert S._LAYOUTS[cfg_type] is mod.init
+
+    @dataclasses.dataclass(frozen=True)
+    class StrayConfig:
+        max_tokens: int = 8
+
+    st = RK.init(RK.CONFIGS["KIVI-K2V2"], 1, 1, 128)
+    with pytest.raises(TypeError, match="no state layout is registered for StrayConfig"):
+        S.check_layout(st, StrayConfig())
+
+
+def test_paged_configurations_share_a_base():
+    """The paged cache's counts know KIVI's and Kitty's configurations by their base class
+    (``paged.PagedConfig``, no fields of its own), not by importing the methods; others are refused."""
+    from kvq.reference import paged as RP
+    for cfg in (RK.CONFIGS["KIVI-K2V2"], RT.CONFIGS["Kitty"]):
+        assert isinstance(cfg, RP.PagedConfig) and RP.counts(cfg, 300)["n_sink"] == min(300, cfg.sink)
+    assert RP.PagedConfig.__slots__ == () and not dataclasses.is_dataclass(RP.PagedConfig)   # no fields of its own
+    for cfg in (RO.CONFIGS["OSCAR"], RB.CONFIGS["BitDecoding-KC2"]):
+        with pytest.raises(TypeError, match="cfg must be a KIVIConfig or a KittyConfig"):
+            RP.counts(cfg, 300)

@@ -7,7 +7,7 @@ arrays become fp32 keys (``decode``) and which tensors the backend's fused decod
 kernels (``Ops``: its ``quant`` and ``packing`` modules); selection, gathers and layout are torch.
 
     from kvq.fast.caches.codecs import Ops, KittyCodec
-    codec = KittyCodec(Ops("triton", TQ, TP, C.interpreting))     # TQ / TP: kvq.fast.triton.quant / packing
+    codec = KittyCodec(Ops("triton", TQ, TP, TQ.interpreting))     # TQ / TP: kvq.fast.triton.quant / packing
     arrays = codec.encode_pages(cfg, pages, first_index=0)       # pages: (B, H, n, G, D) fp16
 
 Kitty (paper section 4.1, Fig. 3a): per page and head, the ``d_boost`` channels of largest mean |x|

@@ -29,10 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.fast import common as C
 from kvq.fast.caches.codecs import check_key_flush, check_value_evict, key_flush_operands
 
-from .quant import group_codes, fast_ok, load_f32, group_meta
+from .quant import group_codes, fast_ok, load_f32, group_meta, interpreting
 
 __all__ = ["flush_key_pages", "evict_values"]
 
@@ -117,7 +116,7 @@ def flush_key_pages(pages: torch.Tensor, pool: dict, first: int, bits: int, d_bo
     x, codes, high, idx, scale, mn = key_flush_operands(pages, pool, d_boost, kitty)
     _key_flush_kernel[(n * B, H)](x, codes, high, idx, scale, mn, x.stride(0), x.stride(1), B, n, G, D, d_boost,
                                   first, float(G), BITS=bits, QMAX=float(2 ** bits - 1), KITTY=bool(kitty),
-                                  FASTDIV=not C.interpreting(), BLOCK_J=triton.next_power_of_2(G * bits // 8),
+                                  FASTDIV=not interpreting(), BLOCK_J=triton.next_power_of_2(G * bits // 8),
                                   BLOCK_D=triton.next_power_of_2(D), num_warps=8, enable_fp_fusion=False)
 
 
@@ -181,13 +180,13 @@ def evict_values(toks: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tenso
     check_value_evict(toks, v_codes, v_scale, v_mn, v_table, q0, bits, Gv)
     B, H, e, D = toks.shape
     G = v_codes.shape[2]
-    if C.interpreting() and B * H * e > INTERP_EVICT_PROGRAMS:
+    if interpreting() and B * H * e > INTERP_EVICT_PROGRAMS:
         return False
     if B * H * e == 0:
         return True
     x = toks if toks.stride(-1) == 1 else toks.contiguous()
     _value_evict_kernel[(e, H, B)](x, v_codes, v_scale, v_mn, v_table, x.stride(0), x.stride(1), x.stride(2), q0, G,
                                    D, Gv, D // Gv, v_table.shape[1], BITS=bits, QMAX=float(2 ** bits - 1),
-                                   FASTDIV=not C.interpreting(), BLOCK_J=triton.next_power_of_2(D * bits // 8),
+                                   FASTDIV=not interpreting(), BLOCK_J=triton.next_power_of_2(D * bits // 8),
                                    BLOCK_G=triton.next_power_of_2(D // Gv), num_warps=1, enable_fp_fusion=False)
     return True

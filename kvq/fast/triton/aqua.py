@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 
 from kvq.fast.caches import aqua as _A
-from kvq.fast import common as C
 from kvq.fast.caches.aqua import from_tokens, to_tokens  # noqa: F401  (layout helpers, shared)
 from kvq.fast.caches.higgs import CONTAINER, grid_tensor
 from kvq.reference.aqua import (AquaConfig, AquaPredictors, Higgs, KeepFP16,  # noqa: F401
@@ -34,7 +33,7 @@ from kvq.reference.aqua import (AquaConfig, AquaPredictors, Higgs, KeepFP16,  # 
 from . import attention as A
 from . import higgs as HG
 from . import packing as PK
-from .quant import unpack_last
+from .quant import unpack_last, interpreting
 
 __all__ = ["Uniform", "Higgs", "KeepFP16", "AquaConfig", "Predictor", "AquaPredictors", "to_tokens",
            "from_tokens", "encode", "decode", "reconstruct"]
@@ -102,7 +101,7 @@ def reconstruct(backbone, codes: dict, F: int, y=None, bias=None) -> torch.Tenso
     (one kernel: lookup / unpack, scale, inverse Hadamard, add). No reference function of this name:
     ``kvq.reference.aqua.decode`` runs the same steps one array operation at a time.
     """
-    lead, codes, y, bias = _A.reconstruct_operands(backbone, codes, F, y, bias, allow_cpu=C.interpreting())
+    lead, codes, y, bias = _A.reconstruct_operands(backbone, codes, F, y, bias, allow_cpu=interpreting())
     dev = next(iter(codes.values())).device
     out = torch.empty(lead + (F,), dtype=torch.float32, device=dev)
     rows = out.numel() // max(F, 1)
@@ -125,7 +124,7 @@ def reconstruct(backbone, codes: dict, F: int, y=None, bias=None) -> torch.Tenso
     G = F // codes["scale"].shape[-1]
     per = 8 // backbone.bits
     NJ = F // per
-    tile = 16384 if C.interpreting() else 4096
+    tile = 16384 if interpreting() else 4096
     BJ = min(_p2(NJ), max(1, tile // per))
     BR = max(1, min(_p2(rows), tile // (BJ * per)))
     _uniform_kernel[(triton.cdiv(rows, BR), triton.cdiv(NJ, BJ))](
@@ -136,7 +135,7 @@ def reconstruct(backbone, codes: dict, F: int, y=None, bias=None) -> torch.Tenso
 
 
 #: this backend's kernels for the shared AQUA-KV code (``kvq.fast.caches.aqua``)
-OPS = _A.AquaOps("triton", reconstruct, HG, PK, A, C.interpreting)
+OPS = _A.AquaOps("triton", reconstruct, HG, PK, A, interpreting)
 
 
 def encode(cfg: AquaConfig, P: AquaPredictors, l: int, K, V, K_prev_hat=None, V_prev_hat=None):

@@ -29,7 +29,7 @@ from triton.language.extra import libdevice
 from kvq.fast import common as C
 from kvq.reference.attention import pairs_arg
 
-from .quant import store_out
+from .quant import store_out, interpreting
 
 __all__ = ["partial_attention", "merge", "decode_attention"]
 
@@ -354,7 +354,7 @@ def decode_attention(q, segments, *, scale=None):
     segments = pairs_arg(segments, "segments", "(k, v)")       # the reference's TypeError for None / a string
     if not segments:
         raise ValueError("decode_attention needs at least one (k, v) segment; got an empty list")
-    allow = C.interpreting()
+    allow = interpreting()
     for i, seg in enumerate(segments):
         if not isinstance(seg, (tuple, list)) or len(seg) != 2:
             raise ValueError(f"segment {i} must be a pair (k, v); got {type(seg).__name__}")
@@ -383,7 +383,7 @@ def decode_attention(q, segments, *, scale=None):
     rows = B * H_q * T_q
     parts = partial_buffers(rows, S, D, dev)
     precise = q.dtype == torch.float32
-    interp = C.interpreting()
+    interp = interpreting()
     bits = interp and q.dtype == torch.bfloat16         # the interpreter computes bf16 dots on raw bits:
     precise = precise or bits                           # there bf16 is widened to fp32 in the kernel
     launch_partials(q, plan, parts, S, H_kv, sc, precise, bits)
@@ -429,7 +429,7 @@ def launch_partials(q, plan, parts, S: int, H_kv: int, sc: float, precise: bool,
     B, H_q, T_q, D = q.shape
     G_q = H_q // H_kv
     BLOCK_M, m_blocks = row_blocks(G_q, T_q)
-    interp = C.interpreting()
+    interp = interpreting()
     qa = q.view(torch.int16) if bits else q
     for k, v, T, kps, n, s0, (block_n, warps, stages) in plan:
         ka, va = (k.view(torch.int16), v.view(torch.int16)) if bits else (k, v)
@@ -445,7 +445,7 @@ def merge_launch(o_part, m_part, l_part, out, lse, rows: int, S: int, D: int, lo
     BLOCK_S = min(triton.next_power_of_2(S), 16)
     BLOCK_D = triton.next_power_of_2(D)
     oview = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
-    interp = C.interpreting()
+    interp = interpreting()
     has_l = l_part is not None
     _merge_kernel[(rows,)](o_part, m_part, l_part if has_l else m_part, oview, lse, S, D, BLOCK_S=BLOCK_S,
                            BLOCK_D=BLOCK_D, OUT_KIND=_OUT_KIND[out.dtype], HAS_L=has_l, LOG2=log2,
@@ -473,7 +473,7 @@ def merge(partials):
     ``kvq.fast.validation`` is on, and their o is not checked for NaN / inf.
     """
     partials = pairs_arg(partials, "partials", "(o, lse)")      # the reference's TypeError for None / a string
-    os_, lses = C.check_partials(partials, allow_cpu=C.interpreting())
+    os_, lses = C.check_partials(partials, allow_cpu=interpreting())
     shape = tuple(os_[0].shape)
     D = shape[-1]
     rows = math.prod(shape[:-1])

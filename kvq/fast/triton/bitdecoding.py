@@ -46,7 +46,7 @@ from kvq.reference import bitdecoding as _R
 from kvq.reference.bitdecoding import CONFIGS, P_N, BitDecodingConfig  # noqa: F401  (the reference's objects)
 
 from . import attention as A
-from .quant import codes_f, load_f32, group_meta, sat_f16
+from .quant import codes_f, load_f32, group_meta, sat_f16, interpreting
 
 __all__ = ["BitDecodingConfig", "CONFIGS", "residual_block_size", "partition", "pack_keys", "pack_values",
            "unpack_keys", "unpack_values", "dequantize_page", "query_transform", "query_untransform",
@@ -217,7 +217,7 @@ _check_cfg = B.check_cfg
 
 
 def _check_block(cfg, x, name: str) -> torch.Tensor:
-    return B.check_page_input(cfg, x, name, allow_cpu=C.interpreting())
+    return B.check_page_input(cfg, x, name, allow_cpu=interpreting())
 
 
 def _check_params(params, x, cfg, name: str) -> None:
@@ -285,14 +285,14 @@ def unpack_keys(cfg: BitDecodingConfig, k_words) -> torch.Tensor:
     """Mirrors `kvq.reference.bitdecoding.unpack_keys`: codes (..., N_r, D) torch.uint8 (torch ops on the
     words: shifts and masks in int32, the layout's index map as a reshape; ``kvq.fast.caches.bitdecoding``)."""
     _check_cfg(cfg)
-    B.check_key_words(cfg, k_words, allow_cpu=C.interpreting())
+    B.check_key_words(cfg, k_words, allow_cpu=interpreting())
     return B.unpack_keys(cfg, k_words)
 
 
 def unpack_values(cfg: BitDecodingConfig, v_words) -> torch.Tensor:
     """Mirrors `kvq.reference.bitdecoding.unpack_values`: codes (..., N_r, D) torch.uint8 (torch ops)."""
     _check_cfg(cfg)
-    B.check_value_words(cfg, v_words, allow_cpu=C.interpreting())
+    B.check_value_words(cfg, v_words, allow_cpu=interpreting())
     return B.unpack_values(cfg, v_words)
 
 
@@ -304,13 +304,13 @@ def dequantize_page(cfg: BitDecodingConfig, k_words, k_params, v_words, v_params
     Differences: torch tensors on a CUDA device (the CPU under ``TRITON_INTERPRET=1``); the params'
     shapes and dtypes are checked (torch.float16 half2, torch.uint16 words)."""
     _check_cfg(cfg)
-    lead, D, n = B.check_page(cfg, k_words, k_params, v_words, v_params, allow_cpu=C.interpreting())
+    lead, D, n = B.check_page(cfg, k_words, k_params, v_words, v_params, allow_cpu=interpreting())
     chan = cfg.k_mode == "channel"
     ko = torch.empty((*lead, cfg.n_r, D), dtype=torch.float16, device=k_words.device)
     vo = torch.empty_like(ko)
     if n:
         Nr, BC = cfg.n_r, _p2(D)
-        BT = _p2(Nr) if C.interpreting() else min(_p2(Nr), max(1, DEQ_TILE // BC))
+        BT = _p2(Nr) if interpreting() else min(_p2(Nr), max(1, DEQ_TILE // BC))
         _bd_dequant_kernel[(n, triton.cdiv(Nr, BT))](
             k_words.contiguous().view(torch.int16), k_params.contiguous(), v_words.contiguous().view(torch.int16),
             v_params.contiguous(), ko, vo, Nr, D, cfg.k_group, (D if chan else D // cfg.k_group), cfg.v_group,
@@ -343,7 +343,7 @@ def _fused_decode(cfg, st, q, *, scale=None):
 
 
 #: this backend's kernels for the shared BitDecoding cache code (``kvq.fast.caches.bitdecoding_cache``)
-OPS = _BC.BitDecodingOps("triton", pack_keys, pack_values, dequantize_page, A, C.interpreting,
+OPS = _BC.BitDecodingOps("triton", pack_keys, pack_values, dequantize_page, A, interpreting,
                          fused_decode=_fused_decode)
 
 

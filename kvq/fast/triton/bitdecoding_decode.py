@@ -82,7 +82,7 @@ import triton.language as tl
 from kvq.fast import common as C
 
 from . import attention as A
-from .quant import sat_f16
+from .quant import sat_f16, interpreting
 
 __all__ = ["supported", "decode"]
 
@@ -431,7 +431,7 @@ def supported(cfg, st, q) -> bool:
             return False
         if q.dim() != 4 or q.shape[0] != B or q.shape[3] != D or q.shape[1] % H:
             return False
-        if q.device.type != "cuda" and not (q.device.type == "cpu" and C.interpreting()):
+        if q.device.type != "cuda" and not (q.device.type == "cpu" and interpreting()):
             return False
         for name, dt in (("k_words", torch.uint16), ("v_words", torch.uint16), ("k_params", torch.float16),
                          ("v_params", torch.float16), ("res_k", torch.float16), ("res_v", torch.float16),
@@ -533,7 +533,7 @@ def decode(cfg, st, q, *, scale=None, knobs: Knobs | None = None):
     _, H_q, T_q, _ = q.shape
     dev = q.device
     sc = C.softmax_scale(scale, D)
-    interp = C.interpreting()
+    interp = interpreting()
     if q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interp):
         mode = _MODE_FP32
     elif q.dtype == torch.bfloat16:

@@ -23,7 +23,7 @@ from kvq.reference import numerics as nx
 
 from kvq.fast.caches.higgs import hadamard_matrix  # noqa: F401
 
-from .quant import load_f32
+from .quant import load_f32, interpreting
 
 __all__ = ["is_power_of_two", "hadamard_matrix", "fwht_scale", "fwht"]
 
@@ -95,7 +95,7 @@ def _fwht_stage_kernel(y_ptr, P, HALF, H, FS, SCALE: tl.constexpr, BLOCK: tl.con
 
 
 def _rows_per_program(R: int, N: int) -> int:
-    tile = 65536 if C.interpreting() else 2048
+    tile = 65536 if interpreting() else 2048
     return max(1, min(triton.next_power_of_2(max(R, 1)), tile // N))
 
 
@@ -121,7 +121,7 @@ def fwht_rows(x: torch.Tensor, d: int) -> torch.Tensor:
                                               num_warps=_warps(BR * nb), enable_fp_fusion=False)
     h = nb
     P = x.numel() // 2
-    BLOCK = 1024 if not C.interpreting() else 65536
+    BLOCK = 1024 if not interpreting() else 65536
     while h < d:                                             # the late stages, one launch each
         _fwht_stage_kernel[(triton.cdiv(P, BLOCK),)](out, P, d // 2, h, fs, SCALE=2 * h == d, BLOCK=BLOCK,
                                                      num_warps=4, enable_fp_fusion=False)
@@ -149,7 +149,7 @@ def fwht(x, axis: int = -1) -> torch.Tensor:
     bf16 values); rows longer than ``MAX_BLOCK`` run the late stages (stride >= MAX_BLOCK) as one
     elementwise launch each (the same operations in the same stage order, so the same bits).
     """
-    C.check_float(x, "x", allow_cpu=C.interpreting())
+    C.check_float(x, "x", allow_cpu=interpreting())
     axis = nx.normalize_axis(axis, x.dim())
     d = x.shape[axis]
     RH.fwht_scale(d)                                         # the reference's error for a bad length

@@ -36,7 +36,7 @@ from kvq.fast.caches.higgs import (CONTAINER, check_scale, grid_tensor, check_id
                              index_dtype, load_grid)
 
 from .hadamard import butterfly_stages, fwht_scale
-from .quant import OUT_KIND_CODE, load_f32, store_out
+from .quant import OUT_KIND_CODE, load_f32, store_out, interpreting
 
 __all__ = ["SHIPPED_GRIDS", "HiggsConfig", "load_grid", "index_dtype", "group_sum_of_squares",
            "nearest", "quantize", "dequantize", "bits_per_value"]
@@ -199,7 +199,7 @@ def _dequantize_kernel(i_ptr, s_ptr, grid_ptr, o_ptr, NGR, F, NG, N, FS,
 
 
 def row_tile(n_rows: int, G: int) -> int:
-    tile = 16384 if C.interpreting() else 1024
+    tile = 16384 if interpreting() else 1024
     return max(1, min(triton.next_power_of_2(max(n_rows, 1)), tile // G))
 
 
@@ -223,7 +223,7 @@ def group_sum_of_squares(xg) -> torch.Tensor:
     be a power of two (ValueError otherwise, as the reference). Differences: torch tensors; bfloat16
     input is also widened exactly (the reference: float16 / float32).
     """
-    C.check_float(xg, "xg", allow_cpu=C.interpreting())
+    C.check_float(xg, "xg", allow_cpu=interpreting())
     if xg.dim() == 0 or not RG.is_power_of_two(xg.shape[-1]):
         raise ValueError(f"xg has shape {tuple(xg.shape)}; the halving tree needs a power-of-two last axis "
                          f"(zero-pad each group to the next power of two, as quantize does)")
@@ -269,7 +269,7 @@ def nearest(v, grid) -> torch.Tensor:
     v's device) -> (...,) int64 indices, bit-identical; wrong dtypes / shapes raise TypeError /
     ValueError, as the reference. Differences: torch tensors.
     """
-    C.check_tensor(v, "v", allow_cpu=C.interpreting())
+    C.check_tensor(v, "v", allow_cpu=interpreting())
     if not isinstance(grid, torch.Tensor):
         ga = np.array(grid)                                      # a copy: grids may be read-only
         if ga.dtype != np.float32:                               # None, strings, objects: no tensor to make
@@ -310,7 +310,7 @@ def quantize(cfg: HiggsConfig, x):
     copied to x's device (shipped grids once per device, an explicit ``cfg.grid`` on every call).
     """
     RG.check_config(cfg)
-    C.check_float(x, "x", allow_cpu=C.interpreting())
+    C.check_float(x, "x", allow_cpu=interpreting())
     if x.dim() == 0 or x.numel() == 0:
         raise ValueError(f"x is empty or a scalar (shape {tuple(x.shape)}); HIGGS quantizes (..., F) vectors")
     g, d = cfg.group_size, cfg.d
@@ -344,7 +344,7 @@ def dequantize(cfg: HiggsConfig, idx, scale, F: int, out_dtype=np.float32) -> to
     that are exactly bf16); the range check of idx (ValueError, as the reference) costs a reduction and
     runs only while ``kvq.fast.validation`` is on; with it off the kernel clamps indices into the grid.
     """
-    itype, out = dequant_args(cfg, idx, scale, F, out_dtype, allow_cpu=C.interpreting())
+    itype, out = dequant_args(cfg, idx, scale, F, out_dtype, allow_cpu=interpreting())
     check_idx_range(cfg, idx)
     g, d, n_g = cfg.group_size, cfg.d, cfg.n_groups(F)
     lead = tuple(idx.shape[:-2])

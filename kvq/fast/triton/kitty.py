@@ -26,6 +26,7 @@ from kvq.fast.caches import sensitivity as S
 from kvq.reference.kitty import CONFIGS, KittyConfig  # noqa: F401  (the reference's objects)
 
 from . import paged
+from .quant import interpreting
 
 __all__ = ["KittyConfig", "CONFIGS", "init", "append", "dequantize", "decode_attention",
            "channel_scores", "select_boost", "encode_page", "dequantize_page", "channel_sensitivity"]
@@ -37,7 +38,7 @@ def channel_scores(kpage):
     Differences: torch tensors; the sum is torch's (another order than NumPy's pairwise sum: contract
     rule 7, equal up to rounding; the division by G is IEEE and exact to the reference's given the sum).
     """
-    K.check_kpage(kpage, allow_cpu=C.interpreting())
+    K.check_kpage(kpage, allow_cpu=interpreting())
     return K.channel_scores(kpage)
 
 
@@ -49,7 +50,7 @@ def select_boost(scores, d_boost: int, selection: str = "magnitude", rng=None):
     the reference's choice). Differences: torch tensors in and out; NaN / inf scores raise ValueError
     only while ``kvq.fast.validation`` is on (a read of the scores).
     """
-    d_boost = K.check_select_boost(scores, d_boost, selection, rng, allow_cpu=C.interpreting())
+    d_boost = K.check_select_boost(scores, d_boost, selection, rng, allow_cpu=interpreting())
     return K.select_boost(scores, d_boost, selection, rng)
 
 
@@ -61,8 +62,8 @@ def encode_page(kpage, boost, meta_dtype="float16") -> dict:
     along tokens), the planes are selected with torch and packed with the Triton packer.
     Differences: torch tensors in and out.
     """
-    K.check_kpage(kpage, allow_cpu=C.interpreting())
-    C.check_tensor(boost, "boost", allow_cpu=C.interpreting())
+    K.check_kpage(kpage, allow_cpu=interpreting())
+    C.check_tensor(boost, "boost", allow_cpu=interpreting())
     boost = boost.to(torch.bool)
     d_boost = K.check_boost(kpage, boost)
     C.check_finite(kpage, "kpage")                               # rule 8, naming kpage (validation on)

@@ -19,7 +19,6 @@ reference's ``calibrate`` serves it); its fp32 rotations are copied to the cache
 
 from __future__ import annotations
 
-from kvq.fast import common as C
 from kvq.fast.caches import oscar as _O
 from kvq.fast.caches.oscar import OSCARTensorState, counts, identity_calibration  # noqa: F401
 from kvq.reference import checks
@@ -31,6 +30,7 @@ from . import oscar_append as OA
 from . import oscar_decode as OD
 from . import oscar_quant as OQ
 from . import packing as P
+from .quant import interpreting
 from .rotate import rotate
 
 __all__ = ["DEFAULT_CLIP_K", "DEFAULT_CLIP_V", "CLIP_GRID", "OSCARCalibration", "identity_calibration",
@@ -38,7 +38,7 @@ __all__ = ["DEFAULT_CLIP_K", "DEFAULT_CLIP_V", "CLIP_GRID", "OSCARCalibration", 
            "dequantize", "decode_attention"]
 
 #: this backend's kernels for the shared OSCAR cache code (``kvq.fast.caches.oscar``)
-OPS = _O.OscarOps("triton", rotate, OQ, P, A, C.interpreting, fused_decode=OD.decode, fused_append=OA)
+OPS = _O.OscarOps("triton", rotate, OQ, P, A, interpreting, fused_decode=OD.decode, fused_append=OA)
 
 
 def quantize_tokens(x_rot, clip: float, group_size: int, bits: int = 2, meta_dtype="float16"):

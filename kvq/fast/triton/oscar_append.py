@@ -31,7 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.fast import common as C
 from kvq.fast.caches import oscar as _O
 
 from . import quant as Q
@@ -237,7 +236,7 @@ def append(cfg, st, kv: int, x: torch.Tensor, R: torch.Tensor, clip: float, plan
     sink, win, codes, scale, mn = fo.fields
     lo, hi, frac = fo.quantile
     W, S0, PG = cfg.window, cfg.sink, cfg.page_size
-    interp = C.interpreting()
+    interp = Q.interpreting()
     short = bool(INTERP_SHORTCUTS) and interp
     N_PAD, BR = _tiling(n, B * H, D, short)
     _append_kernel[(triton.cdiv(B * H * N_PAD, BR),)](

@@ -40,7 +40,7 @@ from kvq.reference import oscar as RO
 
 from . import attention as A
 from .paged import codes_to, split_dot
-from .quant import unpack_last
+from .quant import unpack_last, interpreting
 
 _check_knob = functools.partial(C.check_knob, "triton.oscar_decode")     # ValueError naming triton.oscar_decode.Knobs.<field>
 _is_int = C.is_int
@@ -337,7 +337,7 @@ def decode(cfg, st, qr, *, scale=None, precise: bool = True, out_dtype=torch.flo
     precise = precise or G < 16                        # tl.dot takes groups of >= 16 channels
     BLOCK_M, m_blocks = A.row_blocks(H_q // H, T_q)
     base = B * H * m_blocks
-    interp = C.interpreting()
+    interp = interpreting()
     lp = plan(NH, base, A.sm_count(dev), precise=precise, interp=interp, knobs=knobs)
     BT, tps, n_split = lp.BT, lp.tps, lp.n_split
     tail_plan, S = A.split_plan([tail], base, torch.float32, dev, s0=n_split)

@@ -102,7 +102,7 @@ def _launch(x: torch.Tensor, clip, G: int, bits: int, meta: torch.dtype, per: in
     BR = Q.sort_rows(BS, R)
     _quantize_tokens_kernel[(triton.cdiv(R, BR),)](
         xin, q, scale, mn, R, lo, hi, frac, D=D, G=G, QMAX=float(2 ** bits - 1), BITS=bits, PER=per,
-        IN_BF16=in_bf16, FASTDIV=not C.interpreting(), BLOCK_R=BR, BLOCK_NG=BNG, BLOCK_J=BJ,
+        IN_BF16=in_bf16, FASTDIV=not Q.interpreting(), BLOCK_R=BR, BLOCK_NG=BNG, BLOCK_J=BJ,
         RANK=Q.use_rank(), num_warps=4, enable_fp_fusion=False)
     return q, scale, mn
 
@@ -127,7 +127,7 @@ def quantize_tokens(x_rot, clip: float, group_size: int, bits: int = 2, meta_dty
     ``quant.quantize``) while ``kvq.fast.validation`` is on; with it off the group's scale is NaN.
     Rows longer than ``quant.MAX_SORT`` run as percentile_clip, then (quantize_)pack: two kernels.
     """
-    x, D, G, bits, meta, per = C.token_quant_args(x_rot, clip, group_size, bits, meta_dtype, packed, allow_cpu=C.interpreting())
+    x, D, G, bits, meta, per = C.token_quant_args(x_rot, clip, group_size, bits, meta_dtype, packed, allow_cpu=Q.interpreting())
     if D > Q.MAX_SORT:                                                  # rows too long for one program
         C.check_finite(x)
         xc, _ = Q.percentile_clip(x, clip, -1)

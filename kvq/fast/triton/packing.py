@@ -89,7 +89,7 @@ def pack(codes, bits: int, axis: int = -1):
     ``bits`` bits.
     """
     bits = check_pack_bits(bits)
-    C.check_codes(codes, allow_cpu=C.interpreting())
+    C.check_codes(codes, allow_cpu=Q.interpreting())
     axis = nx.normalize_axis(axis, codes.dim())
     per = 8 // bits
     n = codes.shape[axis]
@@ -108,7 +108,7 @@ def unpack(packed, bits: int, axis: int = -1):
     Differences: torch uint8 tensors in and out.
     """
     bits = check_pack_bits(bits)
-    C.check_codes(packed, "packed", allow_cpu=C.interpreting())
+    C.check_codes(packed, "packed", allow_cpu=Q.interpreting())
     axis = nx.normalize_axis(axis, packed.dim())
     packed = packed.contiguous()
     per = 8 // bits
@@ -130,7 +130,7 @@ def quantize_pack(x, bits: int, group_size, axis: int = -1, meta_dtype=np.float1
     case); otherwise (e.g. 2-bit codes in groups of 6) quantize and pack run as two kernels.
     """
     bits = check_pack_bits(bits)
-    axis, bits, G, meta = C.quant_args(x, bits, group_size, axis, meta_dtype, allow_cpu=C.interpreting())
+    axis, bits, G, meta = C.quant_args(x, bits, group_size, axis, meta_dtype, allow_cpu=Q.interpreting())
     per = 8 // bits
     n = x.shape[axis]
     if n % per:

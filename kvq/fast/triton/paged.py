@@ -48,7 +48,7 @@ from . import quant as Q
 from .quant import unpack_last
 
 #: the bit-exact Triton kernels the shared paged cache (``kvq.fast.caches.paged``) quantizes and packs with
-OPS = Ops("triton", Q, P, C.interpreting, key_flush=W.flush_key_pages, value_evict=W.evict_values)
+OPS = Ops("triton", Q, P, Q.interpreting, key_flush=W.flush_key_pages, value_evict=W.evict_values)
 
 LOG2E = 1.4426950408889634
 
@@ -564,7 +564,7 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None, knobs: Knobs 
         return o.to(q.dtype), ls
     NF = min(c["n_kpages"] * G, c["n_vq"])
     NP = -(-NF // G)
-    interp = C.interpreting()
+    interp = Q.interpreting()
     # the exact fp32 path also where a tensor-core dot would reduce over 16 elements on the GPU (G or D
     # = 16): Triton 3.6 lays out such byte-fed operands for K >= 32 on sm_90 and adds half the products
     # twice (found in kvq.fast.triton.oscar_decode); the interpreter's dots are exact

@@ -37,6 +37,8 @@ by ``torch.sort`` instead (also exact) and interpolated by torch's fp32 elementw
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import triton
@@ -601,7 +603,7 @@ def launch_quantize(x: torch.Tensor, bits: int, G: int, axis: int, meta: torch.d
     BJ = p2(NJ)
     BG = BJ * per
     n_groups = outer * (n // G)
-    fast = not C.interpreting()
+    fast = not interpreting()
     common = dict(QMAX=qmax, OFF=off, BITS=bits, PER=per, SYMMETRIC=bool(symmetric), IN_BF16=in_bf16,
                   FASTDIV=fast, enable_fp_fusion=False)
     if inner == 1:
@@ -660,7 +662,7 @@ def launch_dequantize(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, bi
 
 def use_rank() -> bool:
     """Rank selection instead of tl.sort: under the interpreter only (``INTERP_RANK``)."""
-    return bool(INTERP_RANK) and C.interpreting()
+    return bool(INTERP_RANK) and interpreting()
 
 
 def sort_rows(row_elems: int, rows: int) -> int:
@@ -669,7 +671,7 @@ def sort_rows(row_elems: int, rows: int) -> int:
     other rows (tl.sort of a 2-D tile along dim 1); one row per program gave the reference's bits.
     Under the interpreter a program costs per op, not per element (NumPy runs each op on the whole
     tile): take up to INTERP_TILE (the rank selection holds BLOCK_S times the tile)."""
-    if not C.interpreting():
+    if not interpreting():
         return 1
     tile = INTERP_TILE // row_elems
     return min(max(1, tile // row_elems), p2(rows))
@@ -723,7 +725,7 @@ def out_dtype_arg(out_dtype) -> torch.dtype:
 
 def dequant_args(codes, scale, mn, group_size, axis, out_dtype, *, name="codes"):
     """Validate dequantize arguments like the reference; returns (axis, G, out torch dtype)."""
-    allow = C.interpreting()
+    allow = interpreting()
     C.check_codes(codes, name, allow_cpu=allow)
     axis = nx.normalize_axis(axis, codes.dim())
     return axis, allow, out_dtype_arg(out_dtype)
@@ -742,7 +744,7 @@ def quantize(x, bits: int, group_size, axis: int = -1, meta_dtype=np.float16, *,
     scale) and raises ValueError while ``kvq.fast.validation`` is on; with validation off the group's
     scale comes back NaN and its codes are unspecified (but in range).
     """
-    axis, bits, G, meta = C.quant_args(x, bits, group_size, axis, meta_dtype, allow_cpu=C.interpreting())
+    axis, bits, G, meta = C.quant_args(x, bits, group_size, axis, meta_dtype, allow_cpu=interpreting())
     codes, scale, mn = launch_quantize(x, bits, G, axis, meta, symmetric, per=1)
     C.check_meta(x, scale, mn)
     return codes, scale, mn
@@ -773,7 +775,7 @@ def quantile(a, rho: float, axis: int = -1):
     sorted by ``torch.sort`` and interpolated by torch's fp32 elementwise ops (the same bits).
     """
     rho = check_quantile_ratio(rho, "rho")                   # the reference's first check: True is not 1
-    return C.quantile_rows(a, rho, axis, _launch_quantile_no_nan, clip=False, allow_cpu=C.interpreting())
+    return C.quantile_rows(a, rho, axis, _launch_quantile_no_nan, clip=False, allow_cpu=interpreting())
 
 
 def _launch_quantile_no_nan(x: torch.Tensor, n: int, rho, clip: bool):
@@ -792,8 +794,26 @@ def percentile_clip(x, ratio: float, axis: int = -1):
     ``x``); with it off NaN propagates into the clipped values and tau.
     """
     ratio = check_quantile_ratio(ratio, "ratio")             # the reference's first check, its message
-    return C.quantile_rows(x, ratio, axis, launch_quantile_rows, clip=True, allow_cpu=C.interpreting())
+    return C.quantile_rows(x, ratio, axis, launch_quantile_rows, clip=True, allow_cpu=interpreting())
 
 
 quantile_index = C.quantile_index     # host-side, shared with the other backend (kvq.fast.common)
 check_ratio = C.check_ratio
+
+
+@functools.cache
+def interpreting() -> bool:
+    """True when kvq's Triton kernels run through Triton's CPU interpreter: a fact fixed once per process.
+
+    ``@triton.jit`` reads ``TRITON_INTERPRET`` when it decorates a kernel, i.e. when the kernel's module
+    is imported, and returns an ``InterpretedFunction`` (run on the CPU with NumPy) or a ``JITFunction``
+    (compiled for the GPU). So the rule is: the variable's value in force when this module is first
+    imported decides, for the whole process (every kvq Triton module but ``rotate`` imports it before
+    decorating its own kernels). The answer is read from Triton itself, the type of this module's kernels,
+    and cached; changing the variable later changes nothing (set it before importing kvq's Triton modules,
+    or run a subprocess with its own environment)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import KernelInterface
+
+    kernels = [k for k in globals().values() if isinstance(k, KernelInterface)]
+    return any(isinstance(k, InterpretedFunction) for k in kernels)

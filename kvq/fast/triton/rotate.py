@@ -22,6 +22,8 @@ import triton.language as tl
 
 from kvq.fast import common as C
 
+from .quant import interpreting
+
 __all__ = ["rotate"]
 
 
@@ -58,7 +60,7 @@ def _rotate_kernel(x_ptr, r_ptr, o_ptr, T, H, RATIO, R_SH, sx_b, sx_h, sx_t, sx_
 def _block_t(T: int, D: int) -> int:
     """Token rows per program: the accumulator (BLOCK_T, D) fp32 stays at <= 64 registers a thread
     (4 warps) on the GPU; the interpreter takes bigger tiles (fewer Python-level programs)."""
-    if C.interpreting():
+    if interpreting():
         return max(16, min(triton.next_power_of_2(max(T, 1)), 128))
     return max(16, min(8192 // triton.next_power_of_2(D), 64))
 
@@ -78,7 +80,7 @@ def rotate(x: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
     """
     if isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16:
         x = x.float()                                                  # exact
-    x4, Rc, out, ratio, r_sh, shape = C.rotation_operands(x, R, allow_cpu=C.interpreting())
+    x4, Rc, out, ratio, r_sh, shape = C.rotation_operands(x, R, allow_cpu=interpreting())
     B, H, T, D = x4.shape
     if out.numel() == 0:
         return out.view(shape)
