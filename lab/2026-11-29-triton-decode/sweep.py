@@ -1,0 +1,95 @@
+"""Issue 39's first GPU step: the Triton KIVI / Kitty fused decode's launch and numerics knobs
+(``kvq.fast.triton.paged.Knobs``), one at a time from the defaults, at the issue's shapes, by GPU time.
+
+Each variant is checked before it is timed (batch element 0 against float64 attention over the dequantized
+cache: ``bench_kivi_kitty.check_one``, the suite's tolerances) and timed by ``common.bench`` (medians of
+CUDA-graph replays over cache copies beyond L2). The caches are the suite's (``bench_kivi_kitty.build_cache``).
+Written after every shape, so a cut-short run keeps what it measured.
+
+    python3 lab/2026-11-29-triton-decode/sweep.py --out /tmp/res/sweep.json [--shapes 8x32768 1x32768] [--budget-s 300]
+    python3 lab/2026-11-29-triton-decode/sweep.py --out /tmp/sweep.json --dry-run          # CPU, interpreter, tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
+
+SHAPES = ("1x32768", "1x131072", "8x32768", "8x131072", "32x32768")
+METHODS = ("KIVI-K2V2", "Kitty")
+
+#: one knob at a time from the defaults (None: the defaults themselves)
+VARIANTS = (None, {"k_terms": 1}, {"split_p": True}, {"words": False}, {"num_warps": 8}, {"waves": 1.5}, {"waves": 2},
+            {"waves": 6}, {"block_t": 64}, {"block_t": 32}, {"num_stages": 3}, {"num_stages": 4},
+            {"k_terms": 1, "num_stages": 3})
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--methods", nargs="+", default=list(METHODS))
+    ap.add_argument("--budget-s", type=float, default=300.0)
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (Triton's interpreter)")
+    a = ap.parse_args(argv)
+    if a.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")        # before kvq's Triton kernels are decorated
+    import torch
+
+    import bench_kivi_kitty as KK
+    import common as C
+    import kvq.fast as fast
+    from kvq.fast.triton import paged
+
+    device = "cpu" if a.dry_run else "cuda"
+    fast.set_validation(False)
+    deadline = C.Deadline(a.budget_s)
+    shapes = [(1, 60), (2, 100)] if a.dry_run else [tuple(int(x) for x in s.split("x")) for s in a.shapes]
+    Hq, Hkv, Dh = (KK.DRY_H_Q, KK.DRY_H_KV, KK.DRY_D) if a.dry_run else (KK.H_Q, KK.H_KV, KK.D)
+    doc = {"meta": C.meta(device, argv), "variants": [v or {} for v in VARIANTS], "rows": [],
+           "defaults": {f: getattr(paged.DEFAULT_KNOBS, f) for f in paged.Knobs.__dataclass_fields__}}
+    t0 = time.monotonic()
+    for B, T in shapes:
+        for method in a.methods:
+            mod, cfg = KK.config(method, T, a.dry_run)
+            g = torch.Generator(device=device).manual_seed(B * 31 + T)
+            q = torch.randn((B, Hq, KK.T_Q, Dh), generator=g, device=device, dtype=torch.float16)
+            st = KK.build_cache(mod, cfg, B, Hkv, Dh, T, device, seed=B + T)
+            copies = C.copies_for(KK.bytes_read(cfg, st, T, Hq)["total"], device)
+            states = [st] + [KK.build_cache(mod, cfg, B, Hkv, Dh, T, device, seed=B + T + i) for i in range(1, copies)]
+            scale = 1.0 / math.sqrt(Dh)
+            for v in VARIANTS:
+                row = {"B": B, "T": T, "method": method, "knobs": v or {}}
+                if deadline.expired():
+                    row["skipped"] = "time budget exhausted"
+                    doc["rows"].append(row)
+                    continue
+                try:
+                    knobs = paged.Knobs(**(v or {}))
+                    out, lse = paged.decode_attention(cfg, mod.KeyCodec, st, q, scale=scale, knobs=knobs)
+                    row["check"] = KK.check_one(mod, cfg, st, q, out, lse, scale)
+                    t = C.bench(lambda s, kn=knobs: paged.decode_attention(cfg, mod.KeyCodec, s, q, scale=scale, knobs=kn),
+                                [(s,) for s in states], device=device, quick=True)
+                    row.update(us=1e3 * t["ms"], method_timing=t["method"])
+                except Exception as e:                    # noqa: BLE001 - recorded in the row
+                    row["error"] = C.err_str(e)
+                doc["rows"].append(row)
+                print(f"[{time.monotonic() - t0:6.1f} s] {B}x{T} {method} {v or 'defaults'}: "
+                      f"{row.get('us', float('nan')):.1f} us check={row.get('check', {}).get('ok')}"
+                      + (f" ERR {row['error'][:120]}" if "error" in row else ""), flush=True)
+            del states, st
+            C.free_cuda(device)
+        C.write_json(os.path.dirname(os.path.abspath(a.out)), os.path.basename(a.out), doc)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
