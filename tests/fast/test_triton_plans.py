@@ -17,8 +17,9 @@ from kvq.fast.triton import paged as TP  # noqa: E402
 
 
 def test_knob_defaults_are_the_former_dicts():
-    """Each module's Knobs holds the defaults its TUNE dict held, and is immutable and hashable."""
-    assert dataclasses.asdict(TP.Knobs()) == {"num_warps": 4, "waves": 3, "block_t": None, "split_p": False,
+    """Each module's Knobs holds the defaults its TUNE dict held (but the paged decode's waves: 2 since the
+    H200 sweep of lab/2026-11-29-triton-decode), and is immutable and hashable."""
+    assert dataclasses.asdict(TP.Knobs()) == {"num_warps": 4, "waves": 2, "block_t": None, "split_p": False,
                                               "k_terms": 2, "num_stages": None, "words": True}
     assert dataclasses.asdict(OD.Knobs()) == {"num_warps": 4, "waves": 3, "block_t": None, "k_terms": 3,
                                               "v_terms": 1, "num_stages": None}
@@ -43,16 +44,19 @@ def test_bad_knobs_are_refused(mod, key, bad):
 
 
 def test_paged_plan():
-    """KIVI-K2V2, D = 128, G = 128, fp16 q (magic), 256 pages over 64 programs per split on 132 SMs: about
-    3 waves -> 7 splits of 37 pages, 128-token steps, 4 warps, words on; each knob changes its part; equal
-    calls share one plan object."""
+    """KIVI-K2V2, D = 128, G = 128, fp16 q (magic), 256 pages over 64 programs per split on 132 SMs: at most
+    2 programs per SM -> floor(264 / 64) = 4 splits of 64 pages (256 programs, one round), 128-token steps,
+    4 warps, words on; each knob changes its part; equal calls share one plan object."""
     TP._plan.cache_clear()
     kw = dict(precise=False, magic=True, interp=False, k_bits=2, v_bits=2, ngv=1)
     p = TP.plan(256, 128, 128, 64, 132, **kw)
     assert (p.n_split, p.pps, p.BT, p.warps, p.stages, p.k_words, p.v_words, p.split_p, p.k_terms) == \
-        (7, 37, 128, 4, 2, True, True, False, 2)
+        (4, 64, 128, 4, 2, True, True, False, 2)
     assert TP.plan(256, 128, 128, 64, 132, **kw, knobs=TP.Knobs()) is p and TP._plan.cache_info().hits >= 1
-    assert TP.plan(256, 128, 128, 64, 132, **kw, knobs=TP.Knobs(waves=1)).n_split == 3
+    assert TP.plan(256, 128, 128, 64, 132, **kw, knobs=TP.Knobs(waves=3)).n_split == 6     # floor(396 / 64)
+    assert TP.plan(256, 128, 128, 64, 132, **kw, knobs=TP.Knobs(waves=1)).n_split == 2     # floor(132 / 64)
+    assert TP.plan(256, 128, 128, 8, 132, **kw).n_split == 32                            # batch 1: 33 -> 8 pages
+    assert TP.plan(256, 128, 128, 256, 132, **kw).n_split == 1                           # batch 32: one split
     assert TP.plan(256, 128, 128, 64, 132, **kw, knobs=TP.Knobs(block_t=32)).BT == 32
     assert TP.plan(256, 128, 128, 64, 132, **kw, knobs=TP.Knobs(num_warps=None)).warps == 8   # 128 x 128 > 8192
     assert not TP.plan(256, 128, 128, 64, 132, **kw, knobs=TP.Knobs(words=False)).k_words

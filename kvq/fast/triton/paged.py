@@ -61,10 +61,11 @@ _is_int = C.is_int
 class Knobs:
     """The launch knobs of the fused decode kernel (None: the built-in choice), for tuning runs on the GPU.
     Immutable and hashable (``plan`` is cached per knobs); the rules and the timings behind the defaults:
-    ``lab/2026-11-22-kivi-kitty-decode/KNOBS.md`` (section "Triton")."""
+    ``lab/2026-11-22-kivi-kitty-decode/KNOBS.md`` (section "Triton"; ``KNOBS.md#triton`` below), and for
+    ``waves`` ``lab/2026-11-29-triton-decode/NOTE.md`` (section "waves")."""
 
     num_warps: int | None = 4            # warps per program (None: 4, 8 for wide tiles)     KNOBS.md#triton
-    waves: float = 3                     # target programs per SM over the fused grid         KNOBS.md#triton
+    waves: float = 2                     # at most this many programs per SM over the grid    2026-11-29-triton-decode/NOTE.md#waves
     block_t: int | None = None           # tokens per inner step (a power of two >= 16)       KNOBS.md#triton
     split_p: bool = False                # P @ V with P as hi + lo (True) or rounded once     KNOBS.md#triton
     k_terms: int = 2                     # parts of q * scale in the key dot (2: ~22 bits)    KNOBS.md#triton
@@ -104,8 +105,9 @@ def plan(NP: int, G: int, D: int, n_base: int, sms: int, *, precise: bool, magic
     """The fused kernel's launch plan for ``NP`` pages of ``G`` tokens, head dim ``D``, ``n_base`` programs
     per split (B x H_kv x query blocks) on ``sms`` SMs; ``precise``: the IEEE fp32 path; ``magic``: fp16 q
     on the tensor cores; ``interp``: the interpreter (one stage); key / value code bits and value groups per
-    row (``ngv``). Arithmetic only (runs on the CPU), cached per arguments. The splits: about
-    ``knobs.waves`` programs per SM (lab/2026-11-22-kivi-kitty-decode/KNOBS.md#triton)."""
+    row (``ngv``). Arithmetic only (runs on the CPU), cached per arguments. The splits: as many as keep the
+    fused grid within ``knobs.waves`` programs per SM, at least one (lab/2026-11-29-triton-decode/NOTE.md#waves:
+    the kernel holds two programs per SM, so a grid of at most two per SM runs in one round)."""
     knobs = DEFAULT_KNOBS if knobs is None else knobs
     if not isinstance(knobs, Knobs):
         raise TypeError(f"knobs must be a kvq.fast.triton.paged.Knobs or None, got {type(knobs).__name__}")
@@ -118,7 +120,7 @@ def _plan(NP, G, D, n_base, sms, precise, magic, interp, k_bits, v_bits, ngv, kn
     """plan's cached body (every argument given, so that one key names one call shape)."""
     n_split = pps = 0
     if NP:
-        want = max(1, triton.cdiv(int(knobs.waves * sms), n_base))
+        want = max(1, int(knobs.waves * sms) // n_base)
         pps = triton.cdiv(NP, min(want, NP))
         n_split = triton.cdiv(NP, pps)
     BT = min(G, 32) if precise else min(G, knobs.block_t or 128)
