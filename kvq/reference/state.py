@@ -144,7 +144,7 @@ def check_layout(state, cfg) -> None:
     gives it (the fast tiers' states hold the same fields), else ValueError. Allocates that layout
     (zeros) once per call: the path of hand-built states only. The layout is the ``init`` that ``cfg``'s
     method registered (:func:`register_layout`)."""
-    init = _LAYOUTS.get(type(cfg))
+    init = next((_LAYOUTS[t] for t in type(cfg).__mro__ if t in _LAYOUTS), None)     # a subclass: its method's
     if init is None:
         raise TypeError(f"no state layout is registered for {type(cfg).__name__} (register_layout)")
     shape = tuple(getattr(state, "shape", ()))
