@@ -20,7 +20,9 @@ Caches: ``DynamicCache``, ``StaticCache`` (transformers' FP16 caches), ``quanto-
 as ``NAME:BACKEND`` (``KIVI-K2V2:triton``, ``BitDecoding-2:cupy``, ...; ``NAME`` alone is backend "auto").
 OSCAR and AQUA-KV are timed with their "identity" calibrations (no calibration data: the same kernels and
 bytes as a calibrated cache). Recorded per row: ms per step, tokens per second (batch / step), the cache's
-bytes at rest (allocator growth while filling), the peak extra memory during a step, and the card.
+bytes at rest (allocator growth from before the fill to after the warm-up steps; runs up to ``93fff11``
+measured it right after the fill, which for AQUA-KV counts its filled tokens still waiting in fp16), the peak
+extra memory during a step, and the card.
 ``--graph N`` adds the step's GPU time: the step captured once in a CUDA graph and replayed N times
 (``graph_ms_per_step``; the same step at the same context, no Python in the way; a cache whose step cannot
 be captured gets ``graph_status`` with the reason). ``--graphed N`` adds, for the kvq caches, N steps
@@ -194,9 +196,6 @@ def run_one(model, name: str, batch: int, context: int, args) -> dict:
         if ":" in name:                                      # kvq: the attention a kvq cache user runs
             from kvq.integrations.attention import use_kvq_attention
             use_kvq_attention(model)
-        sync(dev)
-        if dev != "cpu":
-            row["cache_bytes"] = torch.cuda.memory_allocated() - base
         step = step_fn(model, cache, batch, context)
         for _ in range(args.warmup):
             step()
@@ -204,6 +203,9 @@ def run_one(model, name: str, batch: int, context: int, args) -> dict:
         if dev != "cpu":
             torch.cuda.reset_peak_memory_stats()
             at_rest = torch.cuda.memory_allocated()
+            # at rest between steps, not right after the fill: AQUA-KV's filled tokens wait in fp16 until
+            # the first step's attention commits them (Algorithm 4's order), four times its compressed bytes
+            row["cache_bytes"] = at_rest - base
         times = []
         for _ in range(args.steps):
             sync(dev)
@@ -494,12 +496,8 @@ def check_cache_name(name: str, device: str, option: str = "--caches", prog: str
         raise CommandError(f"{option} {name!r}: the cupy backend needs a CUDA device (on the CPU use "
                            f"{method}:reference)", prog)
     if backend == "triton":
-        try:
-            from kvq.fast.triton.quant import interpreting
-            ok = interpreting()
-        except ImportError:
-            ok = False
-        if not ok:
+        from kvq.fast import triton_interpreting
+        if not triton_interpreting():
             raise CommandError(f"{option} {name!r}: the triton backend needs a CUDA device, or Triton's CPU "
                                f"interpreter (TRITON_INTERPRET=1); on the CPU use {method}:reference", prog)
 
