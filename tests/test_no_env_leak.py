@@ -96,10 +96,34 @@ def test_interpreting_in_fresh_processes():
     assert _run(late, interpret=False) == "False"
 
 
-def test_kvstore_uses_the_same_fact(monkeypatch):
-    from kvq.integrations import methods
+def test_kvstore_and_bench_use_the_same_fact(monkeypatch):
+    """kvq.fast.triton_interpreting (what KVStore and ``kvq bench e2e`` ask) is the kernels' fact, whatever
+    the environment says now."""
+    import kvq.fast
+    from kvq.commands import CommandError
+    from kvq.commands.bench_e2e import check_cache_name
     monkeypatch.setenv("TRITON_INTERPRET", "0" if Q.interpreting() else "1")
-    assert methods._fast_interpreting() is Q.interpreting()
+    assert kvq.fast.triton_interpreting() is Q.interpreting()
+    if Q.interpreting():
+        check_cache_name("KIVI-K2V2:triton", "cpu")                 # accepted: the kernels run on the CPU
+    else:
+        with pytest.raises(CommandError, match="interpreter"):
+            check_cache_name("KIVI-K2V2:triton", "cpu")
+
+
+def test_triton_interpreting_is_false_without_triton(monkeypatch):
+    import builtins
+
+    import kvq.fast
+    real = builtins.__import__
+
+    def no_triton(name, globals=None, locals=None, fromlist=(), level=0):
+        if name == "kvq.fast.triton" or name.startswith("kvq.fast.triton.") or name == "triton":
+            raise ImportError(f"no module named {name!r} (test)")
+        return real(name, globals, locals, fromlist, level)
+
+    monkeypatch.setattr(builtins, "__import__", no_triton)
+    assert kvq.fast.triton_interpreting() is False
 
 
 # ----------------------------------------------------------------------------- cache_device()

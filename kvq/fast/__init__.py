@@ -85,6 +85,17 @@ for _backend in BACKENDS:
 del _backend
 
 
+def triton_interpreting() -> bool:
+    """Whether kvq's Triton kernels run under Triton's CPU interpreter (``TRITON_INTERPRET=1`` when they
+    were decorated): the process-wide fact of ``kvq.fast.triton.quant.interpreting``, never the environment
+    read now. False where Triton cannot be imported."""
+    try:
+        from kvq.fast.triton import quant
+    except ImportError:
+        return False
+    return quant.interpreting()
+
+
 def backend_module(module: str, backend: str | None = None):
     """The module ``kvq.fast.<backend>.<module>``; ``backend=None`` means the default (Triton)."""
     backend = DEFAULT_BACKEND if backend is None else backend

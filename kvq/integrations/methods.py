@@ -33,6 +33,7 @@ from typing import Callable
 
 import numpy as np
 
+from kvq.fast import triton_interpreting
 from kvq.reference import aqua, bitdecoding, kitty, kivi, oscar
 
 from . import families as F
@@ -190,17 +191,6 @@ def bits_per_element(name: str, cfg, *, context: int, head_dim: int, kv_heads: i
 
 # ---------------------------------------------------------------------------------------------------
 # KVStore
-
-
-def _fast_interpreting() -> bool:
-    """Whether kvq's Triton kernels run under Triton's CPU interpreter: the process-wide fact of
-    ``kvq.fast.triton.quant.interpreting`` (fixed when the kernels were decorated), never the environment.
-    False where Triton cannot be imported."""
-    try:
-        from kvq.fast.triton import quant
-    except ImportError:
-        return False
-    return quant.interpreting()
 
 
 def resolve_calibration(name: str, calibration, *, n_layers: int, kv_heads: int, head_dim: int):
@@ -404,7 +394,7 @@ class KVStore:
         if backend == "reference":
             return backend, tuple(devs) if devs is not None else (torch.device("cpu"),) * self.n_layers
         if not torch.cuda.is_available():
-            if backend == "triton" and _fast_interpreting():
+            if backend == "triton" and triton_interpreting():
                 return backend, (torch.device("cpu"),) * self.n_layers
             raise RuntimeError(f"backend={backend!r} keeps the cache on a CUDA device and none is available"
                                + (" (Triton can run on the CPU under TRITON_INTERPRET=1)" if backend == "triton"
