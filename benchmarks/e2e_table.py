@@ -124,7 +124,8 @@ def graph_table(rows: list, shapes: list, caches: list) -> str:
 
 def max_batch_table(rows: list) -> str:
     """The ``--max-batch`` rows: per cache the largest batch that ran at that context, its step and tokens
-    per second; "" when there are none."""
+    per second (a batch capped below what memory allows, as quanto's by its unpack limit, marked "capped");
+    "" when there are none."""
     mb = [r for r in rows if r.get("max_batch")]
     if not mb:
         return ""
@@ -132,7 +133,8 @@ def max_batch_table(rows: list) -> str:
            "| cache | context | largest batch | ms per step | tokens per second |", "| --- | --- | --- | --- | --- |"]
     for r in mb:
         if r["status"] == "ok":
-            out.append(f"| {r['cache']} | {r['context'] // 1024}K | {r['batch']} | {r['ms_per_step']:.1f} | "
+            batch = f"{r['batch']} (capped)" if r.get("capped") else r["batch"]
+            out.append(f"| {r['cache']} | {r['context'] // 1024}K | {batch} | {r['ms_per_step']:.1f} | "
                        f"{r['tokens_per_s']:.0f} |")
         else:
             out.append(f"| {r['cache']} | {r['context'] // 1024}K | {status_word(r)} (at {r['batch']}) | - | - |")

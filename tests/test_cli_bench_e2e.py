@@ -339,3 +339,74 @@ def test_a_row_that_loses_the_device_stops_the_run(tmp_path, capsys, monkeypatch
 
 def test_device_alive_on_the_cpu():
     assert bench_e2e.device_alive("cpu") is True
+
+
+# ----------------------------------------------------------------------------- quanto's unpack limit
+
+
+@pytest.mark.parametrize("tokens", [32768, 32768 + 14, 8192, 131072, 3])
+def test_quanto_batch_limit_is_the_largest_batch_within_2_31_codes(tokens):
+    lim = bench_e2e.quanto_batch_limit(tokens, 8, 128)
+    assert lim * tokens * 8 * 128 <= 2 ** 31 < (lim + 1) * tokens * 8 * 128
+
+
+def test_quanto_batch_limit_at_32k():
+    # the lab note's figures: 64 at a 32K prefill (exactly 2^31 codes), 63 once steps add tokens
+    assert bench_e2e.quanto_batch_limit(32768, 8, 128) == 64
+    assert bench_e2e.quanto_batch_limit(32769, 8, 128) == 63
+
+
+def _max_batch_args(**kw):
+    import argparse
+    return argparse.Namespace(**{"warmup": 2, "steps": 4, "graph": None, "graphed": None, "margin_gib": 3.0, **kw})
+
+
+def _fake_model():
+    from types import SimpleNamespace
+    return SimpleNamespace(config=SimpleNamespace(num_key_value_heads=8, head_dim=128, hidden_size=4096,
+                                                  num_attention_heads=32))
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """max_batch without a GPU: 100 GiB free, and run_one records the batch it was asked for."""
+    import torch
+    asked = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (100 * 2 ** 30, 140 * 2 ** 30))
+
+    def run_one(model, name, batch, context, args):
+        asked.append(batch)
+        return {"cache": name, "batch": batch, "context": context, "status": "ok"}
+    monkeypatch.setattr(bench_e2e, "run_one", run_one)
+    return asked
+
+
+def test_max_batch_caps_quanto_at_the_unpack_limit(fake_gpu):
+    args = _max_batch_args()
+    row = bench_e2e.max_batch(_fake_model(), "quanto-2", 32768, 2 ** 30, args)   # 1 GiB / sequence: 97 fit
+    want = bench_e2e.quanto_batch_limit(32768 + bench_e2e.step_tokens(args), 8, 128)
+    assert want == 63 and fake_gpu == [want]
+    assert row["batch"] == want and row["max_batch"] and "2^31 codes" in row["capped"]
+
+
+def test_max_batch_leaves_other_caches_and_small_quanto_batches_alone(fake_gpu):
+    args = _max_batch_args()
+    row = bench_e2e.max_batch(_fake_model(), "KIVI-K2V2:cupy", 32768, 2 ** 30, args)
+    assert fake_gpu == [97] and "capped" not in row                   # (100 - 3) GiB / 1 GiB per sequence
+    row = bench_e2e.max_batch(_fake_model(), "quanto-4", 32768, 2 ** 31, args)    # 2 GiB / sequence: 48 fit
+    assert fake_gpu[-1] == 48 and "capped" not in row
+
+
+def test_max_batch_refuses_a_context_past_quanto_s_limit_at_batch_1(fake_gpu):
+    row = bench_e2e.max_batch(_fake_model(), "quanto-2", 2 ** 21, 2 ** 30, _max_batch_args())
+    assert fake_gpu == [] and row["status"].startswith("failed:") and row["batch"] == 0
+
+
+def test_e2e_table_marks_a_capped_largest_batch():
+    rows = [{"cache": "quanto-2", "batch": 63, "context": 32768, "status": "ok", "ms_per_step": 900.0,
+             "tokens_per_s": 70.0, "max_batch": True, "capped": "at most 63: ..."},
+            {"cache": "KIVI-K2V2:cupy", "batch": 175, "context": 32768, "status": "ok", "ms_per_step": 58.4,
+             "tokens_per_s": 2997.0, "max_batch": True}]
+    table = _e2e_table().max_batch_table(rows)
+    assert "| quanto-2 | 32K | 63 (capped) |" in table and "| KIVI-K2V2:cupy | 32K | 175 |" in table

@@ -62,7 +62,8 @@ from kvq.commands import CommandError, Parser, check_device, check_out_file, non
     non_negative_int, positive_int, report
 
 __all__ = ["DEFAULT_SHAPES", "DEFAULT_CACHES", "DEFAULT_CPU_CACHES", "TRANSFORMERS_CACHES", "llama_config",
-           "build_model", "make", "fill", "step_fn", "run_one", "device_alive", "graph_time", "graphed_time", "max_batch", "device_info", "parse_shape",
+           "build_model", "make", "fill", "step_fn", "step_tokens", "run_one", "device_alive", "graph_time",
+           "graphed_time", "QUANTO_UNPACK_CODES", "quanto_batch_limit", "max_batch", "device_info", "parse_shape",
            "model_bytes", "check_cache_name", "add_arguments", "build_parser", "validate", "run", "execute", "main"]
 
 DEFAULT_SHAPES = ["8x32768", "1x32768", "1x131072", "32x32768", "8x8192", "1x8192", "32x8192"]   # the headline first
@@ -185,13 +186,8 @@ def run_one(model, name: str, batch: int, context: int, args) -> dict:
         base = torch.cuda.memory_allocated()
     cache = None
     try:
-        # room for every step: warm-up, timed, --graph's warm-up and captured step, and its replays (a
-        # StaticCache counts its length on the device, so each replay writes the next position), --graphed's
-        # first step and its two rounds of steps
-        graph = getattr(args, "graph", None) or 0
         graphed = getattr(args, "graphed", None) or 0
-        cache = make(name, model, batch, context, args.warmup + args.steps + 1 + (graph + 2 if graph else 0)
-                     + (2 * graphed + 2 if graphed else 0))
+        cache = make(name, model, batch, context, step_tokens(args))
         fill(cache, model, batch, context, args.chunk)
         if ":" in name:                                      # kvq: the attention a kvq cache user runs
             from kvq.integrations.attention import use_kvq_attention
@@ -347,15 +343,50 @@ def _err(e: BaseException, limit: int = 300) -> str:
     return msg[:limit] + (f" [at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno}]" if tb else "")
 
 
+def step_tokens(args) -> int:
+    """Tokens a row appends after the fill: room for every step (warm-up, timed, ``--graph``'s warm-up and
+    captured step and its replays: a StaticCache counts its length on the device, so each replay writes the
+    next position; ``--graphed``'s first step and its two rounds of steps)."""
+    graph = getattr(args, "graph", None) or 0
+    graphed = getattr(args, "graphed", None) or 0
+    return args.warmup + args.steps + 1 + (graph + 2 if graph else 0) + (2 * graphed + 2 if graphed else 0)
+
+
+#: codes one tensor may hold in optimum-quanto's CUDA unpack: its kernels index with 32-bit ``int``, and past
+#: 2^31 codes the 2-bit one writes wrong codes and strays (lab/2026-11-29-e2e-grid/NOTE.md, measured)
+QUANTO_UNPACK_CODES = 2 ** 31
+
+
+def quanto_batch_limit(tokens: int, kv_heads: int, head_dim: int) -> int:
+    """The largest batch whose layer keys of ``tokens`` tokens stay within :data:`QUANTO_UNPACK_CODES` codes
+    (transformers' QuantizedCache re-quantizes a layer's whole key tensor; 0 when not even one fits)."""
+    return QUANTO_UNPACK_CODES // (tokens * kv_heads * head_dim)
+
+
 def max_batch(model, name: str, context: int, per_seq: float, args) -> dict:
-    """The largest batch that fits at ``context``: estimated from bytes per sequence, confirmed by a step."""
+    """The largest batch that fits at ``context``: estimated from bytes per sequence, confirmed by a step.
+    quanto caches are capped where optimum-quanto's unpack would overflow (:func:`quanto_batch_limit` over
+    the row's whole length; the row's ``capped`` says so), since past it they corrupt memory, not run out."""
     import torch
     gc.collect()
     torch.cuda.empty_cache()                                 # what torch holds of earlier rows is free too
     free = torch.cuda.mem_get_info()[0] - args.margin_gib * 2 ** 30
     b = max(1, int(free // per_seq))
+    capped = None
+    if name.startswith("quanto-"):
+        c = model.config
+        limit = quanto_batch_limit(context + step_tokens(args), c.num_key_value_heads,
+                                   getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+        if limit < b:
+            b, capped = limit, (f"at most {limit}: optimum-quanto's CUDA unpack indexes with 32-bit int and "
+                                f"corrupts memory past 2^31 codes in one tensor (a layer's keys)")
+        if b < 1:
+            return {"cache": name, "batch": 0, "context": context, "status": f"failed: {capped}",
+                    "max_batch": True, "capped": capped}
     for _ in range(4):
         row = run_one(model, name, b, context, args)
+        if capped:
+            row["capped"] = capped
         if row["status"] != "oom":                           # it fits, or it failed otherwise (recorded as is)
             return dict(row, max_batch=True)
         b = max(1, int(b * 0.85))
