@@ -666,3 +666,30 @@ def test_rule7_checker():
         _nearest_flips(vf, vr, np.array([2]), np.array([0]), grid, [4 * e], "bad")
     with pytest.raises(AssertionError):                                          # further apart than the bound
         _nearest_flips(vf, vr, np.array([1]), np.array([0]), grid, [e], "bad")
+
+
+# ----------------------------------------------------------------------------- RoPE over the history
+
+
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("D", [2, 8, 128])
+def test_fast_rope_is_the_reference_apply_rope_bit_for_bit(dev, inverse, D):
+    """``aqua_cache.rope`` (three passes: the halves' products, then in-place sums) equals
+    ``model.apply_rope`` (concatenated rotate_half) bit for bit, signed zeros, huge and tiny values included,
+    on a transposed view as ``segments`` passes it."""
+    from kvq.fast.caches import aqua_cache as FA
+
+    rng = np.random.default_rng(D + 7 * inverse)
+    B, H, T, theta, t0 = 2, 3, 37, 500000.0, 11
+    x = (rng.standard_normal((B, T, H, D)) * np.exp2(rng.integers(-20, 20, size=(B, T, H, D)))).astype(np.float32)
+    x[0, :3] = 0.0
+    x[1, :3] = -0.0
+    x[0, 3, 0, :] = np.float32(3.0e38)
+    xt = np.ascontiguousarray(x.transpose(0, 2, 1, 3))                     # (B, H, T, D)
+    want = M.apply_rope(xt, np.arange(t0, t0 + T), theta, inverse=inverse)
+    cos, sin = M.rope_tables(np.arange(t0, t0 + T), D, theta)
+    xv = torch.from_numpy(x).to(dev).transpose(1, 2)                        # a view, not contiguous
+    got = FA.rope(xv, torch.from_numpy(cos).to(dev), torch.from_numpy(sin).to(dev), inverse)
+    assert_bits_equal(got, want, f"rope inverse={inverse} D={D} on {dev}")
+    assert_bits_equal(xv, xt, "rope leaves its input as it was")

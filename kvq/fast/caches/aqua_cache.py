@@ -62,12 +62,23 @@ def _rope_tables(theta: float, D: int, t0: int, n: int, device) -> tuple:
     return have[0][t0:t0 + n], have[1][t0:t0 + n]
 
 
-def _rope(x, cos, sin, inverse: bool) -> torch.Tensor:
-    """``model.apply_rope`` on fp32 x (..., T, D): ``x*cos -/+ rotate_half(x)*sin``, each op rounded once."""
-    D = x.shape[-1]
-    s = torch.cat([-x[..., D // 2:], x[..., :D // 2]], dim=-1) * sin
-    xc = x * cos
-    return xc - s if inverse else xc + s
+def rope(x, cos, sin, inverse: bool) -> torch.Tensor:
+    """``model.apply_rope`` on fp32 x (..., T, D): ``x*cos -/+ rotate_half(x)*sin``, each op rounded once.
+
+    Bit for bit the reference's operations, in three passes over x instead of its five (a decode step
+    rotates every layer's whole history: ``lab/2026-11-29-e2e-grid/NOTE.md``): with x = [x1, x2] and
+    rotate_half(x) = [-x2, x1], the first half of ``rotate_half(x)*sin`` is ``-(x2*sin1)``, and
+    ``a + (-b)`` is ``a - b`` exactly (IEEE negation is exact), so ``x*cos + rotate_half(x)*sin`` is
+    ``[x1*cos1 - x2*sin1, x2*cos2 + x1*sin2]`` with the same roundings, and the inverse swaps the signs."""
+    h = x.shape[-1] // 2
+    out = x * cos
+    s = torch.empty_like(out)
+    torch.mul(x[..., h:], sin[..., :h], out=s[..., :h])
+    torch.mul(x[..., :h], sin[..., h:], out=s[..., h:])
+    lo, hi = (out[..., :h].add_, out[..., h:].sub_) if inverse else (out[..., :h].sub_, out[..., h:].add_)
+    lo(s[..., :h])
+    hi(s[..., h:])
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -190,7 +201,7 @@ def _encode_chunk(ops, cfg, P, st: AquaTensorState, k16, v16, c: int) -> list:
     for l in range(L):
         k = k16[l].float()
         if cfg.pre_rope:
-            k = _rope(k, cos, sin, inverse=True)
+            k = rope(k, cos, sin, inverse=True)
         Kq, Vq, K_hat, V_hat = encode_checked(ops, cfg, P, l, to_tokens(k), to_tokens(v16[l].float()), K_hat, V_hat)
         out.append((Kq, Vq))
     return out
@@ -288,7 +299,7 @@ def segments(cfg, st: AquaTensorState, l: int, hat) -> list:
     K_hat, V_hat = hat
     k = K_hat.reshape(B, -1, H, D).transpose(1, 2)                          # (B, H, n * R, D), a view
     if cfg.pre_rope and k.shape[2]:
-        k = _rope(k, *_rope_tables(cfg.rope_theta, D, cfg.sink, k.shape[2], st.device), inverse=False)
+        k = rope(k, *_rope_tables(cfg.rope_theta, D, cfg.sink, k.shape[2], st.device), inverse=False)
     return [(st.sink_k[l, :, :, :n_sink].float(), st.sink_v[l, :, :, :n_sink].float()),
             (k, V_hat.reshape(B, -1, H, D).transpose(1, 2)),
             (st.buf_k[l, :, :, :n_buf].float(), st.buf_v[l, :, :, :n_buf].float())]
