@@ -33,7 +33,6 @@ from typing import Callable
 
 import numpy as np
 
-from kvq.fast import triton_interpreting
 from kvq.reference import aqua, bitdecoding, kitty, kivi, oscar
 
 from . import families as F
@@ -394,6 +393,7 @@ class KVStore:
         if backend == "reference":
             return backend, tuple(devs) if devs is not None else (torch.device("cpu"),) * self.n_layers
         if not torch.cuda.is_available():
+            from kvq.fast import triton_interpreting          # (kvq.fast needs torch: imported where torch is)
             if backend == "triton" and triton_interpreting():
                 return backend, (torch.device("cpu"),) * self.n_layers
             raise RuntimeError(f"backend={backend!r} keeps the cache on a CUDA device and none is available"

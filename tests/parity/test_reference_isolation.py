@@ -71,3 +71,25 @@ def test_the_check_sees_relative_imports():
     tree = ast.parse("from ..fast import quantize\nfrom . import numerics\nimport torch.nn")
     names = set(_imported_names(tree, "kvq.reference"))
     assert "kvq.fast" in names and "torch.nn" in names and "kvq.reference.numerics" in names
+
+
+#: what the NumPy-only install uses beyond kvq.reference (README: the memory accounting, ``kvq demo``)
+NUMPY_ONLY = ("kvq.cli", "kvq.demo", "kvq.integrations.methods")
+
+
+def test_numpy_only_modules_import_without_torch():
+    """The CLI, the demo and the method registry (bits per element of every method) import with torch,
+    triton and cupy blocked; kvq.fast, which needs torch, is imported only where torch is in use."""
+    code = "\n".join([
+        "import sys, importlib",
+        "for name in ('torch', 'triton', 'cupy'):",
+        "    sys.modules[name] = None",
+        f"for mod in {NUMPY_ONLY!r}:",
+        "    importlib.import_module(mod)",
+        "from kvq.integrations import methods",
+        "cfg = methods.get_method('KIVI-K2V2').base()",
+        "print('ok', methods.bits_per_element('KIVI-K2V2', cfg, context=4096, head_dim=128, kv_heads=8, n_layers=2))",
+    ])
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.startswith("ok")
