@@ -326,7 +326,7 @@ class FP16(Family):
         torch = T.import_torch()
         t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
         t = t.to(self.store.devices[layer])
-        y = T.checked_half(t, dtype, name)
+        y = T.checked_half(t, dtype, name, scan=self.store.validate)
         return y.clone() if y is t else y
 
     def write(self, layer: int, kx, vx) -> None:
@@ -659,10 +659,13 @@ class AquaKV(Family):
         and minimum fit fp16 metadata. Values are fp16 already, and so are pre-RoPE keys while |k| <= 46000;
         larger keys are undone from RoPE and run through the layer's quantizer on the host, the commit's
         own computation for them. A residual after a prediction depends on the layers before: the commit
-        finds it, and the store's ``_atomic`` takes the completing append back."""
+        finds it, and the store's ``_atomic`` takes the completing append back.
+
+        A store made with ``validate=False`` skips the check: it reads the keys' largest magnitude on the
+        host, a GPU synchronization per layer and step."""
         s = self.store
         cfg, P = s.cfg, s.calibration
-        if not cfg.pre_rope or (layer and cfg.predict_keys and P.f_key[layer] is not None):
+        if not s.validate or not cfg.pre_rope or (layer and cfg.predict_keys and P.f_key[layer] is not None):
             return
         t0 = s.length(layer)                                  # the position of the first new token
         skip = max(0, cfg.sink - t0)
@@ -709,7 +712,7 @@ class AquaKV(Family):
         before = (s.cfg, s.max_tokens, s.growths, s.shared_state)
         try:
             s.grow_to(int(s.shared_state.length) + n)
-            with s.device_ctx(0):
+            with s.device_ctx(0), s.value_checks():
                 self.mod.append(s.cfg, s.calibration, s.shared_state, K, V)
         except (ValueError, TypeError) as e:
             s.cfg, s.max_tokens, s.growths, s.shared_state = before

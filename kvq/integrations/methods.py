@@ -291,8 +291,9 @@ class KVStore:
         max_capacity: with ``grow``, the largest capacity (None: no limit); an append beyond it is refused.
         validate: the fast backends' NaN / inf scan of appended tokens (``kvq.fast.validation``), a device
             read per append. False: no scan (a model's step then never waits on the GPU; NaN keys give NaN
-            outputs, as in an FP16 cache); shapes, dtypes, devices and capacity are still checked. The
-            reference, FP16 and AQUA-KV's waiting tokens are checked either way.
+            outputs, as in an FP16 cache; so do FP16's and AQUA-KV's tokens beyond fp16's range, and AQUA-KV
+            keys whose pre-RoPE form its quantizer cannot hold); shapes, dtypes, devices and capacity are
+            still checked. The reference backend (NumPy arrays) is checked either way.
         backend: "reference" (NumPy, ``kvq.reference``), "triton" / "cupy" (``kvq.fast.<backend>``, state
             on a CUDA device), or "auto": reference unless ``device`` is a CUDA device, then triton.
         calibration: OSCAR: a list of one ``oscar.OSCARCalibration`` per layer, or "identity"
@@ -609,10 +610,11 @@ class KVStore:
 
     def round16(self, x, name: str):
         """x (converted) rounded to fp16, refusing NaN / inf and fp16 overflow (the methods' rule); a new
-        array, never the caller's memory."""
+        array, never the caller's memory. A torch tensor of a store made with ``validate=False`` is rounded
+        without the scan (NumPy arrays, the reference's, are scanned either way: no GPU to wait for)."""
         torch = import_torch()
         if isinstance(x, torch.Tensor):
-            y = checked_half(x, torch.float16, name)
+            y = checked_half(x, torch.float16, name, scan=self.validate)
             return y.clone() if y.data_ptr() == x.data_ptr() else y
         if not np.isfinite(x).all():
             raise ValueError(f"{name} contains NaN or inf")

@@ -40,10 +40,13 @@ def to_numpy(a):
     return np.asarray(a)
 
 
-def checked_half(t, dtype, name: str):
+def checked_half(t, dtype, name: str, scan: bool = True):
     """Torch tensor ``t`` rounded to the 16-bit ``dtype``, refusing NaN / inf input and overflow (the
-    methods' rule for what enters an FP16 buffer)."""
+    methods' rule for what enters an FP16 buffer). ``scan=False`` (a store made with ``validate=False``): the
+    rounding only, with no value read on the host (each scan of a CUDA tensor waits for the GPU)."""
     torch = import_torch()
+    if not scan:
+        return t.to(dtype)
     if not bool(torch.isfinite(t).all()):
         raise ValueError(f"{name} contains NaN or inf")
     y = t.to(dtype)

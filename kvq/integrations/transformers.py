@@ -268,8 +268,9 @@ class KVQCache(Cache):
             needs). Default None: the capacity starts at ``DEFAULT_MAX_TOKENS`` and grows with the tokens
             (``KVStore(grow=True)``: doubling, pages copied) up to max_position_embeddings, or up to the
             sliding window of a model that has one (beyond it the window's attention is not the whole cache's).
-        validate: whether each appended token is scanned for NaN / inf on the fast backends, so that a NaN
-            key is refused with the cache unchanged (``KVStore(validate=)``). None (default): where the scan
+        validate: whether each appended token is scanned for NaN / inf on the fast backends and by the FP16
+            and AQUA-KV caches (and AQUA-KV's keys checked against its quantizer's range pre-RoPE), so that a
+            NaN key is refused with the cache unchanged (``KVStore(validate=)``). None (default): where the scan
             costs no GPU synchronization, on a store in CPU memory (the reference tier, Triton's
             interpreter), and not on a CUDA device, where it is a device read per layer and step that stalls
             the host (lab/2026-11-28-step-syncs, H200: a Llama-3.1-8B-shaped step at 1 x 32K 54.7 ms with

@@ -176,6 +176,50 @@ def test_validate_false_skips_the_fast_value_scan(triton_device):
     assert validation_enabled()                              # the store turned it off for its call only
 
 
+def _nan_key(T, seed=5):
+    k = np.random.default_rng(seed).standard_normal((1, 2, T, 64)).astype(np.float32)
+    k[0, 1, T - 1, 7] = np.nan
+    return k
+
+
+@pytest.mark.parametrize("name", ["FP16", "AQUA-KV"])
+def test_validate_false_skips_the_fp16_and_aqua_scans(name, triton_device):
+    """FP16's tokens and AQUA-KV's waiting tokens are torch tensors on the store's device, rounded to 16 bits by
+    the store itself: validate=True refuses a NaN key with the store unchanged; validate=False rounds it
+    without reading it on the host (a scan of a CUDA tensor waits for the GPU), and the NaN is kept."""
+    k = _nan_key(24)
+    v = np.zeros_like(k)
+    checked = _store(name, "triton", 64, device=triton_device, **SMALL[name])
+    with pytest.raises(ValueError, match="contains NaN or inf"):
+        checked.append(0, k, v)
+    assert checked.length(0) == 0
+    free = _store(name, "triton", 64, device=triton_device, validate=False, **SMALL[name])
+    for layer in range(2):                                   # AQUA-KV: the second layer's append commits both
+        free.append(layer, k, v)
+    assert free.length(0) == free.length(1) == 24
+    assert bool(torch.isnan(free.keys_values(0)[0]).any())
+
+
+def test_validate_false_skips_aquas_pre_rope_range_check(triton_device):
+    """AQUA-KV quantizes keys pre-RoPE: fp16 keys near 6e4 leave fp16's range undone from RoPE. validate=True
+    refuses them at the layer's own append (a device read of the keys' largest magnitude; layer 1, whose
+    uniform backbone's fp16 minimum overflows); validate=False makes no such read, and the commit compresses
+    what the backbone makes of them (no error, nothing finite promised)."""
+    big = np.full((1, 2, 24, 64), 6e4, np.float16)
+    big[..., ::2] = -6e4
+    good = np.random.default_rng(6).standard_normal((1, 2, 24, 64)).astype(np.float16)
+    checked = _store("AQUA-KV-uniform", "triton", 64, device=triton_device, **SMALL["AQUA-KV-uniform"])
+    checked.append(0, good, good)
+    with pytest.raises(ValueError, match="undone from RoPE"):
+        checked.append(1, big, good)
+    assert checked.length(1) == 0 and checked.pending(0) == 24
+    free = _store("AQUA-KV-uniform", "triton", 64, device=triton_device, validate=False,
+                  **SMALL["AQUA-KV-uniform"])
+    free.append(0, good, good)
+    free.append(1, big, good)                                # accepted, and it completes the commit
+    assert free.length(0) == free.length(1) == 24 and free.pending(0) == free.pending(1) == 0
+
+
 def test_validate_is_checked_and_reaches_the_store():
     with pytest.raises(TypeError, match="validate must be True or False"):
         _store("KIVI-K2V2", "reference", 64, validate="no")

@@ -175,6 +175,31 @@ def test_fused_decode_in_model_gpu(monkeypatch, backend, dtype, name):
     assert _rel(got, want) < (2e-3 if dtype == torch.float16 else 1e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cupy"])
+@pytest.mark.parametrize("name", list(M.METHODS))
+def test_decode_steps_make_no_torch_synchronization_gpu(backend, name):
+    """make_cache's default on CUDA (validate=None: no value scans) with a fixed capacity: decode steps, page
+    flushes and AQUA-KV's commits among them, make no synchronizing torch call (set_sync_debug_mode("error")
+    raises at one; CuPy's own calls are not seen by torch, and its launches do not synchronize)."""
+    calib = calibration_for(tiny(head_dim=64), name) if M.METHODS[name].calibration else None
+    model = tiny(dtype=torch.float16, head_dim=64).cuda()
+    cache = make_cache(name, model, calibration=calib, backend=backend, max_tokens=128, **SMALL[name])
+    ids = prompt(40, batch=2, seed=3).cuda()
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+        nxt = prompt(1, batch=2, seed=4).cuda()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for t in range(40, 64):                          # past a chunk / page / residual group of SMALL's
+                pos = torch.full((1,), t, device="cuda", dtype=torch.long)
+                model(input_ids=nxt, past_key_values=cache, cache_position=pos, position_ids=pos.expand(2, 1))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert cache.get_seq_length() == 64 and cache.store.validate is False
+
+
 def test_the_new_cache_argument_and_the_old_one_give_the_same_generation():
     """transformers is renaming ``past_key_values`` to ``cache``: kvq caches work under either name, and
     ``cache_argument`` names the one this transformers takes (the old one where ``forward`` lacks ``cache``)."""
