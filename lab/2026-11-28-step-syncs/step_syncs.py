@@ -7,6 +7,7 @@ filled to the context, then decode steps timed (wall clock, synchronized around 
 alternating blocks with kvq.fast's validation on (the default: NaN / inf scans of each appended token, a
 device read per layer) and off. For one step of each mode it counts the synchronizing CUDA calls
 (torch.cuda.set_sync_debug_mode("warn") warnings; CuPy's own calls are not seen by torch).
+``--caches`` takes the benchmark's names and "OSCAR-calibrated:<backend>" (one calibration object per layer).
 """
 
 from __future__ import annotations
@@ -43,6 +44,20 @@ def count_syncs(step) -> int:
     return sum("synchroniz" in str(x.message).lower() for x in w)
 
 
+def make(B, name, model, batch, context, extra):
+    """The benchmark's cache, or "OSCAR-calibrated:<backend>": OSCAR with one calibration object per layer
+    (identity rotations, as the benchmark's, but distinct arrays, as a calibrated model's are; the benchmark's
+    "identity" shares one object among the layers)."""
+    if not name.startswith("OSCAR-calibrated"):
+        return B.make(name, model, batch, context, extra)
+    from kvq.integrations.transformers import make_cache
+    from kvq.reference import oscar
+    model.set_attn_implementation("sdpa")
+    c = model.config
+    calib = [oscar.identity_calibration(c.head_dim) for _ in range(c.num_hidden_layers)]
+    return make_cache("OSCAR", model, backend=name.partition(":")[2], calibration=calib, max_tokens=context + extra)
+
+
 def main() -> None:
     import torch
 
@@ -61,7 +76,7 @@ def main() -> None:
     for shp in a.shapes:
         batch, context = (int(x) for x in shp.split("x"))
         for name in a.caches:
-            cache = B.make(name, model, batch, context, 2 * a.blocks * a.steps + 8)
+            cache = make(B, name, model, batch, context, 2 * a.blocks * a.steps + 8)
             B.fill(cache, model, batch, context, 4096)
             if ":" in name:
                 from kvq.integrations.attention import use_kvq_attention

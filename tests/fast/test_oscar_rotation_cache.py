@@ -1,5 +1,6 @@
 """kvq.fast.caches.oscar copies a calibration's rotations to the device once (so decode makes no host-to-device
-copy and can be captured in a CUDA graph); the cache is keyed on the array object, device and transpose."""
+copy and can be captured in a CUDA graph); the cache is keyed on the array object, device, transpose and dtype,
+and an entry lives as long as its array."""
 
 from __future__ import annotations
 
@@ -21,10 +22,45 @@ def test_rotation_copied_once_per_array():
     assert _oscar._rot(R2, dev) is not a and torch.equal(_oscar._rot(R2, dev), a)
 
 
-def test_rotation_cache_is_bounded():
+def test_rotations_stay_while_their_arrays_live_and_go_with_them():
+    """A model's step visits every layer's rotations in turn (R_K, R_V, R_V^T per layer): each stays on the
+    device as long as its array lives, however many layers there are (a bounded LRU smaller than that
+    missed every one at every step), and goes when the array is freed."""
+    import gc
     dev = torch.device("cpu")
-    arrays = [np.eye(4, dtype=np.float32) * (i + 1) for i in range(_oscar._ROT_CACHE_SIZE + 10)]
-    for A in arrays:
-        _oscar._rot(A, dev)
-    assert len(_oscar._ROT_CACHE) <= _oscar._ROT_CACHE_SIZE
-    assert torch.equal(_oscar._rot(arrays[0], dev), torch.from_numpy(arrays[0]))    # evicted, copied again
+    arrays = [np.eye(4, dtype=np.float32) * (i + 1) for i in range(300)]
+    first = [(_oscar._rot(A, dev), _oscar._rot(A, dev, True), _oscar._rot(A, dev, True, torch.float64))
+             for A in arrays]
+    again = [(_oscar._rot(A, dev), _oscar._rot(A, dev, True), _oscar._rot(A, dev, True, torch.float64))
+             for A in arrays]
+    assert all(x is y for a, b in zip(first, again) for x, y in zip(a, b))
+    assert first[7][2].dtype == torch.float64 and torch.equal(first[7][2], torch.from_numpy(arrays[7]).double())
+    ids = {id(A) for A in arrays}
+    assert ids <= set(_oscar._ROT_CACHE)
+    del arrays, first, again
+    gc.collect()
+    assert not ids & set(_oscar._ROT_CACHE)
+
+
+def test_a_decode_step_copies_no_rotation_to_the_device(monkeypatch):
+    """The append puts the decode's rotations (R_K, R_V^T) on the device, so that decode steps make no
+    host-to-device copy (from pageable memory it synchronizes): every make() of the cache happens before."""
+    from kvq.fast.caches import oscar as FO
+    from kvq.integrations import methods as M
+    store = M.KVStore("OSCAR", n_layers=3, batch=1, kv_heads=2, head_dim=32, max_tokens=64, backend="triton",
+                      calibration="identity", device="cpu", sink=2, window=8, group_size=32)
+    rng = np.random.default_rng(0)
+    k = torch.from_numpy(rng.standard_normal((1, 2, 12, 32)).astype(np.float32))
+    for layer in range(3):
+        store.append(layer, k, k)
+    made = []
+    real = FO._per_array
+
+    def spy(cache, key, R, make):
+        return real(cache, key, R, lambda: made.append(key) or make())
+
+    monkeypatch.setattr(FO, "_per_array", spy)
+    q = torch.from_numpy(rng.standard_normal((1, 4, 1, 32)).astype(np.float32)).half()
+    for layer in range(3):
+        store.decode_attention(layer, q)
+    assert made == []

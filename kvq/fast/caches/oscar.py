@@ -18,8 +18,8 @@ gives the same bits). The public, documented functions are ``kvq.fast.triton.osc
 
 from __future__ import annotations
 
-import collections
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Callable
@@ -119,36 +119,49 @@ def init(ops: "OscarOps", cfg, batch: int, kv_heads: int, head_dim: int, *, devi
 
 
 
-_ROT_CACHE: "collections.OrderedDict" = collections.OrderedDict()
-_ROT_CACHE_SIZE = 64
+_ROT_CACHE: dict = {}
 
 
 def _rot(R, dev: torch.device, transpose: bool = False, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A calibration rotation (NumPy fp32 (D, D) / (H, D, D)) on the device, optionally R^T, in ``dtype``.
 
-    Copied to the device once per array object, device and transpose (the last 64 kept): decode and
-    append then make no host-to-device copy, so they can be captured in a CUDA graph. A calibration's
-    arrays are treated as immutable (as the calibration is): modifying one in place after its first
-    use is not seen."""
+    Copied to the device once per array object, device, transpose and dtype, and kept as long as that array
+    lives: decode and append then make no host-to-device copy (a synchronizing one, from pageable memory),
+    so they can be captured in a CUDA graph. A model's step visits every layer's rotations in turn; a
+    bounded cache smaller than that would miss each of them at every step. A calibration's arrays are
+    treated as immutable (as the calibration is): modifying one in place after its first use is not seen."""
     def make():
         A = np.swapaxes(np.asarray(R), -1, -2) if transpose else np.asarray(R)
-        return torch.from_numpy(np.ascontiguousarray(A, dtype=np.float32)).to(dev).to(dtype)
+        # a copy (torch.tensor), never a view of R: a cached view would keep R, and its entry, alive
+        return torch.tensor(np.ascontiguousarray(A, dtype=np.float32)).to(dev).to(dtype)
 
-    return _per_array(_ROT_CACHE, (id(R), str(dev), bool(transpose), dtype), R, make)
+    return _per_array(_ROT_CACHE, (str(dev), bool(transpose), dtype), R, make)
 
 
-def _per_array(cache: "collections.OrderedDict", key, R, make):
-    """``make()`` cached under ``key`` (whose first item is ``id(R)``) for the array object R, the last
-    _ROT_CACHE_SIZE kept. The entry holds R, so its id cannot be reused while cached."""
-    hit = cache.get(key)
-    if hit is not None and hit[0] is R:
-        cache.move_to_end(key)
-        return hit[1]
-    value = make()
-    cache[key] = (R, value)
-    while len(cache) > _ROT_CACHE_SIZE:
-        cache.popitem(last=False)
-    return value
+def _per_array(cache: dict, key, R, make):
+    """``make()`` cached under ``key`` for the array object R, for as long as R lives: ``cache`` maps
+    ``id(R)`` to (a weak reference to R, {key: value}), and the reference's callback drops the entry when R
+    is freed, so its id cannot be taken by another array while the entry is there."""
+    entry = cache.get(id(R))
+    if entry is None or entry[0]() is not R:
+        rid = id(R)
+        try:
+            ref = weakref.ref(R, lambda _ref, rid=rid: cache.pop(rid, None))
+        except TypeError:                               # an array type without weak references: not cached
+            return make()
+        entry = (ref, {})
+        cache[rid] = entry
+    values = entry[1]
+    if key not in values:
+        values[key] = make()
+    return values[key]
+
+
+def _decode_rotations(ops, calib, dev: torch.device, rotate_back: bool = True):
+    """(R_K, R_V^T or None) on ``dev`` as :func:`decode_attention` takes them: fp32 for the backend's
+    rotation (it sums in float64), float64 for the torch fallback."""
+    rdt = torch.float32 if ops.rotate_heads is not None else torch.float64
+    return _rot(calib.R_K, dev, dtype=rdt), (_rot(calib.R_V, dev, True, rdt) if rotate_back else None)
 
 
 def _rotate16(ops, x, R: torch.Tensor, name: str) -> torch.Tensor:
@@ -188,7 +201,7 @@ def unfused_append():
         FUSED_APPEND = old
 
 
-_NORM_CACHE: "collections.OrderedDict" = collections.OrderedDict()
+_NORM_CACHE: dict = {}
 
 #: relative slack of the rotation bound (:func:`_rotation_fits`): covers the fp32 rounding of the
 #: fixed-order rotation (at most D * 2**-24 relative to sum |x_i R_ij| <= |x| |R_j|) and of the fp32 norm
@@ -197,7 +210,7 @@ FIT_SLACK = 1e-3
 
 def _max_col_norm(R) -> float:
     """max_j |R[..., :, j]|_2 of a calibration rotation (float64, host), cached per array object."""
-    return _per_array(_NORM_CACHE, (id(R),), R,
+    return _per_array(_NORM_CACHE, "norm", R,
                       lambda: float(np.linalg.norm(np.asarray(R, dtype=np.float64), axis=-2).max()))
 
 
@@ -295,6 +308,7 @@ def append(ops: "OscarOps", cfg, calib, state: OSCARTensorState, k, v) -> OSCART
         return st
     dev = st.device
     RK, RV = _rot(calib.R_K, dev), _rot(calib.R_V, dev)
+    _decode_rotations(ops, calib, dev)               # on the device now: a decode step then copies nothing there
     if _use_fused(ops, cfg, calib, st, k, v):
         plan = plan_append(cfg, st.length, n)
         _open_pages(st, cfg, plan.first, plan.e)
@@ -404,10 +418,9 @@ def decode_attention(ops: "OscarOps", cfg, calib, state: OSCARTensorState, q, *,
     dev = state.device
     # the backend's rotation takes the fp32 calibration as it is (half the bytes; sums in float64), the
     # torch fallback a float64 copy
-    rdt = torch.float32 if ops.rotate_heads is not None else torch.float64
     rot = ops.rotate_heads or (lambda x, R, dt: rotate_query_heads(x, R).to(dt))
-    qr = rot(q, _rot(calib.R_K, dev, dtype=rdt), torch.float32)                # (B, H_q, T_q, D) fp32
-    R_out = _rot(calib.R_V, dev, True, rdt) if rotate_back else None           # R_V^T
+    R_q, R_out = _decode_rotations(ops, calib, dev, rotate_back)               # R_K, R_V^T
+    qr = rot(q, R_q, torch.float32)                                            # (B, H_q, T_q, D) fp32
     if ops.fused_decode is not None:
         return ops.fused_decode(cfg, state, qr, scale=scale, precise=q.dtype == torch.float32,
                                 out_dtype=q.dtype, R_out=R_out)
