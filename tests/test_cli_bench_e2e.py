@@ -288,6 +288,21 @@ def test_a_row_lets_go_of_its_cache_before_it_frees_memory(monkeypatch):
     assert dead[-1], "the row's cache was still reachable when run_one freed the device's memory"
 
 
+def test_fill_commits_aqua_kv_as_a_prefill_does():
+    """The benchmark's fill tells a kvq cache each layer was attended, as the model's kvq attention does in a
+    prefill: AQUA-KV commits every chunk, so none of the filled tokens waits in fp16 (it all waited until the
+    first step, and the fill, not the cache, bounded AQUA-KV's largest batch); the other caches are as
+    before."""
+    model = bench_e2e.build_model(True, "cpu", 128)
+    aqua = bench_e2e.make("AQUA-KV:reference", model, 1, 48, 4)
+    bench_e2e.fill(aqua, model, 1, 48, 16)
+    store = aqua.store
+    assert store.length(0) == 48 and all(store.pending(l) == 0 for l in range(store.n_layers))
+    kivi = bench_e2e.make("KIVI-K2V2:reference", model, 1, 48, 4)
+    bench_e2e.fill(kivi, model, 1, 48, 16)
+    assert kivi.get_seq_length() == 48
+
+
 def test_a_failing_row_is_recorded_and_the_run_goes_on(tmp_path, capsys, monkeypatch):
     """A cache whose step raises (not out of memory) gets ``status: "failed: <error> [at file:line]"``; the
     rows after it still run while the device takes work."""

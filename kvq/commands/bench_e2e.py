@@ -132,7 +132,10 @@ def make(name: str, model, batch: int, context: int, extra: int):
 
 
 def fill(cache, model, batch: int, context: int, chunk: int, seed: int = 0):
-    """Put ``context`` random tokens into every layer of ``cache`` through its ``update``."""
+    """Put ``context`` random tokens into every layer of ``cache`` through its ``update``, each layer of a kvq
+    cache that attends through kvq then told it was attended (``store.attended``), as the model's kvq
+    attention does after each layer of a prefill: AQUA-KV commits there, so its tokens do not all wait in
+    fp16 until the first step (which made its fill, not its cache, the memory limit)."""
     import torch
     c = model.config
     H, D = c.num_key_value_heads, getattr(c, "head_dim", c.hidden_size // c.num_attention_heads)
@@ -145,6 +148,8 @@ def fill(cache, model, batch: int, context: int, chunk: int, seed: int = 0):
             k = torch.randn((batch, H, n, D), generator=g, device=dev, dtype=dt)
             v = torch.randn((batch, H, n, D), generator=g, device=dev, dtype=dt)
             cache.update(k, v, layer, {"cache_position": pos})
+            if getattr(cache, "attention", None) == "auto":
+                cache.store.attended(layer)
 
 
 def sync(device: str):
