@@ -693,3 +693,25 @@ def test_fast_rope_is_the_reference_apply_rope_bit_for_bit(dev, inverse, D):
     got = FA.rope(xv, torch.from_numpy(cos).to(dev), torch.from_numpy(sin).to(dev), inverse)
     assert_bits_equal(got, want, f"rope inverse={inverse} D={D} on {dev}")
     assert_bits_equal(xv, xt, "rope leaves its input as it was")
+
+
+def test_rope_tables_cover_the_capacity_at_first_use(monkeypatch):
+    """The device RoPE tables are made for the cache's capacity at their first use: later chunks and decode
+    steps within it slice them, and never copy a new table to the device (a synchronizing copy) mid-
+    generation. Slices equal the reference's tables of those positions."""
+    from kvq.fast.caches import aqua_cache as FA
+
+    made = []
+    real = FA.rope_tables
+    monkeypatch.setattr(FA, "rope_tables", lambda pos, D, theta: made.append(len(pos)) or real(pos, D, theta))
+    monkeypatch.setattr(FA, "_ROPE", {})
+    theta, D, cap = 12345.0, 8, 10000
+    cos, sin = FA._rope_tables(theta, D, 4, 16, "cpu", cap)
+    assert made == [12288]                                      # capacity rounded up to _ROPE_ROUND
+    for t0 in (20, 4096, 9000):
+        c, s = FA._rope_tables(theta, D, t0, 16, "cpu", cap)
+        want = M.rope_tables(np.arange(t0, t0 + 16), D, theta)
+        assert np.array_equal(c.numpy(), want[0]) and np.array_equal(s.numpy(), want[1])
+    assert made == [12288]
+    FA._rope_tables(theta, D, 12288, 16, "cpu", cap)            # past it (a grown cache): made once more
+    assert made == [12288, 16384]

@@ -48,14 +48,16 @@ _ROPE: dict = {}
 _ROPE_ROUND = 4096
 
 
-def _rope_tables(theta: float, D: int, t0: int, n: int, device) -> tuple:
+def _rope_tables(theta: float, D: int, t0: int, n: int, device, capacity: int = 0) -> tuple:
     """(cos, sin) (n, D) fp32 of positions t0 .. t0 + n - 1: ``model.rope_tables`` (float64, rounded once),
     computed on the host for positions 0 .. m - 1 and kept on the device (a table's row depends on its
-    position only, so a slice equals the reference's table of those positions)."""
+    position only, so a slice equals the reference's table of those positions). ``capacity``: the cache's
+    ``max_tokens``; the table is made for at least that many positions, so that it is not copied to the
+    device again (a synchronizing copy) at a decode step within the cache's capacity."""
     key = (float(theta), int(D), str(device))
     have = _ROPE.get(key)
     if have is None or have[0].shape[0] < t0 + n:
-        m = -(-(t0 + n) // _ROPE_ROUND) * _ROPE_ROUND
+        m = -(-max(t0 + n, int(capacity)) // _ROPE_ROUND) * _ROPE_ROUND
         cos, sin = rope_tables(np.arange(m), D, theta)
         have = (torch.from_numpy(cos).to(device), torch.from_numpy(sin).to(device))
         _ROPE[key] = have
@@ -195,7 +197,7 @@ def _encode_chunk(ops, cfg, P, st: AquaTensorState, k16, v16, c: int) -> list:
     """Algorithm 2 on chunk c, layer 0 first: k16, v16 (L, B, H, R, D) fp16 -> [(Kq, Vq)] per layer."""
     L, B, H, D = st.shape
     if cfg.pre_rope:
-        cos, sin = _rope_tables(cfg.rope_theta, D, cfg.sink + c * cfg.buffer, cfg.buffer, st.device)
+        cos, sin = _rope_tables(cfg.rope_theta, D, cfg.sink + c * cfg.buffer, cfg.buffer, st.device, cfg.max_tokens)
     K_hat = V_hat = None
     out = []
     for l in range(L):
@@ -299,7 +301,7 @@ def segments(cfg, st: AquaTensorState, l: int, hat) -> list:
     K_hat, V_hat = hat
     k = K_hat.reshape(B, -1, H, D).transpose(1, 2)                          # (B, H, n * R, D), a view
     if cfg.pre_rope and k.shape[2]:
-        k = rope(k, *_rope_tables(cfg.rope_theta, D, cfg.sink, k.shape[2], st.device), inverse=False)
+        k = rope(k, *_rope_tables(cfg.rope_theta, D, cfg.sink, k.shape[2], st.device, cfg.max_tokens), inverse=False)
     return [(st.sink_k[l, :, :, :n_sink].float(), st.sink_v[l, :, :, :n_sink].float()),
             (k, V_hat.reshape(B, -1, H, D).transpose(1, 2)),
             (st.buf_k[l, :, :, :n_buf].float(), st.buf_v[l, :, :, :n_buf].float())]
