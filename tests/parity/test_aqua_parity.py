@@ -715,3 +715,5 @@ def test_rope_tables_cover_the_capacity_at_first_use(monkeypatch):
     assert made == [12288]
     FA._rope_tables(theta, D, 12288, 16, "cpu", cap)            # past it (a grown cache): made once more
     assert made == [12288, 16384]
+    FA._rope_tables(theta, D, 4, 16, "cpu", 20000)              # a larger cache: its capacity at its first use
+    assert made == [12288, 16384, 20480]

@@ -56,8 +56,9 @@ def _rope_tables(theta: float, D: int, t0: int, n: int, device, capacity: int = 
     device again (a synchronizing copy) at a decode step within the cache's capacity."""
     key = (float(theta), int(D), str(device))
     have = _ROPE.get(key)
-    if have is None or have[0].shape[0] < t0 + n:
-        m = -(-max(t0 + n, int(capacity)) // _ROPE_ROUND) * _ROPE_ROUND
+    need = max(t0 + n, int(capacity))
+    if have is None or have[0].shape[0] < need:
+        m = -(-need // _ROPE_ROUND) * _ROPE_ROUND
         cos, sin = rope_tables(np.arange(m), D, theta)
         have = (torch.from_numpy(cos).to(device), torch.from_numpy(sin).to(device))
         _ROPE[key] = have
