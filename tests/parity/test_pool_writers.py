@@ -18,6 +18,8 @@ there); the parity tests lift the limit.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -172,6 +174,96 @@ def test_writers_decline():
     assert _codecs.writer(bare, "value_evict") is None
     assert (TK.paged.OPS.key_flush, TK.paged.OPS.value_evict) == (W.flush_key_pages, W.evict_values)
     assert (CK.paged.OPS.key_flush, CK.paged.OPS.value_evict) == (CW.flush_key_pages, CW.evict_values)
+    assert (CK.paged.OPS.token_append, TK.paged.OPS.token_append) == (CW.append_token, W.append_token)
+    assert _codecs.writer(bare, "token_append") is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# one decode token's append in one kernel (token_append: CuPy's flush.cu append_token)
+
+
+TOKEN_CASES = [c for c in CASES if c[0] in ("KIVI-K2V2", "KIVI-K4V2*", "KIVI-K2V4-Gv5", "KIVI-K4V4-fp32-meta",
+                                            "Kitty", "Kitty-G12-D20")]
+TOKEN_CASES.append(("KIVI-K2V2-R0", "kivi", RK.KIVIConfig(2, 2, group_size=16, residual=0, max_tokens=50),
+                    (2, 1, 16), 50, "ones"))
+
+
+def _counting(fast, monkeypatch, real):
+    """The module's codec with its ``token_append`` writer counted: the mode of each call, in order."""
+    modes = []
+
+    def token_append(*a):
+        modes.append(a[12])
+        return real(*a)
+
+    monkeypatch.setattr(fast.KeyCodec, "ops", dataclasses.replace(fast.KeyCodec.ops, token_append=token_append))
+    return modes
+
+
+def _expected_modes(cfg, T):
+    """The ``token_append`` mode of each one-token append of tokens 0 .. T - 1 the routing gives the writer
+    (``_paged._fused_token``): past the sink, not completing a key page, and not the eviction that fills
+    Kitty's value Q-buffer: 0 while the window fills, then 1 (Kitty's value Q-buffer) or 2 (KIVI's pages)."""
+    out = []
+    for t in range(T):
+        c0 = _paged.counts(cfg, t)
+        evicting = cfg.residual == 0 or c0["n_win"] == cfg.residual
+        if (t >= cfg.sink and c0["n_kbuf"] + 1 < cfg.group_size
+                and not (evicting and cfg.v_qbuffer and c0["n_vbuf"] + 1 >= cfg.group_size)):
+            out.append(0 if not evicting else 1 if cfg.v_qbuffer else 2)
+    return out
+
+
+@pytest.mark.parametrize("name, kind, cfg, shape, T, chunks", TOKEN_CASES, ids=[c[0] for c in TOKEN_CASES])
+def test_token_append(target, monkeypatch, name, kind, cfg, shape, T, chunks):
+    """One token per append: after every token the state equals the reference's bit for bit, and the torch
+    path's (FUSED_FLUSH off) at the end; with the writers on, every single-token append that does not complete
+    a key page takes the backend's one-kernel ``token_append`` (mode 0 while the window fills, 1 into Kitty's
+    value Q-buffer, 2 into KIVI's pages, new pages entered in the table), and the eviction that fills Kitty's
+    value Q-buffer takes the copies instead."""
+    backend, device = target
+    fast, writers = _fast(backend, kind)
+    ref = RK if kind == "kivi" else RT
+    monkeypatch.setattr(W, "INTERP_EVICT_PROGRAMS", 1 << 30)
+    modes = _counting(fast, monkeypatch, writers.append_token)
+    B, H, D = shape
+    k, v = _kv(B, H, T, D, cfg.group_size, seed=11, start=cfg.sink)
+    kt, vt = torch.from_numpy(k).to(device), torch.from_numpy(v).to(device)
+    states = {}
+    for fused in (True, False):
+        monkeypatch.setattr(_codecs, "FUSED_FLUSH", fused)
+        fs = fast.init(cfg, B, H, D)
+        for t in range(T):
+            fast.append(cfg, fs, kt[:, :, t:t + 1], vt[:, :, t:t + 1])
+            if fused or t == T - 1:
+                rs = ref.init(cfg, B, H, D)
+                ref.append(cfg, rs, k[:, :, :t + 1], v[:, :, :t + 1])
+                assert_same_state(fs, rs, f"{'writers' if fused else 'torch path'}, after token {t}: ")
+        states[fused] = fs
+    assert modes == _expected_modes(cfg, T)
+    assert (2 if kind == "kivi" else 1) in modes and (0 in modes or cfg.residual == 0)
+    for n, a in states[True].arrays().items():
+        assert_bits_equal(a, states[False].arrays()[n].cpu().numpy(), n)
+
+
+def test_token_append_declines_what_it_does_not_take():
+    """``append_token`` (CuPy's; Triton's the same where it applies) returns False, launching nothing, for a token
+    without unit channel stride, a head dim over the block's threads, or a value group that does not divide D
+    (the caller then copies)."""
+    B, H, D = 1, 2, 16
+    z = lambda *s, dt=torch.float16: torch.zeros(s, dtype=dt)                 # noqa: E731
+    pool = (z(2, H, 16, D // 4, dt=torch.uint8), z(2, H, 16, 2), z(2, H, 16, 2), z(B, 1, dt=torch.int32))
+    bufs = (z(B, H, 16, D), z(B, H, 4, D), z(B, H, 0, D))
+    tok = z(B, H, 1, D)
+    strided = z(B, H, 1, 2 * D)[..., ::2]
+    assert CW.append_token(strided, tok, *bufs, *pool, 0, 0, 0, 2, 0, True, 0, 2, 8) is False
+    assert CW.append_token(tok, strided, *bufs, *pool, 0, 0, 0, 2, 0, True, 0, 2, 8) is False
+    assert CW.append_token(tok, tok, *bufs, *pool, 0, 0, 0, 2, 0, True, 0, 2, 5) is False
+    assert W.append_token(strided, tok, *bufs, *pool, 0, 0, 0, 2, 0, True, 0, 2, 8) is False
+    assert W.append_token(tok, tok, *bufs, *pool, 0, 0, 0, 2, 0, True, 0, 2, 5) is False
+    big = z(B, H, 1, 2048)
+    assert CW.append_token(big, big, *bufs, *pool, 0, 0, 0, 2, 0, True, 0, 2, 8) is False
+    assert not any(t.any() for t in (*bufs, *pool))
 
 
 def _kpool(Pn, H, D, G, Db, kitty=True, bits=2):

@@ -48,6 +48,12 @@ class Ops:
     #: one kernel (True), or False where the backend declines this eviction (the caller then quantizes
     #: and scatters: the same bits)
     value_evict: Callable | None = None
+    #: (k, v, k_buf, v_win, v_buf, v_codes, v_scale, v_mn, v_table, nb, slot, nvb, mode, q0, new_page, first_id,
+    #: bits, Gv) -> bool: one decode token's append in one kernel (``kvq.fast.caches.paged._append_token``'s
+    #: writes: key into Q-buffer slot nb, value into window slot ``slot``, the evicted value (mode 1) into value
+    #: Q-buffer slot nvb or (mode 2) quantized into history slot q0, its page ``first_id + b`` entered in
+    #: the table where ``new_page``; mode 0 evicts nothing), or False where the backend declines it
+    token_append: Callable | None = None
 
 
 #: the paged cache writes pages and evicted values with the backend's single-kernel writers where it has
@@ -57,7 +63,7 @@ FUSED_FLUSH = True
 
 
 def writer(ops: Ops, name: str):
-    """The backend's single-kernel pool writer ``name`` ("key_flush" / "value_evict"), or None where it
+    """The backend's single-kernel pool writer ``name`` ("key_flush" / "value_evict" / "token_append"), or None
     has none or ``FUSED_FLUSH`` is off."""
     return getattr(ops, name) if FUSED_FLUSH else None
 

@@ -195,9 +195,14 @@ def _append_token(cfg, codec, st: PagedState, k16: torch.Tensor, v16: torch.Tens
     and its rewrite of the whole window. The key goes to slot n_kbuf of the Q-buffer (the slots after it
     are zero, as the general routing leaves them); the value takes the window slot of the oldest value
     (token order mod R), which, with the window full, is evicted first; an evicted value goes to the
-    value Q-buffer's next slot (Kitty) or is quantized into its page (_evict_values)."""
+    value Q-buffer's next slot (Kitty) or is quantized into its page (_evict_values). Where the backend has
+    a ``token_append`` writer (CuPy), all of it is one kernel, except Kitty's eviction that fills the value
+    Q-buffer (one step in G), which takes the copies and _evict_values."""
     R, p0 = cfg.residual, c0["post"]
     nb = c0["n_kbuf"]
+    if _fused_token(cfg, codec, st, k16, v16, c0):
+        st.length += 1
+        return st
     st.k_buf[:, :, nb:nb + 1] = k16
     if R == 0:
         evicted = v16
@@ -212,6 +217,35 @@ def _append_token(cfg, codec, st: PagedState, k16: torch.Tensor, v16: torch.Tens
             _evict_values(cfg, codec, st, evicted, c0)
     st.length += 1
     return st
+
+
+def _fused_token(cfg, codec, st: PagedState, k16: torch.Tensor, v16: torch.Tensor, c0: dict) -> bool:
+    """``_append_token``'s writes by the backend's ``token_append`` kernel (True), with the same routing: mode 0
+    where the window is not full yet, 1 where Kitty's evicted value joins its value Q-buffer without filling
+    it, 2 where KIVI's evicted value is quantized into its history slot (a new page opened for it at the first
+    slot of a page, ids as _evict_values gives them). False (nothing written) where the backend has no such
+    writer or declines, and for the eviction that fills Kitty's value Q-buffer."""
+    fused = _codecs.writer(codec.ops, "token_append")
+    if fused is None:
+        return False
+    R, G = cfg.residual, cfg.group_size
+    evicting = R == 0 or c0["n_win"] == R
+    q0, new_page = c0["n_vq"], False
+    if not evicting:
+        mode = 0
+    elif cfg.v_qbuffer:
+        if c0["n_vbuf"] + 1 >= G:
+            return False
+        mode = 1
+    else:
+        mode, new_page = 2, c0["n_vq"] % G == 0
+    D = st.shape[2]
+    if not fused(k16, v16, st.k_buf, st.v_win, st.v_buf, st.v_codes, st.v_scale, st.v_mn, st.v_table, c0["n_kbuf"],
+                 c0["post"] % R if R else 0, c0["n_vbuf"], mode, q0, new_page, st.v_next, cfg.v_bits, cfg.v_group(D)):
+        return False
+    if new_page:
+        st.v_next += st.shape[0]
+    return True
 
 
 def _evict_values(cfg, codec, st: PagedState, evicted: torch.Tensor, c0: dict) -> None:

@@ -5,11 +5,16 @@ the CuPy twins of ``kvq.fast.triton._flush``, the same arguments, checks and bit
 or Kitty's planes, index and metadata), one launch for all of a flush's pages, one block per (page,
 head): one thread per channel (rounded up to a warp) times up to 8 slices of the page's tokens.
 ``evict_values``: the values that leave the window, quantized per token
-into their page slots, one launch per append, one block per (token, head, sequence). The quantizer's
-arithmetic is ``quant.cu``'s (the bit-exact min-max quantizer of the numerics contract).
+into their page slots, one launch per append, one block per (token, head, sequence).
+``append_token``: a decode token's whole append (key into the key Q-buffer, value into the window, the value
+it evicts into the value Q-buffer or its page), one launch planned once per shape (``_loader.Prepared``), one
+block per (head, sequence). The quantizer's arithmetic is ``quant.cu``'s (the bit-exact min-max quantizer of
+the numerics contract).
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
@@ -18,7 +23,7 @@ from kvq.fast.caches.codecs import check_key_flush, check_value_evict, key_flush
 
 from . import _loader as L
 
-__all__ = ["flush_key_pages", "evict_values"]
+__all__ = ["flush_key_pages", "evict_values", "append_token"]
 
 _SRC = "flush.cu"
 
@@ -84,4 +89,45 @@ def evict_values(toks: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tenso
     args = (x, np.int64(x.stride(0)), np.int64(x.stride(1)), np.int64(x.stride(2)), v_codes, v_scale, v_mn, v_table,
             np.int32(q0), np.int32(v_codes.shape[2]), np.int32(D), np.int32(Gv), np.int32(v_table.shape[1]))
     L.run(fn, (e, H, B), (threads,), args, x.device)
+    return True
+
+
+#: append_token's arguments, every one a per-call value (Slot i of its Prepared launch): flush.cu's order
+_APPEND_TYPES = (torch.Tensor, np.int64, np.int64, torch.Tensor, np.int64, np.int64, torch.Tensor, np.int32, np.int32,
+                 torch.Tensor, np.int32, np.int32, torch.Tensor, np.int32, np.int32, np.int32, torch.Tensor,
+                 torch.Tensor, torch.Tensor, torch.Tensor, np.int32, np.int32, np.int32, np.int32, np.int32, np.int32,
+                 np.int32)
+
+
+@functools.lru_cache(maxsize=64)
+def _append_launch(bits: int, meta_half: bool, pow2: bool, H: int, B: int, D: int, dev: int) -> "L.Prepared":
+    """append_token's launch for this shape on device ``dev``: kernel, grid (H, B), one thread per channel."""
+    fn = L.kernel(_SRC, L.append_token_name(bits, meta_half, pow2))
+    return L.Prepared(fn, (H, B), (_threads(D),), tuple(L.Slot(i) for i in range(len(_APPEND_TYPES))), 0,
+                      dict(enumerate(_APPEND_TYPES)))
+
+
+def append_token(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_win: torch.Tensor, v_buf: torch.Tensor,
+                 v_codes: torch.Tensor, v_scale: torch.Tensor, v_mn: torch.Tensor, v_table: torch.Tensor, nb: int,
+                 slot: int, nvb: int, mode: int, q0: int, new_page: bool, first_id: int, bits: int, Gv: int) -> bool:
+    """One decode token's append to the paged cache in one kernel (``flush.cu`` append_token; the
+    ``token_append`` writer of ``kvq.fast.caches.codecs.Ops``, whose comment gives the arguments): the same
+    state, bit for bit, as ``kvq.fast.caches.paged._append_token``'s copies and ``evict_values``.
+
+    The caller (``_append_token``) has checked k and v (one finite fp16 token of the cache's shape on its
+    device) and routed the token (slots, mode, pages); the state's buffers are ``init``'s contiguous tensors.
+    Returns False (nothing launched) where the kernel does not take these operands: a token without unit
+    channel stride, a head dim over the block's threads, or a value group that does not divide D."""
+    B, H, _, D = k.shape
+    if (k.stride(-1) != 1 or v.stride(-1) != 1 or D > L.FLUSH_MAX_D or Gv < 1 or D % Gv
+            or bits not in L.PAGED_VBITS or D % (8 // bits)):
+        return False
+    dev = k.device.index if k.device.index is not None else torch.cuda.current_device()
+    launch = _append_launch(bits, _meta_half(v_scale), Gv & (Gv - 1) == 0, H, B, D, dev)
+    values = (k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), k_buf.data_ptr(),
+              k_buf.shape[2], nb, v_win.data_ptr(), v_win.shape[2], slot, v_buf.data_ptr(), v_buf.shape[2], nvb,
+              mode, v_codes.data_ptr(), v_scale.data_ptr(), v_mn.data_ptr(), v_table.data_ptr(), q0,
+              v_codes.shape[2], D, Gv, v_table.shape[1], int(new_page), first_id)
+    with L.on_device(dev):
+        launch.launch(values, dev, L.raw_stream(dev))
     return True

@@ -216,13 +216,20 @@ def value_evict_name(bits: int, meta_half: bool, pow2: bool) -> str:
     return f"value_evict<{bits}, {int(meta_half)}, {int(pow2)}>"
 
 
+def append_token_name(bits: int, meta_half: bool, pow2: bool) -> str:
+    """flush.cu append_token: one decode token's key and value into the paged cache's buffers, and the value it
+    evicts into the value Q-buffer or quantized into its page slot (pow2 as value_evict's)."""
+    return f"append_token<{bits}, {int(meta_half)}, {int(pow2)}>"
+
+
 #: flush.cu's threads per block are one per channel, rounded up to a warp, at most this many
 FLUSH_MAX_D = 1024
 
 
 def _flush_names():
     return (tuple(key_flush_name(b, k, mh) for b, k in PAGED_KEYS for mh in (False, True))
-            + tuple(value_evict_name(b, mh, p2) for b in PAGED_VBITS for mh in (False, True) for p2 in (False, True)))
+            + tuple(name(b, mh, p2) for name in (value_evict_name, append_token_name) for b in PAGED_VBITS
+                    for mh in (False, True) for p2 in (False, True)))
 
 
 #: BitDecoding's warps along N (W_n of eq. 1) that bitdecoding.cu is built for

@@ -17,6 +17,9 @@
 // value_evict: the tokens that leave the value window (or a full value Q-buffer), quantized per token in
 //   groups of GV channels and packed along channels, each written to its page slot: token q = q0 + t
 //   goes to page v_table[b, q / G], slot q % G.
+// append_token: one decode token's key into the key Q-buffer, its value into the window and the value it
+//   evicts into the value Q-buffer or, quantized as value_evict does, into its page: one launch for what
+//   kvq.fast.caches.paged._append_token does with torch copies and value_evict.
 // MH: the metadata is fp16 (1) or fp32 (0).
 #include "quant.cu"
 
@@ -149,31 +152,22 @@ __global__ void __launch_bounds__(KVQ_FLUSH_MAXD) key_flush(const u16* __restric
     }
 }
 
-// Computes: one token's values quantized per token in groups of GV channels (rule 2) and packed along
-//   channels (rule 6), written to the token's page slot (file comment).
-// Grid: (e, H, B): block (t, h, b) takes token t of sequence b, kv head h; x strides sx_b, sx_h, sx_t,
-//   channels contiguous.
-// Block: one thread per channel (blockDim.x >= D, a multiple of 32, <= KVQ_FLUSH_MAXD). A group's min /
-//   max: POW2 (GV a power of two): a butterfly over the group's lanes (groups of more than 32 channels:
-//   then over its warps' results in shared memory); else each thread scans its group in shared memory
-//   (a group need not fill whole bytes). The thread of a group's first channel stores its metadata, the
-//   thread of a byte's first channel packs the byte from the codes in shared memory.
-// Bytes: reads D fp16 values and one page-table entry; writes D BITS / 8 code bytes and 2 D / GV metadata.
+// The body of value_evict and append_token: value v of channel c (on: c < D) of one token, quantized per
+//   token in groups of GV channels (rule 2) and packed along channels (rule 6) into pool row `row`. Every
+//   thread of the block calls it (it synchronizes the block). A group's min / max: POW2 (GV a power of
+//   two): a butterfly over the group's lanes (groups of more than 32 channels: then over its warps'
+//   results in shared memory); else each thread scans its group in shared memory (a group need not fill
+//   whole bytes). The thread of a group's first channel stores its metadata, the thread of a byte's first
+//   channel packs the byte from the codes in shared memory.
 template <int BITS, int MH, int POW2>
-__global__ void __launch_bounds__(KVQ_FLUSH_MAXD) value_evict(const u16* __restrict__ x, i64 sx_b, i64 sx_h,
-                                                             i64 sx_t, u8* __restrict__ codes,
-                                                             void* __restrict__ scale, void* __restrict__ mn,
-                                                             const int* __restrict__ table, int q0, int G, int D,
-                                                             int GV, int n_tab) {
+__device__ __forceinline__ void quantize_token_row(float v, bool on, int c, int D, int GV, i64 row,
+                                                   u8* __restrict__ codes, void* __restrict__ scale,
+                                                   void* __restrict__ mn) {
     static_assert(BITS == 2 || BITS == 4 || BITS == 8, "2-, 4- or 8-bit codes");
     constexpr int PER = 8 / BITS;
     __shared__ float s_x[POW2 ? 1 : KVQ_FLUSH_MAXD];
     __shared__ float s_wlo[POW2 ? KVQ_FLUSH_MAXD / 32 : 1], s_whi[POW2 ? KVQ_FLUSH_MAXD / 32 : 1];
     __shared__ u8 s_c[KVQ_FLUSH_MAXD];
-    const int t = blockIdx.x, h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
-    const int c = threadIdx.x;
-    const bool on = c < D;
-    const float v = on ? f16_to_f32(x[(i64)b * sx_b + (i64)h * sx_h + (i64)t * sx_t + c]) : 0.0f;
     const int g = on ? c / GV : 0;
     GroupAcc a;
     acc_init(a);
@@ -197,9 +191,6 @@ __global__ void __launch_bounds__(KVQ_FLUSH_MAXD) value_evict(const u16* __restr
     }
     float s32, m32;
     group_params(a, BITS, 0, MH, s32, m32);
-    const int q = q0 + t;
-    const i64 page = table[(i64)b * n_tab + q / G];
-    const i64 row = (page * H + h) * G + q % G;
     if (on) s_c[c] = (u8)code_of(v, make_enc(s32, m32, BITS, 0));
     __syncthreads();
     if (!on) return;
@@ -214,4 +205,75 @@ __global__ void __launch_bounds__(KVQ_FLUSH_MAXD) value_evict(const u16* __restr
         for (int k = 0; k < PER; ++k) byte |= (u32)s_c[c + k] << (BITS * k);
         codes[row * (D / PER) + c / PER] = (u8)byte;
     }
+}
+
+// Computes: one token's values quantized per token in groups of GV channels (rule 2) and packed along
+//   channels (rule 6), written to the token's page slot (file comment).
+// Grid: (e, H, B): block (t, h, b) takes token t of sequence b, kv head h; x strides sx_b, sx_h, sx_t,
+//   channels contiguous.
+// Block: one thread per channel (blockDim.x >= D, a multiple of 32, <= KVQ_FLUSH_MAXD): quantize_token_row.
+// Bytes: reads D fp16 values and one page-table entry; writes D BITS / 8 code bytes and 2 D / GV metadata.
+template <int BITS, int MH, int POW2>
+__global__ void __launch_bounds__(KVQ_FLUSH_MAXD) value_evict(const u16* __restrict__ x, i64 sx_b, i64 sx_h,
+                                                             i64 sx_t, u8* __restrict__ codes,
+                                                             void* __restrict__ scale, void* __restrict__ mn,
+                                                             const int* __restrict__ table, int q0, int G, int D,
+                                                             int GV, int n_tab) {
+    const int t = blockIdx.x, h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
+    const int c = threadIdx.x;
+    const bool on = c < D;
+    const float v = on ? f16_to_f32(x[(i64)b * sx_b + (i64)h * sx_h + (i64)t * sx_t + c]) : 0.0f;
+    const int q = q0 + t;
+    const i64 page = table[(i64)b * n_tab + q / G];
+    quantize_token_row<BITS, MH, POW2>(v, on, c, D, GV, (page * H + h) * G + q % G, codes, scale, mn);
+}
+
+// Computes: the paged cache's append of one decode token past the sink whose key does not complete a page
+//   (kvq.fast.caches.paged._append_token, the same state bit for bit), in one launch:
+//   - the key into slot nb of the key Q-buffer k_buf (B, H, GK, D);
+//   - the value into slot `slot` of the value window v_win (B, H, R, D) (R = 0: no window; the value
+//     itself is then the evicted one);
+//   - the evicted value (the slot's old value, where the window was full): mode 1 into slot
+//     nvb of the value Q-buffer v_buf (B, H, GB, D) (Kitty); mode 2 quantized per token into its page slot
+//     (value_evict's arithmetic, quantize_token_row): history token q0 of sequence b goes to page `page`
+//     = first_id + b where new_page (which this launch enters in the page table v_table[b, q0 / G]:
+//     block h = 0), else v_table[b, q0 / G], slot q0 % G. mode 0: nothing is evicted.
+// Grid: (H, B): block (h, b) takes kv head h of sequence b. k, v: the token's (B, H, 1, D) with batch and
+//   head strides, channels contiguous.
+// Block: one thread per channel (blockDim.x >= D, a multiple of 32, <= KVQ_FLUSH_MAXD); the evicted value
+//   is read into a register before the new one overwrites its slot (the same thread).
+// Bytes: reads 2 D fp16 (and D of the window); writes 2 D fp16, and mode 2's D BITS / 8 code bytes and
+//   2 D / GV metadata.
+template <int BITS, int MH, int POW2>
+__global__ void __launch_bounds__(KVQ_FLUSH_MAXD) append_token(
+        const u16* __restrict__ k, i64 sk_b, i64 sk_h, const u16* __restrict__ v, i64 sv_b, i64 sv_h,
+        u16* __restrict__ k_buf, int GK, int nb, u16* __restrict__ v_win, int R, int slot,
+        u16* __restrict__ v_buf, int GB, int nvb, int mode, u8* __restrict__ codes, void* __restrict__ scale,
+        void* __restrict__ mn, int* __restrict__ table, int q0, int G, int D, int GV, int n_tab, int new_page,
+        int first_id) {
+    const int h = blockIdx.x, b = blockIdx.y, H = gridDim.x;
+    const int c = threadIdx.x;
+    const bool on = c < D;
+    const i64 bh = (i64)b * H + h;
+    u16 vnew = 0, old = 0;
+    if (on) {
+        k_buf[(bh * GK + nb) * D + c] = k[(i64)b * sk_b + (i64)h * sk_h + c];
+        vnew = v[(i64)b * sv_b + (i64)h * sv_h + c];
+        old = vnew;
+        if (R > 0) {
+            const i64 w = (bh * R + slot) * D + c;
+            old = v_win[w];
+            v_win[w] = vnew;
+        }
+    }
+    if (mode == 0) return;                                      // uniform over the block
+    if (mode == 1) {
+        if (on) v_buf[(bh * GB + nvb) * D + c] = old;
+        return;
+    }
+    const i64 entry = (i64)b * n_tab + q0 / G;
+    const i64 page = new_page ? (i64)first_id + b : (i64)table[entry];
+    if (new_page && h == 0 && c == 0) table[entry] = (int)page;
+    quantize_token_row<BITS, MH, POW2>(on ? f16_to_f32(old) : 0.0f, on, c, D, GV, (page * H + h) * G + q0 % G,
+                                       codes, scale, mn);
 }

@@ -55,7 +55,8 @@ from . import quant as Q
 
 #: the bit-exact CuPy kernels the shared paged cache (``kvq.fast.caches.paged``) quantizes and packs with, and
 #: its single-kernel pool writers (``flush.cu``: key pages and evicted values straight into the pool)
-OPS = Ops("cupy", Q, P, lambda: False, key_flush=W.flush_key_pages, value_evict=W.evict_values)
+OPS = Ops("cupy", Q, P, lambda: False, key_flush=W.flush_key_pages, value_evict=W.evict_values,
+          token_append=W.append_token)
 
 _SRC = "paged.cu"
 LOG2E = 1.4426950408889634

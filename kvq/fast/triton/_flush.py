@@ -21,6 +21,9 @@ sequence b: page-major, then batch, the reference's allocation order).
 ``evict_values``: the tokens that leave the value window (or a full value Q-buffer), quantized per
 token in groups of Gv channels and packed along channels, each written to its page slot: token q (q0 +
 t) goes to page ``v_table[b, q // G]``, slot ``q % G``. One program per (token, head, sequence).
+
+``append_token``: a decode token's whole append (key into the key Q-buffer, value into the window, the value it
+evicts into the value Q-buffer or quantized into its page), one launch, one program per (head, sequence).
 """
 
 from __future__ import annotations
@@ -120,27 +123,17 @@ def flush_key_pages(pages: torch.Tensor, pool: dict, first: int, bits: int, d_bo
                                   BLOCK_D=triton.next_power_of_2(D), num_warps=8, enable_fp_fusion=False)
 
 
-# Computes: one token's values quantized per token in groups of GV channels (rule 2) and packed along
-#   channels (rule 6), written to the token's page slot (module docstring).
-# Grid: (e, H, B): program (t, h, b) takes token t of sequence b, kv head h; x strides sx_b, sx_h, sx_t,
-#   channels contiguous.
-# Tile: (BLOCK_J, PER) channels PER j + k; groups by a (BLOCK_G, BLOCK_J, PER) membership mask (a group
-#   need not fill whole bytes).
-# Bytes: reads D fp16 values and one page-table entry; writes D * BITS / 8 code bytes and 2 D / GV metadata.
+# The body of _value_evict_kernel and _append_token_kernel: the values x (BLOCK_J, PER) of channels c (mask m)
+#   of one token, quantized per token in groups of GV channels (rule 2) and packed along channels (rule 6)
+#   into pool row `row`. Groups by a (BLOCK_G, BLOCK_J, PER) membership mask (a group need not fill whole
+#   bytes).
 @triton.jit
-def _value_evict_kernel(x_ptr, c_ptr, s_ptr, m_ptr, tab_ptr, sx_b, sx_h, sx_t, q0, G, D, GV, NGV, n_tab,
+def _quantize_token_row(x, c, m, row, c_ptr, s_ptr, m_ptr, D, GV, NGV,
                         BITS: tl.constexpr, QMAX: tl.constexpr, FASTDIV: tl.constexpr,
                         BLOCK_J: tl.constexpr, BLOCK_G: tl.constexpr):
     PER: tl.constexpr = 8 // BITS
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    H = tl.num_programs(1)
     NJ = D // PER
     jj = tl.arange(0, BLOCK_J)
-    c = jj[:, None] * PER + tl.arange(0, PER)[None, :]                     # (BLOCK_J, PER) channels
-    m = c < D
-    x = load_f32(x_ptr + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h + t.to(tl.int64) * sx_t + c, m, False)
     gg = tl.arange(0, BLOCK_G)
     gvalid = gg < NGV
     gm = ((c // GV)[None, :, :] == gg[:, None, None]) & m[None, :, :]        # channel c in group g
@@ -155,12 +148,82 @@ def _value_evict_kernel(x_ptr, c_ptr, s_ptr, m_ptr, tab_ptr, sx_b, sx_h, sx_t, q
     re = tl.sum(tl.where(gm, tl.div_rn(1.0, s32)[:, None, None], 0.0), axis=0)
     code = group_codes(x, se, me, re, fast_ok(s32, gvalid), QMAX, 0.0, False, BITS, FASTDIV)
     byte = tl.sum(code << (tl.arange(0, PER)[None, :] * BITS), axis=1)      # (BLOCK_J,)
-    q = q0 + t
-    page = tl.load(tab_ptr + b.to(tl.int64) * n_tab + q // G).to(tl.int64)
-    row = (page * H + h) * G + q % G
     tl.store(c_ptr + row * NJ + jj, byte.to(tl.uint8), mask=jj < NJ)
     tl.store(s_ptr + row * NGV + gg, s_st, mask=gvalid)
     tl.store(m_ptr + row * NGV + gg, m_st, mask=gvalid)
+
+
+# Computes: one token's values quantized per token in groups of GV channels (rule 2) and packed along
+#   channels (rule 6), written to the token's page slot (module docstring).
+# Grid: (e, H, B): program (t, h, b) takes token t of sequence b, kv head h; x strides sx_b, sx_h, sx_t,
+#   channels contiguous.
+# Tile: (BLOCK_J, PER) channels PER j + k (_quantize_token_row).
+# Bytes: reads D fp16 values and one page-table entry; writes D * BITS / 8 code bytes and 2 D / GV metadata.
+@triton.jit
+def _value_evict_kernel(x_ptr, c_ptr, s_ptr, m_ptr, tab_ptr, sx_b, sx_h, sx_t, q0, G, D, GV, NGV, n_tab,
+                        BITS: tl.constexpr, QMAX: tl.constexpr, FASTDIV: tl.constexpr,
+                        BLOCK_J: tl.constexpr, BLOCK_G: tl.constexpr):
+    PER: tl.constexpr = 8 // BITS
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    H = tl.num_programs(1)
+    jj = tl.arange(0, BLOCK_J)
+    c = jj[:, None] * PER + tl.arange(0, PER)[None, :]                     # (BLOCK_J, PER) channels
+    m = c < D
+    x = load_f32(x_ptr + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h + t.to(tl.int64) * sx_t + c, m, False)
+    q = q0 + t
+    page = tl.load(tab_ptr + b.to(tl.int64) * n_tab + q // G).to(tl.int64)
+    _quantize_token_row(x, c, m, (page * H + h) * G + q % G, c_ptr, s_ptr, m_ptr, D, GV, NGV,
+                        BITS, QMAX, FASTDIV, BLOCK_J, BLOCK_G)
+
+
+# Computes: the paged cache's append of one decode token past the sink whose key does not complete a page
+#   (kvq.fast.caches.paged._append_token, the same state bit for bit), in one launch: the key into slot nb
+#   of the key Q-buffer kb (B, H, GK, D); the value into slot `slot` of the window vw (B, H, R, D) (R = 0: no
+#   window, the value itself is the evicted one); the evicted value (the slot's old value) in mode 1 into
+#   slot nvb of the value Q-buffer vb (B, H, GB, D) (Kitty), in mode 2 quantized per token into its page
+#   slot (_quantize_token_row): history token q0 of sequence b goes to page first_id + b where NEW_PAGE
+#   (entered in the table v_table[b, q0 / G] by program h = 0), else to v_table[b, q0 / G]; mode 0 evicts
+#   nothing.
+# Grid: (H, B): program (h, b) takes kv head h of sequence b; k, v: (B, H, 1, D) with batch and head strides,
+#   channels contiguous.
+# Tile: (BLOCK_J, PER) channels; the evicted value is loaded before the new one is stored in its slot.
+# Bytes: reads 2 D fp16 (and D of the window); writes 2 D fp16, and mode 2's D * BITS / 8 code bytes and
+#   2 D / GV metadata.
+@triton.jit
+def _append_token_kernel(k_ptr, v_ptr, kb_ptr, vw_ptr, vb_ptr, c_ptr, s_ptr, m_ptr, tab_ptr, sk_b, sk_h, sv_b, sv_h,
+                         GK, nb, R, slot, GB, nvb, q0, G, D, GV, NGV, n_tab, first_id,
+                         MODE: tl.constexpr, NEW_PAGE: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr,
+                         FASTDIV: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_G: tl.constexpr):
+    PER: tl.constexpr = 8 // BITS
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    H = tl.num_programs(0)
+    bh = b.to(tl.int64) * H + h
+    jj = tl.arange(0, BLOCK_J)
+    c = jj[:, None] * PER + tl.arange(0, PER)[None, :]                     # (BLOCK_J, PER) channels
+    m = c < D
+    kx = tl.load(k_ptr + b.to(tl.int64) * sk_b + h.to(tl.int64) * sk_h + c, mask=m)
+    tl.store(kb_ptr + (bh * GK + nb) * D + c, kx, mask=m)
+    vx = tl.load(v_ptr + b.to(tl.int64) * sv_b + h.to(tl.int64) * sv_h + c, mask=m)
+    old = vx
+    if R > 0:
+        w = vw_ptr + (bh * R + slot) * D + c
+        old = tl.load(w, mask=m)
+        tl.store(w, vx, mask=m)
+    if MODE == 1:
+        tl.store(vb_ptr + (bh * GB + nvb) * D + c, old, mask=m)
+    if MODE == 2:
+        entry = tab_ptr + b.to(tl.int64) * n_tab + q0 // G
+        if NEW_PAGE:
+            page = (first_id + b).to(tl.int64)
+            if h == 0:
+                tl.store(entry, page.to(tl.int32))
+        else:
+            page = tl.load(entry).to(tl.int64)
+        _quantize_token_row(old.to(tl.float32), c, m, (page * H + h) * G + q0 % G, c_ptr, s_ptr, m_ptr, D, GV,
+                            NGV, BITS, QMAX, FASTDIV, BLOCK_J, BLOCK_G)
 
 
 #: under the interpreter (CPU) ``evict_values`` declines evictions of more (token, head) programs than
@@ -189,4 +252,27 @@ def evict_values(toks: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tenso
                                    D, Gv, D // Gv, v_table.shape[1], BITS=bits, QMAX=float(2 ** bits - 1),
                                    FASTDIV=not interpreting(), BLOCK_J=triton.next_power_of_2(D * bits // 8),
                                    BLOCK_G=triton.next_power_of_2(D // Gv), num_warps=1, enable_fp_fusion=False)
+    return True
+
+
+def append_token(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_win: torch.Tensor, v_buf: torch.Tensor,
+                 v_codes: torch.Tensor, v_scale: torch.Tensor, v_mn: torch.Tensor, v_table: torch.Tensor, nb: int,
+                 slot: int, nvb: int, mode: int, q0: int, new_page: bool, first_id: int, bits: int, Gv: int) -> bool:
+    """One decode token's append to the paged cache in one kernel (``_append_token_kernel``; the
+    ``token_append`` writer of ``kvq.fast.caches.codecs.Ops``, whose comment gives the arguments): the same
+    state, bit for bit, as ``kvq.fast.caches.paged._append_token``'s copies and ``evict_values``.
+
+    The caller (``_append_token``) has checked k and v (one finite fp16 token of the cache's shape on its
+    device) and routed the token; the state's buffers are ``init``'s contiguous tensors. Returns False
+    (nothing launched) where the kernel does not take these operands: a token without unit channel stride,
+    or a value group that does not divide D."""
+    B, H, _, D = k.shape
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or Gv < 1 or D % Gv or bits not in (2, 4, 8) or D % (8 // bits):
+        return False
+    _append_token_kernel[(H, B)](k, v, k_buf, v_win, v_buf, v_codes, v_scale, v_mn, v_table, k.stride(0), k.stride(1),
+                                 v.stride(0), v.stride(1), k_buf.shape[2], nb, v_win.shape[2], slot, v_buf.shape[2],
+                                 nvb, q0, v_codes.shape[2], D, Gv, D // Gv, v_table.shape[1], first_id, MODE=mode,
+                                 NEW_PAGE=bool(new_page), BITS=bits, QMAX=float(2 ** bits - 1),
+                                 FASTDIV=not interpreting(), BLOCK_J=triton.next_power_of_2(D * bits // 8),
+                                 BLOCK_G=triton.next_power_of_2(D // Gv), num_warps=1, enable_fp_fusion=False)
     return True

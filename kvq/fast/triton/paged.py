@@ -48,7 +48,8 @@ from . import quant as Q
 from .quant import unpack_last
 
 #: the bit-exact Triton kernels the shared paged cache (``kvq.fast.caches.paged``) quantizes and packs with
-OPS = Ops("triton", Q, P, Q.interpreting, key_flush=W.flush_key_pages, value_evict=W.evict_values)
+OPS = Ops("triton", Q, P, Q.interpreting, key_flush=W.flush_key_pages, value_evict=W.evict_values,
+          token_append=W.append_token)
 
 LOG2E = 1.4426950408889634
 
