@@ -159,7 +159,7 @@ def _quantize_token_row(x, c, m, row, c_ptr, s_ptr, m_ptr, D, GV, NGV,
 #   channels contiguous.
 # Tile: (BLOCK_J, PER) channels PER j + k (_quantize_token_row).
 # Bytes: reads D fp16 values and one page-table entry; writes D * BITS / 8 code bytes and 2 D / GV metadata.
-@triton.jit
+@triton.jit(do_not_specialize=["q0"])
 def _value_evict_kernel(x_ptr, c_ptr, s_ptr, m_ptr, tab_ptr, sx_b, sx_h, sx_t, q0, G, D, GV, NGV, n_tab,
                         BITS: tl.constexpr, QMAX: tl.constexpr, FASTDIV: tl.constexpr,
                         BLOCK_J: tl.constexpr, BLOCK_G: tl.constexpr):
@@ -191,7 +191,7 @@ def _value_evict_kernel(x_ptr, c_ptr, s_ptr, m_ptr, tab_ptr, sx_b, sx_h, sx_t, q
 # Tile: (BLOCK_J, PER) channels; the evicted value is loaded before the new one is stored in its slot.
 # Bytes: reads 2 D fp16 (and D of the window); writes 2 D fp16, and mode 2's D * BITS / 8 code bytes and
 #   2 D / GV metadata.
-@triton.jit
+@triton.jit(do_not_specialize=["nb", "slot", "nvb", "q0", "first_id"])     # they move every step: one binary
 def _append_token_kernel(k_ptr, v_ptr, kb_ptr, vw_ptr, vb_ptr, c_ptr, s_ptr, m_ptr, tab_ptr, sk_b, sk_h, sv_b, sv_h,
                          GK, nb, R, slot, GB, nvb, q0, G, D, GV, NGV, n_tab, first_id,
                          MODE: tl.constexpr, NEW_PAGE: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr,
