@@ -268,6 +268,8 @@ def same_device(a, b, *, unindexed: str = "any") -> bool:
     if unindexed not in UNINDEXED:
         raise ValueError(f"unindexed must be one of {UNINDEXED}, got {unindexed!r}")
     torch = import_torch()
+    if isinstance(a, torch.device) and a == b:          # the common case, one device: no further work
+        return True
     a, b = (d if isinstance(d, torch.device) else torch.device(d) for d in (a, b))
     if a.type != b.type:
         return False
