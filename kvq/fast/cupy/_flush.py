@@ -110,14 +110,9 @@ def _append_launch(bits: int, meta_half: bool, pow2: bool, H: int, B: int, D: in
 def append_token(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_win: torch.Tensor, v_buf: torch.Tensor,
                  v_codes: torch.Tensor, v_scale: torch.Tensor, v_mn: torch.Tensor, v_table: torch.Tensor, nb: int,
                  slot: int, nvb: int, mode: int, q0: int, new_page: bool, first_id: int, bits: int, Gv: int) -> bool:
-    """One decode token's append to the paged cache in one kernel (``flush.cu`` append_token; the
-    ``token_append`` writer of ``kvq.fast.caches.codecs.Ops``, whose comment gives the arguments): the same
-    state, bit for bit, as ``kvq.fast.caches.paged._append_token``'s copies and ``evict_values``.
-
-    The caller (``_append_token``) has checked k and v (one finite fp16 token of the cache's shape on its
-    device) and routed the token (slots, mode, pages); the state's buffers are ``init``'s contiguous tensors.
-    Returns False (nothing launched) where the kernel does not take these operands: a token without unit
-    channel stride, a head dim over the block's threads, or a value group that does not divide D."""
+    """``kvq.fast.triton._flush.append_token`` as one CUDA kernel (``flush.cu`` append_token, its launch planned
+    once per shape): the same arguments, routing and pool bits. Returns False (nothing launched) for what the
+    Triton writer declines, and for a head dim over the block's threads."""
     B, H, _, D = k.shape
     if (k.stride(-1) != 1 or v.stride(-1) != 1 or D > L.FLUSH_MAX_D or Gv < 1 or D % Gv
             or bits not in L.PAGED_VBITS or D % (8 // bits)):
