@@ -54,7 +54,8 @@ from . import plans as PL
 from . import quant as Q
 
 #: the bit-exact CuPy kernels the shared paged cache (``kvq.fast.caches.paged``) quantizes and packs with, and
-#: its single-kernel pool writers (``flush.cu``: key pages and evicted values straight into the pool)
+#: its single-kernel pool writers (``flush.cu``: key pages and evicted values straight into the pool, and a decode
+#: token's whole append)
 OPS = Ops("cupy", Q, P, lambda: False, key_flush=W.flush_key_pages, value_evict=W.evict_values,
           token_append=W.append_token)
 

@@ -47,7 +47,8 @@ from . import packing as P
 from . import quant as Q
 from .quant import unpack_last
 
-#: the bit-exact Triton kernels the shared paged cache (``kvq.fast.caches.paged``) quantizes and packs with
+#: the bit-exact Triton kernels the shared paged cache (``kvq.fast.caches.paged``) quantizes and packs with, and
+#: its single-kernel pool writers (``_flush``: key pages, evicted values, a decode token's whole append)
 OPS = Ops("triton", Q, P, Q.interpreting, key_flush=W.flush_key_pages, value_evict=W.evict_values,
           token_append=W.append_token)
 
