@@ -1,7 +1,7 @@
 """The paged cache's single-kernel pool writers (``kvq.fast.triton._flush`` and its CUDA twin
 ``kvq.fast.cupy._flush``): ``flush_key_pages`` (KIVI's and Kitty's full key pages, one launch per flush)
 and ``evict_values`` (the values that leave the window, quantized per token into their page slots, one
-launch per append), both straight into the pool.
+launch per append), both straight into the pool; and ``append_token`` (a decode token's whole append, one launch).
 
 The cache state they leave equals the reference's bit for bit and the torch path's (``FUSED_FLUSH``
 off: the quantize kernels and copies into the pool), over bit widths 2 / 4 / 8, value groups that do
@@ -179,7 +179,7 @@ def test_writers_decline():
 
 
 # ---------------------------------------------------------------------------------------------------
-# one decode token's append in one kernel (token_append: CuPy's flush.cu append_token)
+# one decode token's append in one kernel (token_append: Triton's _append_token_kernel, CuPy's flush.cu append_token)
 
 
 TOKEN_CASES = [c for c in CASES if c[0] in ("KIVI-K2V2", "KIVI-K4V2*", "KIVI-K2V4-Gv5", "KIVI-K4V4-fp32-meta",
