@@ -196,8 +196,8 @@ def _append_token(cfg, codec, st: PagedState, k16: torch.Tensor, v16: torch.Tens
     are zero, as the general routing leaves them); the value takes the window slot of the oldest value
     (token order mod R), which, with the window full, is evicted first; an evicted value goes to the
     value Q-buffer's next slot (Kitty) or is quantized into its page (_evict_values). Where the backend has
-    a ``token_append`` writer (both fast backends), all of it is one kernel, except Kitty's eviction that fills the value
-    Q-buffer (one step in G), which takes the copies and _evict_values."""
+    a ``token_append`` writer (both fast backends), all of it is one kernel, except Kitty's eviction that
+    fills the value Q-buffer (one step in G), which takes the copies and _evict_values."""
     R, p0 = cfg.residual, c0["post"]
     nb = c0["n_kbuf"]
     if _fused_token(cfg, codec, st, k16, v16, c0):
