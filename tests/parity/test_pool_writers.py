@@ -202,7 +202,7 @@ def _counting(fast, monkeypatch, real):
 
 def _expected_modes(cfg, T):
     """The ``token_append`` mode of each one-token append of tokens 0 .. T - 1 the routing gives the writer
-    (``_paged._fused_token``): past the sink, not completing a key page, and not the eviction that fills
+    (``_paged.token_route``): past the sink, not completing a key page, and not the eviction that fills
     Kitty's value Q-buffer: 0 while the window fills, then 1 (Kitty's value Q-buffer) or 2 (KIVI's pages)."""
     out = []
     for t in range(T):

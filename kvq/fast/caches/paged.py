@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -189,61 +190,72 @@ def append(cfg, codec, st: PagedState, k, v) -> PagedState:
     return st
 
 
+class TokenRoute(NamedTuple):
+    """Where one decode token's value goes (:func:`token_route`): ``mode`` 0 where the window is not full yet
+    (nothing evicted), 1 where Kitty's evicted value joins its value Q-buffer without filling it, 2 where
+    KIVI's evicted value is quantized into its history slot (``new_page``: it opens a page), 3 where Kitty's
+    evicted value fills its value Q-buffer (flushed by _evict_values); ``slot``: the window slot the new
+    value takes (token order mod R; 0 without a window)."""
+    mode: int
+    slot: int
+    new_page: bool
+
+
+def token_route(cfg, c0: dict) -> TokenRoute:
+    """The routing of one decode token past the sink whose key does not complete a page, from the counts
+    ``c0`` before it: the one statement of it, taken by the one-kernel writer and by the copies alike."""
+    R, G = cfg.residual, cfg.group_size
+    slot = c0["post"] % R if R else 0
+    if R and c0["n_win"] < R:
+        return TokenRoute(0, slot, False)
+    if cfg.v_qbuffer:
+        return TokenRoute(1 if c0["n_vbuf"] + 1 < G else 3, slot, False)
+    return TokenRoute(2, slot, c0["n_vq"] % G == 0)
+
+
 def _append_token(cfg, codec, st: PagedState, k16: torch.Tensor, v16: torch.Tensor, c0: dict) -> PagedState:
     """``append`` of one decode token past the sink whose key does not complete a page (G - 1 steps of every
     G): the same state as the general routing, with a few writes in place instead of its concatenations
     and its rewrite of the whole window. The key goes to slot n_kbuf of the Q-buffer (the slots after it
     are zero, as the general routing leaves them); the value takes the window slot of the oldest value
-    (token order mod R), which, with the window full, is evicted first; an evicted value goes to the
-    value Q-buffer's next slot (Kitty) or is quantized into its page (_evict_values). Where the backend has
-    a ``token_append`` writer (both fast backends), all of it is one kernel, except Kitty's eviction that
-    fills the value Q-buffer (one step in G), which takes the copies and _evict_values."""
-    R, p0 = cfg.residual, c0["post"]
-    nb = c0["n_kbuf"]
-    if _fused_token(cfg, codec, st, k16, v16, c0):
+    (token order mod R), which, with the window full, is evicted first; where it goes is
+    :func:`token_route`'s. Where the backend has a ``token_append`` writer (both fast backends), all of it is
+    one kernel, except Kitty's eviction that fills the value Q-buffer (mode 3, one step in G), which takes
+    the copies and _evict_values."""
+    route = token_route(cfg, c0)
+    if route.mode != 3 and _fused_token(cfg, codec, st, k16, v16, c0, route):
         st.length += 1
         return st
+    nb = c0["n_kbuf"]
     st.k_buf[:, :, nb:nb + 1] = k16
-    if R == 0:
+    if cfg.residual == 0:
         evicted = v16
     else:
-        slot = p0 % R
-        evicted = st.v_win[:, :, slot:slot + 1].clone() if c0["n_win"] == R else None
-        st.v_win[:, :, slot:slot + 1] = v16
-    if evicted is not None:
-        if cfg.v_qbuffer and c0["n_vbuf"] + 1 < cfg.group_size:
-            st.v_buf[:, :, c0["n_vbuf"]:c0["n_vbuf"] + 1] = evicted
-        else:
-            _evict_values(cfg, codec, st, evicted, c0)
+        s = route.slot
+        evicted = st.v_win[:, :, s:s + 1].clone() if route.mode else None
+        st.v_win[:, :, s:s + 1] = v16
+    if route.mode == 1:
+        st.v_buf[:, :, c0["n_vbuf"]:c0["n_vbuf"] + 1] = evicted
+    elif route.mode:
+        _evict_values(cfg, codec, st, evicted, c0)
     st.length += 1
     return st
 
 
-def _fused_token(cfg, codec, st: PagedState, k16: torch.Tensor, v16: torch.Tensor, c0: dict) -> bool:
-    """``_append_token``'s writes by the backend's ``token_append`` kernel (True), with the same routing: mode 0
-    where the window is not full yet, 1 where Kitty's evicted value joins its value Q-buffer without filling
-    it, 2 where KIVI's evicted value is quantized into its history slot (a new page opened for it at the first
-    slot of a page, ids as _evict_values gives them). False (nothing written) where the backend has no such
-    writer or declines, and for the eviction that fills Kitty's value Q-buffer."""
+def _fused_token(cfg, codec, st: PagedState, k16: torch.Tensor, v16: torch.Tensor, c0: dict,
+                 route: TokenRoute) -> bool:
+    """``_append_token``'s writes, routed by ``route`` (modes 0-2), by the backend's ``token_append`` kernel
+    (True; a new page's id as _evict_values gives it). False (nothing written) where the backend has no
+    such writer or declines."""
     fused = _codecs.writer(codec.ops, "token_append")
     if fused is None:
         return False
-    R, G = cfg.residual, cfg.group_size
-    evicting = R == 0 or c0["n_win"] == R
-    q0, new_page = c0["n_vq"], False
-    if not evicting:
-        mode = 0
-    elif cfg.v_qbuffer:
-        if c0["n_vbuf"] + 1 >= G:
-            return False
-        mode = 1
-    else:
-        mode, new_page = 2, c0["n_vq"] % G == 0
     D = st.shape[2]
     if not fused(k16, v16, st.k_buf, st.v_win, st.v_buf, st.v_codes, st.v_scale, st.v_mn, st.v_table, c0["n_kbuf"],
-                 c0["post"] % R if R else 0, c0["n_vbuf"], mode, q0, new_page, st.v_next, cfg.v_bits, cfg.v_group(D)):
+                 route.slot, c0["n_vbuf"], route.mode, c0["n_vq"], route.new_page, st.v_next, cfg.v_bits,
+                 cfg.v_group(D)):
         return False
-    if new_page:
+    if route.new_page:
         st.v_next += st.shape[0]
     return True
 
