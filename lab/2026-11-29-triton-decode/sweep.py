@@ -8,6 +8,10 @@ Written after every shape, so a cut-short run keeps what it measured.
 
     python3 lab/2026-11-29-triton-decode/sweep.py --out /tmp/res/sweep.json [--shapes 8x32768 1x32768] [--budget-s 300]
     python3 lab/2026-11-29-triton-decode/sweep.py --out /tmp/sweep.json --dry-run          # CPU, interpreter, tiny
+    python3 lab/2026-11-29-triton-decode/sweep.py --grid tokens --out /tmp/res/tokens.json  # TOKENS.md's sweep
+
+``--grid tokens``: the rows kernel (``Knobs(tokens=None)``) against ``_tokens_kernel`` at each
+``TokensKnobs`` of ``TOKENS`` (warps, block_t, waves).
 """
 
 from __future__ import annotations
@@ -31,6 +35,19 @@ VARIANTS = (None, {"k_terms": 1}, {"split_p": True}, {"words": False}, {"num_war
             {"waves": 6}, {"block_t": 64}, {"block_t": 32}, {"num_stages": 3}, {"num_stages": 4},
             {"k_terms": 1, "num_stages": 3})
 
+#: --grid tokens: the rows kernel, then _tokens_kernel's (warps, block_t) at each waves
+TOKENS = ({"tokens": None},) + tuple({"tokens": {"num_warps": w, "block_t": bt, "waves": wv}}
+                                     for w, bt in ((1, 32), (1, 64), (2, 64), (2, 128), (4, 64), (4, 128))
+                                     for wv in (2, 4, 8))
+
+
+def knobs_of(paged, v):
+    """``paged.Knobs`` of a variant dict (its ``tokens`` entry a dict of ``TokensKnobs`` fields or None)."""
+    v = dict(v or {})
+    if isinstance(v.get("tokens"), dict):
+        v["tokens"] = paged.TokensKnobs(**v["tokens"])
+    return paged.Knobs(**v)
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -39,6 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", nargs="+", default=list(METHODS))
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (Triton's interpreter)")
+    ap.add_argument("--grid", choices=("knobs", "tokens"), default="knobs")
     a = ap.parse_args(argv)
     if a.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")        # before kvq's Triton kernels are decorated
@@ -54,8 +72,9 @@ def main(argv=None) -> int:
     deadline = C.Deadline(a.budget_s)
     shapes = [(1, 60), (2, 100)] if a.dry_run else [tuple(int(x) for x in s.split("x")) for s in a.shapes]
     Hq, Hkv, Dh = (KK.DRY_H_Q, KK.DRY_H_KV, KK.DRY_D) if a.dry_run else (KK.H_Q, KK.H_KV, KK.D)
-    doc = {"meta": C.meta(device, argv), "variants": [v or {} for v in VARIANTS], "rows": [],
-           "defaults": {f: getattr(paged.DEFAULT_KNOBS, f) for f in paged.Knobs.__dataclass_fields__}}
+    variants = TOKENS if a.grid == "tokens" else VARIANTS
+    doc = {"meta": C.meta(device, argv), "variants": [v or {} for v in variants], "rows": [],
+           "defaults": {f: str(getattr(paged.DEFAULT_KNOBS, f)) for f in paged.Knobs.__dataclass_fields__}}
     t0 = time.monotonic()
     for B, T in shapes:
         for method in a.methods:
@@ -66,14 +85,14 @@ def main(argv=None) -> int:
             copies = C.copies_for(KK.bytes_read(cfg, st, T, Hq)["total"], device)
             states = [st] + [KK.build_cache(mod, cfg, B, Hkv, Dh, T, device, seed=B + T + i) for i in range(1, copies)]
             scale = 1.0 / math.sqrt(Dh)
-            for v in VARIANTS:
+            for v in variants:
                 row = {"B": B, "T": T, "method": method, "knobs": v or {}}
                 if deadline.expired():
                     row["skipped"] = "time budget exhausted"
                     doc["rows"].append(row)
                     continue
                 try:
-                    knobs = paged.Knobs(**(v or {}))
+                    knobs = knobs_of(paged, v)
                     out, lse = paged.decode_attention(cfg, mod.KeyCodec, st, q, scale=scale, knobs=knobs)
                     row["check"] = KK.check_one(mod, cfg, st, q, out, lse, scale)
                     t = C.bench(lambda s, kn=knobs: paged.decode_attention(cfg, mod.KeyCodec, s, q, scale=scale, knobs=kn),

@@ -287,6 +287,44 @@ def test_decode_p_split(triton_target, a, monkeypatch):
     test_decode_attention(triton_target, a)
 
 
+def _count_launches(monkeypatch, FP) -> dict:
+    """Launches of the Triton paged decode's two fused kernels, counted by name ("tokens" / "rows")."""
+    n = {"tokens": 0, "rows": 0}
+
+    class Counted:
+        def __init__(self, kernel, name):
+            self.kernel, self.name = kernel, name
+
+        def __getitem__(self, grid):
+            n[self.name] += 1
+            return self.kernel[grid]
+
+    monkeypatch.setattr(FP, "_tokens_kernel", Counted(FP._tokens_kernel, "tokens"))
+    monkeypatch.setattr(FP, "_fused_kernel", Counted(FP._fused_kernel, "rows"))
+    return n
+
+
+@pytest.mark.parametrize("a", [ATTN[1], ATTN[5], ATTN[6]], ids=["KIVI-K2V2-fp16-tq2", "Kitty-fp16-gqa8", "Kitty-Pro-fp16-tq2"])
+@pytest.mark.parametrize("tokens", [True, False], ids=["tokens", "rows"])
+def test_decode_fused_kernel_choice(triton_target, a, tokens, monkeypatch):
+    """fp16 q with at most 8 query rows per kv head (and codes in 32-bit words, one value group per token)
+    runs ``_tokens_kernel`` (cache tokens on the MMA's M side) by default, and the rows kernel
+    (``_fused_kernel``) with ``Knobs(tokens=None)``; each meets the tolerance rule on its own."""
+    FP = _paged("triton")
+    if not tokens:
+        monkeypatch.setattr(FP, "DEFAULT_KNOBS", FP.Knobs(tokens=None))
+    n = _count_launches(monkeypatch, FP)
+    test_decode_attention(triton_target, a)
+    assert n == ({"tokens": 2, "rows": 0} if tokens else {"tokens": 0, "rows": 2})
+
+
+def test_decode_many_rows_take_the_rows_kernel(triton_target, monkeypatch):
+    """72 query rows per kv head (G_q 8 x T_q 9): over ``_tokens_kernel``'s 8, so the rows kernel runs."""
+    n = _count_launches(monkeypatch, _paged("triton"))
+    test_decode_attention(triton_target, ATTN[10])
+    assert n["tokens"] == 0 and n["rows"] == 2
+
+
 @pytest.mark.parametrize("a", [ATTN[1], ATTN[5], ATTN[6]], ids=["KIVI-K2V2-fp16", "Kitty-fp16-gqa8", "Kitty-Pro-fp16"])
 def test_decode_cuda_cores(cupy_target, a, monkeypatch):
     """CuPy: fp16 q with 2-bit keys and values takes the tensor-core kernel (paged_decode_mma2) by

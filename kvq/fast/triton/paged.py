@@ -60,6 +60,23 @@ _is_int = C.is_int
 
 
 @dataclass(frozen=True)
+class TokensKnobs:
+    """The launch knobs of ``_tokens_kernel`` (cache tokens on the MMA's M side), the fused decode of fp16 q
+    with at most 8 query rows per kv head; the timings behind the defaults:
+    ``lab/2026-11-29-triton-decode/TOKENS.md`` (``TOKENS.md`` below)."""
+
+    num_warps: int = 2                   # warps per program                                 TOKENS.md
+    waves: float = 4                     # at most this many programs per SM over the grid    TOKENS.md
+    block_t: int = 64                    # tokens per online-softmax step (divides G)         TOKENS.md
+    num_stages: int = 2                  # software-pipelining depth                         TOKENS.md
+
+    def __post_init__(self):
+        C.check_launch_knobs("triton.paged.TokensKnobs", self)  # num_warps, waves, block_t, num_stages
+        _check_knob(self.num_warps is not None and self.block_t is not None and self.num_stages is not None,
+                    "tokens", self, "TokensKnobs with num_warps, block_t and num_stages given")
+
+
+@dataclass(frozen=True)
 class Knobs:
     """The launch knobs of the fused decode kernel (None: the built-in choice), for tuning runs on the GPU.
     Immutable and hashable (``plan`` is cached per knobs); the rules and the timings behind the defaults:
@@ -73,12 +90,15 @@ class Knobs:
     k_terms: int = 2                     # parts of q * scale in the key dot (2: ~22 bits)    KNOBS.md#triton
     num_stages: int | None = None        # software-pipelining depth (None: 2)                KNOBS.md#triton
     words: bool = True                   # fp16 q unpacks codes from 32-bit words             KNOBS.md#triton
+    tokens: TokensKnobs | None = TokensKnobs()   # _tokens_kernel where it applies (None: never)  TOKENS.md
 
     def __post_init__(self):
         C.check_launch_knobs("triton.paged", self)             # num_warps, waves, block_t, num_stages
         _check_knob(isinstance(self.split_p, bool), "split_p", self.split_p, "True or False")
         _check_knob(_is_int(self.k_terms) and self.k_terms in (1, 2, 3), "k_terms", self.k_terms, "1, 2 or 3")
         _check_knob(isinstance(self.words, bool), "words", self.words, "True or False")
+        _check_knob(self.tokens is None or isinstance(self.tokens, TokensKnobs), "tokens", self.tokens,
+                    "None or a kvq.fast.triton.paged.TokensKnobs")
 
 
 #: the defaults
@@ -100,31 +120,46 @@ class Plan:
     v_words: bool
     split_p: bool
     k_terms: int
+    rows: int = 0           # > 0: _tokens_kernel with this many (padded) query rows; 0: _fused_kernel
 
 
 def plan(NP: int, G: int, D: int, n_base: int, sms: int, *, precise: bool, magic: bool, interp: bool,
-         k_bits: int, v_bits: int, ngv: int, knobs: Knobs | None = None) -> Plan:
+         k_bits: int, v_bits: int, ngv: int, m: int = 16, knobs: Knobs | None = None) -> Plan:
     """The fused kernel's launch plan for ``NP`` pages of ``G`` tokens, head dim ``D``, ``n_base`` programs
     per split (B x H_kv x query blocks) on ``sms`` SMs; ``precise``: the IEEE fp32 path; ``magic``: fp16 q
     on the tensor cores; ``interp``: the interpreter (one stage); key / value code bits and value groups per
-    row (``ngv``). Arithmetic only (runs on the CPU), cached per arguments. The splits: as many as keep the
+    row (``ngv``), ``m`` query rows per kv head. Arithmetic only (runs on the CPU), cached per arguments.
+    fp16 q with codes in words, one value group per token and at most 8 rows takes ``_tokens_kernel``
+    (``knobs.tokens``; ``Plan.rows`` 4 or 8), the rest ``_fused_kernel``. The splits: as many as keep the
     fused grid within ``knobs.waves`` programs per SM, at least one (lab/2026-11-29-triton-decode/NOTE.md#waves:
     the kernel holds two programs per SM, so a grid of at most two per SM runs in one round)."""
     knobs = DEFAULT_KNOBS if knobs is None else knobs
     if not isinstance(knobs, Knobs):
         raise TypeError(f"knobs must be a kvq.fast.triton.paged.Knobs or None, got {type(knobs).__name__}")
     return _plan(int(NP), int(G), int(D), int(n_base), int(sms), bool(precise), bool(magic), bool(interp),
-                 int(k_bits), int(v_bits), int(ngv), knobs)
+                 int(k_bits), int(v_bits), int(ngv), int(m), knobs)
+
+
+def _splits(NP: int, waves: float, sms: int, n_base: int):
+    """``(splits, pages per split)``: as many splits as keep the grid within ``waves`` programs per SM."""
+    if not NP:
+        return 0, 0
+    want = max(1, int(waves * sms) // n_base)
+    pps = triton.cdiv(NP, min(want, NP))
+    return triton.cdiv(NP, pps), pps
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan(NP, G, D, n_base, sms, precise, magic, interp, k_bits, v_bits, ngv, knobs) -> Plan:
+def _plan(NP, G, D, n_base, sms, precise, magic, interp, k_bits, v_bits, ngv, m, knobs) -> Plan:
     """plan's cached body (every argument given, so that one key names one call shape)."""
-    n_split = pps = 0
-    if NP:
-        want = max(1, int(knobs.waves * sms) // n_base)
-        pps = triton.cdiv(NP, min(want, NP))
-        n_split = triton.cdiv(NP, pps)
+    tk = knobs.tokens
+    bt = min(G, tk.block_t) if tk is not None else 0
+    if (tk is not None and magic and knobs.words and m <= 8 and ngv == 1 and G % bt == 0
+            and (bt * k_bits) % 32 == 0 and (D * v_bits) % 32 == 0 and (G * k_bits // 8) % 4 == 0):
+        n_split, pps = _splits(NP, tk.waves, sms, n_base)
+        return Plan(n_split, pps, bt, tk.num_warps, tk.num_stages if not interp else 1, True, True, False,
+                    2, 4 if m <= 4 else 8)
+    n_split, pps = _splits(NP, knobs.waves, sms, n_base)
     BT = min(G, 32) if precise else min(G, knobs.block_t or 128)
     warps = knobs.num_warps or (4 if (precise or BT * D <= 8192) else 8)
     # codes unpacked from 32-bit words, two per operation (fp16 q): rows of whole words
@@ -430,6 +465,117 @@ def _fused_kernel(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr,
         dst = d
     A.store_split(o_ptr, m_ptr, l_ptr, b, h, t, H_Q, T_Q, S_TOTAL, sp, acc, m_i, l_i, rmask, dst, D)
 
+# Fused paged decode over quantized pages (KIVI / Kitty), cache tokens on the MMA's M side (fp16 q; key and
+# value codes unpacked from 32-bit words; one value group per token; at most NR query rows per kv head).
+# Computes: what _fused_kernel computes, transposed: per page, qs = q * scale_k (D, NR) is scaled per row
+#   by its max |.|, split into hi and lo fp16 halves interleaved as the columns of one (D, 2 NR) operand,
+#   and for each step of BT tokens s^T = codes^T (BT, D) @ [hi | lo] (BT, 2 NR) on the tensor cores, then
+#   s = (hi + lo / SHIFT) * max + q . mn_k; online softmax over the step's tokens (rows); the values as
+#   acc^T (D, NR) += codes_v^T (D, BT) @ (p * scale_v)^T (BT, NR) (rounded once to fp16, per row scaled by its
+#   max) and vb (NR) += p . mn_v. No query-row padding on M: the rows are the MMA's N (8 or 16).
+# Grid: (B * H_kv, n_splits); each program walks the pages [sp*PPS, min((sp+1)*PPS, NP)) of (b, kv head).
+# Bytes: reads each packed K / V page and its metadata once, plus the queries; writes NR (D + 2) fp32 per
+#   program.
+@triton.jit(do_not_specialize=["T_Q", "M", "NF", "NP", "PPS", "S_TOTAL", "N_TAB"])
+def _tokens_kernel(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr,
+                   o_ptr, m_ptr, l_ptr, sq_b, sq_h, sq_t, sq_d,
+                   H_Q, H_KV, T_Q, M, NF, NP, PPS, S_TOTAL, N_TAB, qk_scale,
+                   G_Q: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BT: tl.constexpr,
+                   K_BITS: tl.constexpr, V_BITS: tl.constexpr, KITTY: tl.constexpr, DB_HIGH: tl.constexpr,
+                   NR: tl.constexpr, TIGHT: tl.constexpr, NPPS: tl.constexpr, SHIFT: tl.constexpr):
+    bh = tl.program_id(0)
+    sp = tl.program_id(1)
+    b = bh // H_KV
+    hk = bh % H_KV
+    rows = tl.arange(0, NR)                 # row n: query head hk * G_q + n // T_q, token n % T_q (GQA)
+    rmask = rows < M
+    h = hk * G_Q + rows // T_Q
+    t = rows % T_Q
+    q_off = b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h + t.to(tl.int64) * sq_t
+    d = tl.arange(0, D)
+    qt = tl.load(q_ptr + q_off[None, :] + d[:, None] * sq_d, mask=rmask[None, :], other=0.0).to(tl.float32)
+    p_start = sp * PPS
+    p_end = tl.minimum(p_start + PPS, NP)
+    m_i = tl.full((NR,), float("-inf"), tl.float32)
+    l_i = tl.zeros((NR,), tl.float32)
+    vb = tl.zeros((NR,), tl.float32)
+    acc = tl.zeros((D, NR), tl.float32)
+    if TIGHT:
+        for j in range(p_start, p_end):
+            m_i, l_i, vb, acc = _tokens_page(qt, m_i, l_i, vb, acc, j, p_end, b, hk, H_KV, NF, N_TAB, qk_scale,
+                                             kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr,
+                                             vt_ptr, D, G, BT, K_BITS, V_BITS, KITTY, DB_HIGH, NR, SHIFT)
+    else:                                                   # interpreter: constexpr trip count, masked
+        for it in range(0, NPPS):
+            m_i, l_i, vb, acc = _tokens_page(qt, m_i, l_i, vb, acc, p_start + it, p_end, b, hk, H_KV, NF, N_TAB,
+                                             qk_scale, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr,
+                                             vm_ptr, kt_ptr, vt_ptr, D, G, BT, K_BITS, V_BITS, KITTY, DB_HIGH, NR,
+                                             SHIFT)
+    m_i = m_i * 0.6931471805599453                        # log2 units -> natural
+    acc = acc + vb[None, :]
+    # acc^T's rows are channels in the order of _word_order (the value codes' unpacking)
+    grow = ((b * H_Q + h) * T_Q + t).to(tl.int64) * S_TOTAL + sp
+    dst = _word_order(D, V_BITS)
+    tl.store(o_ptr + grow[None, :] * D + dst[:, None], acc, mask=rmask[None, :])
+    tl.store(m_ptr + grow, m_i, mask=rmask)
+    tl.store(l_ptr + grow, l_i, mask=rmask)
+
+
+@triton.jit
+def _tokens_page(qt, m_i, l_i, vb, acc, j, j_end, b, hk, H_KV, NF, N_TAB, qk_scale,
+                 kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr,
+                 D: tl.constexpr, G: tl.constexpr, BT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+                 KITTY: tl.constexpr, DB_HIGH: tl.constexpr, NR: tl.constexpr, SHIFT: tl.constexpr):
+    """Page j of _tokens_kernel (none when ``j >= j_end``): its key operand once, then G / BT online-softmax
+    steps of BT tokens."""
+    GB: tl.constexpr = G * K_BITS // 8
+    VB: tl.constexpr = D * V_BITS // 8
+    valid = j < j_end
+    kpid = tl.maximum(tl.load(kt_ptr + b * N_TAB + j, mask=valid, other=0).to(tl.int64), 0)
+    vpid = tl.maximum(tl.load(vt_ptr + b * N_TAB + j, mask=valid, other=0).to(tl.int64), 0)
+    kbase = (kpid * H_KV + hk) * D
+    hbase = (kpid * H_KV + hk) * DB_HIGH
+    d = tl.arange(0, D)
+    ks = tl.load(ks_ptr + kbase + d).to(tl.float32)
+    km = tl.load(km_ptr + kbase + d).to(tl.float32)
+    # the key operand (D, 2 NR): column 2n the hi half of row n's q * scale_k / max, 2n + 1 its lo half * SHIFT
+    a = qt * ks[:, None]
+    amax = tl.max(tl.abs(a), axis=0)
+    r = tl.where(amax > 0.0, amax, 1.0)
+    an = a * (1.0 / r)[None, :]
+    hi = an.to(tl.float16)
+    lo = ((an - hi.to(tl.float32)) * SHIFT).to(tl.float16)
+    qop = tl.reshape(tl.join(hi, lo), (D, 2 * NR))
+    bias = tl.sum(qt * km[:, None], axis=0)                                    # (NR,) q . mn_k
+    vw = tl.arange(0, VB // 4)
+    for c in tl.static_range(G // BT):
+        tok = c * BT + _word_order(BT, K_BITS)             # the key codes' token order (values follow it)
+        tmask = ((j * G + tok) < NF) & ((j + 0 * tok) < j_end)
+        kcodes = _key_words(kc_ptr, kh_ptr, ki_ptr, kbase, hbase, d, c * BT, D, BT, GB, K_BITS, KITTY, DB_HIGH)
+        s2 = tl.dot(tl.trans(kcodes), qop)                                  # (BT, 2 NR) fp32
+        s_hi, s_lo = tl.split(tl.reshape(s2, (BT, NR, 2)))
+        s = ((s_hi + s_lo * (1.0 / SHIFT)) * r[None, :] + bias[None, :]) * qk_scale
+        s = tl.where(tmask[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[None, :])                                     # (BT, NR)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_i = m_new
+        vrow = (vpid * H_KV + hk) * G + tok
+        vword = tl.load(vc_ptr.to(tl.pointer_type(tl.int32)) + vrow[:, None] * (VB // 4) + vw[None, :],
+                        mask=tmask[:, None], other=0)
+        vs = tl.load(vs_ptr + vrow, mask=tmask, other=0.0).to(tl.float32)
+        vm = tl.load(vm_ptr + vrow, mask=tmask, other=0.0).to(tl.float32)
+        pv = p * vs[:, None]                                                # (BT, NR)
+        pmax = tl.max(tl.abs(pv), axis=0)
+        pr = tl.where(pmax > 0.0, pmax, 1.0)
+        pn = (pv * (1.0 / pr)[None, :]).to(tl.float16)
+        vcodes = _word_codes_f16(vword, BT, VB // 4, V_BITS)                # (BT, D), channels in word order
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(vcodes), pn) * pr[None, :]
+        vb = vb * alpha + tl.sum(p * vm[:, None], axis=0)
+    return m_i, l_i, vb, acc
+
+
 # Gather the tail of the decode: the tokens the fused kernel does not cover (the sink and the post-sink
 # tokens [NF, T - S)), fp32 K / V rows in token order.
 # Computes: row u < NS is sink token u; row u >= NS is post-sink token p = NF + u - NS, whose key comes
@@ -583,7 +729,8 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None, knobs: Knobs 
     kp = codec.kernel_arrays(cfg, st) if NP else None
     magic = qk.dtype == torch.float16 and not precise
     lp = plan(NP, G, D, B * H * m_blocks, sms, precise=precise, magic=magic, interp=interp,
-              k_bits=kp["bits"] if kp is not None else 0, v_bits=cfg.v_bits, ngv=D // cfg.v_group(D), knobs=knobs)
+              k_bits=kp["bits"] if kp is not None else 0, v_bits=cfg.v_bits, ngv=D // cfg.v_group(D), m=M,
+              knobs=knobs)
     n_split, pps = lp.n_split, lp.pps
     # the rest: sink + tokens [S + NF, T), one fp32 segment gathered by one kernel, its splits after
     # the fused kernel's n_split partial slots
@@ -594,7 +741,15 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None, knobs: Knobs 
                                      s0=n_split)
     rows = B * H_q * T_q
     o_part, m_part, l_part = A.partial_buffers(rows, S_TOTAL, D, dev)
-    if n_split:
+    if n_split and lp.rows:
+        _tokens_kernel[(B * H, n_split)](
+            qk, kp["codes"], kp["high"], kp["idx"], kp["scale"], kp["mn"], st.v_codes, st.v_scale, st.v_mn,
+            st.k_table, st.v_table, o_part, m_part, l_part, *qk.stride(),
+            H_q, H, T_q, M, NF, NP, pps, S_TOTAL, st.k_table.shape[1], sc * LOG2E,
+            G_Q=G_q, D=D, G=G, BT=lp.BT, K_BITS=kp["bits"], V_BITS=cfg.v_bits, KITTY=kp["kitty"],
+            DB_HIGH=kp["d_boost"], NR=lp.rows, TIGHT=not interp, NPPS=pps if interp else 0, SHIFT=2048.0,
+            num_warps=lp.warps, num_stages=lp.stages)
+    elif n_split:
         BT = lp.BT
         _fused_kernel[(B * H, n_split, m_blocks)](
             qk, kp["codes"], kp["high"], kp["idx"], kp["scale"], kp["mn"], st.v_codes, st.v_scale, st.v_mn,

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device call for TOKENS.md: the Triton KIVI / Kitty parity tests on the GPU (both fused kernels), then
+# sweep.py --grid tokens (the rows kernel against _tokens_kernel's knobs at the issue's shapes, GPU time).
+# Everything lands in $OUT. TESTS= (empty) skips the tests; SWEEP= skips the sweep.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT="${OUT:-/tmp/kvq-out}"; mkdir -p "$OUT"
+export PYTHONPATH="$PWD"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/card.txt"
+echo "commit: ${KVQ_COMMIT:-unknown}" | tee -a "$OUT/card.txt"
+if [ -n "${TESTS-1}" ]; then
+  timeout -k 10 "${TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 \
+      ${TEST_PATHS:-tests/parity/test_kivi_kitty_parity.py} -k "${TEST_K:-triton}" > "$OUT/gpu-tests.log" 2>&1
+  echo "tests rc=$?"; tail -n 2 "$OUT/gpu-tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log" | head -n 20
+fi
+if [ -n "${SWEEP-1}" ]; then
+  timeout -k 10 "${SWEEP_TIMEOUT:-330}" python3 lab/2026-11-29-triton-decode/sweep.py --grid tokens \
+      --out "$OUT/tokens-sweep.json" --budget-s "${SWEEP_BUDGET:-300}" ${SWEEP_ARGS:-} > "$OUT/sweep.log" 2>&1
+  echo "sweep rc=$?"; grep -c "check=True" "$OUT/sweep.log"; grep -E "ERR|check=False" "$OUT/sweep.log" | head -n 10
+fi
