@@ -37,9 +37,8 @@ VARIANTS = (None, {"k_terms": 1}, {"split_p": True}, {"words": False}, {"num_war
 
 #: --grid tokens: the rows kernel, then _tokens_kernel's (warps, block_t) at each waves
 TOKENS = ({"tokens": None},) + tuple({"tokens": {"num_warps": w, "block_t": bt, "waves": wv}}
-                                     for w, bt, waves in ((1, 32, (8,)), (1, 64, (8, 16)), (2, 64, (4, 8)),
-                                                          (2, 128, (4, 8)), (4, 128, (2, 4, 8)))
-                                     for wv in waves)
+                                     for w, bt in ((1, 32), (1, 64), (2, 64), (2, 128), (4, 64), (4, 128))
+                                     for wv in (2, 4, 8))
 
 
 def knobs_of(paged, v):

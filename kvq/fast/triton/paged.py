@@ -199,7 +199,7 @@ def _key_codes(kc_ptr, kh_ptr, ki_ptr, kbase, hbase, dc, c0,
 @triton.jit
 def _key_words(kc_ptr, kh_ptr, ki_ptr, kbase, hbase, dc, c0,
                DC: tl.constexpr, BT: tl.constexpr, GB: tl.constexpr, K_BITS: tl.constexpr,
-               KITTY: tl.constexpr, DB_HIGH: tl.constexpr, ASM: tl.constexpr = False):
+               KITTY: tl.constexpr, DB_HIGH: tl.constexpr):
     """Key codes of channels ``dc`` and tokens [c0, c0 + BT) of one page as fp16 (DC, BT), the tokens in
     the order of ``_word_order``: 32-bit words of the packed rows, two codes per operation; Kitty
     (Algorithm 1) ORs the boosted channels' high plane in, shifted by 2, word by word."""
@@ -215,18 +215,16 @@ def _key_words(kc_ptr, kh_ptr, ki_ptr, kbase, hbase, dc, c0,
                          mask=boosted[:, None], other=0)
             # word of 4-bit codes from the two 2-bit planes: per 2-bit field i, low | high << 2, as the
             # pairs the magic conversion takes (field i of the low plane and of the high plane)
-            return _kitty_words_f16(w, hw, DC, NW, ASM)
-    return _word_codes_f16(w, DC, NW, K_BITS, ASM)
+            return _kitty_words_f16(w, hw, DC, NW)
+    return _word_codes_f16(w, DC, NW, K_BITS)
 
 
 @triton.jit
-def _kitty_words_f16(w, hw, R: tl.constexpr, NW: tl.constexpr, ASM: tl.constexpr = False):
+def _kitty_words_f16(w, hw, R: tl.constexpr, NW: tl.constexpr):
     """As ``_word_codes_f16`` for 2-bit fields, each code ``low | high << 2`` (Algorithm 1)."""
     sh = tl.arange(0, 8) * 2
     lo = (w[:, :, None] >> sh[None, None, :]) & 0x00030003
     hi = (hw[:, :, None] >> sh[None, None, :]) & 0x00030003
-    if ASM:
-        return tl.reshape(_pairs_f16(lo | (hi << 2), R, NW, 8, 0x000F000F), (R, NW * 16))
     x = lo | (hi << 2) | 0x64006400
     pair = tl.join(x.to(tl.int16), (x >> 16).to(tl.int16))
     return tl.reshape(pair, (R, NW * 16)).to(tl.float16, bitcast=True) - 1024.0
@@ -264,30 +262,7 @@ def _word_order(N: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _pairs_f16(x, R: tl.constexpr, NW: tl.constexpr, P: tl.constexpr, MASK: tl.constexpr):
-    """int32 x (R, NW, P) -> fp16 (R, NW, P, 2): element [k, 0] the field ``x & MASK`` of the low half, [k, 1] of
-    the high half, each as its exact small integer: one ``lop3`` ((x & MASK) | 0x6400 per half: the half
-    1024 + code) and one ``sub.f16x2`` (minus 1024) per pair, the two halves written as one register (PTX;
-    the GPU only: Triton's interpreter runs ``_word_codes_f16``'s join instead)."""
-    x2 = tl.join(x, x)                      # the pair dimension held by one thread (as a join lays it out)
-    tl.static_assert(MASK == 0x00030003 or MASK == 0x000F000F or MASK == 0x00FF00FF)
-    if MASK == 0x00030003:
-        r = tl.inline_asm_elementwise(
-            "{ .reg .b32 t, m; mov.b32 m, 0x64006400; lop3.b32 t, $1, 0x00030003, m, 0xea; "
-            "sub.rn.f16x2 $0, t, m; }", "=r,r,r", [x2], dtype=tl.float16, is_pure=True, pack=2)
-    elif MASK == 0x000F000F:
-        r = tl.inline_asm_elementwise(
-            "{ .reg .b32 t, m; mov.b32 m, 0x64006400; lop3.b32 t, $1, 0x000F000F, m, 0xea; "
-            "sub.rn.f16x2 $0, t, m; }", "=r,r,r", [x2], dtype=tl.float16, is_pure=True, pack=2)
-    else:
-        r = tl.inline_asm_elementwise(
-            "{ .reg .b32 t, m; mov.b32 m, 0x64006400; lop3.b32 t, $1, 0x00FF00FF, m, 0xea; "
-            "sub.rn.f16x2 $0, t, m; }", "=r,r,r", [x2], dtype=tl.float16, is_pure=True, pack=2)
-    return r
-
-
-@triton.jit
-def _word_codes_f16(w, R: tl.constexpr, NW: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr = False):
+def _word_codes_f16(w, R: tl.constexpr, NW: tl.constexpr, BITS: tl.constexpr):
     """(R, NW) int32 words of packed BITS-bit codes (rule 6, little-endian bytes) -> (R, NW * 32 / BITS)
     fp16 codes, exact, in the order of ``_word_order``. Two codes per 32-bit operation: the mask
     0x00030003 (2 bits) picks code k and code k + P of a word into the two 16-bit halves, OR 0x6400 makes
@@ -295,8 +270,6 @@ def _word_codes_f16(w, R: tl.constexpr, NW: tl.constexpr, BITS: tl.constexpr, AS
     P: tl.constexpr = 16 // BITS
     MASK: tl.constexpr = ((1 << BITS) - 1) * 0x00010001
     sh = tl.arange(0, P) * BITS
-    if ASM:
-        return tl.reshape(_pairs_f16(w[:, :, None] >> sh[None, None, :], R, NW, P, MASK), (R, NW * P * 2))
     x = ((w[:, :, None] >> sh[None, None, :]) & MASK) | 0x64006400          # (R, NW, P)
     pair = tl.join(x.to(tl.int16), (x >> 16).to(tl.int16))                 # (R, NW, P, 2)
     return tl.reshape(pair, (R, NW * P * 2)).to(tl.float16, bitcast=True) - 1024.0
@@ -531,13 +504,13 @@ def _tokens_kernel(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr
         for j in range(p_start, p_end):
             m_i, l_i, vb, acc = _tokens_page(qt, m_i, l_i, vb, acc, j, p_end, b, hk, H_KV, NF, N_TAB, qk_scale,
                                              kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr,
-                                             vt_ptr, D, G, BT, K_BITS, V_BITS, KITTY, DB_HIGH, NR, SHIFT, TIGHT)
+                                             vt_ptr, D, G, BT, K_BITS, V_BITS, KITTY, DB_HIGH, NR, SHIFT)
     else:                                                   # interpreter: constexpr trip count, masked
         for it in range(0, NPPS):
             m_i, l_i, vb, acc = _tokens_page(qt, m_i, l_i, vb, acc, p_start + it, p_end, b, hk, H_KV, NF, N_TAB,
                                              qk_scale, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr,
                                              vm_ptr, kt_ptr, vt_ptr, D, G, BT, K_BITS, V_BITS, KITTY, DB_HIGH, NR,
-                                             SHIFT, TIGHT)
+                                             SHIFT)
     m_i = m_i * 0.6931471805599453                        # log2 units -> natural
     acc = acc + vb[None, :]
     # acc^T's rows are channels in the order of _word_order (the value codes' unpacking)
@@ -552,8 +525,7 @@ def _tokens_kernel(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr
 def _tokens_page(qt, m_i, l_i, vb, acc, j, j_end, b, hk, H_KV, NF, N_TAB, qk_scale,
                  kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr,
                  D: tl.constexpr, G: tl.constexpr, BT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-                 KITTY: tl.constexpr, DB_HIGH: tl.constexpr, NR: tl.constexpr, SHIFT: tl.constexpr,
-                 ASM: tl.constexpr):
+                 KITTY: tl.constexpr, DB_HIGH: tl.constexpr, NR: tl.constexpr, SHIFT: tl.constexpr):
     """Page j of _tokens_kernel (none when ``j >= j_end``): its key operand once, then G / BT online-softmax
     steps of BT tokens."""
     GB: tl.constexpr = G * K_BITS // 8
@@ -579,7 +551,7 @@ def _tokens_page(qt, m_i, l_i, vb, acc, j, j_end, b, hk, H_KV, NF, N_TAB, qk_sca
     for c in tl.static_range(G // BT):
         tok = c * BT + _word_order(BT, K_BITS)             # the key codes' token order (values follow it)
         tmask = ((j * G + tok) < NF) & ((j + 0 * tok) < j_end)
-        kcodes = _key_words(kc_ptr, kh_ptr, ki_ptr, kbase, hbase, d, c * BT, D, BT, GB, K_BITS, KITTY, DB_HIGH, ASM)
+        kcodes = _key_words(kc_ptr, kh_ptr, ki_ptr, kbase, hbase, d, c * BT, D, BT, GB, K_BITS, KITTY, DB_HIGH)
         s2 = tl.dot(tl.trans(kcodes), qop)                                  # (BT, 2 NR) fp32
         s_hi, s_lo = tl.split(tl.reshape(s2, (BT, NR, 2)))
         s = ((s_hi + s_lo * (1.0 / SHIFT)) * r[None, :] + bias[None, :]) * qk_scale
@@ -598,7 +570,7 @@ def _tokens_page(qt, m_i, l_i, vb, acc, j, j_end, b, hk, H_KV, NF, N_TAB, qk_sca
         pmax = tl.max(tl.abs(pv), axis=0)
         pr = tl.where(pmax > 0.0, pmax, 1.0)
         pn = (pv * (1.0 / pr)[None, :]).to(tl.float16)
-        vcodes = _word_codes_f16(vword, BT, VB // 4, V_BITS, ASM)           # (BT, D), channels in word order
+        vcodes = _word_codes_f16(vword, BT, VB // 4, V_BITS)                # (BT, D), channels in word order
         acc = acc * alpha[None, :] + tl.dot(tl.trans(vcodes), pn) * pr[None, :]
         vb = vb * alpha + tl.sum(p * vm[:, None], axis=0)
     return m_i, l_i, vb, acc
