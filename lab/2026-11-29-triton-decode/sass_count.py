@@ -44,7 +44,7 @@ def value(s):
     return {"True": True, "False": False}.get(s, s)
 
 
-def compile_kernel(name, cx, warps, stages, qt="*fp16"):
+def compile_kernel(name, cx, warps, stages, qt="*fp16", maxnreg=None):
     fn = getattr(paged, name)
     sig = {}
     for a in fn.arg_names:
@@ -52,7 +52,8 @@ def compile_kernel(name, cx, warps, stages, qt="*fp16"):
                   "constexpr" if a in cx else "i32"))
     cx = {k: v for k, v in cx.items() if k in fn.arg_names}
     return triton.compile(ASTSource(fn, sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps, "num_stages": stages})
+                          options={"num_warps": warps, "num_stages": stages,
+                                   **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
 def loop_counts(cubin: bytes):
@@ -79,6 +80,7 @@ def loop_counts(cubin: bytes):
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
     cats = {c: sum(n for op, n in ops.items() if re.match(rx, op)) for c, rx in CATS}
     cats["other"] = sum(ops.values()) - sum(cats.values())
+    cats["spill (LDL+STL)"] = ops.get("LDL", 0) + ops.get("STL", 0)
     cats["total"] = sum(ops.values())
     return cats, ops, regs
 
@@ -90,9 +92,10 @@ def main():
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--cx", nargs="*", default=[])
     ap.add_argument("--ops", action="store_true")
+    ap.add_argument("--maxnreg", type=int, default=None)
     a = ap.parse_args()
     cx = dict(BASE, **{k: value(v) for k, v in (s.split("=", 1) for s in a.cx)})
-    k = compile_kernel(a.kernel, cx, a.warps, a.stages)
+    k = compile_kernel(a.kernel, cx, a.warps, a.stages, maxnreg=a.maxnreg)
     cats, ops, regs = loop_counts(k.asm["cubin"])
     ptx = k.asm["ptx"]
     out = {"kernel": a.kernel, "warps": a.warps, "cx": {k: v for k, v in cx.items() if BASE.get(k) != v},

@@ -8,10 +8,10 @@ Written after every shape, so a cut-short run keeps what it measured.
 
     python3 lab/2026-11-29-triton-decode/sweep.py --out /tmp/res/sweep.json [--shapes 8x32768 1x32768] [--budget-s 300]
     python3 lab/2026-11-29-triton-decode/sweep.py --out /tmp/sweep.json --dry-run          # CPU, interpreter, tiny
-    python3 lab/2026-11-29-triton-decode/sweep.py --grid tokens --out /tmp/res/tokens.json  # TOKENS.md's sweep
+    python3 lab/2026-11-29-triton-decode/sweep.py --grid tokens-3 --out /tmp/res/tokens.json  # TOKENS.md's sweeps
 
-``--grid tokens``: the rows kernel (``Knobs(tokens=None)``) against ``_tokens_kernel`` at each
-``TokensKnobs`` of ``TOKENS`` (warps, block_t, waves).
+``--grid tokens-1`` / ``tokens-3``: the rows kernel (``Knobs(tokens=None)``) against ``_tokens_kernel`` at each
+``TokensKnobs`` of ``TOKENS_1`` / ``TOKENS_3``.
 """
 
 from __future__ import annotations
@@ -35,10 +35,16 @@ VARIANTS = (None, {"k_terms": 1}, {"split_p": True}, {"words": False}, {"num_war
             {"waves": 6}, {"block_t": 64}, {"block_t": 32}, {"num_stages": 3}, {"num_stages": 4},
             {"k_terms": 1, "num_stages": 3})
 
-#: --grid tokens: the rows kernel, then _tokens_kernel's (warps, block_t) at each waves
-TOKENS = ({"tokens": None},) + tuple({"tokens": {"num_warps": w, "block_t": bt, "waves": wv}}
-                                     for w, bt in ((1, 32), (1, 64), (2, 64), (2, 128), (4, 64), (4, 128))
-                                     for wv in (2, 4, 8))
+#: --grid tokens-1 (TOKENS.md, the first GPU call): the rows kernel, then _tokens_kernel's (warps, block_t) at each waves
+TOKENS_1 = ({"tokens": None},) + tuple({"tokens": {"num_warps": w, "block_t": bt, "waves": wv}}
+                                       for w, bt in ((1, 32), (1, 64), (2, 64), (2, 128), (4, 64), (4, 128))
+                                       for wv in (2, 4, 8))
+#: --grid tokens-3 (TOKENS.md, the third GPU call): around the first call's best, with a register cap
+TOKENS_3 = ({"tokens": None},) + tuple({"tokens": dict(zip(("num_warps", "block_t", "waves", "maxnreg"), t))}
+                                       for t in ((1, 64, 8, None), (1, 32, 8, None), (1, 32, 12, 168), (1, 32, 16, 128),
+                                                 (1, 64, 12, 168), (1, 64, 16, 128), (2, 128, 4, None), (2, 64, 6, 168),
+                                                 (2, 128, 6, 168)))
+GRIDS = {"knobs": VARIANTS, "tokens-1": TOKENS_1, "tokens-3": TOKENS_3}
 
 
 def knobs_of(paged, v):
@@ -56,7 +62,7 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", nargs="+", default=list(METHODS))
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (Triton's interpreter)")
-    ap.add_argument("--grid", choices=("knobs", "tokens"), default="knobs")
+    ap.add_argument("--grid", choices=tuple(GRIDS), default="knobs")
     a = ap.parse_args(argv)
     if a.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")        # before kvq's Triton kernels are decorated
@@ -72,7 +78,7 @@ def main(argv=None) -> int:
     deadline = C.Deadline(a.budget_s)
     shapes = [(1, 60), (2, 100)] if a.dry_run else [tuple(int(x) for x in s.split("x")) for s in a.shapes]
     Hq, Hkv, Dh = (KK.DRY_H_Q, KK.DRY_H_KV, KK.DRY_D) if a.dry_run else (KK.H_Q, KK.H_KV, KK.D)
-    variants = TOKENS if a.grid == "tokens" else VARIANTS
+    variants = GRIDS[a.grid]
     doc = {"meta": C.meta(device, argv), "variants": [v or {} for v in variants], "rows": [],
            "defaults": {f: str(getattr(paged.DEFAULT_KNOBS, f)) for f in paged.Knobs.__dataclass_fields__}}
     t0 = time.monotonic()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call for TOKENS.md: the Triton KIVI / Kitty parity tests on the GPU (both fused kernels), then
-# sweep.py --grid tokens (the rows kernel against _tokens_kernel's knobs at the issue's shapes, GPU time).
-# Everything lands in $OUT. TESTS= (empty) skips the tests; SWEEP= skips the sweep.
+# sweep.py --grid $GRID (default tokens-3: the rows kernel against _tokens_kernel's knobs at the issue's shapes, GPU time),
+# then kernels.py (each kernel's device time per call). Everything lands in $OUT. TESTS= (empty) skips the
+# tests; SWEEP= the sweep; KERNELS= the profile.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/kvq-out}"; mkdir -p "$OUT"
@@ -14,7 +15,12 @@ if [ -n "${TESTS-1}" ]; then
   echo "tests rc=$?"; tail -n 2 "$OUT/gpu-tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log" | head -n 20
 fi
 if [ -n "${SWEEP-1}" ]; then
-  timeout -k 10 "${SWEEP_TIMEOUT:-330}" python3 lab/2026-11-29-triton-decode/sweep.py --grid tokens \
+  timeout -k 10 "${SWEEP_TIMEOUT:-330}" python3 lab/2026-11-29-triton-decode/sweep.py --grid "${GRID:-tokens-3}" \
       --out "$OUT/tokens-sweep.json" --budget-s "${SWEEP_BUDGET:-300}" ${SWEEP_ARGS:-} > "$OUT/sweep.log" 2>&1
   echo "sweep rc=$?"; grep -c "check=True" "$OUT/sweep.log"; grep -E "ERR|check=False" "$OUT/sweep.log" | head -n 10
+fi
+if [ -n "${KERNELS-1}" ]; then
+  timeout -k 10 "${KERNELS_TIMEOUT:-120}" python3 lab/2026-11-29-triton-decode/kernels.py --out "$OUT/kernels.json" \
+      > "$OUT/kernels.log" 2>&1
+  echo "kernels rc=$?"; tail -n 3 "$OUT/kernels.log" | cut -c1-400
 fi

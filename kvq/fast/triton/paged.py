@@ -69,9 +69,12 @@ class TokensKnobs:
     waves: float = 4                     # at most this many programs per SM over the grid    TOKENS.md
     block_t: int = 64                    # tokens per online-softmax step (divides G)         TOKENS.md
     num_stages: int = 2                  # software-pipelining depth                         TOKENS.md
+    maxnreg: int | None = None           # registers per thread at most (None: the compiler's) TOKENS.md
 
     def __post_init__(self):
         C.check_launch_knobs("triton.paged.TokensKnobs", self)  # num_warps, waves, block_t, num_stages
+        _check_knob(self.maxnreg is None or (_is_int(self.maxnreg) and 24 <= self.maxnreg <= 255), "maxnreg",
+                    self.maxnreg, "None or an int in [24, 255]")
         _check_knob(self.num_warps is not None and self.block_t is not None and self.num_stages is not None,
                     "tokens", self, "TokensKnobs with num_warps, block_t and num_stages given")
 
@@ -121,6 +124,7 @@ class Plan:
     split_p: bool
     k_terms: int
     rows: int = 0           # > 0: _tokens_kernel with this many (padded) query rows; 0: _fused_kernel
+    maxnreg: int | None = None
 
 
 def plan(NP: int, G: int, D: int, n_base: int, sms: int, *, precise: bool, magic: bool, interp: bool,
@@ -158,7 +162,7 @@ def _plan(NP, G, D, n_base, sms, precise, magic, interp, k_bits, v_bits, ngv, m,
             and (bt * k_bits) % 32 == 0 and (D * v_bits) % 32 == 0 and (G * k_bits // 8) % 4 == 0):
         n_split, pps = _splits(NP, tk.waves, sms, n_base)
         return Plan(n_split, pps, bt, tk.num_warps, tk.num_stages if not interp else 1, True, True, False,
-                    2, 4 if m <= 4 else 8)
+                    2, 4 if m <= 4 else 8, tk.maxnreg)
     n_split, pps = _splits(NP, knobs.waves, sms, n_base)
     BT = min(G, 32) if precise else min(G, knobs.block_t or 128)
     warps = knobs.num_warps or (4 if (precise or BT * D <= 8192) else 8)
@@ -748,7 +752,7 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None, knobs: Knobs 
             H_q, H, T_q, M, NF, NP, pps, S_TOTAL, st.k_table.shape[1], sc * LOG2E,
             G_Q=G_q, D=D, G=G, BT=lp.BT, K_BITS=kp["bits"], V_BITS=cfg.v_bits, KITTY=kp["kitty"],
             DB_HIGH=kp["d_boost"], NR=lp.rows, TIGHT=not interp, NPPS=pps if interp else 0, SHIFT=2048.0,
-            num_warps=lp.warps, num_stages=lp.stages)
+            num_warps=lp.warps, num_stages=lp.stages, **({"maxnreg": lp.maxnreg} if lp.maxnreg else {}))
     elif n_split:
         BT = lp.BT
         _fused_kernel[(B * H, n_split, m_blocks)](
