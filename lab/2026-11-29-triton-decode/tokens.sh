@@ -2,7 +2,7 @@
 # One device call for TOKENS.md: the Triton KIVI / Kitty parity tests on the GPU (both fused kernels), then
 # sweep.py --grid $GRID (default tokens-3: the rows kernel against _tokens_kernel's knobs at the issue's shapes, GPU time),
 # then kernels.py (each kernel's device time per call). Everything lands in $OUT. TESTS= (empty) skips the
-# tests; SWEEP= the sweep; KERNELS= the profile.
+# tests; SWEEP= the sweep; KERNELS= the profile; BASELINE=1 adds baseline.py (KIVI / Kitty only).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/kvq-out}"; mkdir -p "$OUT"
@@ -23,4 +23,10 @@ if [ -n "${KERNELS-1}" ]; then
   timeout -k 10 "${KERNELS_TIMEOUT:-120}" python3 lab/2026-11-29-triton-decode/kernels.py --out "$OUT/kernels.json" \
       > "$OUT/kernels.log" 2>&1
   echo "kernels rc=$?"; tail -n 3 "$OUT/kernels.log" | cut -c1-400
+fi
+if [ -n "${BASELINE:-}" ]; then      # BASELINE=1: baseline.py --only kivi_kitty (SDPA, Triton, CuPy; the issue's shapes)
+  timeout -k 10 "${BASELINE_TIMEOUT:-400}" python3 lab/2026-11-29-triton-decode/baseline.py --out "$OUT/baseline" \
+      --only kivi_kitty --budget-s "${BASELINE_BUDGET:-330}" > "$OUT/baseline.log" 2>&1
+  echo "baseline rc=$?"; tail -n 8 "$OUT/baseline.log" | cut -c1-300
+  tar -czf "$OUT/baseline.tgz" -C "$OUT" baseline && rm -rf "$OUT/baseline"
 fi

@@ -26,11 +26,12 @@ SCRIPT = textwrap.dedent('''
     from triton.compiler import ASTSource
     from triton.backends.compiler import GPUTarget
     from kvq.fast.triton import paged
-    fn = paged._fused_kernel
+    v = json.loads(sys.argv[1])
+    fn = getattr(paged, v.get("kernel", "_fused_kernel"))
     ptr = {"kc_ptr": "*u8", "kh_ptr": "*u8", "ki_ptr": "*u8", "ks_ptr": "*fp16", "km_ptr": "*fp16",
            "vc_ptr": "*u8", "vs_ptr": "*fp16", "vm_ptr": "*fp16", "kt_ptr": "*i32", "vt_ptr": "*i32",
            "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32"}
-    v = json.loads(sys.argv[1])
+    v["cx"] = {k: x for k, x in v["cx"].items() if k in fn.arg_names}
     sig = {}
     for a in fn.arg_names:
         if a == "q_ptr":
@@ -64,6 +65,13 @@ VARIANTS = {
     "KIVI-K8V8-fp32": ("*fp32", 4, dict(K_BITS=8, V_BITS=8, KITTY=False, DB_HIGH=0, PRECISE=True, BT=32,
                                         MAGIC=False, K_WORDS=False, V_WORDS=False)),
     "KIVI-K2V2-fp16-bytes": ("*fp16", 4, dict(K_BITS=2, V_BITS=2, KITTY=False, DB_HIGH=0, K_WORDS=False, V_WORDS=False)),
+    # _tokens_kernel (cache tokens on the MMA's M side): NR query rows, BT tokens per step
+    "tokens-KIVI-K2V2-fp16": ("*fp16", 2, dict(kernel="_tokens_kernel", K_BITS=2, V_BITS=2, KITTY=False, DB_HIGH=0,
+                                               NR=4)),
+    "tokens-KIVI-K4V4-fp16-8rows": ("*fp16", 2, dict(kernel="_tokens_kernel", K_BITS=4, V_BITS=4, KITTY=False,
+                                                     DB_HIGH=0, NR=8)),
+    "tokens-Kitty-fp16-1warp": ("*fp16", 1, dict(kernel="_tokens_kernel", K_BITS=2, V_BITS=2, KITTY=True, DB_HIGH=16,
+                                                 NR=4, BT=64)),
 }
 
 
@@ -72,7 +80,9 @@ VARIANTS = {
 def test_fused_kernel_compiles_for_sm90(name):
     pytest.importorskip("triton")
     qt, warps, cx = VARIANTS[name]
-    arg = json.dumps({"qt": qt, "warps": warps, "cx": {**BASE, **cx}})
+    cx = dict(cx)
+    kernel = cx.pop("kernel", "_fused_kernel")
+    arg = json.dumps({"qt": qt, "warps": warps, "kernel": kernel, "cx": {**BASE, **cx}})
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     res = subprocess.run([sys.executable, "-c", SCRIPT, arg], capture_output=True, text=True, env=env,

@@ -18,9 +18,13 @@ from kvq.fast.triton import paged as TP  # noqa: E402
 
 def test_knob_defaults_are_the_former_dicts():
     """Each module's Knobs holds the defaults its TUNE dict held (but the paged decode's waves: 2 since the
-    H200 sweep of lab/2026-11-29-triton-decode), and is immutable and hashable."""
+    H200 sweep of lab/2026-11-29-triton-decode, and its later ``tokens`` and ``tail_keys``: TOKENS.md there),
+    and is immutable and hashable."""
     assert dataclasses.asdict(TP.Knobs()) == {"num_warps": 4, "waves": 2, "block_t": None, "split_p": False,
-                                              "k_terms": 2, "num_stages": None, "words": True}
+                                              "k_terms": 2, "num_stages": None, "words": True,
+                                              "tokens": {"num_warps": 2, "waves": 4, "block_t": 128,
+                                                         "num_stages": 2, "maxnreg": None},
+                                              "tail_keys": 32}
     assert dataclasses.asdict(OD.Knobs()) == {"num_warps": 4, "waves": 3, "block_t": None, "k_terms": 3,
                                               "v_terms": 1, "num_stages": None}
     assert dataclasses.asdict(BDD.Knobs()) == {"leaf": None, "unpack": 1, "waves": 4, "bt_max": None,
@@ -66,6 +70,35 @@ def test_paged_plan():
     assert TP.plan(0, 128, 128, 64, 132, **kw).n_split == 0
     with pytest.raises(TypeError, match="Knobs"):
         TP.plan(256, 128, 128, 64, 132, **kw, knobs={"waves": 1})
+
+
+def test_paged_tokens_plan():
+    """At most 8 query rows per kv head (fp16 q, codes in words, one value group per token) plan
+    ``_tokens_kernel``: rows padded to 4 or 8, its own warps / tokens per step / stages, and splits of at
+    most ``TokensKnobs.waves`` programs per SM; more rows, other dtypes, value groups, ``words=False`` or
+    ``tokens=None`` plan the rows kernel (``rows`` 0)."""
+    TP._plan.cache_clear()
+    kw = dict(precise=False, magic=True, interp=False, k_bits=2, v_bits=2, ngv=1)
+    p = TP.plan(256, 128, 128, 64, 132, **kw, m=4)
+    assert (p.rows, p.warps, p.BT, p.stages, p.n_split, p.pps, p.maxnreg) == (4, 2, 128, 2, 8, 32, None)  # 528 // 64
+    assert TP.plan(256, 128, 128, 64, 132, **kw, m=8).rows == 8
+    assert TP.plan(256, 128, 128, 64, 132, **kw, m=1).rows == 4
+    assert TP.plan(256, 16, 16, 64, 132, **kw, m=4).BT == 16                        # at most G tokens per step
+    tk = TP.TokensKnobs(num_warps=1, waves=8, block_t=64, num_stages=3, maxnreg=168)
+    q = TP.plan(256, 128, 128, 8, 132, **kw, m=4, knobs=TP.Knobs(tokens=tk))
+    assert (q.rows, q.warps, q.BT, q.stages, q.n_split, q.pps, q.maxnreg) == (4, 1, 64, 3, 128, 2, 168)  # 1056 // 8
+    assert TP.plan(256, 128, 128, 64, 132, **{**kw, "interp": True}, m=4).stages == 1
+    for other in (dict(m=9), dict(m=4, ngv=4), dict(m=4, magic=False), dict(m=4, knobs=TP.Knobs(words=False)),
+                  dict(m=4, knobs=TP.Knobs(tokens=None))):
+        assert TP.plan(256, 128, 128, 64, 132, **{**kw, **other}).rows == 0, other
+    with pytest.raises(ValueError, match="maxnreg"):
+        TP.TokensKnobs(maxnreg=300)
+    with pytest.raises(ValueError, match="num_warps"):
+        TP.TokensKnobs(num_warps=3)
+    with pytest.raises(ValueError, match="tokens"):
+        TP.Knobs(tokens={"num_warps": 1})
+    with pytest.raises(ValueError, match="tail_keys"):
+        TP.Knobs(tail_keys=0)
 
 
 def test_oscar_plan():

@@ -405,11 +405,14 @@ def partial_buffers(rows: int, S: int, D: int, dev: torch.device):
             part[rows * S * (D + 1):].view(rows, S))
 
 
-def split_plan(segments, base_programs: int, dtype: torch.dtype, dev: torch.device, s0: int = 0):
+def split_plan(segments, base_programs: int, dtype: torch.dtype, dev: torch.device, s0: int = 0,
+               min_keys: int | None = None):
     """Splits of the non-empty (k, v) segments, numbered from partial slot s0: ``(plan, end slot)``, one
-    ``(k, v, T, keys per split, splits, first slot, (BLOCK_N, warps, stages))`` per segment."""
+    ``(k, v, T, keys per split, splits, first slot, (BLOCK_N, warps, stages))`` per segment; ``min_keys``:
+    the fewest keys per split (None: the configuration's, 256 on CUDA)."""
     D = segments[0][0].shape[3]
-    block_n, warps, stages, min_keys = _config(D, dtype, dev)
+    block_n, warps, stages, min_keys0 = _config(D, dtype, dev)
+    min_keys = min_keys0 if min_keys is None else max(int(min_keys), 1)
     sms = sm_count(dev)
     plan = []
     S = s0

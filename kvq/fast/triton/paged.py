@@ -67,7 +67,7 @@ class TokensKnobs:
 
     num_warps: int = 2                   # warps per program                                 TOKENS.md
     waves: float = 4                     # at most this many programs per SM over the grid    TOKENS.md
-    block_t: int = 64                    # tokens per online-softmax step (divides G)         TOKENS.md
+    block_t: int = 128                   # tokens per online-softmax step (at most G)         TOKENS.md
     num_stages: int = 2                  # software-pipelining depth                         TOKENS.md
     maxnreg: int | None = None           # registers per thread at most (None: the compiler's) TOKENS.md
 
@@ -94,6 +94,7 @@ class Knobs:
     num_stages: int | None = None        # software-pipelining depth (None: 2)                KNOBS.md#triton
     words: bool = True                   # fp16 q unpacks codes from 32-bit words             KNOBS.md#triton
     tokens: TokensKnobs | None = TokensKnobs()   # _tokens_kernel where it applies (None: never)  TOKENS.md
+    tail_keys: int = 32                  # fewest tail tokens per split of the fp32 tail       TOKENS.md
 
     def __post_init__(self):
         C.check_launch_knobs("triton.paged", self)             # num_warps, waves, block_t, num_stages
@@ -102,6 +103,7 @@ class Knobs:
         _check_knob(isinstance(self.words, bool), "words", self.words, "True or False")
         _check_knob(self.tokens is None or isinstance(self.tokens, TokensKnobs), "tokens", self.tokens,
                     "None or a kvq.fast.triton.paged.TokensKnobs")
+        _check_knob(_is_int(self.tail_keys) and self.tail_keys > 0, "tail_keys", self.tail_keys, "a positive int")
 
 
 #: the defaults
@@ -742,7 +744,7 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None, knobs: Knobs 
     S_TOTAL = n_split
     if c["n_sink"] + c["post"] - NF > 0:
         tail_plan, S_TOTAL = A.split_plan([gather_tail(cfg, codec, st, NF)], B * H * m_blocks, torch.float32, dev,
-                                     s0=n_split)
+                                          s0=n_split, min_keys=(knobs or DEFAULT_KNOBS).tail_keys)
     rows = B * H_q * T_q
     o_part, m_part, l_part = A.partial_buffers(rows, S_TOTAL, D, dev)
     if n_split and lp.rows:
