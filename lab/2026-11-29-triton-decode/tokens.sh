@@ -2,7 +2,8 @@
 # One device call for TOKENS.md: the Triton KIVI / Kitty parity tests on the GPU (both fused kernels), then
 # sweep.py --grid $GRID (default tokens-3: the rows kernel against _tokens_kernel's knobs at the issue's shapes, GPU time),
 # then kernels.py (each kernel's device time per call). Everything lands in $OUT. TESTS= (empty) skips the
-# tests; SWEEP= the sweep; KERNELS= the profile; BASELINE=1 adds baseline.py (KIVI / Kitty only).
+# tests; SWEEP= the sweep; KERNELS= the profile; BASELINE=1 adds baseline.py (KIVI / Kitty only), RUNALL=1
+# run_all.py (ceilings, kivi_kitty), E2E=1 e2e_ab.py.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/kvq-out}"; mkdir -p "$OUT"
@@ -29,4 +30,16 @@ if [ -n "${BASELINE:-}" ]; then      # BASELINE=1: baseline.py --only kivi_kitty
       --only kivi_kitty --budget-s "${BASELINE_BUDGET:-330}" > "$OUT/baseline.log" 2>&1
   echo "baseline rc=$?"; tail -n 8 "$OUT/baseline.log" | cut -c1-300
   tar -czf "$OUT/baseline.tgz" -C "$OUT" baseline && rm -rf "$OUT/baseline"
+fi
+if [ -n "${RUNALL:-}" ]; then        # RUNALL=1: the suite's KIVI / Kitty benchmark, all its shapes (results/h200)
+  timeout -k 10 "${RUNALL_TIMEOUT:-260}" python3 benchmarks/run_all.py --out "$OUT/run_all" --only ceilings,kivi_kitty \
+      --budget-s "${RUNALL_BUDGET:-200}" > "$OUT/run_all.log" 2>&1
+  echo "run_all rc=$?"; tail -n 4 "$OUT/run_all.log" | cut -c1-300
+  tar -czf "$OUT/run_all.tgz" -C "$OUT" run_all && rm -rf "$OUT/run_all"
+fi
+if [ -n "${E2E:-}" ]; then           # E2E=1: e2e_ab.py (the model's step, rows then tokens knobs, one process)
+  timeout -k 10 "${E2E_TIMEOUT:-300}" python3 lab/2026-11-29-triton-decode/e2e_ab.py --out "$OUT/e2e" \
+      ${E2E_ROUNDS:+--rounds $E2E_ROUNDS} > "$OUT/e2e.log" 2>&1
+  echo "e2e rc=$?"; grep -E "ms|round" "$OUT/e2e.log" | cut -c1-200 | tail -n 16
+  tar -czf "$OUT/e2e.tgz" -C "$OUT" e2e && rm -rf "$OUT/e2e"
 fi
