@@ -9,15 +9,17 @@ backend), run here with the bit-exact Triton kernels (``OPS``); this module adds
 
 decode_attention: the tokens ``[S, S + NF)`` whose key AND value are both quantized (NF = min(key
 pages * G, quantized values); key page j and value page j cover the same tokens) run through ONE
-fused kernel (``_fused_kernel``) that reads the packed pages through the page tables, unpacks and
-dequantizes them in registers and does flash-decoding with an online softmax; the few others
+fused kernel that reads the packed pages through the page tables, unpacks and dequantizes them in
+registers and does flash-decoding with an online softmax: ``_tokens_kernel`` for fp16 q with at most 8
+query rows per kv head (decode; the cache's tokens on the MMA's M side, the query rows on N, so no row
+padding), ``_fused_kernel`` for the rest (query rows on M, in blocks of at least 16); the few others
 (sink, key Q-buffer, value window / Q-buffer, and the mixed tokens where only one of K / V is
 quantized: at most S + G + R + G) are gathered by one kernel (``_gather_tail_kernel``, bit-exact
 dequantization) into one small fp32 segment and run through the FP16-baseline partial kernel of
 ``kvq.fast.triton.attention`` in its precise (fp32) mode; all partials are merged by its log-sum-exp
 merge kernel: five launches per decode (gather, q to fp32 for the tail, fused, tail partial, merge).
 
-Fused-kernel numerics (fp16 / bf16 q): per page, ``s = (q * scale) @ codes + q @ mn`` and
+Fused-kernel numerics (fp16 / bf16 q; both kernels): per page, ``s = (q * scale) @ codes + q @ mn`` and
 ``p @ v = (p * scale_t) @ codes + p @ mn_t``: the codes are exact in fp16 (converted by the 0x6400
 magic-number trick), the fp32 factors go through the tensor cores as hi + lo halves (row-scaled, so
 nothing overflows fp16), so the result is close to fp32 accuracy; fp32 q takes an IEEE fp32 path.
