@@ -44,7 +44,11 @@ TOKENS_3 = ({"tokens": None},) + tuple({"tokens": dict(zip(("num_warps", "block_
                                        for t in ((1, 64, 8, None), (1, 32, 8, None), (1, 32, 12, 168), (1, 32, 16, 128),
                                                  (1, 64, 12, 168), (1, 64, 16, 128), (2, 128, 4, None), (2, 64, 6, 168),
                                                  (2, 128, 6, 168)))
-GRIDS = {"knobs": VARIANTS, "tokens-1": TOKENS_1, "tokens-3": TOKENS_3}
+#: --grid tokens-5 (TOKENS.md, the sixth GPU call): the pipelining depth at the defaults and at the 1-warp plan
+TOKENS_5 = ({"tokens": None}, {}) + tuple({"tokens": dict(num_warps=w, block_t=bt, waves=wv, num_stages=ns)}
+                                          for w, bt, wv, ns in ((2, 128, 4, 1), (2, 128, 4, 3), (2, 128, 4, 4),
+                                                                (1, 64, 8, 3), (2, 64, 4, 3)))
+GRIDS = {"knobs": VARIANTS, "tokens-1": TOKENS_1, "tokens-3": TOKENS_3, "tokens-5": TOKENS_5}
 
 
 def knobs_of(paged, v):

@@ -3,7 +3,7 @@
 # sweep.py --grid $GRID (default tokens-3: the rows kernel against _tokens_kernel's knobs at the issue's shapes, GPU time),
 # then kernels.py (each kernel's device time per call). Everything lands in $OUT. TESTS= (empty) skips the
 # tests; SWEEP= the sweep; KERNELS= the profile; BASELINE=1 adds baseline.py (KIVI / Kitty only), RUNALL=1
-# run_all.py (ceilings, kivi_kitty), E2E=1 e2e_ab.py.
+# run_all.py (ceilings, kivi_kitty), E2E=1 e2e_ab.py, NCU=1 Nsight Compute on _tokens_kernel.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/kvq-out}"; mkdir -p "$OUT"
@@ -42,4 +42,18 @@ if [ -n "${E2E:-}" ]; then           # E2E=1: e2e_ab.py (the model's step, rows 
       ${E2E_ROUNDS:+--rounds $E2E_ROUNDS} > "$OUT/e2e.log" 2>&1
   echo "e2e rc=$?"; grep -E "ms|round" "$OUT/e2e.log" | cut -c1-200 | tail -n 16
   tar -czf "$OUT/e2e.tgz" -C "$OUT" e2e && rm -rf "$OUT/e2e"
+fi
+if [ -n "${NCU:-}" ]; then            # NCU=1: Nsight Compute on _tokens_kernel (NCU_SHAPE "B T METHOD"), stalls as the H100 lab reads them
+  read -r B T M <<< "${NCU_SHAPE:-8 32768 KIVI-K2V2}"
+  D="$OUT/ncu"; mkdir -p "$D"; tag="tokens_${M}_B${B}_T${T}"
+  timeout -k 10 "${NCU_TIMEOUT:-200}" ncu --kernel-name "regex:${NCU_KERNEL:-_tokens_kernel}" --launch-count 1 --set full \
+      --import-source no -f -o "$D/$tag" python3 benchmarks/profile_fused.py --backend triton --once --B "$B" --T "$T" \
+      --methods "$M" > "$D/$tag.run.log" 2>&1; echo "ncu rc=$?"
+  ncu -i "$D/$tag.ncu-rep" --page details > "$D/$tag.details.txt" 2>&1
+  ncu -i "$D/$tag.ncu-rep" --page source --csv --print-source sass > "$D/$tag.sass.csv" 2>&1
+  python3 lab/2026-11-22-kivi-kitty-decode/ncu_stalls.py "$D/$tag.sass.csv" > "$D/$tag.stalls.txt" 2>&1
+  head -n 14 "$D/$tag.stalls.txt"
+  grep -E "Duration|Executed Ipc A|Issue Slots Busy|No Eligible|Active Warps Per|Eligible Warps|Warp Cycles Per Issued|DRAM Throughput|Achieved Occupancy|Registers Per|Shared Memory Configuration Size|Block Limit" \
+      "$D/$tag.details.txt" | head -n 24
+  rm -f "$D/$tag.ncu-rep"; tar -czf "$OUT/ncu-tokens.tgz" -C "$OUT" ncu && rm -rf "$D"
 fi
