@@ -48,7 +48,12 @@ TOKENS_3 = ({"tokens": None},) + tuple({"tokens": dict(zip(("num_warps", "block_
 TOKENS_5 = ({"tokens": None}, {}) + tuple({"tokens": dict(num_warps=w, block_t=bt, waves=wv, num_stages=ns)}
                                           for w, bt, wv, ns in ((2, 128, 4, 1), (2, 128, 4, 3), (2, 128, 4, 4),
                                                                 (1, 64, 8, 3), (2, 64, 4, 3)))
-GRIDS = {"knobs": VARIANTS, "tokens-1": TOKENS_1, "tokens-3": TOKENS_3, "tokens-5": TOKENS_5}
+#: --grid tokens-7 (TOKENS.md, the seventh GPU call): registers capped so that more warps fit an SM (TOKENS.md
+#: "What bounds": 4 programs of 2 warps at 254 registers), waves at the programs that then fit
+TOKENS_7 = ({"tokens": None}, {}) + tuple({"tokens": dict(zip(("num_warps", "block_t", "waves", "maxnreg"), t))}
+                                          for t in ((4, 128, 4, 128), (4, 64, 4, 128), (4, 128, 3, 168), (2, 64, 8, 128),
+                                                    (4, 128, 4, None)))
+GRIDS = {"knobs": VARIANTS, "tokens-1": TOKENS_1, "tokens-3": TOKENS_3, "tokens-5": TOKENS_5, "tokens-7": TOKENS_7}
 
 
 def knobs_of(paged, v):
