@@ -325,6 +325,32 @@ def test_decode_many_rows_take_the_rows_kernel(triton_target, monkeypatch):
     assert n["tokens"] == 0 and n["rows"] == 2
 
 
+def test_decode_tail_takes_fp16_q_as_it_is(triton_target, monkeypatch):
+    """Triton: the fp32 tail's partial kernel gets fp16 q as it is (no cast launch) and widens it exactly as
+    it loads it: the decode's bits equal those with q cast to fp32 before the tail (the former path)."""
+    _, device = triton_target
+    _device_ok(device)
+    cfg, _, fast, (B, H, D) = _setup(CASES[0], triton_target)
+    k, v = _kv(B, H, 90 if device == "cpu" else 2048 + 77, D, cfg.group_size, seed=3)
+    fs = fast.init(cfg, B, H, D)
+    fast.append(cfg, fs, torch.from_numpy(k).to(device), torch.from_numpy(v).to(device))
+    q = torch.randn((B, 4 * H, 1, D), generator=torch.Generator().manual_seed(5)).to(torch.float16).to(device)
+    from kvq.fast.triton import attention as A
+
+    real, seen = A.launch_partials, []
+
+    def spy(qq, *a, **kw):
+        seen.append(qq.dtype)
+        return real(qq, *a, **kw)
+
+    monkeypatch.setattr(A, "launch_partials", spy)
+    out, lse = fast.decode_attention(cfg, fs, q)
+    monkeypatch.setattr(A, "launch_partials", lambda qq, *a, **kw: real(qq.float(), *a, **kw))
+    out32, lse32 = fast.decode_attention(cfg, fs, q)
+    assert seen == [torch.float16]
+    assert torch.equal(out, out32) and torch.equal(lse, lse32)
+
+
 @pytest.mark.parametrize("a", [ATTN[1], ATTN[5], ATTN[6]], ids=["KIVI-K2V2-fp16", "Kitty-fp16-gqa8", "Kitty-Pro-fp16"])
 def test_decode_cuda_cores(cupy_target, a, monkeypatch):
     """CuPy: fp16 q with 2-bit keys and values takes the tensor-core kernel (paged_decode_mma2) by

@@ -76,7 +76,7 @@ def _tree_dot(q_ptrs, rmask, sq_d, k_rows, cmask, sk_d, LO: tl.constexpr, N: tl.
     """q k^T over the channel chunks [16 LO, 16 (LO + N)), as a pairwise tree of 16-channel IEEE dots."""
     if N == 1:
         dc = LO * 16 + tl.arange(0, 16)
-        qc = _ld(q_ptrs + dc[None, :] * sq_d, rmask[:, None], BF16_BITS)
+        qc = _ld(q_ptrs + dc[None, :] * sq_d, rmask[:, None], BF16_BITS).to(tl.float32)   # fp16 q: exact
         kc = _ld(k_rows + dc[None, :] * sk_d, cmask[:, None], BF16_BITS)
         r = tl.dot(qc, tl.trans(kc), input_precision="ieee")
     else:

@@ -17,7 +17,8 @@ padding), ``_fused_kernel`` for the rest (query rows on M, in blocks of at least
 quantized: at most S + G + R + G) are gathered by one kernel (``_gather_tail_kernel``, bit-exact
 dequantization) into one small fp32 segment and run through the FP16-baseline partial kernel of
 ``kvq.fast.triton.attention`` in its precise (fp32) mode; all partials are merged by its log-sum-exp
-merge kernel: five launches per decode (gather, q to fp32 for the tail, fused, tail partial, merge).
+merge kernel: four launches per decode (gather, fused, tail partial, merge), and a cast of q to fp32 first
+for bf16 q (and for fp16 q on the exact fp32 path).
 
 Fused-kernel numerics (fp16 / bf16 q; both kernels): per page, ``s = (q * scale) @ codes + q @ mn`` and
 ``p @ v = (p * scale_t) @ codes + p @ mn_t``: the codes are exact in fp16 (converted by the 0x6400
@@ -770,7 +771,8 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None, knobs: Knobs 
             SHIFT=2048.0 if qk.dtype == torch.float16 else 256.0,
             num_warps=lp.warps, num_stages=lp.stages)
     if tail_plan:
-        qf = q if q.dtype == torch.float32 else q.float()
+        # fp16 q as it is (the precise partial widens it exactly as it loads it: no cast launch); bf16 as fp32
+        qf = q if q.dtype in (torch.float32, torch.float16) else q.float()
         A.launch_partials(qf, tail_plan, (o_part, m_part, l_part), S_TOTAL, H, sc, True, False)
     A.merge_launch(o_part, m_part, l_part, out, lse, rows, S_TOTAL, D, log2=False)
     return out, lse
