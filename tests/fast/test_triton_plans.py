@@ -132,3 +132,80 @@ def test_bitdecoding_plan():
     assert BDD.plan(*args, cuda=True, interp=False, knobs=BDD.Knobs(min_tokens=64)).S >= p.S
     fp32 = BDD.plan(8, 4, 128, BDD._MODE_FP32, 40, 100, 32, 16, 132, cuda=True, interp=False)
     assert (fp32.leaf, fp32.BT) == (16, 64)
+
+
+class _Param:
+    def __init__(self, name, default=None, has_default=False):
+        self.name, self.default, self.has_default = name, default, has_default
+
+
+class _Compiled:
+    """Stands in for Triton's CompiledKernel: its launcher records what it is handed."""
+
+    def __init__(self):
+        self.calls = []
+        self.function, self.packed_metadata = "function", "metadata"
+
+    def run(self, *a):
+        self.calls.append(a)
+
+
+class _Kernel:
+    """Stands in for a @triton.jit kernel (x, n, C: constexpr, E: constexpr = 7): ``kernel[grid](...)``
+    is Triton's dispatch, recorded, returning the compiled kernel."""
+
+    def __init__(self):
+        self.params = [_Param("x"), _Param("n"), _Param("C"), _Param("E", 7, True)]
+        self.dispatched = []
+        self.compiled = _Compiled()
+
+    def __getitem__(self, grid):
+        def go(*args, **kw):
+            self.dispatched.append((grid, args, kw))
+            return self.compiled
+        return go
+
+
+def test_launch_dispatches_once_then_runs_the_compiled_kernel(monkeypatch):
+    """``_launch.Launch``: a call without a stream goes through Triton's dispatch with the plan's grid,
+    constexprs and options, and the first keeps the compiled kernel; a call with a stream hands the compiled
+    kernel's launcher the grid, the stream, the handles, no hooks, the arguments and then the constexprs in
+    the kernel's order (defaults where not given). A launch that is not ``fast`` (unaligned tensors) and
+    the interpreter never keep a kernel; a constexpr without a value is a TypeError naming it."""
+    from kvq.fast.triton import _launch as L
+
+    monkeypatch.setattr(L, "interpreting", lambda: False)
+    k = _Kernel()
+    la = L.Launch(k, (4, 2), {"C": 3}, {"num_warps": 2}, fast=True)
+    la(("x0", 5), None, 0)
+    assert k.dispatched == [((4, 2, 1), ("x0", 5), {"C": 3, "num_warps": 2})] and k.compiled.calls == []
+    assert la.compiled is k.compiled and la.tail == (3, 7)
+    la((1234, 5), 11, 0)
+    assert len(k.dispatched) == 1
+    assert k.compiled.calls == [(4, 2, 1, 11, "function", "metadata", None, None, None, 1234, 5, 3, 7)]
+    la(("x2", 5), None, 0)                                   # no stream: Triton's dispatch again
+    assert len(k.dispatched) == 2 and len(k.compiled.calls) == 1
+    slow = L.Launch(k, (1,), {"C": 3}, {}, fast=False)
+    slow(("x", 1), None, 0)
+    slow(("x", 1), None, 0)
+    assert slow.compiled is None and len(k.dispatched) == 4
+    monkeypatch.setattr(L, "interpreting", lambda: True)
+    assert not L.Launch(k, (1,), {"C": 3}, {}, fast=True).fast
+    monkeypatch.setattr(L, "interpreting", lambda: False)
+    missing = L.Launch(k, (1,), {}, {}, fast=True)
+    k.fn = lambda: None
+    with pytest.raises(TypeError, match="'C'"):
+        missing(("x", 1), None, 0)
+
+
+def test_launch_hooks_are_seen():
+    """A Triton launch hook (a non-empty HookChain, or any other object) sends launches to Triton's
+    dispatch, so profilers see them; an empty chain or None does not."""
+    from kvq.fast.triton import _launch as L
+
+    class Chain:
+        def __init__(self, calls):
+            self.calls = calls
+
+    assert not L._hooked(None) and not L._hooked(Chain([]))
+    assert L._hooked(Chain([print])) and L._hooked(print)

@@ -288,19 +288,21 @@ def test_decode_p_split(triton_target, a, monkeypatch):
 
 
 def _count_launches(monkeypatch, FP) -> dict:
-    """Launches of the Triton paged decode's two fused kernels, counted by name ("tokens" / "rows")."""
+    """Launches of the Triton paged decode's two fused kernels, counted by name ("tokens" / "rows"), as
+    its planned launches (``kvq.fast.triton._launch.Launch``) run them."""
+    from kvq.fast.triton import _launch as L
+
     n = {"tokens": 0, "rows": 0}
+    real = L.Launch.__call__
 
-    class Counted:
-        def __init__(self, kernel, name):
-            self.kernel, self.name = kernel, name
+    def counted(self, args, stream, device_index):
+        if self.kernel is FP._tokens_kernel:
+            n["tokens"] += 1
+        elif self.kernel is FP._fused_kernel:
+            n["rows"] += 1
+        return real(self, args, stream, device_index)
 
-        def __getitem__(self, grid):
-            n[self.name] += 1
-            return self.kernel[grid]
-
-    monkeypatch.setattr(FP, "_tokens_kernel", Counted(FP._tokens_kernel, "tokens"))
-    monkeypatch.setattr(FP, "_fused_kernel", Counted(FP._fused_kernel, "rows"))
+    monkeypatch.setattr(L.Launch, "__call__", counted)
     return n
 
 
@@ -335,17 +337,27 @@ def test_decode_tail_takes_fp16_q_as_it_is(triton_target, monkeypatch):
     fs = fast.init(cfg, B, H, D)
     fast.append(cfg, fs, torch.from_numpy(k).to(device), torch.from_numpy(v).to(device))
     q = torch.randn((B, 4 * H, 1, D), generator=torch.Generator().manual_seed(5)).to(torch.float16).to(device)
+    from kvq.fast.triton import _launch as L
     from kvq.fast.triton import attention as A
 
-    real, seen = A.launch_partials, []
+    real, seen = L.Launch.__call__, []
+    monkeypatch.setattr(L, "current_stream", lambda device_index: None)      # tensors, Triton's dispatch
 
-    def spy(qq, *a, **kw):
-        seen.append(qq.dtype)
-        return real(qq, *a, **kw)
+    def spy(self, args, stream, device_index):
+        if self.kernel is A._partial_kernel:
+            seen.append(args[0].dtype)
+        return real(self, args, stream, device_index)
 
-    monkeypatch.setattr(A, "launch_partials", spy)
+    def cast(self, args, stream, device_index):
+        # q widened to fp32 before the tail's kernel (contiguous: the same strides)
+        if self.kernel is A._partial_kernel:
+            self.kernel[self.grid](args[0].float(), *args[1:], **self.consts, **self.options)
+            return None
+        return real(self, args, stream, device_index)
+
+    monkeypatch.setattr(L.Launch, "__call__", spy)
     out, lse = fast.decode_attention(cfg, fs, q)
-    monkeypatch.setattr(A, "launch_partials", lambda qq, *a, **kw: real(qq.float(), *a, **kw))
+    monkeypatch.setattr(L.Launch, "__call__", cast)
     out32, lse32 = fast.decode_attention(cfg, fs, q)
     assert seen == [torch.float16]
     assert torch.equal(out, out32) and torch.equal(lse, lse32)
@@ -812,3 +824,63 @@ def test_bad_input(target, case):
     # an empty append changes nothing
     fast.append(cfg, fs, T(k[:, :, :0]), T(v[:, :, :0]))
     assert_same_state(fs, before)
+
+
+@pytest.mark.parametrize("ci", [0, 3], ids=["KIVI-K2V2", "Kitty"])
+def test_decode_plan_reused(triton_target, ci, monkeypatch):
+    """Triton: a decode's launches are planned once per call shape (``paged.decode_plan``) and kept; on the
+    GPU a plan's launches keep their compiled kernels after the first call, so a later call makes no Triton
+    dispatch at all and gives the first call's bits, as does a call through Triton's dispatch. A new length
+    is a new plan; a q that is not 16-byte aligned gets a plan that always dispatches, with the same bits."""
+    import triton
+
+    from kvq.fast.triton import _launch as L
+
+    _, device = triton_target
+    cfg, _, fast, (B, H, D) = _setup(CASES[ci], triton_target)
+    FP = _paged("triton")
+    T = 90 if device == "cpu" else 2048 + 77
+    k, v = _kv(B, H, T + 1, D, cfg.group_size, seed=ci, start=cfg.sink)
+    fs = fast.init(cfg, B, H, D)
+    fast.append(cfg, fs, torch.from_numpy(k[:, :, :T]).to(device), torch.from_numpy(v[:, :, :T]).to(device))
+    q = torch.randn((B, 4 * H, 1, D), generator=torch.Generator().manual_seed(ci)).to(torch.float16).to(device)
+    codec = fast.KeyCodec
+    out0, lse0 = fast.decode_attention(cfg, fs, q)
+    p = FP.decode_plan(cfg, codec, fs, q)
+    assert FP.decode_plan(cfg, codec, fs, q.clone()) is p
+    launches = [x for x in (p.gather, p.fused, p.tail, p.merge) if x is not None]
+    assert p.fused is not None and p.gather is not None and len(launches) == 4
+    on_gpu = device != "cpu"
+    assert all(x.fast == on_gpu and (x.compiled is not None) == on_gpu for x in launches)
+    assert p.ready == on_gpu and p.launches == tuple(launches)
+
+    real = triton.runtime.jit.JITFunction.run
+    dispatched = []
+
+    def counted(self, *a, **kw):
+        dispatched.append(self)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(triton.runtime.jit.JITFunction, "run", counted)
+    out1, lse1 = fast.decode_attention(cfg, fs, q.clone())
+    assert dispatched == [] if on_gpu else True
+    assert torch.equal(out1, out0) and torch.equal(lse1, lse0)
+    monkeypatch.setattr(L, "current_stream", lambda device_index: None)       # Triton's dispatch every launch
+    out2, lse2 = fast.decode_attention(cfg, fs, q)
+    assert len(dispatched) == (4 if on_gpu else 0)
+    assert torch.equal(out2, out0) and torch.equal(lse2, lse0)
+    monkeypatch.undo()
+
+    # not 16-byte aligned: a plan of its own that never keeps a kernel
+    qm = torch.empty(q.numel() + 1, dtype=q.dtype, device=device)[1:].view(q.shape)
+    qm.copy_(q)
+    pm = FP.decode_plan(cfg, codec, fs, qm)
+    assert pm is not p and not any(x.fast for x in (pm.gather, pm.fused, pm.tail, pm.merge))
+    out3, lse3 = fast.decode_attention(cfg, fs, qm)
+    assert torch.equal(out3, out0) and torch.equal(lse3, lse0)
+    assert pm.fused.compiled is None and not pm.ready
+
+    # one token more: another plan (one more tail token or a page more)
+    fast.append(cfg, fs, torch.from_numpy(k[:, :, T:]).to(device), torch.from_numpy(v[:, :, T:]).to(device))
+    p2 = FP.decode_plan(cfg, codec, fs, q)
+    assert p2 is not p and (p2.NF, p2.NT) != (p.NF, p.NT)

@@ -411,19 +411,26 @@ def split_plan(segments, base_programs: int, dtype: torch.dtype, dev: torch.devi
     ``(k, v, T, keys per split, splits, first slot, (BLOCK_N, warps, stages))`` per segment; ``min_keys``:
     the fewest keys per split (None: the configuration's, 256 on CUDA)."""
     D = segments[0][0].shape[3]
-    block_n, warps, stages, min_keys0 = _config(D, dtype, dev)
-    min_keys = min_keys0 if min_keys is None else max(int(min_keys), 1)
-    sms = sm_count(dev)
     plan = []
     S = s0
     for k, v in segments:
         T = k.shape[2]
         if T == 0:
             continue
-        kps, n = _splits(base_programs, T, block_n, min_keys, sms)
-        plan.append((k, v, T, kps, n, S, (block_n, warps, stages)))
+        kps, n, launch = segment_split(T, D, base_programs, dtype, dev, min_keys)
+        plan.append((k, v, T, kps, n, S, launch))
         S += n
     return plan, S
+
+
+def segment_split(T: int, D: int, base_programs: int, dtype: torch.dtype, dev: torch.device,
+                  min_keys: int | None = None):
+    """``(keys per split, splits, (BLOCK_N, warps, stages))`` of one segment of T > 0 keys (split_plan's
+    rule, from the shape alone)."""
+    block_n, warps, stages, min_keys0 = _config(D, dtype, dev)
+    min_keys = min_keys0 if min_keys is None else max(int(min_keys), 1)
+    kps, n = _splits(base_programs, T, block_n, min_keys, sm_count(dev))
+    return kps, n, (block_n, warps, stages)
 
 
 def launch_partials(q, plan, parts, S: int, H_kv: int, sc: float, precise: bool, bits: bool):
@@ -445,15 +452,20 @@ def launch_partials(q, plan, parts, S: int, H_kv: int, sc: float, precise: bool,
 
 def merge_launch(o_part, m_part, l_part, out, lse, rows: int, S: int, D: int, log2: bool):
     """Merge (rows, S, D) partials into out (rows, D) and lse (rows,); l_part None: normalized partials."""
+    oview = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+    has_l = l_part is not None
+    consts, options = merge_config(S, D, out.dtype, has_l=has_l, log2=log2)
+    _merge_kernel[(rows,)](o_part, m_part, l_part if has_l else m_part, oview, lse, S, D, **consts, **options)
+
+
+def merge_config(S: int, D: int, out_dtype: torch.dtype, *, has_l: bool, log2: bool):
+    """``(constexprs, options)`` of ``_merge_kernel`` over S partials of head dim D into ``out_dtype``
+    (bf16 output is written as int16 bits)."""
     BLOCK_S = min(triton.next_power_of_2(S), 16)
     BLOCK_D = triton.next_power_of_2(D)
-    oview = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
-    interp = interpreting()
-    has_l = l_part is not None
-    _merge_kernel[(rows,)](o_part, m_part, l_part if has_l else m_part, oview, lse, S, D, BLOCK_S=BLOCK_S,
-                           BLOCK_D=BLOCK_D, OUT_KIND=_OUT_KIND[out.dtype], HAS_L=has_l, LOG2=log2,
-                           TIGHT=not interp, NSB=triton.cdiv(S, BLOCK_S) if interp else 0,
-                           num_warps=4 if BLOCK_D >= 128 else 2)
+    consts = dict(BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, OUT_KIND=_OUT_KIND[out_dtype], HAS_L=has_l, LOG2=log2,
+                  TIGHT=not interpreting(), NSB=triton.cdiv(S, BLOCK_S) if interpreting() else 0)
+    return consts, dict(num_warps=4 if BLOCK_D >= 128 else 2)
 
 
 def partial_attention(q, k, v, *, scale=None):

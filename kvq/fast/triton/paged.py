@@ -32,6 +32,7 @@ nothing overflows fp16), so the result is close to fp32 accuracy; fp32 q takes a
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,7 @@ from kvq.fast.caches.paged import (PagedState, append, counts, dequantize_cache,
                              max_pages, meta_dtype, quantize_values, segment_bounds)
 
 from . import _flush as W
+from . import _launch as L
 from . import attention as A
 from . import packing as P
 from . import quant as Q
@@ -667,27 +669,189 @@ def gather_tail(cfg, codec, st: PagedState, NF: int):
     """K, V fp32 (B, H, NT, D) of the tokens outside the fused range: the sink, then post-sink tokens
     [NF, T - S) in token order (one kernel; bit-exact with the reference's dequantize)."""
     B, H, D = st.shape
-    T = st.length
-    c = counts(cfg, T)
-    S, G, R = cfg.sink, cfg.group_size, cfg.residual
-    NS = c["n_sink"]
-    NT = NS + (c["post"] - NF)
+    c = counts(cfg, st.length)
+    NT = c["n_sink"] + (c["post"] - NF)
     ok = torch.empty((B, H, NT, D), dtype=torch.float32, device=st.device)
     ov = torch.empty_like(ok)
     if NT == 0:
         return ok, ov
     kp = codec.kernel_arrays(cfg, st)
-    dummy = st.k_buf
-    pick = lambda t: t if t.numel() else dummy                                            # noqa: E731
-    BT = 32
-    _gather_tail_kernel[(B * H, triton.cdiv(NT, BT))](
-        pick(st.sink_k), pick(st.sink_v), st.k_buf, pick(st.v_buf), pick(st.v_win), kp["codes"], kp["high"],
-        kp["idx"], kp["scale"], kp["mn"], st.v_codes, st.v_scale, st.v_mn, st.k_table, st.v_table, ok, ov,
-        H, S, NS, NF, NT, c["n_kpages"] * G, c["n_vq"], c["n_vbuf"], max(R, 1), st.k_table.shape[1], G,
-        D=D, K_BITS=kp["bits"], V_BITS=cfg.v_bits, NGV=D // cfg.v_group(D), KITTY=kp["kitty"],
-        DB_HIGH=kp["d_boost"], BT=BT, num_warps=4, enable_fp_fusion=False)
+    ints, consts = _gather_ints(cfg, kp, st.shape, st.length, st.k_table.shape[1], NF)
+    _gather_tail_kernel[(B * H, triton.cdiv(NT, consts["BT"]))](
+        *_gather_tensors(kp, st), ok, ov, *ints, **consts, num_warps=4, enable_fp_fusion=False)
     return ok, ov
 
+
+def _gather_ints(cfg, kp: dict, shape, T: int, n_table: int, NF: int):
+    """``_gather_tail_kernel``'s integer arguments and constexprs for a cache of ``shape`` (B, H_kv, D)
+    holding T tokens, page tables ``n_table`` wide, ``NF`` of its tokens fused."""
+    B, H, D = shape
+    c = counts(cfg, T)
+    S, G, R = cfg.sink, cfg.group_size, cfg.residual
+    NS = c["n_sink"]
+    NT = NS + (c["post"] - NF)
+    ints = (H, S, NS, NF, NT, c["n_kpages"] * G, c["n_vq"], c["n_vbuf"], max(R, 1), n_table, G)
+    consts = dict(D=D, K_BITS=kp["bits"], V_BITS=cfg.v_bits, NGV=D // cfg.v_group(D), KITTY=kp["kitty"],
+                  DB_HIGH=kp["d_boost"], BT=32)
+    return ints, consts
+
+
+def _gather_tensors(kp: dict, st: PagedState) -> tuple:
+    """``_gather_tail_kernel``'s state tensors (an empty one replaced by the key Q-buffer: never read)."""
+    dummy = st.k_buf
+    return (st.sink_k if st.sink_k.numel() else dummy, st.sink_v if st.sink_v.numel() else dummy, st.k_buf,
+            st.v_buf if st.v_buf.numel() else dummy, st.v_win if st.v_win.numel() else dummy, kp["codes"],
+            kp["high"], kp["idx"], kp["scale"], kp["mn"], st.v_codes, st.v_scale, st.v_mn, st.k_table, st.v_table)
+
+
+#: decode plans kept (least recently used dropped): a model step attends every layer at one length, so its
+#: layers share one plan, and a generation moves on by one token per step (as kvq.fast.cupy.paged)
+PLAN_CACHE_SIZE = 256
+
+
+class DecodePlan:
+    """Every launch of one decode call, planned once per call shape (``decode_plan``). ``fallback``: the
+    configuration is not the fused kernel's (dequantize and attend); else the fused kernel's ``Plan``
+    (``lp``), ``NF`` fused tokens, ``NT`` tail tokens gathered into fp32, ``S_TOTAL`` partial slots per
+    query row over ``rows`` rows, ``q_float`` (the fused kernel takes q cast to fp32: the exact path) and
+    ``tail_q_float`` (the tail's partial kernel takes q cast to fp32: bf16 q), and the kernels'
+    ``_launch.Launch``es with their integer arguments (``gather`` / ``fused`` / ``tail`` None where there
+    is no work; ``merge``)."""
+
+    __slots__ = ("fallback", "dev_index", "NF", "NT", "S_TOTAL", "rows", "q_float", "tail_q_float", "lp",
+                 "gather", "gather_ints", "fused", "fused_ints", "fused_scale", "tail", "tail_ints", "merge",
+                 "merge_ints", "n_buf", "offsets", "launches", "ready")
+
+    def __init__(self, **kw):
+        for name in self.__slots__:
+            setattr(self, name, kw.get(name))
+        self.launches = tuple(x for x in (self.gather, self.fused, self.tail, self.merge) if x is not None)
+        self.ready = False         # every launch holds its compiled kernel (_launch.Launch.compiled)
+
+
+def decode_plan(cfg, codec, st: PagedState, q, kp: dict | None = None, knobs: Knobs | None = None,
+                ) -> DecodePlan:
+    """The launch plan of ``decode_attention(cfg, codec, st, q, knobs=knobs)``: computed once per
+    (configuration, cache shape, length, table width and dtypes, q's dtype, shape and strides, device,
+    alignment, knobs) and reused (an LRU of PLAN_CACHE_SIZE plans). It holds every launch's grid,
+    constexprs, options and integer arguments; its launches keep their compiled kernels after their first
+    call (``_launch``), so a call fills in only the tensors and the scale. ``kp``: the codec's kernel arrays
+    of ``st`` where the caller has them; ``knobs``: a ``Knobs`` (None: the defaults)."""
+    knobs = DEFAULT_KNOBS if knobs is None else knobs
+    if not isinstance(knobs, Knobs):
+        raise TypeError(f"knobs must be a kvq.fast.triton.paged.Knobs or None, got {type(knobs).__name__}")
+    kp = codec.kernel_arrays(cfg, st) if kp is None else kp
+    tensors = (q, *_gather_tensors(kp, st))
+    return _plan_of(cfg, st, q, kp, tensors, tuple(map(_PTR, tensors)), knobs)
+
+
+_PTR = torch.Tensor.data_ptr
+_DTYPE = operator.attrgetter("dtype")
+
+
+def _plan_of(cfg, st: PagedState, q, kp: dict, tensors: tuple, ptrs: tuple, knobs: Knobs) -> DecodePlan:
+    """decode_plan's lookup, given q and the state's tensors (``_gather_tensors``) and their addresses."""
+    dev = q.device
+    aligned = not functools.reduce(operator.or_, ptrs) & 15
+    dev_index = (dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else -1
+    return _decode_plan(cfg, st.shape, st.length, tuple(q.shape), q.stride(), tuple(map(_DTYPE, tensors)), dev,
+                        dev_index, kp["bits"], bool(kp["kitty"]), int(kp["d_boost"]), st.k_table.shape[1],
+                        aligned, knobs)
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def _decode_plan(cfg, shape, T, q_shape, q_strides, dtypes, dev, dev_index, k_bits, kitty, db, n_table, aligned,
+                 knobs: Knobs) -> DecodePlan:
+    """decode_plan's cached body: a function of its arguments only (``dtypes``: q's, then the state
+    tensors' of ``_gather_tensors``)."""
+    B, H, D = shape
+    if not fused_ok(cfg, D):
+        return DecodePlan(fallback=True)
+    q_dtype = dtypes[0]
+    _, H_q, T_q, _ = q_shape
+    c = counts(cfg, T)
+    G = cfg.group_size
+    NF = min(c["n_kpages"] * G, c["n_vq"])
+    NP = -(-NF // G)
+    interp = Q.interpreting()
+    # the exact fp32 path also where a tensor-core dot would reduce over 16 elements on the GPU (G or D
+    # = 16): Triton 3.6 lays out such byte-fed operands for K >= 32 on sm_90 and adds half the products
+    # twice (found in kvq.fast.triton.oscar_decode); the interpreter's dots are exact
+    precise = (q_dtype == torch.float32 or (interp and q_dtype == torch.bfloat16)
+               or (not interp and min(G, D) < 32))
+    q_float = precise and q_dtype != torch.float32
+    G_q = H_q // H
+    M = G_q * T_q
+    BLOCK_M, m_blocks = A.row_blocks(G_q, T_q)
+    sms = A.sm_count(dev)
+    magic = q_dtype == torch.float16 and not precise
+    kp = {"bits": k_bits, "kitty": kitty, "d_boost": db}
+    # the fused kernel's launch: splits of about knobs.waves programs per SM, tiles, warps (plan)
+    lp = plan(NP, G, D, B * H * m_blocks, sms, precise=precise, magic=magic, interp=interp,
+              k_bits=k_bits if NP else 0, v_bits=cfg.v_bits, ngv=D // cfg.v_group(D), m=M, knobs=knobs)
+    n_split, pps = lp.n_split, lp.pps
+    # the rest: sink + tokens [S + NF, T), one fp32 segment gathered by one kernel, its splits after the
+    # fused kernel's n_split partial slots
+    NT = c["n_sink"] + c["post"] - NF
+    S_TOTAL = n_split
+    gather = tail = None
+    gather_ints = tail_ints = ()
+    tail_q_float = False
+    if NT > 0:
+        gather_ints, gconsts = _gather_ints(cfg, kp, shape, T, n_table, NF)
+        gather = L.Launch(_gather_tail_kernel, (B * H, triton.cdiv(NT, gconsts["BT"])), gconsts,
+                          dict(num_warps=4, enable_fp_fusion=False), aligned)
+        kps, n, (block_n, warps, stages) = A.segment_split(NT, D, B * H * m_blocks, torch.float32, dev,
+                                                           knobs.tail_keys)
+        # fp16 q as it is (the precise partial widens it exactly as it loads it: no cast launch); bf16 as fp32
+        tail_q_float = q_dtype == torch.bfloat16
+        q_str = _contiguous_strides(q_shape) if tail_q_float else q_strides
+        kv_str = (H * NT * D, NT * D, D, 1)
+        S_TOTAL = n_split + n
+        tail_ints = (*q_str, *kv_str, *kv_str, H_q, H, T_q, NT, M, kps, S_TOTAL, n_split)
+        tail = L.Launch(A._partial_kernel, (B * H, n, m_blocks),
+                        dict(G_Q=G_q, D=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n, PRECISE=True, TIGHT=not interp,
+                             NBLK=kps // block_n if interp else 0, BF16_BITS=False),
+                        dict(num_warps=warps, num_stages=stages), aligned)
+    rows = B * H_q * T_q
+    fused = None
+    fused_ints = ()
+    if n_split:
+        qs = _contiguous_strides(q_shape) if q_float else q_strides
+        fused_ints = (*qs, H_q, H, T_q, M, NF, NP, pps, S_TOTAL, n_table)
+        common = dict(G_Q=G_q, D=D, G=G, BT=lp.BT, K_BITS=k_bits, V_BITS=cfg.v_bits, KITTY=kitty, DB_HIGH=db,
+                      TIGHT=not interp, NPPS=pps if interp else 0)
+        opts = dict(num_warps=lp.warps, num_stages=lp.stages)
+        if lp.rows:
+            if lp.maxnreg:
+                opts["maxnreg"] = lp.maxnreg
+            fused = L.Launch(_tokens_kernel, (B * H, n_split), dict(common, NR=lp.rows, SHIFT=2048.0), opts,
+                             aligned)
+        else:
+            fused = L.Launch(_fused_kernel, (B * H, n_split, m_blocks),
+                             dict(common, NGV=D // cfg.v_group(D), BLOCK_M=BLOCK_M, PRECISE=precise, MAGIC=magic,
+                                  SPLIT_P=lp.split_p, K_TERMS=lp.k_terms, K_WORDS=lp.k_words, V_WORDS=lp.v_words,
+                                  SHIFT=2048.0 if (q_dtype == torch.float16 and not q_float) else 256.0),
+                             opts, aligned)
+    merge = L.Launch(A._merge_kernel, (rows,), *A.merge_config(S_TOTAL, D, q_dtype, has_l=True, log2=False),
+                     aligned)
+    # one fp32 buffer per call: the partials o (rows, S, D), m and l (rows, S), then the tail's K and V
+    n_o, n_s, n_t = rows * S_TOTAL * D, rows * S_TOTAL, B * H * NT * D
+    offsets = (0, n_o, n_o + n_s, n_o + 2 * n_s, n_o + 2 * n_s + n_t)
+    return DecodePlan(fallback=False, dev_index=dev_index, NF=NF, NT=NT, S_TOTAL=S_TOTAL, rows=rows,
+                      n_buf=n_o + 2 * n_s + 2 * n_t, offsets=offsets,
+                      q_float=q_float, tail_q_float=tail_q_float, lp=lp,
+                      gather=gather, gather_ints=gather_ints, fused=fused, fused_ints=fused_ints,
+                      fused_scale=LOG2E if (n_split and not precise) else 1.0, tail=tail, tail_ints=tail_ints,
+                      merge=merge, merge_ints=(S_TOTAL, D))
+
+
+def _contiguous_strides(shape) -> tuple:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
 
 
 def _pow2(n: int) -> bool:
@@ -700,79 +864,60 @@ def fused_ok(cfg, D: int) -> bool:
 
 
 def decode_attention(cfg, codec, st: PagedState, q, *, scale=None, knobs: Knobs | None = None):
-    """Attention of q (B, H_q, T_q, D) over the cache: ``(out in q's dtype, lse fp32)``; ``knobs``: the
-    fused kernel's launch knobs (None: the defaults), planned by ``plan``."""
+    """Attention of q (B, H_q, T_q, D) over the cache: ``(out in q's dtype, lse fp32)``, by the cached
+    launch plan of this call's shape (``decode_plan``); ``knobs``: the fused kernel's launch knobs (None:
+    the defaults), planned by ``plan``. Once a plan's launches hold their compiled kernels, a call hands
+    them device addresses (``_launch``); before that, and where they may not be used, tensors through
+    Triton's dispatch."""
     if knobs is not None and not isinstance(knobs, Knobs):
         raise TypeError(f"knobs must be a kvq.fast.triton.paged.Knobs or None, got {type(knobs).__name__}")
     _paged.check_q(codec, st, q)
     B, H, D = st.shape
-    _, H_q, T_q, _ = q.shape
     sc = C.softmax_scale(scale, D)
     dev = q.device
     out = torch.empty(tuple(q.shape), dtype=q.dtype, device=dev)
-    lse = torch.empty((B, H_q, T_q), dtype=torch.float32, device=dev)
+    lse = torch.empty(tuple(q.shape[:3]), dtype=torch.float32, device=dev)
     if out.numel() == 0:
         return out, lse
-    T = st.length
-    c = counts(cfg, T)
-    G = cfg.group_size
-    if not fused_ok(cfg, D):
+    kp = codec.kernel_arrays(cfg, st)
+    tensors = (q, *_gather_tensors(kp, st))
+    ptrs = tuple(map(_PTR, tensors))
+    p = _plan_of(cfg, st, q, kp, tensors, ptrs, DEFAULT_KNOBS if knobs is None else knobs)
+    if p.fallback:
         K, V = dequantize_cache(cfg, codec, st)
-        qf = q.float()
-        o, ls = A.decode_attention(qf, [(K, V)], scale=sc)
+        o, ls = A.decode_attention(q.float(), [(K, V)], scale=sc)
         return o.to(q.dtype), ls
-    NF = min(c["n_kpages"] * G, c["n_vq"])
-    NP = -(-NF // G)
-    interp = Q.interpreting()
-    # the exact fp32 path also where a tensor-core dot would reduce over 16 elements on the GPU (G or D
-    # = 16): Triton 3.6 lays out such byte-fed operands for K >= 32 on sm_90 and adds half the products
-    # twice (found in kvq.fast.triton.oscar_decode); the interpreter's dots are exact
-    precise = (q.dtype == torch.float32 or (interp and q.dtype == torch.bfloat16)
-               or (not interp and min(G, D) < 32))
-    qk = q.float() if (precise and q.dtype != torch.float32) else q
-    G_q = H_q // H
-    M = G_q * T_q
-    BLOCK_M, m_blocks = A.row_blocks(G_q, T_q)
-    sms = A.sm_count(dev)
-    # the fused kernel's launch: splits of about knobs.waves programs per SM, tiles, warps (plan)
-    kp = codec.kernel_arrays(cfg, st) if NP else None
-    magic = qk.dtype == torch.float16 and not precise
-    lp = plan(NP, G, D, B * H * m_blocks, sms, precise=precise, magic=magic, interp=interp,
-              k_bits=kp["bits"] if kp is not None else 0, v_bits=cfg.v_bits, ngv=D // cfg.v_group(D), m=M,
-              knobs=knobs)
-    n_split, pps = lp.n_split, lp.pps
-    # the rest: sink + tokens [S + NF, T), one fp32 segment gathered by one kernel, its splits after
-    # the fused kernel's n_split partial slots
-    tail_plan = []
-    S_TOTAL = n_split
-    if c["n_sink"] + c["post"] - NF > 0:
-        tail_plan, S_TOTAL = A.split_plan([gather_tail(cfg, codec, st, NF)], B * H * m_blocks, torch.float32, dev,
-                                          s0=n_split, min_keys=(knobs or DEFAULT_KNOBS).tail_keys)
-    rows = B * H_q * T_q
-    o_part, m_part, l_part = A.partial_buffers(rows, S_TOTAL, D, dev)
-    if n_split and lp.rows:
-        _tokens_kernel[(B * H, n_split)](
-            qk, kp["codes"], kp["high"], kp["idx"], kp["scale"], kp["mn"], st.v_codes, st.v_scale, st.v_mn,
-            st.k_table, st.v_table, o_part, m_part, l_part, *qk.stride(),
-            H_q, H, T_q, M, NF, NP, pps, S_TOTAL, st.k_table.shape[1], sc * LOG2E,
-            G_Q=G_q, D=D, G=G, BT=lp.BT, K_BITS=kp["bits"], V_BITS=cfg.v_bits, KITTY=kp["kitty"],
-            DB_HIGH=kp["d_boost"], NR=lp.rows, TIGHT=not interp, NPPS=pps if interp else 0, SHIFT=2048.0,
-            num_warps=lp.warps, num_stages=lp.stages, **({"maxnreg": lp.maxnreg} if lp.maxnreg else {}))
-    elif n_split:
-        BT = lp.BT
-        _fused_kernel[(B * H, n_split, m_blocks)](
-            qk, kp["codes"], kp["high"], kp["idx"], kp["scale"], kp["mn"], st.v_codes, st.v_scale, st.v_mn,
-            st.k_table, st.v_table, o_part, m_part, l_part, *qk.stride(),
-            H_q, H, T_q, M, NF, NP, pps, S_TOTAL, st.k_table.shape[1], sc if precise else sc * LOG2E,
-            G_Q=G_q, D=D, G=G, BT=BT, K_BITS=kp["bits"], V_BITS=cfg.v_bits, NGV=D // cfg.v_group(D),
-            KITTY=kp["kitty"], DB_HIGH=kp["d_boost"], BLOCK_M=BLOCK_M, PRECISE=precise, TIGHT=not interp,
-            NPPS=pps if interp else 0, MAGIC=magic,
-            SPLIT_P=lp.split_p, K_TERMS=lp.k_terms, K_WORDS=lp.k_words, V_WORDS=lp.v_words,
-            SHIFT=2048.0 if qk.dtype == torch.float16 else 256.0,
-            num_warps=lp.warps, num_stages=lp.stages)
-    if tail_plan:
-        # fp16 q as it is (the precise partial widens it exactly as it loads it: no cast launch); bf16 as fp32
-        qf = q if q.dtype in (torch.float32, torch.float16) else q.float()
-        A.launch_partials(qf, tail_plan, (o_part, m_part, l_part), S_TOTAL, H, sc, True, False)
-    A.merge_launch(o_part, m_part, l_part, out, lse, rows, S_TOTAL, D, log2=False)
+    dev_index = p.dev_index
+    stream = L.current_stream(dev_index) if p.ready else None
+    buf = torch.empty(p.n_buf, dtype=torch.float32, device=dev)
+    oview = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+    if stream is not None:                     # addresses
+        b0 = buf.data_ptr()
+        o_part, m_part, l_part, tk, tv = (b0 + 4 * x for x in p.offsets)
+        a, oa, la = ptrs, oview.data_ptr(), lse.data_ptr()
+        qk = _cast(q).data_ptr() if p.q_float else ptrs[0]
+        qf = _cast(q).data_ptr() if p.tail_q_float else ptrs[0]
+    else:                                      # tensors (Triton's dispatch)
+        rows, S, NT = p.rows, p.S_TOTAL, p.NT
+        o0, m0, l0, k0, v0 = p.offsets
+        o_part, m_part, l_part = buf[o0:m0].view(rows, S, D), buf[m0:l0].view(rows, S), buf[l0:k0].view(rows, S)
+        tk, tv = buf[k0:v0].view(B, H, NT, D), buf[v0:].view(B, H, NT, D)
+        a, oa, la = tensors, oview, lse
+        qk = _cast(q) if p.q_float else q
+        qf = _cast(q) if p.tail_q_float else q
+    g = a[1:]                                  # the state: sink, buffers, window, key pool, value pool, tables
+    if p.gather is not None:
+        p.gather((*g, tk, tv, *p.gather_ints), stream, dev_index)
+    if p.fused is not None:
+        p.fused((qk, *g[5:], o_part, m_part, l_part, *p.fused_ints, sc * p.fused_scale), stream, dev_index)
+    if p.tail is not None:
+        p.tail((qf, tk, tv, o_part, m_part, l_part, *p.tail_ints, sc), stream, dev_index)
+    p.merge((o_part, m_part, l_part, oa, la, *p.merge_ints), stream, dev_index)
+    if stream is None and not p.ready:
+        p.ready = all(x.compiled is not None for x in p.launches)
     return out, lse
+
+
+def _cast(q):
+    """q as contiguous fp32 (the plan's strides for the fp32 paths)."""
+    return q.to(torch.float32, memory_format=torch.contiguous_format)

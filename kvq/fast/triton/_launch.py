@@ -1,0 +1,95 @@
+"""A planned Triton launch: Triton's dispatch on the first call, the compiled kernel's launcher after it.
+
+Triton's ``kernel[grid](*args)`` binds and specializes every argument, looks the binary up and launches it,
+on every call: about 20-40 us of Python per launch, most of an eager decode call's host time
+(``lab/2026-11-29-eager-host/NOTE.md``). A ``Launch`` is one launch site of a plan cached per call shape
+(``kvq.fast.triton.paged.decode_plan``): its grid, the kernel's constexprs and options are the plan's. Its
+first call goes through Triton's dispatch, which compiles or finds the binary and returns it; the launch keeps
+it. Later calls hand their arguments to that binary's launcher directly: the binary Triton's dispatch would
+pick, because all that its choice reads is fixed by the plan's key (the integer arguments' values, the
+tensors' dtypes, the constexprs and options) or checked by the plan (every tensor 16-byte aligned: the
+plan is ``fast`` only then). Triton's dispatch is taken instead under the interpreter, while Triton's launch
+hooks are set (profilers), and where the current CUDA device is not the plan's.
+
+    L = Launch(kernel, grid, {"D": 128, ...}, {"num_warps": 4}, fast=plan_is_aligned)
+    L(tensor_args, None, device_index)          # Triton's dispatch; keeps the compiled kernel
+    L(address_args, current_stream(device_index), device_index)    # its launcher (None: not allowed now)
+"""
+
+from __future__ import annotations
+
+import torch
+from triton import knobs as _knobs
+
+from .quant import interpreting
+
+_RAW_STREAM = []          # the driver's current-stream function, taken at the first fast launch (CUDA only)
+
+
+def current_stream(device_index: int):
+    """The raw current stream of CUDA device ``device_index`` when a compiled kernel may be launched on it
+    directly (it is the current device and no launch hook is set), else None (take Triton's dispatch)."""
+    rt = _knobs.runtime
+    if _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook):
+        return None
+    if torch.cuda.current_device() != device_index:
+        return None
+    if not _RAW_STREAM:
+        from triton.runtime import driver
+        _RAW_STREAM.append(driver.active.get_current_stream)
+    return _RAW_STREAM[0](device_index)
+
+
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook is set: a non-empty ``HookChain`` (Triton 3.6, 3.7) or any other object."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if isinstance(calls, list) else True
+
+
+class Launch:
+    """One launch of a planned call: ``kernel`` (a ``@triton.jit`` function) over ``grid`` with the
+    constexprs ``consts`` and launch ``options`` (num_warps, ...), all fixed by the plan; ``fast``: the
+    plan's tensors are all 16-byte aligned, so its compiled kernel may be reused (module docstring)."""
+
+    __slots__ = ("kernel", "grid", "consts", "options", "fast", "compiled", "tail", "_run")
+
+    def __init__(self, kernel, grid: tuple, consts: dict, options: dict, fast: bool):
+        self.kernel = kernel
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.consts = consts
+        self.options = options
+        self.fast = bool(fast) and not interpreting()
+        self.compiled = None              # Triton's compiled kernel, once a first call has returned it
+        self.tail = ()                    # the constexprs after the positional arguments, in order
+        self._run = None                  # (launcher, function handle, packed metadata) of ``compiled``
+
+    def __call__(self, args: tuple, stream, device_index: int) -> None:
+        """Launch over ``args``, the kernel's positional (non-constexpr) arguments: with ``stream`` (from
+        ``current_stream``; the launch holds its compiled kernel) on it by the compiled kernel's launcher,
+        pointers as device addresses or tensors; else through Triton's dispatch on the current stream,
+        pointers as tensors (the first call keeps the compiled kernel where the launch is ``fast``)."""
+        if stream is not None:
+            run, g = self._run, self.grid
+            run[0](g[0], g[1], g[2], stream, run[1], run[2], None, None, None, *args, *self.tail)
+            return
+        k = self.kernel[self.grid](*args, **self.consts, **self.options)
+        if self.fast and self._run is None and k is not None and hasattr(k, "packed_metadata"):
+            self.tail = self._tail(len(args))
+            self.compiled = k
+            self._run = (k.run, k.function, k.packed_metadata)
+
+    def _tail(self, n_args: int) -> tuple:
+        """The kernel's parameters after the ``n_args`` positional ones, as Triton's binder passes them to
+        the launcher: the constexprs given, else their defaults."""
+        out = []
+        for p in self.kernel.params[n_args:]:
+            name = p.name
+            if name in self.consts:
+                out.append(self.consts[name])
+            elif p.has_default:
+                out.append(p.default)
+            else:
+                raise TypeError(f"{self.kernel.fn.__name__}: no value for parameter {name!r}")
+        return tuple(out)
