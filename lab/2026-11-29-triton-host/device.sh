@@ -5,6 +5,7 @@
 #   TESTS=1     the Triton GPU tests (KIVI / Kitty parity, the model-level tests of the Triton caches)
 #   HOST="1 8"  profile_host.py --backend triton at B x 32K, validation off, after then before per batch
 #   STEP=1      step_host.py: a model's eager step at 1 x 32K (StaticCache, KIVI-K2V2 and Kitty on Triton)
+#   AB=1        step_ab.py: the same step, compiled launches against Triton's dispatch, one process
 # Everything lands in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -15,7 +16,7 @@ echo "commit: ${KVQ_COMMIT:-unknown}" | tee -a "$OUT/card.txt"
 if [ -n "${TESTS-1}" ]; then
   timeout -k 10 "${TEST_TIMEOUT:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 \
       ${TEST_PATHS:-tests/parity/test_kivi_kitty_parity.py tests/integrations/test_kvq_attention.py tests/integrations/test_graphs.py} \
-      -k "${TEST_K:-triton or graph}" > "$OUT/gpu-tests.log" 2>&1
+      -k "${TEST_K:-triton or graph}" -rfE --tb=short > "$OUT/gpu-tests.log" 2>&1
   echo "tests rc=$?"; tail -n 2 "$OUT/gpu-tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log" | head -n 20
 fi
 for B in ${HOST-1 8}; do
@@ -45,4 +46,9 @@ if [ -n "${STEP-1}" ]; then
     echo "step $tree rc=$?"; grep -E "^\{" "/tmp/h/step-$tree.log" | cut -c1-250
   done
   tar -czf "$OUT/host.tgz" -C /tmp/h .
+fi
+if [ -n "${AB:-}" ]; then
+  timeout -k 10 "${AB_TIMEOUT:-200}" python3 lab/2026-11-29-triton-host/step_ab.py --out "$OUT/step_ab.json" \
+      > "$OUT/step_ab.log" 2>&1
+  echo "step_ab rc=$?"; grep -E "^\{" "$OUT/step_ab.log" | cut -c1-250
 fi

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -209,3 +210,22 @@ def test_launch_hooks_are_seen():
 
     assert not L._hooked(None) and not L._hooked(Chain([]))
     assert L._hooked(Chain([print])) and L._hooked(print)
+
+
+def test_launch_site_is_kept_per_key(monkeypatch):
+    """``_launch.site``: one ``Launch`` per kernel, grid, constexprs, options, alignment and key (so a later
+    call of the same shape reuses the compiled kernel the first kept); any of them different, another."""
+    from kvq.fast.triton import _launch as L
+
+    monkeypatch.setattr(L, "interpreting", lambda: False)
+    k = _Kernel()
+    args = (k, (2, 3), (("C", 3),), (("num_warps", 1),), True, ((16, 8), (None,), 0, True))
+    la = L.site(*args)
+    assert L.site(*args) is la and la.grid == (2, 3, 1) and la.consts == {"C": 3} and la.fast
+    for i, other in [(1, (2, 4)), (2, (("C", 4),)), (3, (("num_warps", 2),)), (4, False),
+                     (5, ((16, 9), (None,), 0, True))]:
+        changed = list(args)
+        changed[i] = other
+        assert L.site(*changed) is not la
+    assert L.aligned((0, 16, 4096)) and not L.aligned((0, 16, 4098)) and L.aligned(())
+    assert L.device_index(torch.device("cpu")) == -1

@@ -837,7 +837,7 @@ def test_decode_plan_reused(triton_target, ci, monkeypatch):
     from kvq.fast.triton import _launch as L
 
     _, device = triton_target
-    cfg, _, fast, (B, H, D) = _setup(CASES[ci], triton_target)
+    cfg, ref, fast, (B, H, D) = _setup(CASES[ci], triton_target)
     FP = _paged("triton")
     T = 90 if device == "cpu" else 2048 + 77
     k, v = _kv(B, H, T + 1, D, cfg.group_size, seed=ci, start=cfg.sink)
@@ -871,14 +871,23 @@ def test_decode_plan_reused(triton_target, ci, monkeypatch):
     assert torch.equal(out2, out0) and torch.equal(lse2, lse0)
     monkeypatch.undo()
 
-    # not 16-byte aligned: a plan of its own that never keeps a kernel
+    # not 16-byte aligned: a plan of its own that never keeps a kernel, so Triton's dispatch picks the
+    # binary for that alignment every call (on the GPU its loads are laid out differently, and the sums'
+    # order with them: the bits may differ from the aligned q's; the tolerance rule holds, and repeated
+    # calls agree)
     qm = torch.empty(q.numel() + 1, dtype=q.dtype, device=device)[1:].view(q.shape)
     qm.copy_(q)
     pm = FP.decode_plan(cfg, codec, fs, qm)
-    assert pm is not p and not any(x.fast for x in (pm.gather, pm.fused, pm.tail, pm.merge))
+    assert pm is not p and not any(x.fast for x in pm.launches)
     out3, lse3 = fast.decode_attention(cfg, fs, qm)
-    assert torch.equal(out3, out0) and torch.equal(lse3, lse0)
+    out4, lse4 = fast.decode_attention(cfg, fs, qm)
+    assert torch.equal(out4, out3) and torch.equal(lse4, lse3)
     assert pm.fused.compiled is None and not pm.ready
+    rs = ref.init(cfg, B, H, D)
+    ref.append(cfg, rs, k[:, :, :T], v[:, :, :T])
+    (o64, l64), (o32, l32) = _truth_ref32(ref, cfg, rs, q)
+    check_close(out3, o64, o32, torch.float16, "out (q not 16-byte aligned)")
+    check_close(lse3, l64, l32, torch.float32, "lse (q not 16-byte aligned)")
 
     # one token more: another plan (one more tail token or a page more)
     fast.append(cfg, fs, torch.from_numpy(k[:, :, T:]).to(device), torch.from_numpy(v[:, :, T:]).to(device))

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from kvq.fast.caches.codecs import check_key_flush, check_value_evict, key_flush_operands
 
+from . import _launch as L
 from .quant import group_codes, fast_ok, load_f32, group_meta, interpreting
 
 __all__ = ["flush_key_pages", "evict_values"]
@@ -265,14 +266,25 @@ def append_token(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_win: t
     The caller (``_append_token``) has checked k and v (one finite fp16 token of the cache's shape on its
     device) and routed the token; the state's buffers are ``init``'s contiguous tensors. Returns False
     (nothing launched) where the kernel does not take these operands: a token without unit channel stride,
-    or a value group that does not divide D."""
+    or a value group that does not divide D. The launch is kept per call shape (``_launch.site``): after
+    its first call, the compiled kernel takes the addresses (no Triton dispatch per token)."""
     B, H, _, D = k.shape
     if k.stride(-1) != 1 or v.stride(-1) != 1 or Gv < 1 or D % Gv or bits not in (2, 4, 8) or D % (8 // bits):
         return False
-    _append_token_kernel[(H, B)](k, v, k_buf, v_win, v_buf, v_codes, v_scale, v_mn, v_table, k.stride(0), k.stride(1),
-                                 v.stride(0), v.stride(1), k_buf.shape[2], nb, v_win.shape[2], slot, v_buf.shape[2],
-                                 nvb, q0, v_codes.shape[2], D, Gv, D // Gv, v_table.shape[1], first_id, MODE=mode,
-                                 NEW_PAGE=bool(new_page), BITS=bits, QMAX=float(2 ** bits - 1),
-                                 FASTDIV=not interpreting(), BLOCK_J=triton.next_power_of_2(D * bits // 8),
-                                 BLOCK_G=triton.next_power_of_2(D // Gv), num_warps=1, enable_fp_fusion=False)
+    tensors = (k, v, k_buf, v_win, v_buf, v_codes, v_scale, v_mn, v_table)
+    ptrs = tuple(map(L.PTR, tensors))
+    fixed = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_buf.shape[2], v_win.shape[2], v_buf.shape[2],
+             v_codes.shape[2], D, Gv, D // Gv, v_table.shape[1])
+    sk_b, sk_h, sv_b, sv_h, GK, R, GB, G, _, _, NGV, n_tab = fixed
+    ints = (sk_b, sk_h, sv_b, sv_h, GK, nb, R, slot, GB, nvb, q0, G, D, Gv, NGV, n_tab, first_id)
+    dev_index = L.device_index(k.device)
+    # the step's slots (nb, slot, nvb, q0, first_id) are not specialized: only their type (i32) is in the key
+    la = L.site(_append_token_kernel, (H, B),
+                (("MODE", mode), ("NEW_PAGE", bool(new_page)), ("BITS", bits), ("QMAX", float(2 ** bits - 1)),
+                 ("FASTDIV", not interpreting()), ("BLOCK_J", triton.next_power_of_2(D * bits // 8)),
+                 ("BLOCK_G", triton.next_power_of_2(D // Gv))),
+                (("num_warps", 1), ("enable_fp_fusion", False)), L.aligned(ptrs),
+                (fixed, tuple(map(L.DTYPE, tensors)), dev_index, max(nb, slot, nvb, q0, first_id) < 2 ** 31))
+    stream = L.current_stream(dev_index) if la.compiled is not None else None
+    la((ptrs if stream is not None else tensors) + ints, stream, dev_index)
     return True

@@ -18,12 +18,43 @@ hooks are set (profilers), and where the current CUDA device is not the plan's.
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import torch
 from triton import knobs as _knobs
 
 from .quant import interpreting
 
 _RAW_STREAM = []          # the driver's current-stream function, taken at the first fast launch (CUDA only)
+
+#: a tensor's device address, and its dtype (applied over a call's tensors with ``map``)
+PTR = torch.Tensor.data_ptr
+DTYPE = operator.attrgetter("dtype")
+
+#: the launches ``site`` keeps (least recently used dropped): one per kernel and call shape
+SITE_CACHE_SIZE = 256
+
+
+def aligned(ptrs) -> bool:
+    """Whether every address in ``ptrs`` is 16-byte aligned (what Triton specializes a pointer on)."""
+    return not functools.reduce(operator.or_, ptrs, 0) & 15
+
+
+def device_index(device: torch.device) -> int:
+    """The CUDA device's index (the current device's where it names none); -1 for the CPU (interpreter)."""
+    if device.type != "cuda":
+        return -1
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.lru_cache(maxsize=SITE_CACHE_SIZE)
+def site(kernel, grid: tuple, consts: tuple, options: tuple, fast: bool, key: tuple) -> "Launch":
+    """The ``Launch`` of ``kernel`` over ``grid`` with the constexprs and options ``consts`` / ``options``
+    (tuples of (name, value)), kept per these and ``key``: every other value Triton's dispatch specializes
+    the call on (the values of the integer arguments it specializes, the type of those it does not, the
+    tensors' dtypes, the device); ``fast``: every tensor of the call is 16-byte aligned."""
+    return Launch(kernel, grid, dict(consts), dict(options), fast)
 
 
 def current_stream(device_index: int):

@@ -32,7 +32,6 @@ nothing overflows fp16), so the result is close to fp32 accuracy; fp32 q takes a
 from __future__ import annotations
 
 import functools
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -716,7 +715,9 @@ class DecodePlan:
     query row over ``rows`` rows, ``q_float`` (the fused kernel takes q cast to fp32: the exact path) and
     ``tail_q_float`` (the tail's partial kernel takes q cast to fp32: bf16 q), and the kernels'
     ``_launch.Launch``es with their integer arguments (``gather`` / ``fused`` / ``tail`` None where there
-    is no work; ``merge``)."""
+    is no work; ``merge``; all of them in ``launches``). A call allocates one fp32 buffer of ``n_buf``
+    elements: o, m and l partials and the tail's K and V at ``offsets``. ``ready``: every launch holds its
+    compiled kernel (set after the first call that leaves them so)."""
 
     __slots__ = ("fallback", "dev_index", "NF", "NT", "S_TOTAL", "rows", "q_float", "tail_q_float", "lp",
                  "gather", "gather_ints", "fused", "fused_ints", "fused_scale", "tail", "tail_ints", "merge",
@@ -742,21 +743,15 @@ def decode_plan(cfg, codec, st: PagedState, q, kp: dict | None = None, knobs: Kn
         raise TypeError(f"knobs must be a kvq.fast.triton.paged.Knobs or None, got {type(knobs).__name__}")
     kp = codec.kernel_arrays(cfg, st) if kp is None else kp
     tensors = (q, *_gather_tensors(kp, st))
-    return _plan_of(cfg, st, q, kp, tensors, tuple(map(_PTR, tensors)), knobs)
-
-
-_PTR = torch.Tensor.data_ptr
-_DTYPE = operator.attrgetter("dtype")
+    return _plan_of(cfg, st, q, kp, tensors, tuple(map(L.PTR, tensors)), knobs)
 
 
 def _plan_of(cfg, st: PagedState, q, kp: dict, tensors: tuple, ptrs: tuple, knobs: Knobs) -> DecodePlan:
     """decode_plan's lookup, given q and the state's tensors (``_gather_tensors``) and their addresses."""
     dev = q.device
-    aligned = not functools.reduce(operator.or_, ptrs) & 15
-    dev_index = (dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else -1
-    return _decode_plan(cfg, st.shape, st.length, tuple(q.shape), q.stride(), tuple(map(_DTYPE, tensors)), dev,
-                        dev_index, kp["bits"], bool(kp["kitty"]), int(kp["d_boost"]), st.k_table.shape[1],
-                        aligned, knobs)
+    return _decode_plan(cfg, st.shape, st.length, tuple(q.shape), q.stride(), tuple(map(L.DTYPE, tensors)), dev,
+                        L.device_index(dev), kp["bits"], bool(kp["kitty"]), int(kp["d_boost"]),
+                        st.k_table.shape[1], L.aligned(ptrs), knobs)
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
@@ -881,7 +876,7 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None, knobs: Knobs 
         return out, lse
     kp = codec.kernel_arrays(cfg, st)
     tensors = (q, *_gather_tensors(kp, st))
-    ptrs = tuple(map(_PTR, tensors))
+    ptrs = tuple(map(L.PTR, tensors))
     p = _plan_of(cfg, st, q, kp, tensors, ptrs, DEFAULT_KNOBS if knobs is None else knobs)
     if p.fallback:
         K, V = dequantize_cache(cfg, codec, st)
