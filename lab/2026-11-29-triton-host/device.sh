@@ -6,6 +6,7 @@
 #   HOST="1 8"  profile_host.py --backend triton at B x 32K, validation off, after then before per batch
 #   STEP=1      step_host.py: a model's eager step at 1 x 32K (StaticCache, KIVI-K2V2 and Kitty on Triton)
 #   AB=1        step_ab.py: the same step, compiled launches against Triton's dispatch, one process
+#   EAGER=1     eager_calls.py: the Triton OSCAR and BitDecoding decodes, the same A/B per call
 # Everything lands in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -51,4 +52,9 @@ if [ -n "${AB:-}" ]; then
   timeout -k 10 "${AB_TIMEOUT:-200}" python3 lab/2026-11-29-triton-host/step_ab.py --out "$OUT/step_ab.json" \
       > "$OUT/step_ab.log" 2>&1
   echo "step_ab rc=$?"; grep -E "^\{" "$OUT/step_ab.log" | cut -c1-250
+fi
+if [ -n "${EAGER:-}" ]; then
+  timeout -k 10 "${EAGER_TIMEOUT:-150}" python3 lab/2026-11-29-triton-host/eager_calls.py --out "$OUT/eager_calls.json" \
+      > "$OUT/eager_calls.log" 2>&1
+  echo "eager_calls rc=$?"; grep -E "^\{" "$OUT/eager_calls.log" | cut -c1-250; tail -n 3 "$OUT/eager_calls.log" | cut -c1-300
 fi

@@ -229,3 +229,37 @@ def test_launch_site_is_kept_per_key(monkeypatch):
         assert L.site(*changed) is not la
     assert L.aligned((0, 16, 4096)) and not L.aligned((0, 16, 4098)) and L.aligned(())
     assert L.device_index(torch.device("cpu")) == -1
+
+
+def test_launch_reads_the_key_from_the_arguments(monkeypatch):
+    """``_launch.launch(kernel, grid, *args, **kw)``: the first call of a key dispatches with the tensors, a
+    later one hands the kept kernel's launcher the tensors' addresses; a float changes no key, an int's
+    value, a bool against an int of the same value, a dtype and a tensor's alignment each do; an argument
+    of another kind dispatches every call; the interpreter always dispatches."""
+    from kvq.fast.triton import _launch as L
+
+    monkeypatch.setattr(L, "interpreting", lambda: False)
+    monkeypatch.setattr(L, "current_stream", lambda device_index: 7)
+    monkeypatch.setattr(L, "_args_device", lambda args: 0)
+    k = _Kernel()
+    x = torch.zeros(64, dtype=torch.float32)
+    L.launch(k, (3,), x, 5, C=1, num_warps=2)
+    assert len(k.dispatched) == 1 and k.dispatched[0][1][0] is x and k.dispatched[0][2] == {"C": 1, "num_warps": 2}
+    L.launch(k, (3,), x, 5, C=1, num_warps=2)
+    assert len(k.dispatched) == 1
+    assert k.compiled.calls[-1] == (3, 1, 1, 7, "function", "metadata", None, None, None, x.data_ptr(), 5, 1, 7)
+    n = len(k.dispatched)
+    L.launch(k, (3,), x, 5.5, C=1, num_warps=2)            # a float: a key of its own (its type, not its value)
+    L.launch(k, (3,), x, 6.5, C=1, num_warps=2)            # another float value: the same key as 5.5
+    assert len(k.dispatched) == n + 1
+    for args in [(x, 6), (x, True), (x.double(), 5), (x[1:], 5)]:
+        before = len(k.dispatched)
+        L.launch(k, (3,), *args, C=1, num_warps=2)
+        assert len(k.dispatched) == before + 1, args
+    before = len(k.dispatched)
+    L.launch(k, (3,), x, (1, 2), C=1)
+    L.launch(k, (3,), x, (1, 2), C=1)
+    assert len(k.dispatched) == before + 2
+    monkeypatch.setattr(L, "interpreting", lambda: True)
+    L.launch(k, (3,), x, 5, C=1, num_warps=2)
+    assert len(k.dispatched) == before + 3

@@ -124,3 +124,53 @@ class Launch:
             else:
                 raise TypeError(f"{self.kernel.fn.__name__}: no value for parameter {name!r}")
         return tuple(out)
+
+
+def launch(kernel, grid: tuple, *args, **kw) -> None:
+    """``kernel[grid](*args, **kw)`` by a kept ``Launch`` (``site``): the key is what Triton's dispatch
+    specializes on, read from the arguments (each tensor's dtype and 16-byte alignment, each int's and
+    bool's value, None); floats (never specialized) pass per call. ``kw``: the constexprs and the launch
+    options (num_warps, ...), every non-constexpr argument positional. An argument of another kind (e.g. a
+    tuple) takes Triton's dispatch. After a site's first call the compiled kernel takes the addresses."""
+    if interpreting():
+        kernel[grid](*args, **kw)
+        return
+    key = []
+    ptrs = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            p = a.data_ptr()
+            ptrs.append(p)
+            key.append((a.dtype, not p & 15))
+        elif a is None or isinstance(a, (bool, int)):
+            key.append(a)                       # (True == 1: bool and int values kept apart by their type)
+            key.append(type(a))
+        elif isinstance(a, float):
+            key.append(float)
+        else:
+            kernel[grid](*args, **kw)
+            return
+    names = _param_names(kernel)
+    consts = tuple((k, v) for k, v in kw.items() if k in names)
+    options = tuple((k, v) for k, v in kw.items() if k not in names)
+    dev_index = _args_device(args)
+    la = site(kernel, tuple(grid), consts, options, aligned(ptrs), (tuple(key), dev_index))
+    stream = current_stream(dev_index) if la.compiled is not None else None
+    if stream is None:
+        la(args, None, dev_index)
+    else:
+        it = iter(ptrs)
+        la(tuple(next(it) if isinstance(a, torch.Tensor) else a for a in args), stream, dev_index)
+
+
+@functools.lru_cache(maxsize=None)
+def _param_names(kernel) -> frozenset:
+    return frozenset(p.name for p in kernel.params)
+
+
+def _args_device(args) -> int:
+    """The device index of the first tensor among ``args`` (-1: the CPU, or no tensor)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return device_index(a.device)
+    return -1

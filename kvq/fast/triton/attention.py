@@ -29,6 +29,7 @@ from triton.language.extra import libdevice
 from kvq.fast import common as C
 from kvq.reference.attention import pairs_arg
 
+from . import _launch as L
 from .quant import store_out, interpreting
 
 __all__ = ["partial_attention", "merge", "decode_attention"]
@@ -443,7 +444,7 @@ def launch_partials(q, plan, parts, S: int, H_kv: int, sc: float, precise: bool,
     qa = q.view(torch.int16) if bits else q
     for k, v, T, kps, n, s0, (block_n, warps, stages) in plan:
         ka, va = (k.view(torch.int16), v.view(torch.int16)) if bits else (k, v)
-        _partial_kernel[(B * H_kv, n, m_blocks)](
+        L.launch(_partial_kernel, (B * H_kv, n, m_blocks),
             qa, ka, va, *parts, *q.stride(), *k.stride(), *v.stride(),
             H_q, H_kv, T_q, T, G_q * T_q, kps, S, s0, sc if precise else sc * LOG2E,
             G_Q=G_q, D=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n, PRECISE=precise, TIGHT=not interp,
@@ -455,7 +456,7 @@ def merge_launch(o_part, m_part, l_part, out, lse, rows: int, S: int, D: int, lo
     oview = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
     has_l = l_part is not None
     consts, options = merge_config(S, D, out.dtype, has_l=has_l, log2=log2)
-    _merge_kernel[(rows,)](o_part, m_part, l_part if has_l else m_part, oview, lse, S, D, **consts, **options)
+    L.launch(_merge_kernel, (rows,), o_part, m_part, l_part if has_l else m_part, oview, lse, S, D, **consts, **options)
 
 
 def merge_config(S: int, D: int, out_dtype: torch.dtype, *, has_l: bool, log2: bool):

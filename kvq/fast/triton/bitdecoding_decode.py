@@ -82,6 +82,7 @@ import triton.language as tl
 from kvq.fast import common as C
 
 from . import attention as A
+from . import _launch as L
 from .quant import sat_f16, interpreting
 
 __all__ = ["supported", "decode"]
@@ -556,7 +557,7 @@ def decode(cfg, st, q, *, scale=None, knobs: Knobs | None = None):
         return out, lse
     rows = B * H_q * T_q
     parts = A.partial_buffers(rows, S, D, dev)
-    _decode_kernel[(B * H, S, m_blocks)](
+    L.launch(_decode_kernel, (B * H, S, m_blocks),
         qk, st.k_words.view(torch.int16), st.k_params.view(torch.int32), st.v_words.view(torch.int16),
         st.v_params.view(torch.int32), st.table, st.res_k.contiguous(), st.res_v.contiguous(), *parts,
         *qk.stride(), H_q, H, T_q, (H_q // H) * T_q, n_chunks, n_pc, res, cps, S, st.table.shape[1], sc,

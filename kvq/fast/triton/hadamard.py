@@ -23,6 +23,7 @@ from kvq.reference import numerics as nx
 
 from kvq.fast.caches.higgs import hadamard_matrix  # noqa: F401
 
+from . import _launch as L
 from .quant import load_f32, interpreting
 
 __all__ = ["is_power_of_two", "hadamard_matrix", "fwht_scale", "fwht"]
@@ -116,14 +117,14 @@ def fwht_rows(x: torch.Tensor, d: int) -> torch.Tensor:
     nb = min(d, MAX_BLOCK)
     Rb = x.numel() // nb
     BR = _rows_per_program(Rb, nb)
-    _fwht_rows_kernel[(triton.cdiv(Rb, BR),)](xin, out, Rb, fs, N=nb, LOG2N=nb.bit_length() - 1,
+    L.launch(_fwht_rows_kernel, (triton.cdiv(Rb, BR),), xin, out, Rb, fs, N=nb, LOG2N=nb.bit_length() - 1,
                                               SCALE=nb == d, IN_BF16=in_bf16, BLOCK_R=BR,
                                               num_warps=_warps(BR * nb), enable_fp_fusion=False)
     h = nb
     P = x.numel() // 2
     BLOCK = 1024 if not interpreting() else 65536
     while h < d:                                             # the late stages, one launch each
-        _fwht_stage_kernel[(triton.cdiv(P, BLOCK),)](out, P, d // 2, h, fs, SCALE=2 * h == d, BLOCK=BLOCK,
+        L.launch(_fwht_stage_kernel, (triton.cdiv(P, BLOCK),), out, P, d // 2, h, fs, SCALE=2 * h == d, BLOCK=BLOCK,
                                                      num_warps=4, enable_fp_fusion=False)
         h *= 2
     return out

@@ -40,6 +40,7 @@ from kvq.reference import oscar as RO
 
 from . import attention as A
 from .paged import codes_to, split_dot
+from . import _launch as L
 from .quant import unpack_last, interpreting
 
 _check_knob = functools.partial(C.check_knob, "triton.oscar_decode")     # ValueError naming triton.oscar_decode.Knobs.<field>
@@ -346,7 +347,7 @@ def decode(cfg, st, qr, *, scale=None, precise: bool = True, out_dtype=torch.flo
     out = torch.empty(tuple(qr.shape), dtype=torch.float32, device=dev)
     lse = torch.empty((B, H_q, T_q), dtype=torch.float32, device=dev)
     if n_split:
-        _pages_kernel[(B * H, n_split, m_blocks)](
+        L.launch(_pages_kernel, (B * H, n_split, m_blocks),
             qr, st.k_codes, st.k_scale, st.k_mn, st.v_codes, st.v_scale, st.v_mn, st.table, *parts,
             *qr.stride(), H_q, H, T_q, (H_q // H) * T_q, NH, tps, S, st.table.shape[1],
             sc, G_Q=H_q // H, D=D, G=G, PG=cfg.page_size, BITS=bits, BT=BT,

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from kvq.fast import common as C
 
+from . import _launch as L
 from .quant import interpreting
 
 __all__ = ["rotate"]
@@ -85,7 +86,7 @@ def rotate(x: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
     if out.numel() == 0:
         return out.view(shape)
     BT = _block_t(T, D)
-    _rotate_kernel[(B * H, triton.cdiv(T, BT))](
+    L.launch(_rotate_kernel, (B * H, triton.cdiv(T, BT)),
         x4, Rc, out, T, H, ratio, r_sh, *x4.stride(), D=D, BLOCK_T=BT, BLOCK_D=triton.next_power_of_2(D),
         num_warps=4, enable_fp_fusion=False)
     return out.view(shape)
