@@ -212,6 +212,23 @@ def test_launch_hooks_are_seen():
     assert L._hooked(Chain([print])) and L._hooked(print)
 
 
+def test_launch_hooks_send_launches_to_triton(monkeypatch):
+    """With a launch hook set, ``current_stream`` answers None (Triton's dispatch, which calls the hook):
+    the hooks of Triton >= 3.4 (``triton.knobs.runtime``) and those of older Triton (``CompiledKernel``)."""
+    import triton.compiler
+
+    from kvq.fast.triton import _launch as L
+
+    if L._knobs is not None:
+        monkeypatch.setattr(L._knobs.runtime, "launch_enter_hook", print)
+        assert L.current_stream(0) is None
+        monkeypatch.undo()
+    monkeypatch.setattr(L, "_knobs", None)
+    monkeypatch.setattr(triton.compiler.CompiledKernel, "launch_enter_hook", print, raising=False)
+    monkeypatch.setattr(triton.compiler.CompiledKernel, "launch_exit_hook", None, raising=False)
+    assert L.current_stream(0) is None
+
+
 def test_launch_site_is_kept_per_key(monkeypatch):
     """``_launch.site``: one ``Launch`` per kernel, grid, constexprs, options, alignment and key (so a later
     call of the same shape reuses the compiled kernel the first kept); any of them different, another."""

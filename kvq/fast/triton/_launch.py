@@ -22,7 +22,11 @@ import functools
 import operator
 
 import torch
-from triton import knobs as _knobs
+
+try:                                        # Triton >= 3.4: the launch hooks are knobs
+    from triton import knobs as _knobs
+except ImportError:                         # before: attributes of CompiledKernel
+    _knobs = None
 
 from .quant import interpreting
 
@@ -60,7 +64,10 @@ def site(kernel, grid: tuple, consts: tuple, options: tuple, fast: bool, key: tu
 def current_stream(device_index: int):
     """The raw current stream of CUDA device ``device_index`` when a compiled kernel may be launched on it
     directly (it is the current device and no launch hook is set), else None (take Triton's dispatch)."""
-    rt = _knobs.runtime
+    if _knobs is not None:
+        rt = _knobs.runtime
+    else:
+        from triton.compiler import CompiledKernel as rt
     if _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook):
         return None
     if torch.cuda.current_device() != device_index:
