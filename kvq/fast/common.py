@@ -29,6 +29,26 @@ _STATE = {"validate": True}
 ATTN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of ints on the host: ``triton.cdiv``'s arithmetic. (Since Triton 3.7 ``triton.cdiv``
+    and ``triton.next_power_of_2`` are constexpr functions whose host call costs microseconds; launches
+    compute their grids and block sizes with these.)"""
+    return (a + b - 1) // b
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (0 for 0): ``triton.next_power_of_2``'s bit arithmetic on the host."""
+    n -= 1
+    n |= n >> 1
+    n |= n >> 2
+    n |= n >> 4
+    n |= n >> 8
+    n |= n >> 16
+    n |= n >> 32
+    n += 1
+    return n
+
+
 def set_validation(enabled: bool) -> None:
     """Turn the fast tier's boundary checks for NaN / inf and metadata overflow on (default) or off.
 

@@ -280,3 +280,16 @@ def test_launch_reads_the_key_from_the_arguments(monkeypatch):
     monkeypatch.setattr(L, "interpreting", lambda: True)
     L.launch(k, (3,), x, 5, C=1, num_warps=2)
     assert len(k.dispatched) == before + 3
+
+
+def test_host_grid_arithmetic_is_tritons():
+    """``kvq.fast.common.cdiv`` / ``next_pow2`` (the host's grid and block arithmetic of the Triton
+    launches) give ``triton.cdiv`` / ``triton.next_power_of_2``'s values, at a host call's cost."""
+    import triton
+
+    from kvq.fast import common as C
+
+    for n in list(range(0, 300)) + [2 ** 20 - 1, 2 ** 20, 2 ** 20 + 1, 2 ** 31 + 5, 3 * 2 ** 40]:
+        assert C.next_pow2(n) == triton.next_power_of_2(n), n
+        for d in (1, 2, 3, 16, 32, 127, 128):
+            assert C.cdiv(n, d) == triton.cdiv(n, d), (n, d)

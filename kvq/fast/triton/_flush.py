@@ -34,6 +34,7 @@ import triton.language as tl
 
 from kvq.fast.caches.codecs import check_key_flush, check_value_evict, key_flush_operands
 
+from kvq.fast.common import next_pow2 as _np2  # host grid arithmetic
 from . import _launch as L
 from .quant import group_codes, fast_ok, load_f32, group_meta, interpreting
 
@@ -120,8 +121,8 @@ def flush_key_pages(pages: torch.Tensor, pool: dict, first: int, bits: int, d_bo
     x, codes, high, idx, scale, mn = key_flush_operands(pages, pool, d_boost, kitty)
     _key_flush_kernel[(n * B, H)](x, codes, high, idx, scale, mn, x.stride(0), x.stride(1), B, n, G, D, d_boost,
                                   first, float(G), BITS=bits, QMAX=float(2 ** bits - 1), KITTY=bool(kitty),
-                                  FASTDIV=not interpreting(), BLOCK_J=triton.next_power_of_2(G * bits // 8),
-                                  BLOCK_D=triton.next_power_of_2(D), num_warps=8, enable_fp_fusion=False)
+                                  FASTDIV=not interpreting(), BLOCK_J=_np2(G * bits // 8),
+                                  BLOCK_D=_np2(D), num_warps=8, enable_fp_fusion=False)
 
 
 # The body of _value_evict_kernel and _append_token_kernel: the values x (BLOCK_J, PER) of channels c (mask m)
@@ -251,8 +252,8 @@ def evict_values(toks: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tenso
     x = toks if toks.stride(-1) == 1 else toks.contiguous()
     _value_evict_kernel[(e, H, B)](x, v_codes, v_scale, v_mn, v_table, x.stride(0), x.stride(1), x.stride(2), q0, G,
                                    D, Gv, D // Gv, v_table.shape[1], BITS=bits, QMAX=float(2 ** bits - 1),
-                                   FASTDIV=not interpreting(), BLOCK_J=triton.next_power_of_2(D * bits // 8),
-                                   BLOCK_G=triton.next_power_of_2(D // Gv), num_warps=1, enable_fp_fusion=False)
+                                   FASTDIV=not interpreting(), BLOCK_J=_np2(D * bits // 8),
+                                   BLOCK_G=_np2(D // Gv), num_warps=1, enable_fp_fusion=False)
     return True
 
 
@@ -281,8 +282,8 @@ def append_token(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_win: t
     # the step's slots (nb, slot, nvb, q0, first_id) are not specialized: only their type (i32) is in the key
     la = L.site(_append_token_kernel, (H, B),
                 (("MODE", mode), ("NEW_PAGE", bool(new_page)), ("BITS", bits), ("QMAX", float(2 ** bits - 1)),
-                 ("FASTDIV", not interpreting()), ("BLOCK_J", triton.next_power_of_2(D * bits // 8)),
-                 ("BLOCK_G", triton.next_power_of_2(D // Gv))),
+                 ("FASTDIV", not interpreting()), ("BLOCK_J", _np2(D * bits // 8)),
+                 ("BLOCK_G", _np2(D // Gv))),
                 (("num_warps", 1), ("enable_fp_fusion", False)), L.aligned(ptrs),
                 (fixed, tuple(map(L.DTYPE, tensors)), dev_index, max(nb, slot, nvb, q0, first_id) < 2 ** 31))
     stream = L.current_stream(dev_index) if la.compiled is not None else None

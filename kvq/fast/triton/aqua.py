@@ -30,6 +30,7 @@ from kvq.fast.caches.higgs import CONTAINER, grid_tensor
 from kvq.reference.aqua import (AquaConfig, AquaPredictors, Higgs, KeepFP16,  # noqa: F401
                                 Predictor, Uniform)                           # (the reference's objects)
 
+from kvq.fast.common import cdiv as _cdiv, next_pow2 as _np2  # host grid arithmetic
 from . import attention as A
 from . import higgs as HG
 from . import packing as PK
@@ -88,7 +89,7 @@ def _uniform_kernel(q_ptr, s_ptr, m_ptr, y_ptr, b_ptr, o_ptr, R, F, NGF, G,
 
 
 def _p2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    return _np2(max(int(n), 1))
 
 
 def reconstruct(backbone, codes: dict, F: int, y=None, bias=None) -> torch.Tensor:
@@ -116,7 +117,7 @@ def reconstruct(backbone, codes: dict, F: int, y=None, bias=None) -> torch.Tenso
         NGR = rows * NG
         cont, bits = CONTAINER[codes["idx"].dtype]
         BR = HG.row_tile(NGR, g)
-        _higgs_kernel[(triton.cdiv(NGR, BR),)](
+        _higgs_kernel[(_cdiv(NGR, BR),)](
             codes["idx"].view(cont), codes["scale"], grid_tensor(cfg, dev), yy, bb, out, NGR, F, NG, cfg.n,
             float(HG.fwht_scale(g)), G=g, LOG2G=g.bit_length() - 1, D=d, IDX_BITS=bits, HAS_PRED=has,
             BLOCK_R=BR, num_warps=HG.warps(BR * g), enable_fp_fusion=False)
@@ -127,7 +128,7 @@ def reconstruct(backbone, codes: dict, F: int, y=None, bias=None) -> torch.Tenso
     tile = 16384 if interpreting() else 4096
     BJ = min(_p2(NJ), max(1, tile // per))
     BR = max(1, min(_p2(rows), tile // (BJ * per)))
-    _uniform_kernel[(triton.cdiv(rows, BR), triton.cdiv(NJ, BJ))](
+    _uniform_kernel[(_cdiv(rows, BR), _cdiv(NJ, BJ))](
         codes["codes"], codes["scale"], codes["mn"], yy, bb, out, rows, F, F // G, G, BITS=backbone.bits, PER=per,
         HAS_PRED=has, BLOCK_R=BR, BLOCK_J=BJ, num_warps=min(8, max(1, BR * BJ * per // 512)),
         enable_fp_fusion=False)

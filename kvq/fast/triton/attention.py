@@ -29,6 +29,7 @@ from triton.language.extra import libdevice
 from kvq.fast import common as C
 from kvq.reference.attention import pairs_arg
 
+from kvq.fast.common import cdiv as _cdiv, next_pow2 as _np2  # host grid arithmetic
 from . import _launch as L
 from .quant import store_out, interpreting
 
@@ -318,10 +319,10 @@ def _config(D: int, dtype: torch.dtype, device: torch.device):
 
 def _splits(base_programs: int, T: int, block_n: int, min_keys: int, sms: int):
     """Keys per split and number of splits: about 4 waves of programs over the SMs, >= min_keys each."""
-    want = max(1, triton.cdiv(4 * sms, max(base_programs, 1)))
-    want = min(want, max(1, triton.cdiv(T, min_keys)))
-    kps = triton.cdiv(triton.cdiv(T, want), block_n) * block_n
-    return kps, triton.cdiv(T, kps)
+    want = max(1, _cdiv(4 * sms, max(base_programs, 1)))
+    want = min(want, max(1, _cdiv(T, min_keys)))
+    kps = _cdiv(_cdiv(T, want), block_n) * block_n
+    return kps, _cdiv(T, kps)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -395,8 +396,8 @@ def decode_attention(q, segments, *, scale=None):
 def row_blocks(G_q: int, T_q: int):
     """``(BLOCK_M, blocks)``: the G_q * T_q query rows of a kv head in blocks of BLOCK_M (>= 16 for tl.dot)."""
     M = G_q * T_q
-    BLOCK_M = max(16, min(triton.next_power_of_2(M), 64))
-    return BLOCK_M, triton.cdiv(M, BLOCK_M)
+    BLOCK_M = max(16, min(_np2(M), 64))
+    return BLOCK_M, _cdiv(M, BLOCK_M)
 
 
 def partial_buffers(rows: int, S: int, D: int, dev: torch.device):
@@ -462,10 +463,10 @@ def merge_launch(o_part, m_part, l_part, out, lse, rows: int, S: int, D: int, lo
 def merge_config(S: int, D: int, out_dtype: torch.dtype, *, has_l: bool, log2: bool):
     """``(constexprs, options)`` of ``_merge_kernel`` over S partials of head dim D into ``out_dtype``
     (bf16 output is written as int16 bits)."""
-    BLOCK_S = min(triton.next_power_of_2(S), 16)
-    BLOCK_D = triton.next_power_of_2(D)
+    BLOCK_S = min(_np2(S), 16)
+    BLOCK_D = _np2(D)
     consts = dict(BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, OUT_KIND=_OUT_KIND[out_dtype], HAS_L=has_l, LOG2=log2,
-                  TIGHT=not interpreting(), NSB=triton.cdiv(S, BLOCK_S) if interpreting() else 0)
+                  TIGHT=not interpreting(), NSB=_cdiv(S, BLOCK_S) if interpreting() else 0)
     return consts, dict(num_warps=4 if BLOCK_D >= 128 else 2)
 
 

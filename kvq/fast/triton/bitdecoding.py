@@ -45,6 +45,7 @@ from kvq.fast.caches.bitdecoding_cache import BitDecodingTensorState  # noqa: F4
 from kvq.reference import bitdecoding as _R
 from kvq.reference.bitdecoding import CONFIGS, P_N, BitDecodingConfig  # noqa: F401  (the reference's objects)
 
+from kvq.fast.common import cdiv as _cdiv, next_pow2 as _np2  # host grid arithmetic
 from . import attention as A
 from .quant import codes_f, load_f32, group_meta, sat_f16, interpreting
 
@@ -210,7 +211,7 @@ _dt = B.dtype_name
 
 
 def _p2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    return _np2(max(int(n), 1))
 
 
 _check_cfg = B.check_cfg
@@ -311,7 +312,7 @@ def dequantize_page(cfg: BitDecodingConfig, k_words, k_params, v_words, v_params
     if n:
         Nr, BC = cfg.n_r, _p2(D)
         BT = _p2(Nr) if interpreting() else min(_p2(Nr), max(1, DEQ_TILE // BC))
-        _bd_dequant_kernel[(n, triton.cdiv(Nr, BT))](
+        _bd_dequant_kernel[(n, _cdiv(Nr, BT))](
             k_words.contiguous().view(torch.int16), k_params.contiguous(), v_words.contiguous().view(torch.int16),
             v_params.contiguous(), ko, vo, Nr, D, cfg.k_group, (D if chan else D // cfg.k_group), cfg.v_group,
             D // cfg.v_group, BITS=cfg.bits, R=cfg.per_word, CHAN=chan, BT=BT, BC=BC,

@@ -81,6 +81,7 @@ import triton.language as tl
 
 from kvq.fast import common as C
 
+from kvq.fast.common import cdiv as _cdiv  # host grid arithmetic
 from . import attention as A
 from . import _launch as L
 from .quant import sat_f16, interpreting
@@ -484,7 +485,7 @@ def _plan(per_word, warps_n, D, mode, n_pages, res, n_base, BLOCK_M, sms, cuda, 
     leaf = 16 if mode == _MODE_FP32 else min(D, int(knobs.leaf or 16))
     WB, BT = _chunking(per_word, warps_n, D, mode, knobs.bt_max)
     n_pc = n_pages * (warps_n // WB)                   # page chunks, then residual chunks
-    n_chunks = n_pc + triton.cdiv(res, BT)
+    n_chunks = n_pc + _cdiv(res, BT)
     cps, S = _splits(n_chunks, BT, n_base, sms, cuda, knobs.waves, knobs.min_tokens)
     warps = knobs.num_warps or (8 if BLOCK_M * D >= 64 * 128 or BT * D > 128 * 128 else 4)
     return Plan(leaf, WB, BT, n_pc, n_chunks, cps, S, warps, int(knobs.unpack),
@@ -510,11 +511,11 @@ def _splits(n_chunks: int, bt: int, base: int, sms: int, cuda: bool, waves: floa
     on the GPU (``cuda``)."""
     if n_chunks == 0:
         return 0, 0
-    want = max(1, triton.cdiv(int(waves * sms), base))
+    want = max(1, _cdiv(int(waves * sms), base))
     if cuda:
         want = min(want, max(1, (n_chunks * bt) // int(min_tokens)))
-    cps = triton.cdiv(n_chunks, min(want, n_chunks))
-    return cps, triton.cdiv(n_chunks, cps)
+    cps = _cdiv(n_chunks, min(want, n_chunks))
+    return cps, _cdiv(n_chunks, cps)
 
 
 def decode(cfg, st, q, *, scale=None, knobs: Knobs | None = None):

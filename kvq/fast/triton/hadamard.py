@@ -23,6 +23,7 @@ from kvq.reference import numerics as nx
 
 from kvq.fast.caches.higgs import hadamard_matrix  # noqa: F401
 
+from kvq.fast.common import cdiv as _cdiv, next_pow2 as _np2  # host grid arithmetic
 from . import _launch as L
 from .quant import load_f32, interpreting
 
@@ -97,7 +98,7 @@ def _fwht_stage_kernel(y_ptr, P, HALF, H, FS, SCALE: tl.constexpr, BLOCK: tl.con
 
 def _rows_per_program(R: int, N: int) -> int:
     tile = 65536 if interpreting() else 2048
-    return max(1, min(triton.next_power_of_2(max(R, 1)), tile // N))
+    return max(1, min(_np2(max(R, 1)), tile // N))
 
 
 def _warps(tile: int) -> int:
@@ -117,14 +118,14 @@ def fwht_rows(x: torch.Tensor, d: int) -> torch.Tensor:
     nb = min(d, MAX_BLOCK)
     Rb = x.numel() // nb
     BR = _rows_per_program(Rb, nb)
-    L.launch(_fwht_rows_kernel, (triton.cdiv(Rb, BR),), xin, out, Rb, fs, N=nb, LOG2N=nb.bit_length() - 1,
+    L.launch(_fwht_rows_kernel, (_cdiv(Rb, BR),), xin, out, Rb, fs, N=nb, LOG2N=nb.bit_length() - 1,
                                               SCALE=nb == d, IN_BF16=in_bf16, BLOCK_R=BR,
                                               num_warps=_warps(BR * nb), enable_fp_fusion=False)
     h = nb
     P = x.numel() // 2
     BLOCK = 1024 if not interpreting() else 65536
     while h < d:                                             # the late stages, one launch each
-        L.launch(_fwht_stage_kernel, (triton.cdiv(P, BLOCK),), out, P, d // 2, h, fs, SCALE=2 * h == d, BLOCK=BLOCK,
+        L.launch(_fwht_stage_kernel, (_cdiv(P, BLOCK),), out, P, d // 2, h, fs, SCALE=2 * h == d, BLOCK=BLOCK,
                                                      num_warps=4, enable_fp_fusion=False)
         h *= 2
     return out

@@ -35,6 +35,7 @@ from kvq.reference.higgs import SHIPPED_GRIDS, HiggsConfig  # noqa: F401  (data:
 from kvq.fast.caches.higgs import (CONTAINER, check_scale, grid_tensor, check_idx_range, dequant_args,  # noqa: F401
                              index_dtype, load_grid)
 
+from kvq.fast.common import cdiv as _cdiv, next_pow2 as _np2  # host grid arithmetic
 from .hadamard import butterfly_stages, fwht_scale
 from .quant import OUT_KIND_CODE, load_f32, store_out, interpreting
 
@@ -200,7 +201,7 @@ def _dequantize_kernel(i_ptr, s_ptr, grid_ptr, o_ptr, NGR, F, NG, N, FS,
 
 def row_tile(n_rows: int, G: int) -> int:
     tile = 16384 if interpreting() else 1024
-    return max(1, min(triton.next_power_of_2(max(n_rows, 1)), tile // G))
+    return max(1, min(_np2(max(n_rows, 1)), tile // G))
 
 
 def warps(tile: int) -> int:
@@ -208,7 +209,7 @@ def warps(tile: int) -> int:
 
 
 def _p2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    return _np2(max(int(n), 1))
 
 
 def bits_per_value(cfg: HiggsConfig, F: int):
@@ -235,7 +236,7 @@ def group_sum_of_squares(xg) -> torch.Tensor:
         return out
     BR = row_tile(R, g)
     in_bf16 = x.dtype == torch.bfloat16
-    _ss_kernel[(triton.cdiv(R, BR),)](x.view(torch.int16) if in_bf16 else x, out, R, G=g,
+    _ss_kernel[(_cdiv(R, BR),)](x.view(torch.int16) if in_bf16 else x, out, R, G=g,
                                       LOG2G=g.bit_length() - 1, IN_BF16=in_bf16, BLOCK_R=BR,
                                       num_warps=warps(BR * g), enable_fp_fusion=False)
     return out
@@ -292,7 +293,7 @@ def nearest(v, grid) -> torch.Tensor:
         return out
     BD = _p2(D)
     BM = row_tile(M, BD)
-    _nearest_kernel[(triton.cdiv(M, BM),)](x, g, out, M, N=int(g.shape[0]), D=D, BLOCK_D=BD, BLOCK_M=BM,
+    _nearest_kernel[(_cdiv(M, BM),)](x, g, out, M, N=int(g.shape[0]), D=D, BLOCK_D=BD, BLOCK_M=BM,
                                            num_warps=warps(BM * BD), enable_fp_fusion=False)
     return out
 
@@ -327,7 +328,7 @@ def quantize(cfg: HiggsConfig, x):
     grid = grid_tensor(cfg, x.device)
     BR = row_tile(NGR, g)
     in_bf16 = xc.dtype == torch.bfloat16
-    _quantize_kernel[(triton.cdiv(NGR, BR),)](
+    _quantize_kernel[(_cdiv(NGR, BR),)](
         xc.view(torch.int16) if in_bf16 else xc, grid, idx, scale, NGR, F, n_g, float(fwht_scale(g)), N=cfg.n,
         G=g, LOG2G=g.bit_length() - 1, D=d, BLOCK_D=_p2(d), IDX_BITS=bits, IN_BF16=in_bf16, BLOCK_R=BR,
         num_warps=warps(BR * g), enable_fp_fusion=False)
@@ -357,7 +358,7 @@ def dequantize(cfg: HiggsConfig, idx, scale, F: int, out_dtype=np.float32) -> to
     sc = scale.contiguous()
     grid = grid_tensor(cfg, idx.device)
     BR = row_tile(NGR, g)
-    _dequantize_kernel[(triton.cdiv(NGR, BR),)](
+    _dequantize_kernel[(_cdiv(NGR, BR),)](
         ic, sc, grid, o.view(torch.int16) if out == torch.bfloat16 else o, NGR, F, n_g, cfg.n,
         float(fwht_scale(g)), G=g, LOG2G=g.bit_length() - 1, D=d, IDX_BITS=bits, OUT_KIND=OUT_KIND_CODE[out],
         BLOCK_R=BR, num_warps=warps(BR * g), enable_fp_fusion=False)

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from kvq.fast.caches import oscar as _O
 
+from kvq.fast.common import cdiv as _cdiv, next_pow2 as _np2  # host grid arithmetic
 from . import quant as Q
 
 __all__ = ["supported", "append"]
@@ -220,9 +221,9 @@ def _tiling(n: int, BH: int, D: int, shortcuts: bool):
     each row with its own R), up to 2**20 / D**2 rows (the cumsum and the rank selection hold
     BLOCK_R * D * D values; Triton caps a tensor at 2**20 elements)."""
     if shortcuts:
-        return n, min(triton.next_power_of_2(BH * n), max(1, 2 ** 20 // (D * D)))
-    BR = min(triton.next_power_of_2(n), max(1, 4096 // D))
-    return triton.cdiv(n, BR) * BR, BR
+        return n, min(_np2(BH * n), max(1, 2 ** 20 // (D * D)))
+    BR = min(_np2(n), max(1, 4096 // D))
+    return _cdiv(n, BR) * BR, BR
 
 
 def append(cfg, st, kv: int, x: torch.Tensor, R: torch.Tensor, clip: float, plan) -> None:
@@ -239,7 +240,7 @@ def append(cfg, st, kv: int, x: torch.Tensor, R: torch.Tensor, clip: float, plan
     interp = Q.interpreting()
     short = bool(INTERP_SHORTCUTS) and interp
     N_PAD, BR = _tiling(n, B * H, D, short)
-    _append_kernel[(triton.cdiv(B * H * N_PAD, BR),)](
+    _append_kernel[(_cdiv(B * H * N_PAD, BR),)](
         x, R, sink, win, codes, scale, mn, st.table, n, N_PAD, B * H, H, fo.r_stride, *x.stride(),
         plan.T0, plan.n_s, plan.n_old, plan.first, plan.e, W, max(W, 1), S0, PG, st.table.shape[1],
         lo, hi, frac, D=D, G=cfg.group_size, QMAX=float(2 ** cfg.bits - 1), BITS=cfg.bits, PER=8 // cfg.bits,

@@ -38,6 +38,7 @@ from kvq.fast import common as C
 from kvq.fast.caches import oscar as _O
 from kvq.reference import oscar as RO
 
+from kvq.fast.common import cdiv as _cdiv, next_pow2 as _np2  # host grid arithmetic
 from . import attention as A
 from .paged import codes_to, split_dot
 from . import _launch as L
@@ -308,13 +309,13 @@ def _plan(NH, base_programs, sms, precise, interp, knobs) -> Plan:
 def _history_splits(NH: int, bt_max: int, base_programs: int, sms: int, waves: float = 3):
     """``(BT, tokens per split, splits)``: about ``waves`` waves of programs over the ``sms`` SMs, splits
     of whole blocks of BT tokens (bt_max, smaller for a short history, at least 16)."""
-    want = max(1, triton.cdiv(int(waves * sms), base_programs))
-    BT = max(16, min(bt_max, triton.next_power_of_2(triton.cdiv(max(NH, 1), want))))
+    want = max(1, _cdiv(int(waves * sms), base_programs))
+    BT = max(16, min(bt_max, _np2(_cdiv(max(NH, 1), want))))
     if NH == 0:
         return BT, 0, 0
-    blocks = triton.cdiv(NH, BT)
-    tps = triton.cdiv(blocks, min(want, blocks)) * BT
-    return BT, tps, triton.cdiv(NH, tps)
+    blocks = _cdiv(NH, BT)
+    tps = _cdiv(blocks, min(want, blocks)) * BT
+    return BT, tps, _cdiv(NH, tps)
 
 
 def decode(cfg, st, qr, *, scale=None, precise: bool = True, out_dtype=torch.float32, R_out=None,

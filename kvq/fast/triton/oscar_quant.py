@@ -19,6 +19,7 @@ import triton.language as tl
 
 from kvq.fast import common as C
 
+from kvq.fast.common import cdiv as _cdiv  # host grid arithmetic
 from . import quant as Q
 from .packing import pack_launch
 
@@ -100,7 +101,7 @@ def _launch(x: torch.Tensor, clip, G: int, bits: int, meta: torch.dtype, per: in
     BNG, BJ = Q.p2(D // G), Q.p2(G // per)
     BS = BNG * BJ * per
     BR = Q.sort_rows(BS, R)
-    _quantize_tokens_kernel[(triton.cdiv(R, BR),)](
+    _quantize_tokens_kernel[(_cdiv(R, BR),)](
         xin, q, scale, mn, R, lo, hi, frac, D=D, G=G, QMAX=float(2 ** bits - 1), BITS=bits, PER=per,
         IN_BF16=in_bf16, FASTDIV=not Q.interpreting(), BLOCK_R=BR, BLOCK_NG=BNG, BLOCK_J=BJ,
         RANK=Q.use_rank(), num_warps=4, enable_fp_fusion=False)

@@ -22,6 +22,7 @@ from kvq.reference import numerics as nx
 from kvq.reference.packing import check_pack_bits
 from kvq.reference.quant import check_groups
 
+from kvq.fast.common import cdiv as _cdiv  # host grid arithmetic
 from . import quant as Q
 
 __all__ = ["pack", "unpack", "quantize_pack", "unpack_dequantize"]
@@ -76,7 +77,7 @@ def pack_launch(codes: torch.Tensor, bits: int, axis: int) -> torch.Tensor:
     out = torch.empty(shape[:axis] + (n // per,) + shape[axis + 1:], dtype=torch.uint8, device=codes.device)
     total = out.numel()
     if total:
-        _pack_kernel[(triton.cdiv(total, BLOCK),)](codes, out, n // per, inner, total, BITS=bits, PER=per,
+        _pack_kernel[(_cdiv(total, BLOCK),)](codes, out, n // per, inner, total, BITS=bits, PER=per,
                                                    BLOCK=BLOCK, num_warps=4)
     return out
 
@@ -117,7 +118,7 @@ def unpack(packed, bits: int, axis: int = -1):
     out = torch.empty(shape[:axis] + (nb * per,) + shape[axis + 1:], dtype=torch.uint8, device=packed.device)
     total = packed.numel()
     if total:
-        _unpack_kernel[(triton.cdiv(total, BLOCK),)](packed, out, nb, inner, total, BITS=bits, PER=per,
+        _unpack_kernel[(_cdiv(total, BLOCK),)](packed, out, nb, inner, total, BITS=bits, PER=per,
                                                      BLOCK=BLOCK, num_warps=4)
     return out
 

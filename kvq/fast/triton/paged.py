@@ -44,6 +44,7 @@ from kvq.fast.caches.codecs import Ops
 from kvq.fast.caches.paged import (PagedState, append, counts, dequantize_cache, init,  # noqa: F401
                              max_pages, meta_dtype, quantize_values, segment_bounds)
 
+from kvq.fast.common import cdiv as _cdiv  # host grid arithmetic
 from . import _flush as W
 from . import _launch as L
 from . import attention as A
@@ -155,8 +156,8 @@ def _splits(NP: int, waves: float, sms: int, n_base: int):
     if not NP:
         return 0, 0
     want = max(1, int(waves * sms) // n_base)
-    pps = triton.cdiv(NP, min(want, NP))
-    return triton.cdiv(NP, pps), pps
+    pps = _cdiv(NP, min(want, NP))
+    return _cdiv(NP, pps), pps
 
 
 @functools.lru_cache(maxsize=1024)
@@ -676,7 +677,7 @@ def gather_tail(cfg, codec, st: PagedState, NF: int):
         return ok, ov
     kp = codec.kernel_arrays(cfg, st)
     ints, consts = _gather_ints(cfg, kp, st.shape, st.length, st.k_table.shape[1], NF)
-    _gather_tail_kernel[(B * H, triton.cdiv(NT, consts["BT"]))](
+    _gather_tail_kernel[(B * H, _cdiv(NT, consts["BT"]))](
         *_gather_tensors(kp, st), ok, ov, *ints, **consts, num_warps=4, enable_fp_fusion=False)
     return ok, ov
 
@@ -794,7 +795,7 @@ def _decode_plan(cfg, shape, T, q_shape, q_strides, dtypes, dev, dev_index, k_bi
     tail_q_float = False
     if NT > 0:
         gather_ints, gconsts = _gather_ints(cfg, kp, shape, T, n_table, NF)
-        gather = L.Launch(_gather_tail_kernel, (B * H, triton.cdiv(NT, gconsts["BT"])), gconsts,
+        gather = L.Launch(_gather_tail_kernel, (B * H, _cdiv(NT, gconsts["BT"])), gconsts,
                           dict(num_warps=4, enable_fp_fusion=False), aligned)
         kps, n, (block_n, warps, stages) = A.segment_split(NT, D, B * H * m_blocks, torch.float32, dev,
                                                            knobs.tail_keys)

@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvq.fast.common import cdiv as _cdiv, next_pow2 as _np2  # host grid arithmetic
 from kvq.fast import common as C
 from kvq.reference import numerics as nx
 from kvq.reference.quant import check_groups
@@ -572,7 +573,7 @@ def _quantile_rows_kernel(x_ptr, t_ptr, o_ptr, R, N, LO, HI, FRAC,
 
 
 def p2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    return _np2(max(int(n), 1))
 
 
 def _warps(tile: int) -> int:
@@ -609,12 +610,12 @@ def launch_quantize(x: torch.Tensor, bits: int, G: int, axis: int, meta: torch.d
     if inner == 1:
         if BG <= MAX_SINGLE:
             BR = min(max(1, TILE // BG), p2(n_groups))
-            _quant_last_kernel[(triton.cdiv(n_groups, BR),)](xin, q, scale, mn, n_groups, G, BLOCK_R=BR, BLOCK_G=BG,
+            _quant_last_kernel[(_cdiv(n_groups, BR),)](xin, q, scale, mn, n_groups, G, BLOCK_R=BR, BLOCK_G=BG,
                                                             num_warps=_warps(BR * BG), **common)
         else:
             BJc = max(1, TILE // per)
             _quant_rows_kernel[(n_groups,)](xin, q, scale, mn, n_groups, G, BLOCK_R=1, BLOCK_J=BJc,
-                                            N_CHUNKS=triton.cdiv(NJ, BJc), num_warps=_warps(BJc * per), **common)
+                                            N_CHUNKS=_cdiv(NJ, BJc), num_warps=_warps(BJc * per), **common)
     else:
         i64 = G * inner >= 2 ** 31
         if BG <= MAX_SINGLE:
@@ -623,8 +624,8 @@ def launch_quantize(x: torch.Tensor, bits: int, G: int, axis: int, meta: torch.d
         else:
             BI = min(p2(inner), 32)
             BJc = max(1, TILE_COLS // (per * BI))
-            chunks = triton.cdiv(NJ, BJc)
-        nib = triton.cdiv(inner, BI)
+            chunks = _cdiv(NJ, BJc)
+        nib = _cdiv(inner, BI)
         _quant_cols_kernel[(n_groups * nib,)](xin, q, scale, mn, G, inner, nib, I64=i64, BLOCK_J=BJc, BLOCK_I=BI,
                                               N_CHUNKS=chunks, num_warps=COLS_WARPS, **common)
     return q, scale, mn
@@ -646,14 +647,14 @@ def launch_dequantize(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, bi
     if inner == 1:
         BJ = min(p2(NJ), max(1, TILE // per))
         BR = min(max(1, TILE // (BJ * per)), p2(n_groups))
-        grid = (triton.cdiv(n_groups, BR), triton.cdiv(NJ, BJ))
+        grid = (_cdiv(n_groups, BR), _cdiv(NJ, BJ))
         _dequant_rows_kernel[grid](q, scale, mn, oview, n_groups, G, BITS=bits, PER=per, OUT_KIND=kind,
                                    BLOCK_R=BR, BLOCK_J=BJ, num_warps=_warps(BR * BJ * per),
                                    enable_fp_fusion=False)
     else:
         BI = min(p2(inner), 128)
         BJ = min(p2(NJ), max(1, TILE // (per * BI)))
-        grid = (n_groups, triton.cdiv(NJ, BJ), triton.cdiv(inner, BI))
+        grid = (n_groups, _cdiv(NJ, BJ), _cdiv(inner, BI))
         _dequant_cols_kernel[grid](q, scale, mn, oview, G, inner, BITS=bits, PER=per, OUT_KIND=kind,
                                    I64=G * inner >= 2 ** 31, BLOCK_J=BJ, BLOCK_I=BI,
                                    num_warps=_warps(BJ * per * BI), enable_fp_fusion=False)
@@ -708,7 +709,7 @@ def launch_quantile_rows(x: torch.Tensor, n: int, rho, clip: bool):
     in_bf16 = x.dtype == torch.bfloat16
     xin = x.view(torch.int16) if in_bf16 else x
     BR, BS = _sort_tile(n, rows)
-    _quantile_rows_kernel[(triton.cdiv(rows, BR),)](xin, tau, out if clip else tau, rows, n, lo, hi, frac,
+    _quantile_rows_kernel[(_cdiv(rows, BR),)](xin, tau, out if clip else tau, rows, n, lo, hi, frac,
                                                     ABS=bool(clip), CLIP=bool(clip), IN_BF16=in_bf16,
                                                     BLOCK_R=BR, BLOCK_S=BS, RANK=use_rank(),
                                                     num_warps=_warps(BR * BS),

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from kvq.fast import common as C
 
+from kvq.fast.common import cdiv as _cdiv, next_pow2 as _np2  # host grid arithmetic
 from . import _launch as L
 from .quant import interpreting
 
@@ -62,8 +63,8 @@ def _block_t(T: int, D: int) -> int:
     """Token rows per program: the accumulator (BLOCK_T, D) fp32 stays at <= 64 registers a thread
     (4 warps) on the GPU; the interpreter takes bigger tiles (fewer Python-level programs)."""
     if interpreting():
-        return max(16, min(triton.next_power_of_2(max(T, 1)), 128))
-    return max(16, min(8192 // triton.next_power_of_2(D), 64))
+        return max(16, min(_np2(max(T, 1)), 128))
+    return max(16, min(8192 // _np2(D), 64))
 
 
 def rotate(x: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
@@ -86,7 +87,7 @@ def rotate(x: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
     if out.numel() == 0:
         return out.view(shape)
     BT = _block_t(T, D)
-    L.launch(_rotate_kernel, (B * H, triton.cdiv(T, BT)),
-        x4, Rc, out, T, H, ratio, r_sh, *x4.stride(), D=D, BLOCK_T=BT, BLOCK_D=triton.next_power_of_2(D),
+    L.launch(_rotate_kernel, (B * H, _cdiv(T, BT)),
+        x4, Rc, out, T, H, ratio, r_sh, *x4.stride(), D=D, BLOCK_T=BT, BLOCK_D=_np2(D),
         num_warps=4, enable_fp_fusion=False)
     return out.view(shape)
