@@ -14,6 +14,11 @@ hooks are set (profilers), and where the current CUDA device is not the plan's.
     L = Launch(kernel, grid, {"D": 128, ...}, {"num_warps": 4}, fast=plan_is_aligned)
     L(tensor_args, None, device_index)          # Triton's dispatch; keeps the compiled kernel
     L(address_args, current_stream(device_index), device_index)    # its launcher (None: not allowed now)
+
+Without a plan of its own, a call site keeps its launches by ``site`` (the caller names the key, as the token
+append does) or by ``launch(kernel, grid, *args, **kw)``, a drop-in for ``kernel[grid](*args, **kw)`` that
+reads the key from the arguments (the OSCAR and BitDecoding decodes, the FP16 partial and merge kernels,
+the rotations).
 """
 
 from __future__ import annotations
