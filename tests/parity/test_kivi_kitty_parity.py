@@ -893,3 +893,52 @@ def test_decode_plan_reused(triton_target, ci, monkeypatch):
     fast.append(cfg, fs, torch.from_numpy(k[:, :, T:]).to(device), torch.from_numpy(v[:, :, T:]).to(device))
     p2 = FP.decode_plan(cfg, codec, fs, q)
     assert p2 is not p and (p2.NF, p2.NT) != (p.NF, p.NT)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_decode_addresses_match_tensors(triton_target, dtype, monkeypatch):
+    """Triton: a ready plan's call hands each launch the device addresses of exactly the tensors (and
+    buffer views) the dispatch path hands it, the integers and the scale unchanged (bf16 q: its fp32 copy
+    for the tail, alive until the launches). Checked by recording both paths' arguments (on the CPU too,
+    where no launch may take addresses: the launches are recorded, not run)."""
+    from kvq.fast.triton import _launch as L
+
+    cfg, _, fast, (B, H, D) = _setup(CASES[3], triton_target)
+    _, device = triton_target
+    k, v = _kv(B, H, 90 if device == "cpu" else 2048 + 77, D, cfg.group_size, seed=2, start=cfg.sink)
+    fs = fast.init(cfg, B, H, D)
+    fast.append(cfg, fs, torch.from_numpy(k).to(device), torch.from_numpy(v).to(device))
+    q = torch.randn((B, 4 * H, 1, D), generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
+    FP = _paged("triton")
+    p = FP.decode_plan(cfg, fast.KeyCodec, fs, q)
+    got = {}
+
+    def record(self, args, stream, device_index):
+        got.setdefault(stream is not None, []).append((self.kernel, args))
+
+    monkeypatch.setattr(L.Launch, "__call__", record)
+    monkeypatch.setattr(L, "current_stream", lambda device_index: None)
+    monkeypatch.setattr(p, "ready", False)
+    fast.decode_attention(cfg, fs, q)
+    monkeypatch.setattr(L, "current_stream", lambda device_index: 1)
+    monkeypatch.setattr(p, "ready", True)
+    fast.decode_attention(cfg, fs, q)
+    tensors, addresses = got[False], got[True]
+    assert [kern for kern, _ in tensors] == [kern for kern, _ in addresses] and len(tensors) == 4
+    for (kern, ta), (_, aa) in zip(tensors, addresses):
+        assert len(ta) == len(aa), kern
+        for x, y in zip(ta, aa):
+            if isinstance(x, torch.Tensor):
+                assert isinstance(y, int), kern
+                if x.data_ptr() != y:          # out, lse and the buffer are new each call: same layout
+                    assert not any(x is t for t in (q, fs.k_buf, fs.v_codes, fs.k_table)), kern
+            else:
+                assert x == y, kern
+    # the state's tensors and (fp16) q are passed at their own addresses
+    gather_args = addresses[0][1]
+    assert fs.k_buf.data_ptr() in gather_args and fs.v_table.data_ptr() in gather_args
+    fused, tail = addresses[1][1], addresses[2][1]
+    assert (fused[0] == q.data_ptr()) == (not p.q_float) and (tail[0] == q.data_ptr()) == (not p.tail_q_float)
+    assert p.tail_q_float == (dtype == torch.bfloat16)
+    if p.q_float and p.tail_q_float:                       # one fp32 copy of q serves both
+        assert fused[0] == tail[0]

@@ -887,20 +887,22 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None, knobs: Knobs 
     stream = L.current_stream(dev_index) if p.ready else None
     buf = torch.empty(p.n_buf, dtype=torch.float32, device=dev)
     oview = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+    # q as fp32 for the exact path and for bf16 q's tail (one contiguous copy, alive until the launches)
+    q32 = _cast(q) if (p.q_float or p.tail_q_float) else None
+    qk = q32 if p.q_float else q
+    qf = q32 if p.tail_q_float else q
     if stream is not None:                     # addresses
         b0 = buf.data_ptr()
         o_part, m_part, l_part, tk, tv = (b0 + 4 * x for x in p.offsets)
         a, oa, la = ptrs, oview.data_ptr(), lse.data_ptr()
-        qk = _cast(q).data_ptr() if p.q_float else ptrs[0]
-        qf = _cast(q).data_ptr() if p.tail_q_float else ptrs[0]
+        qk = ptrs[0] if qk is q else qk.data_ptr()
+        qf = ptrs[0] if qf is q else qf.data_ptr()
     else:                                      # tensors (Triton's dispatch)
         rows, S, NT = p.rows, p.S_TOTAL, p.NT
         o0, m0, l0, k0, v0 = p.offsets
         o_part, m_part, l_part = buf[o0:m0].view(rows, S, D), buf[m0:l0].view(rows, S), buf[l0:k0].view(rows, S)
         tk, tv = buf[k0:v0].view(B, H, NT, D), buf[v0:].view(B, H, NT, D)
         a, oa, la = tensors, oview, lse
-        qk = _cast(q) if p.q_float else q
-        qf = _cast(q) if p.tail_q_float else q
     g = a[1:]                                  # the state: sink, buffers, window, key pool, value pool, tables
     if p.gather is not None:
         p.gather((*g, tk, tv, *p.gather_ints), stream, dev_index)
