@@ -470,6 +470,24 @@ def merge_config(S: int, D: int, out_dtype: torch.dtype, *, has_l: bool, log2: b
     return consts, dict(num_warps=4 if BLOCK_D >= 128 else 2)
 
 
+def planned_partial(grid: tuple, *, G_q: int, D: int, BLOCK_M: int, BLOCK_N: int, warps: int, stages: int,
+                    kps: int, fast: bool) -> L.Launch:
+    """A planned launch (``_launch.Launch``) of the partial kernel in its precise (fp32) mode over ``grid``
+    (B * H_kv, splits, row blocks), ``kps`` keys per split in blocks of BLOCK_N; ``fast``: the plan's tensors
+    are 16-byte aligned. Its arguments are ``launch_partials``' (q, k, v, the partials, strides, ints, scale)."""
+    interp = interpreting()
+    return L.Launch(_partial_kernel, grid,
+                    dict(G_Q=G_q, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PRECISE=True, TIGHT=not interp,
+                         NBLK=kps // BLOCK_N if interp else 0, BF16_BITS=False),
+                    dict(num_warps=warps, num_stages=stages), fast)
+
+
+def planned_merge(rows: int, S: int, D: int, out_dtype: torch.dtype, fast: bool) -> L.Launch:
+    """A planned launch of the merge kernel: ``rows`` rows of S un-normalized partials (with l) into
+    ``out_dtype``; its arguments are ``merge_launch``'s (o, m, l, out, lse, S, D)."""
+    return L.Launch(_merge_kernel, (rows,), *merge_config(S, D, out_dtype, has_l=True, log2=False), fast)
+
+
 def partial_attention(q, k, v, *, scale=None):
     """Mirrors `kvq.reference.attention.partial_attention`: attention over one segment, with its lse.
 

@@ -805,10 +805,8 @@ def _decode_plan(cfg, shape, T, q_shape, q_strides, dtypes, dev, dev_index, k_bi
         kv_str = (H * NT * D, NT * D, D, 1)
         S_TOTAL = n_split + n
         tail_ints = (*q_str, *kv_str, *kv_str, H_q, H, T_q, NT, M, kps, S_TOTAL, n_split)
-        tail = L.Launch(A._partial_kernel, (B * H, n, m_blocks),
-                        dict(G_Q=G_q, D=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n, PRECISE=True, TIGHT=not interp,
-                             NBLK=kps // block_n if interp else 0, BF16_BITS=False),
-                        dict(num_warps=warps, num_stages=stages), aligned)
+        tail = A.planned_partial((B * H, n, m_blocks), G_q=G_q, D=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+                                 warps=warps, stages=stages, kps=kps, fast=aligned)
     rows = B * H_q * T_q
     fused = None
     fused_ints = ()
@@ -829,8 +827,7 @@ def _decode_plan(cfg, shape, T, q_shape, q_strides, dtypes, dev, dev_index, k_bi
                                   SPLIT_P=lp.split_p, K_TERMS=lp.k_terms, K_WORDS=lp.k_words, V_WORDS=lp.v_words,
                                   SHIFT=2048.0 if (q_dtype == torch.float16 and not q_float) else 256.0),
                              opts, aligned)
-    merge = L.Launch(A._merge_kernel, (rows,), *A.merge_config(S_TOTAL, D, q_dtype, has_l=True, log2=False),
-                     aligned)
+    merge = A.planned_merge(rows, S_TOTAL, D, q_dtype, aligned)
     # one fp32 buffer per call: the partials o (rows, S, D), m and l (rows, S), then the tail's K and V
     n_o, n_s, n_t = rows * S_TOTAL * D, rows * S_TOTAL, B * H * NT * D
     offsets = (0, n_o, n_o + n_s, n_o + 2 * n_s, n_o + 2 * n_s + n_t)
