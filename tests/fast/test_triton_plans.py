@@ -136,8 +136,9 @@ def test_bitdecoding_plan():
 
 
 class _Param:
-    def __init__(self, name, default=None, has_default=False):
+    def __init__(self, name, default=None, has_default=False, do_not_specialize=False):
         self.name, self.default, self.has_default = name, default, has_default
+        self.do_not_specialize = do_not_specialize
 
 
 class _Compiled:
@@ -155,8 +156,8 @@ class _Kernel:
     """Stands in for a @triton.jit kernel (x, n, C: constexpr, E: constexpr = 7): ``kernel[grid](...)``
     is Triton's dispatch, recorded, returning the compiled kernel."""
 
-    def __init__(self):
-        self.params = [_Param("x"), _Param("n"), _Param("C"), _Param("E", 7, True)]
+    def __init__(self, loose_n: bool = False):
+        self.params = [_Param("x"), _Param("n", do_not_specialize=loose_n), _Param("C"), _Param("E", 7, True)]
         self.dispatched = []
         self.compiled = _Compiled()
 
@@ -280,6 +281,27 @@ def test_launch_reads_the_key_from_the_arguments(monkeypatch):
     monkeypatch.setattr(L, "interpreting", lambda: True)
     L.launch(k, (3,), x, 5, C=1, num_warps=2)
     assert len(k.dispatched) == before + 3
+
+
+def test_launch_key_of_an_unspecialized_int(monkeypatch):
+    """An int parameter marked ``do_not_specialize`` (a length that moves every step) keys ``launch`` by its
+    range only, as Triton types it (i32, i64, u64): every i32 value shares one launch, so the compiled
+    kernel serves the next step; a value beyond i32 is another key; a bool stays a value of its own."""
+    from kvq.fast.triton import _launch as L
+
+    monkeypatch.setattr(L, "interpreting", lambda: False)
+    monkeypatch.setattr(L, "current_stream", lambda device_index: 7)
+    monkeypatch.setattr(L, "_args_device", lambda args: 0)
+    k = _Kernel(loose_n=True)
+    x = torch.zeros(64, dtype=torch.float32)
+    for n in (5, 6, 16, -3, 2 ** 31 - 1):
+        L.launch(k, (3,), x, n, C=1)
+    assert len(k.dispatched) == 1
+    assert [c[10] for c in k.compiled.calls] == [6, 16, -3, 2 ** 31 - 1]    # each call's own value
+    for n, d in ((2 ** 31, 2), (2 ** 40, 2), (2 ** 63, 3), (True, 4), (7, 4)):
+        L.launch(k, (3,), x, n, C=1)
+        assert len(k.dispatched) == d, n
+    assert L._int_kind(2 ** 31) == L._int_kind(-2 ** 31 - 1) != L._int_kind(0)
 
 
 def test_host_grid_arithmetic_is_tritons():

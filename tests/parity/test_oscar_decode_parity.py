@@ -231,6 +231,72 @@ def test_fused_path_taken(device, monkeypatch, launches):
         _oscar.decode_attention(dataclasses.replace(F.OPS, fused_decode=None), cfg, calib, fs, q)
 
 
+def test_fp16_tokens_read_in_place(device, monkeypatch):
+    """The sink and the window reach the partial kernel as views of the state's own fp16 buffers (two
+    segments, no fp32 copy), and the query and the output are rotated by one ``rotate_heads`` launch each
+    (the output's rounded to q's dtype there); without the rotation back, the merge writes q's dtype."""
+    F, OD = _mods()
+    from kvq.fast.triton import _launch as L
+    from kvq.fast.triton import attention as TA
+    seen = []
+    real = L.launch
+
+    def record(k, grid, *args, **kw):
+        seen.append((k, args))
+        return real(k, grid, *args, **kw)
+
+    monkeypatch.setattr(L, "launch", record)
+    T = 50 if device == "cpu" else 2000
+    cfg, calib, rs, fs = _state(device, 2, T, seed=21)
+    for back in (True, False):
+        seen.clear()
+        q = _q(device, 4, 1, torch.float16, seed=22)
+        out, lse = F.decode_attention(cfg, calib, fs, q, rotate_back=back)
+        _check(cfg, calib, rs, out, lse, q, rotate_back=back)
+        kinds = [k for k, _ in seen]
+        assert kinds.count(OD._rotate_heads_kernel) == (2 if back else 1)
+        parts = [a for k, a in seen if k is TA._partial_kernel]
+        assert [(a[1].data_ptr(), a[2].data_ptr()) for a in parts] == [
+            (fs.sink_k.data_ptr(), fs.sink_v.data_ptr()), (fs.win_k.data_ptr(), fs.win_v.data_ptr())]
+        assert all(a[1].dtype == a[2].dtype == torch.float16 for a in parts)
+        merged = [a for k, a in seen if k is TA._merge_kernel][0]
+        assert merged[3].dtype == (torch.float32 if back else torch.float16)
+
+
+@pytest.mark.parametrize("in_dt,out_dt,per_head", [(torch.float32, torch.float32, False),
+                                                    (torch.float16, torch.float32, True),
+                                                    (torch.float32, torch.float16, True),
+                                                    (torch.bfloat16, torch.bfloat16, False)])
+def test_rotate_heads(device, in_dt, out_dt, per_head):
+    """oscar_decode.rotate_heads (float64 sums, one launch) equals the float64 product rounded to fp32
+    and then to the output dtype, to within one fp32 rounding of the sum (its order differs), for a
+    strided x and per-KV-head rotations (GQA: head h uses R[h // 4]); a float32 R gives the bits of its
+    float64 copy; fp16 output saturates at +-65504 (rule 3); a bad R is refused."""
+    _, OD = _mods()
+    g = torch.Generator().manual_seed(3)
+    B, Hkv, Gq, T = 2, 3, 4, 5
+    D = 32 if device == "cpu" else 128
+    x = (torch.randn(B, T, Hkv * Gq, D, generator=g) * 7).to(in_dt).to(device).transpose(1, 2)   # strided
+    R = torch.linalg.qr(torch.randn(Hkv if per_head else 1, D, D, generator=g, dtype=torch.float64))[0]
+    R = (R if per_head else R[0]).to(device)
+    got = OD.rotate_heads(x, R, out_dt)
+    R3 = R if per_head else R.unsqueeze(0).expand(Hkv, D, D)
+    exact = (x.double().reshape(B, Hkv, Gq * T, D) @ R3).reshape(B, Hkv * Gq, T, D)
+    assert got.dtype == out_dt and got.shape == x.shape and got.is_contiguous()
+    f32 = exact.float()
+    step = torch.finfo(out_dt).eps * exact.abs().max().item()
+    assert (got.double() - f32.to(out_dt).double()).abs().max().item() <= step
+    if out_dt == torch.float32:
+        assert (got.double() - exact).abs().max().item() <= torch.finfo(torch.float32).eps * exact.abs().max().item()
+    R32 = R.float()
+    assert torch.equal(OD.rotate_heads(x, R32, out_dt), OD.rotate_heads(x, R32.double(), out_dt))
+    with pytest.raises(ValueError, match="float64 or float32 R"):
+        OD.rotate_heads(x, R.half(), out_dt)
+    if out_dt == torch.float16:                       # beyond fp16's range: +-65504, not inf
+        big = OD.rotate_heads(x.float() * 1e5, R, out_dt)
+        assert torch.isfinite(big).all() and big.abs().max().item() == 65504.0
+
+
 # The page kernel compiled for sm_90 (no GPU: Triton's NVIDIA backend, as tests/fast/test_triton_compile_*
 # do), its TTGIR's tensor-core dot operands as (rows, cols, opIdx, kWidth).
 _DOTS_SCRIPT = textwrap.dedent('''

@@ -62,7 +62,8 @@ class OscarOps:
     fused_append: ModuleType | None = None
     #: ``rotate_heads(x, R, out_dtype) -> x R`` for the query-side tensors (q, and the output rotated
     #: back; R: the calibration's fp32 values): float64 sums rounded to fp32, then to out_dtype, in one launch
-    #: (``kvq.fast.cupy.oscar_decode.rotate_heads``); None: :func:`rotate_query_heads` (torch float64 matmul)
+    #: (``kvq.fast.cupy.oscar_decode.rotate_heads``, ``kvq.fast.triton.oscar_decode.rotate_heads``); None:
+    #: :func:`rotate_query_heads` (torch float64 matmul)
     rotate_heads: Callable | None = None
 
 
@@ -380,15 +381,6 @@ def segments(ops: "OscarOps", cfg, st: OSCARTensorState):
     else:
         win = tuple(torch.zeros((B, H, 0, D), dtype=torch.float32, device=dev) for _ in range(2))
     return [sink, hist, win]
-
-
-def fp16_segment(cfg, st: OSCARTensorState):
-    """The FP16 tokens (sink, then the window ring in slot order, not token order: attention does not
-    depend on the order) as one (K, V) fp32 segment (B, H, n_sink + n_win, D)."""
-    c = RO.counts(cfg, st.length)
-    ns, nw = c["n_sink"], c["n_win"]
-    return tuple(torch.cat([sink[:, :, :ns], win[:, :, :nw]], dim=2).float()
-                 for sink, win in ((st.sink_k, st.win_k), (st.sink_v, st.win_v)))
 
 
 def dequantize(ops: "OscarOps", cfg, calib, state: OSCARTensorState, *, rotated: bool = False):

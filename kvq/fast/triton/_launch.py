@@ -141,7 +141,8 @@ class Launch:
 def launch(kernel, grid: tuple, *args, **kw) -> None:
     """``kernel[grid](*args, **kw)`` by a kept ``Launch`` (``site``): the key is what Triton's dispatch
     specializes on, read from the arguments (each tensor's dtype and 16-byte alignment, each int's and
-    bool's value, None); floats (never specialized) pass per call. ``kw``: the constexprs and the launch
+    bool's value, None; of an int parameter marked ``do_not_specialize`` only its range, i32 / i64 / u64, so
+    that a length moving every step keeps one launch); floats (never specialized) pass per call. ``kw``: the constexprs and the launch
     options (num_warps, ...), every non-constexpr argument positional. An argument of another kind (e.g. a
     tuple) takes Triton's dispatch. After a site's first call the compiled kernel takes the addresses."""
     if interpreting():
@@ -149,11 +150,14 @@ def launch(kernel, grid: tuple, *args, **kw) -> None:
         return
     key = []
     ptrs = []
-    for a in args:
+    names, loose = _params(kernel)
+    for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
             p = a.data_ptr()
             ptrs.append(p)
             key.append((a.dtype, not p & 15))
+        elif type(a) is int and i < len(loose) and loose[i]:
+            key.append(_int_kind(a))            # do_not_specialize: Triton keys only its type (i32 / i64 / u64)
         elif a is None or isinstance(a, (bool, int)):
             key.append(a)                       # (True == 1: bool and int values kept apart by their type)
             key.append(type(a))
@@ -162,7 +166,6 @@ def launch(kernel, grid: tuple, *args, **kw) -> None:
         else:
             kernel[grid](*args, **kw)
             return
-    names = _param_names(kernel)
     consts = tuple((k, v) for k, v in kw.items() if k in names)
     options = tuple((k, v) for k, v in kw.items() if k not in names)
     dev_index = _args_device(args)
@@ -176,8 +179,15 @@ def launch(kernel, grid: tuple, *args, **kw) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _param_names(kernel) -> frozenset:
-    return frozenset(p.name for p in kernel.params)
+def _params(kernel) -> tuple:
+    """(the kernel's parameter names, per parameter whether it is ``do_not_specialize``)."""
+    return (frozenset(p.name for p in kernel.params),
+            tuple(bool(getattr(p, "do_not_specialize", False)) for p in kernel.params))
+
+
+def _int_kind(v: int) -> tuple:
+    """The type Triton gives an int argument it does not specialize on: i32, i64 or u64 by its range."""
+    return ("int", -2 ** 31 <= v < 2 ** 31, -2 ** 63 <= v < 2 ** 63)
 
 
 def _args_device(args) -> int:

@@ -31,7 +31,7 @@ from kvq.reference.attention import pairs_arg
 
 from kvq.fast.common import cdiv as _cdiv, next_pow2 as _np2  # host grid arithmetic
 from . import _launch as L
-from .quant import store_out, interpreting
+from .quant import OUT_KIND, store_out, interpreting
 
 __all__ = ["partial_attention", "merge", "decode_attention"]
 
@@ -79,7 +79,7 @@ def _tree_dot(q_ptrs, rmask, sq_d, k_rows, cmask, sk_d, LO: tl.constexpr, N: tl.
     if N == 1:
         dc = LO * 16 + tl.arange(0, 16)
         qc = _ld(q_ptrs + dc[None, :] * sq_d, rmask[:, None], BF16_BITS).to(tl.float32)   # fp16 q: exact
-        kc = _ld(k_rows + dc[None, :] * sk_d, cmask[:, None], BF16_BITS)
+        kc = _ld(k_rows + dc[None, :] * sk_d, cmask[:, None], BF16_BITS).to(tl.float32)   # fp16 K: exact
         r = tl.dot(qc, tl.trans(kc), input_precision="ieee")
     else:
         r = (_tree_dot(q_ptrs, rmask, sq_d, k_rows, cmask, sk_d, LO, N // 2, BF16_BITS)
@@ -139,9 +139,10 @@ def _attend_block(q, q_ptrs, rmask, sq_d, k_base, v_base, n0, end, sk_t, sk_d, s
     """Keys [n0, n0 + BLOCK_N) (masked at ``end``): one online-softmax update of (m_i, l_i, acc).
 
     Fast mode (fp16 / bf16): scores in log2 units (``qk_scale`` = scale * log2 e), exp2, P rounded to
-    the input dtype for the tensor-core ``P @ V``. PRECISE (fp32 inputs): IEEE fp32 dots, the score
-    dot split into chunks of 16 channels summed as a pairwise tree (a sequential fp32 sum over all D
-    channels is about twice as far from the truth as the reference's NumPy matmul), natural units, accurate exp, P in fp32.
+    the input dtype for the tensor-core ``P @ V``. PRECISE (fp32 inputs, or fp16 K / V widened exactly as
+    they load): IEEE fp32 dots, the score dot split into chunks of 16 channels summed as a pairwise tree (a
+    sequential fp32 sum over all D channels is about twice as far from the truth as the reference's NumPy
+    matmul), natural units, accurate exp, P in fp32.
     """
     cols = n0 + tl.arange(0, BLOCK_N)
     cmask = cols < end
@@ -156,7 +157,7 @@ def _attend_block(q, q_ptrs, rmask, sq_d, k_base, v_base, n0, end, sk_t, sk_d, s
     m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, PRECISE, LIBDEVICE)
     v = _ld(v_base + c64[:, None] * sv_t + d[None, :] * sv_d, cmask[:, None], BF16_BITS)
     if PRECISE:
-        pv = tl.dot(p, v, input_precision="ieee")
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")                   # fp16 V: exact
     else:
         pv = tl.dot(p.to(v.dtype), v)
     acc = acc * alpha[:, None] + pv
@@ -286,9 +287,6 @@ def _merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, lse_out_ptr, S, D,
     else:
         lse = M_safe + _log(den_safe, LIBDEVICE)
     tl.store(lse_out_ptr + row, tl.where(empty, float("-inf"), lse))
-
-
-_OUT_KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -465,7 +463,7 @@ def merge_config(S: int, D: int, out_dtype: torch.dtype, *, has_l: bool, log2: b
     (bf16 output is written as int16 bits)."""
     BLOCK_S = min(_np2(S), 16)
     BLOCK_D = _np2(D)
-    consts = dict(BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, OUT_KIND=_OUT_KIND[out_dtype], HAS_L=has_l, LOG2=log2,
+    consts = dict(BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, OUT_KIND=OUT_KIND[out_dtype], HAS_L=has_l, LOG2=log2,
                   TIGHT=not interpreting(), NSB=_cdiv(S, BLOCK_S) if interpreting() else 0)
     return consts, dict(num_warps=4 if BLOCK_D >= 128 else 2)
 

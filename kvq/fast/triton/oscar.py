@@ -38,7 +38,8 @@ __all__ = ["DEFAULT_CLIP_K", "DEFAULT_CLIP_V", "CLIP_GRID", "OSCARCalibration", 
            "dequantize", "decode_attention"]
 
 #: this backend's kernels for the shared OSCAR cache code (``kvq.fast.caches.oscar``)
-OPS = _O.OscarOps("triton", rotate, OQ, P, A, interpreting, fused_decode=OD.decode, fused_append=OA)
+OPS = _O.OscarOps("triton", rotate, OQ, P, A, interpreting, fused_decode=OD.decode, fused_append=OA,
+                   rotate_heads=OD.rotate_heads)
 
 
 def quantize_tokens(x_rot, clip: float, group_size: int, bits: int = 2, meta_dtype="float16"):

@@ -34,6 +34,7 @@ import triton.language as tl
 from kvq.fast.caches import oscar as _O
 
 from kvq.fast.common import cdiv as _cdiv, next_pow2 as _np2  # host grid arithmetic
+from . import _launch as L
 from . import quant as Q
 
 __all__ = ["supported", "append"]
@@ -116,7 +117,7 @@ def _select_quantile(key, nnan, N, LO, HI, FRAC, BLOCK_T: tl.constexpr, D: tl.co
 # Bytes: reads n*D inputs and D*D fp32 of R per program (L2-resident), the old window tokens that leave
 #   (fp16) and their page ids; writes the fp16 sink / window rows, D/PER code bytes + 2 D/G metadata
 #   values per token that enters a page.
-@triton.jit
+@triton.jit(do_not_specialize=["T0", "first"])             # they move every step: one binary
 def _append_kernel(x_ptr, r_ptr, sink_ptr, win_ptr, q_ptr, s_ptr, m_ptr, tab_ptr,
                    n, N_PAD, BH, H, R_SH, sx_b, sx_h, sx_t, sx_d,
                    T0, n_s, n_old, first, e, W, W1, S0, PG, N_TAB, LO, HI, FRAC,
@@ -240,7 +241,7 @@ def append(cfg, st, kv: int, x: torch.Tensor, R: torch.Tensor, clip: float, plan
     interp = Q.interpreting()
     short = bool(INTERP_SHORTCUTS) and interp
     N_PAD, BR = _tiling(n, B * H, D, short)
-    _append_kernel[(_cdiv(B * H * N_PAD, BR),)](
+    L.launch(_append_kernel, (_cdiv(B * H * N_PAD, BR),),
         x, R, sink, win, codes, scale, mn, st.table, n, N_PAD, B * H, H, fo.r_stride, *x.stride(),
         plan.T0, plan.n_s, plan.n_old, plan.first, plan.e, W, max(W, 1), S0, PG, st.table.shape[1],
         lo, hi, frac, D=D, G=cfg.group_size, QMAX=float(2 ** cfg.bits - 1), BITS=cfg.bits, PER=8 // cfg.bits,

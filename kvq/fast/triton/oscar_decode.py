@@ -6,10 +6,10 @@ row per token and KV head: codes packed along channels (D * bits / 8 bytes), a s
 group of G channels. One kernel (``_pages_kernel``) splits the history of every (batch, kv head) into
 ranges of tokens, unpacks and dequantizes the keys and values in registers and runs flash-decoding with
 an online softmax for all the query rows of the KV head at once (GQA: the G_q = H_q / H_kv query heads
-times T_q tokens); the FP16 sink and recent window form one small fp32 segment for the FP16-baseline
-partial kernel of ``kvq.fast.triton.attention``; the log-sum-exp merge kernel there combines every
-partial: three attention launches per decode (pages, sink + window, merge), in the partial layout
-of ``kvq.fast.triton.paged``.
+times T_q tokens); the FP16 sink and recent window are read in place, as two segments of the
+FP16-baseline partial kernel of ``kvq.fast.triton.attention``; the log-sum-exp merge kernel there
+combines every partial: four attention launches per decode (pages, sink, window, merge), in the partial
+layout of ``kvq.fast.triton.paged``. ``rotate_heads`` rotates the query and the output (one launch each).
 
     from kvq.fast.triton import oscar                     # oscar.decode_attention calls into here
     out, lse = oscar.decode_attention(cfg, calib, st, q)
@@ -35,14 +35,13 @@ import triton
 import triton.language as tl
 
 from kvq.fast import common as C
-from kvq.fast.caches import oscar as _O
 from kvq.reference import oscar as RO
 
 from kvq.fast.common import cdiv as _cdiv, next_pow2 as _np2  # host grid arithmetic
 from . import attention as A
 from .paged import codes_to, split_dot
 from . import _launch as L
-from .quant import unpack_last, interpreting
+from .quant import OUT_KIND, store_out, unpack_last, interpreting
 
 _check_knob = functools.partial(C.check_knob, "triton.oscar_decode")     # ValueError naming triton.oscar_decode.Knobs.<field>
 _is_int = C.is_int
@@ -322,13 +321,12 @@ def decode(cfg, st, qr, *, scale=None, precise: bool = True, out_dtype=torch.flo
            knobs: Knobs | None = None):
     """Attention of the rotated query ``qr`` (B, H_q, T_q, D) fp32 over an OSCAR cache ``st``
     (``kvq.fast.caches.oscar.OSCARTensorState``): the INT-b history through the fused page kernel, the FP16
-    sink and window (``kvq.fast.caches.oscar.fp16_segment``: (K, V) fp32, in any order) through the
-    FP16-baseline partial kernel, one log-sum-exp merge. Returns ``(out, lse)``, out in the rotated frame
-    (``R_out`` None) or times ``R_out`` (``kvq.fast.caches.oscar.rotate_query_heads``: float64 sums, the caller's
-    R_V^T), in ``out_dtype`` (cast once), lse fp32. ``precise``: the exact-dequantization IEEE fp32 path
+    sink and window (``fp16_segments``: read in place) through the FP16-baseline partial kernel in its
+    precise mode, one log-sum-exp merge. Returns ``(out, lse)``, out in the rotated frame (``R_out`` None:
+    the merge writes ``out_dtype``) or times ``R_out`` (``rotate_heads``: float64 sums, the caller's R_V^T,
+    the fp32 merge rounded to ``out_dtype`` after the rotation), rounded once, lse fp32. ``precise``: the exact-dequantization IEEE fp32 path
     (for an fp32 output); else tensor cores. ``knobs``: the page kernel's launch knobs (None: the
     defaults), planned by ``plan``."""
-    tail = _O.fp16_segment(cfg, st)
     B, H, D = st.shape
     _, H_q, T_q, _ = qr.shape
     A.check_d(D)
@@ -342,10 +340,11 @@ def decode(cfg, st, qr, *, scale=None, precise: bool = True, out_dtype=torch.flo
     interp = interpreting()
     lp = plan(NH, base, A.sm_count(dev), precise=precise, interp=interp, knobs=knobs)
     BT, tps, n_split = lp.BT, lp.tps, lp.n_split
-    tail_plan, S = A.split_plan([tail], base, torch.float32, dev, s0=n_split)
+    tail_plan, S = A.split_plan(fp16_segments(cfg, st), base, torch.float32, dev, s0=n_split)
     rows = B * H_q * T_q
     parts = A.partial_buffers(rows, S, D, dev)
-    out = torch.empty(tuple(qr.shape), dtype=torch.float32, device=dev)
+    # the merge writes out_dtype itself (rule 3's rounding, once) unless the output is rotated after it
+    out = torch.empty(tuple(qr.shape), dtype=out_dtype if R_out is None else torch.float32, device=dev)
     lse = torch.empty((B, H_q, T_q), dtype=torch.float32, device=dev)
     if n_split:
         L.launch(_pages_kernel, (B * H, n_split, m_blocks),
@@ -358,5 +357,73 @@ def decode(cfg, st, qr, *, scale=None, precise: bool = True, out_dtype=torch.flo
     A.launch_partials(qr, tail_plan, parts, S, H, sc, True, False)
     A.merge_launch(*parts, out, lse, rows, S, D, log2=False)
     if R_out is not None:
-        out = _O.rotate_query_heads(out, R_out)
-    return C.to_out(out, out_dtype), lse
+        out = rotate_heads(out, R_out, out_dtype)
+    return out, lse
+
+
+def fp16_segments(cfg, st) -> list:
+    """The FP16 tokens as (K, V) fp16 views of the state, sink then window ring in slot order (attention
+    does not depend on the order; the partial kernel widens them exactly as it loads them): no copy."""
+    c = RO.counts(cfg, st.length)
+    ns, nw = c["n_sink"], c["n_win"]
+    return [(st.sink_k[:, :, :ns], st.sink_v[:, :, :ns]), (st.win_k[:, :, :nw], st.win_v[:, :, :nw])]
+
+
+# Query-side rotation (the decode's q and output rotations: a few rows).
+# Computes: y[b, h, t, :] = x[b, h, t, :] R[h // RATIO] with the D products summed in float64 (chunks of
+#   BLOCK_I input channels: each chunk's products summed by tl.sum, the chunks added in order), rounded to
+#   fp32 and then to the output dtype (rule 3, ``store_out``); R float32 or float64 (H_R, D, D) contiguous,
+#   read as float64.
+# Grid: (B * H_q * T, cdiv(D, BLOCK_J)): one row and BLOCK_J output channels per program.
+# Bytes: reads the row and D x BLOCK_J of R (L2-resident across rows), writes BLOCK_J outputs.
+@triton.jit
+def _rotate_heads_kernel(x_ptr, r_ptr, o_ptr, H_Q, T, RATIO, sx_b, sx_h, sx_t, sx_d,
+                         D: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
+                         OUT_KIND: tl.constexpr, BF16_BITS: tl.constexpr):
+    row = tl.program_id(0)
+    t = row % T
+    h = (row // T) % H_Q
+    b = row // (T * H_Q)
+    j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
+    jm = j < D
+    xrow = x_ptr + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h + t.to(tl.int64) * sx_t
+    rb = r_ptr + (h // RATIO).to(tl.int64) * D * D
+    acc = tl.zeros((BLOCK_J,), tl.float64)
+    for i0 in tl.static_range(0, D, BLOCK_I):
+        i = i0 + tl.arange(0, BLOCK_I)
+        im = i < D
+        if BF16_BITS:                                  # the interpreter: bf16 as int16 bits, widened exactly
+            xb = tl.load(xrow + i * sx_d, mask=im, other=0)
+            xi = ((xb.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+        else:
+            xi = tl.load(xrow + i * sx_d, mask=im, other=0.0).to(tl.float32)
+        r = tl.load(rb + i[:, None] * D + j[None, :], mask=im[:, None] & jm[None, :], other=0.0)
+        acc += tl.sum(xi.to(tl.float64)[:, None] * r.to(tl.float64), axis=0)
+    store_out(o_ptr + row.to(tl.int64) * D + j, acc.to(tl.float32), jm, OUT_KIND)
+
+
+def rotate_heads(x: torch.Tensor, R: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``x R`` for a query-side tensor x (B, H_q, T, D) float16 / bfloat16 / float32 (any strides): head h
+    times ``R[h // (H_q / H_R)]`` (R float64 or float32 (D, D) or (H_R, D, D) on x's device; float32 is read
+    as float64), float64 sums rounded to fp32 and then to ``out_dtype`` (rule 3), contiguous: one launch
+    (the decode's q and output rotations; the torch form is ``kvq.fast.caches.oscar.rotate_query_heads``,
+    the same sums in a library order; the CuPy kernel is ``kvq.fast.cupy.oscar_decode.rotate_heads``).
+    ValueError unless R is float64 or float32 (D, D) or (H_R, D, D) with H_q % H_R == 0 and D <= 256."""
+    B, Hq, T, D = x.shape
+    R3 = R if R.dim() == 3 else R.unsqueeze(0)
+    if (R3.dtype not in (torch.float64, torch.float32) or tuple(R3.shape[1:]) != (D, D) or Hq % R3.shape[0]
+            or D > 256):
+        raise ValueError(f"rotate_heads takes float64 or float32 R (D, D) or (H_R, D, D) with H_q % H_R == 0 "
+                         f"and D <= 256; got R {tuple(R.shape)} {R.dtype} for x {tuple(x.shape)}")
+    R3 = R3.contiguous()
+    out = torch.empty((B, Hq, T, D), dtype=out_dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    bits = x.dtype == torch.bfloat16 and interpreting()
+    xa = x.view(torch.int16) if bits else x
+    oview = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
+    BJ = min(_np2(D), 32)
+    L.launch(_rotate_heads_kernel, (B * Hq * T, _cdiv(D, BJ)), xa, R3, oview, Hq, T, Hq // R3.shape[0],
+             *x.stride(), D=D, BLOCK_I=min(_np2(D), 64), BLOCK_J=BJ, OUT_KIND=OUT_KIND[out_dtype],
+             BF16_BITS=bits, num_warps=2)
+    return out

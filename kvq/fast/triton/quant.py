@@ -88,6 +88,10 @@ def sat_f16(x):
     return tl.where((x < -65504.0) & (x > float("-inf")), -65504.0, x)
 
 
+#: ``store_out``'s OUT_KIND of an output dtype
+OUT_KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+
 @triton.jit
 def store_out(ptrs, x, mask, OUT_KIND: tl.constexpr):
     """Rule 3 (last step, numerics.to_out): round fp32 to the output dtype, nearest even; 0 fp16
