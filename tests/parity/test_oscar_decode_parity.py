@@ -50,20 +50,19 @@ def _mods():
 
 @pytest.fixture
 def launches(monkeypatch):
-    """The grids of the page kernel's launches (``oscar_decode._pages_kernel`` wrapped)."""
+    """The grids of the page kernel's launches (the decode's planned launches, ``_launch.Launch``, wrapped)."""
     _, OD = _mods()
     from kvq.fast.triton import _launch as L
 
     grids = []
-    kernel = OD._pages_kernel
-    real = L.launch
+    real = L.Launch.__call__
 
-    def counting(k, grid, *args, **kw):               # the module launches its kernels by _launch.launch
-        if k is kernel:
-            grids.append(grid)
-        return real(k, grid, *args, **kw)
+    def counting(self, args, stream, device_index):
+        if self.kernel is OD._pages_kernel:
+            grids.append(self.grid)
+        return real(self, args, stream, device_index)
 
-    monkeypatch.setattr(L, "launch", counting)
+    monkeypatch.setattr(L.Launch, "__call__", counting)
     return grids
 
 
@@ -239,13 +238,14 @@ def test_fp16_tokens_read_in_place(device, monkeypatch):
     from kvq.fast.triton import _launch as L
     from kvq.fast.triton import attention as TA
     seen = []
-    real = L.launch
+    real = L.Launch.__call__
 
-    def record(k, grid, *args, **kw):
-        seen.append((k, args))
-        return real(k, grid, *args, **kw)
+    def record(self, args, stream, device_index):
+        seen.append((self, args))
+        return real(self, args, stream, device_index)
 
-    monkeypatch.setattr(L, "launch", record)
+    monkeypatch.setattr(L.Launch, "__call__", record)
+    ptr = lambda a: a if isinstance(a, int) else a.data_ptr()                  # noqa: E731 (address or tensor)
     T = 50 if device == "cpu" else 2000
     cfg, calib, rs, fs = _state(device, 2, T, seed=21)
     for back in (True, False):
@@ -253,14 +253,52 @@ def test_fp16_tokens_read_in_place(device, monkeypatch):
         q = _q(device, 4, 1, torch.float16, seed=22)
         out, lse = F.decode_attention(cfg, calib, fs, q, rotate_back=back)
         _check(cfg, calib, rs, out, lse, q, rotate_back=back)
-        kinds = [k for k, _ in seen]
+        kinds = [la.kernel for la, _ in seen]
         assert kinds.count(OD._rotate_heads_kernel) == (2 if back else 1)
-        parts = [a for k, a in seen if k is TA._partial_kernel]
-        assert [(a[1].data_ptr(), a[2].data_ptr()) for a in parts] == [
+        parts = [(la, a) for la, a in seen if la.kernel is TA._partial_kernel]
+        assert [(ptr(a[1]), ptr(a[2])) for _, a in parts] == [
             (fs.sink_k.data_ptr(), fs.sink_v.data_ptr()), (fs.win_k.data_ptr(), fs.win_v.data_ptr())]
-        assert all(a[1].dtype == a[2].dtype == torch.float16 for a in parts)
-        merged = [a for k, a in seen if k is TA._merge_kernel][0]
-        assert merged[3].dtype == (torch.float32 if back else torch.float16)
+        assert fs.sink_k.dtype == fs.win_v.dtype == torch.float16
+        merge = [la for la, _ in seen if la.kernel is TA._merge_kernel]
+        assert len(merge) == 1 and merge[0].consts["OUT_KIND"] == (2 if back else 0)      # fp32 / fp16
+
+
+def test_decode_plan_reused(device, monkeypatch):
+    """The decode's launches (query rotation, pages, sink, window, merge, output rotation) are planned once
+    per call shape and kept: on the GPU a later call makes no Triton dispatch at all and gives the first
+    call's bits, as does a call through Triton's dispatch; under the interpreter every launch dispatches.
+    A new length is a new plan."""
+    import triton
+
+    F, OD = _mods()
+    from kvq.fast.triton import _launch as L
+    T = 50 if device == "cpu" else 2000
+    cfg, calib, rs, fs = _state(device, 2, T, seed=23)
+    q = _q(device, 4, 1, torch.float16, seed=24)
+    out0, lse0 = F.decode_attention(cfg, calib, fs, q)
+    before = OD._decode_plan.cache_info()
+    on_gpu = device != "cpu"
+    real = triton.runtime.jit.JITFunction.run
+    dispatched = []
+
+    def counted(self, *a, **kw):
+        dispatched.append(self)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(triton.runtime.jit.JITFunction, "run", counted)
+    out1, lse1 = F.decode_attention(cfg, calib, fs, q.clone())
+    after = OD._decode_plan.cache_info()
+    assert after.hits == before.hits + 1 and after.misses == before.misses
+    assert dispatched == []                    # the GPU: kept kernels; the interpreter: no JITFunction at all
+    assert torch.equal(out1, out0) and torch.equal(lse1, lse0)
+    monkeypatch.setattr(L, "current_stream", lambda device_index: None)       # Triton's dispatch every launch
+    out2, lse2 = F.decode_attention(cfg, calib, fs, q)
+    assert len(dispatched) == (6 if on_gpu else 0)
+    assert torch.equal(out2, out0) and torch.equal(lse2, lse0)
+    monkeypatch.undo()
+    _, _, rs2, fs2 = _state(device, 2, T + 1, seed=23)
+    F.decode_attention(cfg, calib, fs2, q)
+    assert OD._decode_plan.cache_info().misses == after.misses + 1
 
 
 @pytest.mark.parametrize("in_dt,out_dt,per_head", [(torch.float32, torch.float32, False),

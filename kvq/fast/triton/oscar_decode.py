@@ -323,42 +323,155 @@ def decode(cfg, st, qr, *, scale=None, precise: bool = True, out_dtype=torch.flo
     (``kvq.fast.caches.oscar.OSCARTensorState``): the INT-b history through the fused page kernel, the FP16
     sink and window (``fp16_segments``: read in place) through the FP16-baseline partial kernel in its
     precise mode, one log-sum-exp merge. Returns ``(out, lse)``, out in the rotated frame (``R_out`` None:
-    the merge writes ``out_dtype``) or times ``R_out`` (``rotate_heads``: float64 sums, the caller's R_V^T,
-    the fp32 merge rounded to ``out_dtype`` after the rotation), rounded once, lse fp32. ``precise``: the exact-dequantization IEEE fp32 path
-    (for an fp32 output); else tensor cores. ``knobs``: the page kernel's launch knobs (None: the
-    defaults), planned by ``plan``."""
+    the merge writes ``out_dtype``) or times ``R_out`` (``rotate_heads``' kernel: float64 sums, the caller's
+    R_V^T (D, D) or (H_R, D, D), float32 or float64, the fp32 merge rounded to ``out_dtype`` after the
+    rotation), rounded once, lse fp32. ``precise``: the exact-dequantization IEEE fp32 path (for an fp32
+    output); else tensor cores. ``knobs``: the page kernel's launch knobs (None: the defaults), planned by
+    ``plan``. The launches are planned once per call shape (``decode_plan``) and, once they hold their
+    compiled kernels, take device addresses (``_launch``)."""
+    knobs = DEFAULT_KNOBS if knobs is None else knobs
+    if not isinstance(knobs, Knobs):
+        raise TypeError(f"knobs must be a kvq.fast.triton.oscar_decode.Knobs or None, got {type(knobs).__name__}")
     B, H, D = st.shape
-    _, H_q, T_q, _ = qr.shape
     A.check_d(D)
     sc = C.softmax_scale(scale, D)
+    R3 = None if R_out is None else _heads_R(R_out, qr)
+    tensors = (qr, *_state_tensors(st)) + (() if R3 is None else (R3,))
+    ptrs = tuple(map(L.PTR, tensors))
     dev = qr.device
+    p = _decode_plan(cfg, st.shape, st.length, tuple(qr.shape), qr.stride(), tuple(map(L.DTYPE, tensors)),
+                     (st.sink_k.stride(), st.sink_v.stride(), st.win_k.stride(), st.win_v.stride()),
+                     st.table.shape[1], bool(precise), out_dtype, None if R3 is None else R3.shape[0], dev,
+                     L.device_index(dev), L.aligned(ptrs), knobs)
+    dev_index = p.dev_index
+    stream = L.current_stream(dev_index) if p.ready else None
+    buf = torch.empty(p.n_buf, dtype=torch.float32, device=dev)
+    out = torch.empty(tuple(qr.shape), dtype=out_dtype, device=dev)
+    lse = torch.empty(tuple(qr.shape[:3]), dtype=torch.float32, device=dev)
+    oview = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
+    if stream is not None:                     # addresses
+        b0 = buf.data_ptr()
+        o_part, m_part, l_part, o32 = (b0 + 4 * x for x in p.offsets)
+        a, oa, la = ptrs, oview.data_ptr(), lse.data_ptr()
+    else:                                      # tensors (Triton's dispatch)
+        rows, S = p.rows, p.S
+        o0, m0, l0, x0 = p.offsets
+        o_part, m_part, l_part = buf[o0:m0].view(rows, S, D), buf[m0:l0].view(rows, S), buf[l0:x0].view(rows, S)
+        o32 = buf[x0:].view(tuple(qr.shape)) if p.rot_out is not None else None
+        a, oa, la = tensors, oview, lse
+    q, kc, ks, km, vc, vs, vm, tab, sk, sv, wk, wv = a[:12]
+    parts = (o_part, m_part, l_part)
+    if p.pages is not None:
+        p.pages((q, kc, ks, km, vc, vs, vm, tab, *parts, *p.pages_ints, sc), stream, dev_index)
+    for la_, which, ints in p.fp16:
+        k, v = (sk, sv) if which == 0 else (wk, wv)
+        la_((q, k, v, *parts, *ints, sc), stream, dev_index)
+    if p.rot_out is None:
+        p.merge((*parts, oa, la, *p.merge_ints), stream, dev_index)
+    else:
+        p.merge((*parts, o32, la, *p.merge_ints), stream, dev_index)
+        p.rot_out((o32, a[12], oa, *p.rot_ints), stream, dev_index)
+    if stream is None and not p.ready:
+        p.ready = all(x.compiled is not None for x in p.launches)
+    return out, lse
+
+
+def _state_tensors(st) -> tuple:
+    """The state's tensors a decode reads, in the order ``decode`` takes them."""
+    return (st.k_codes, st.k_scale, st.k_mn, st.v_codes, st.v_scale, st.v_mn, st.table, st.sink_k, st.sink_v,
+            st.win_k, st.win_v)
+
+
+#: decode plans kept (least recently used dropped): a model step attends every layer at one length, so its
+#: layers share one plan (as kvq.fast.triton.paged)
+PLAN_CACHE_SIZE = 256
+
+
+class DecodePlan:
+    """Every launch of one ``decode`` call, planned once per call shape: the page kernel's (``pages``, None
+    without history tokens), the partial kernel's over the sink and the window (``fp16``: (launch, 0 sink /
+    1 window, integer arguments) per non-empty segment), the merge's, and the output rotation's
+    (``rot_out``, None without one), with their integer arguments. A call allocates one fp32 buffer of
+    ``n_buf`` elements: the partials o (rows, S, D), m and l (rows, S), then the merged fp32 output where it
+    is rotated after the merge, at ``offsets``. ``ready``: every launch holds its compiled kernel."""
+
+    __slots__ = ("dev_index", "rows", "S", "pages", "pages_ints", "fp16", "merge", "merge_ints", "rot_out",
+                 "rot_ints", "n_buf", "offsets", "launches", "ready")
+
+    def __init__(self, **kw):
+        for name in self.__slots__:
+            setattr(self, name, kw.get(name))
+        self.launches = tuple(x for x in (self.pages, *(f[0] for f in self.fp16), self.merge, self.rot_out)
+                              if x is not None)
+        self.ready = False
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def _decode_plan(cfg, shape, T, q_shape, q_strides, dtypes, fp16_strides, n_table, precise, out_dtype, r_heads, dev,
+                 dev_index, aligned, knobs: Knobs) -> DecodePlan:
+    """decode's launches for a cache of ``shape`` holding T tokens (a function of its arguments only:
+    ``dtypes`` are q's, the state tensors' of ``_state_tensors`` and R's; ``fp16_strides`` the sink's K and V
+    and the window's K and V strides; ``r_heads`` R's heads, None without the rotation back)."""
+    B, H, D = shape
+    _, H_q, T_q, _ = q_shape
     G, bits = cfg.group_size, cfg.bits
-    NH = RO.counts(cfg, st.length)["n_hist"]
+    c = RO.counts(cfg, T)
+    NH = c["n_hist"]
     precise = precise or G < 16                        # tl.dot takes groups of >= 16 channels
-    BLOCK_M, m_blocks = A.row_blocks(H_q // H, T_q)
+    G_q = H_q // H
+    M = G_q * T_q
+    BLOCK_M, m_blocks = A.row_blocks(G_q, T_q)
     base = B * H * m_blocks
     interp = interpreting()
     lp = plan(NH, base, A.sm_count(dev), precise=precise, interp=interp, knobs=knobs)
     BT, tps, n_split = lp.BT, lp.tps, lp.n_split
-    tail_plan, S = A.split_plan(fp16_segments(cfg, st), base, torch.float32, dev, s0=n_split)
+    S = n_split
+    fp16 = []
+    for which, n in ((0, c["n_sink"]), (1, c["n_win"])):       # (B, H, S0 / W, D) fp16 buffers, contiguous
+        if n == 0:
+            continue
+        k_str, v_str = fp16_strides[2 * which], fp16_strides[2 * which + 1]
+        kps, ns, (block_n, warps, stages) = A.segment_split(n, D, base, torch.float32, dev)
+        ints = (*q_strides, *k_str, *v_str, H_q, H, T_q, n, M, kps, 0, S)
+        fp16.append([A.planned_partial((B * H, ns, m_blocks), G_q=G_q, D=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+                                       warps=warps, stages=stages, kps=kps, fast=aligned), which, ints])
+        S += ns
+    for f in fp16:                                     # the partial slots: S_TOTAL, then this segment's first
+        ints = f[2]
+        f[2] = ints[:-2] + (S, ints[-1])
+    fp16 = tuple(tuple(f) for f in fp16)
     rows = B * H_q * T_q
-    parts = A.partial_buffers(rows, S, D, dev)
-    # the merge writes out_dtype itself (rule 3's rounding, once) unless the output is rotated after it
-    out = torch.empty(tuple(qr.shape), dtype=out_dtype if R_out is None else torch.float32, device=dev)
-    lse = torch.empty((B, H_q, T_q), dtype=torch.float32, device=dev)
+    pages = None
+    pages_ints = ()
     if n_split:
-        L.launch(_pages_kernel, (B * H, n_split, m_blocks),
-            qr, st.k_codes, st.k_scale, st.k_mn, st.v_codes, st.v_scale, st.v_mn, st.table, *parts,
-            *qr.stride(), H_q, H, T_q, (H_q // H) * T_q, NH, tps, S, st.table.shape[1],
-            sc, G_Q=H_q // H, D=D, G=G, PG=cfg.page_size, BITS=bits, BT=BT,
-            BLOCK_M=BLOCK_M, PRECISE=precise, TIGHT=not interp, NBLK=tps // BT if interp else 0,
-            K_TERMS=lp.k_terms, V_TERMS=lp.v_terms, SHIFT=2048.0,
-            num_warps=lp.warps, num_stages=lp.stages)
-    A.launch_partials(qr, tail_plan, parts, S, H, sc, True, False)
-    A.merge_launch(*parts, out, lse, rows, S, D, log2=False)
-    if R_out is not None:
-        out = rotate_heads(out, R_out, out_dtype)
-    return out, lse
+        pages_ints = (*q_strides, H_q, H, T_q, M, NH, tps, S, n_table)
+        pages = L.Launch(_pages_kernel, (B * H, n_split, m_blocks),
+                         dict(G_Q=G_q, D=D, G=G, PG=cfg.page_size, BITS=bits, BT=BT, BLOCK_M=BLOCK_M,
+                              PRECISE=precise, TIGHT=not interp, NBLK=tps // BT if interp else 0,
+                              K_TERMS=lp.k_terms, V_TERMS=lp.v_terms, SHIFT=2048.0),
+                         dict(num_warps=lp.warps, num_stages=lp.stages), aligned)
+    rot_out = None
+    rot_ints = ()
+    merge_dtype = out_dtype
+    if r_heads is not None:
+        merge_dtype = torch.float32
+        rot_out, rot_ints = _rotation_launch(q_shape, _contiguous_strides(q_shape), torch.float32, False, r_heads,
+                                             dtypes[-1], out_dtype, dev_index, aligned)
+    merge = A.planned_merge(rows, S, D, merge_dtype, aligned)
+    n_o, n_s = rows * S * D, rows * S
+    n_x = rows * D if r_heads is not None else 0
+    offsets = (0, n_o, n_o + n_s, n_o + 2 * n_s)
+    return DecodePlan(dev_index=dev_index, rows=rows, S=S, pages=pages, pages_ints=pages_ints, fp16=fp16,
+                      merge=merge, merge_ints=(S, D), rot_out=rot_out, rot_ints=rot_ints,
+                      n_buf=n_o + 2 * n_s + n_x, offsets=offsets)
+
+
+def _contiguous_strides(shape) -> tuple:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
 
 
 def fp16_segments(cfg, st) -> list:
@@ -407,23 +520,45 @@ def rotate_heads(x: torch.Tensor, R: torch.Tensor, out_dtype: torch.dtype = torc
     times ``R[h // (H_q / H_R)]`` (R float64 or float32 (D, D) or (H_R, D, D) on x's device; float32 is read
     as float64), float64 sums rounded to fp32 and then to ``out_dtype`` (rule 3), contiguous: one launch
     (the decode's q and output rotations; the torch form is ``kvq.fast.caches.oscar.rotate_query_heads``,
-    the same sums in a library order; the CuPy kernel is ``kvq.fast.cupy.oscar_decode.rotate_heads``).
+    the same sums in a library order; the CuPy kernel is ``kvq.fast.cupy.oscar_decode.rotate_heads``),
+    planned once per call shape (``_rotation_launch``).
     ValueError unless R is float64 or float32 (D, D) or (H_R, D, D) with H_q % H_R == 0 and D <= 256."""
-    B, Hq, T, D = x.shape
+    R3 = _heads_R(R, x)
+    out = torch.empty(tuple(x.shape), dtype=out_dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    bits = x.dtype == torch.bfloat16 and interpreting()
+    tensors = (x.view(torch.int16) if bits else x, R3, out.view(torch.int16) if out_dtype == torch.bfloat16 else out)
+    ptrs = tuple(map(L.PTR, tensors))
+    dev_index = L.device_index(x.device)
+    la, ints = _rotation_launch(tuple(x.shape), x.stride(), x.dtype, bits, R3.shape[0], R3.dtype, out_dtype,
+                                dev_index, L.aligned(ptrs))
+    stream = L.current_stream(dev_index) if la.compiled is not None else None
+    la((ptrs if stream is not None else tensors) + ints, stream, dev_index)
+    return out
+
+
+def _heads_R(R: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """R as a contiguous (H_R, D, D) for the rows of x (B, H_q, T, D); ValueError unless R is float64 or
+    float32 (D, D) or (H_R, D, D) with H_q % H_R == 0 and D <= 256."""
+    Hq, D = x.shape[1], x.shape[3]
     R3 = R if R.dim() == 3 else R.unsqueeze(0)
     if (R3.dtype not in (torch.float64, torch.float32) or tuple(R3.shape[1:]) != (D, D) or Hq % R3.shape[0]
             or D > 256):
         raise ValueError(f"rotate_heads takes float64 or float32 R (D, D) or (H_R, D, D) with H_q % H_R == 0 "
                          f"and D <= 256; got R {tuple(R.shape)} {R.dtype} for x {tuple(x.shape)}")
-    R3 = R3.contiguous()
-    out = torch.empty((B, Hq, T, D), dtype=out_dtype, device=x.device)
-    if out.numel() == 0:
-        return out
-    bits = x.dtype == torch.bfloat16 and interpreting()
-    xa = x.view(torch.int16) if bits else x
-    oview = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
+    return R3.contiguous()
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def _rotation_launch(x_shape, x_strides, x_dtype, bits, r_heads, r_dtype, out_dtype, dev_index, aligned) -> tuple:
+    """``(launch, integer arguments)`` of ``_rotate_heads_kernel`` over x (``x_shape``, ``x_strides``,
+    ``x_dtype``; ``bits``: bf16 x as int16 bits, the interpreter) with R of ``r_heads`` heads in ``r_dtype``
+    into ``out_dtype`` on device ``dev_index``; ``aligned``: the three tensors are 16-byte aligned. Its
+    arguments: (x, R, out, *ints)."""
+    B, Hq, T, D = x_shape
     BJ = min(_np2(D), 32)
-    L.launch(_rotate_heads_kernel, (B * Hq * T, _cdiv(D, BJ)), xa, R3, oview, Hq, T, Hq // R3.shape[0],
-             *x.stride(), D=D, BLOCK_I=min(_np2(D), 64), BLOCK_J=BJ, OUT_KIND=OUT_KIND[out_dtype],
-             BF16_BITS=bits, num_warps=2)
-    return out
+    la = L.Launch(_rotate_heads_kernel, (B * Hq * T, _cdiv(D, BJ)),
+                  dict(D=D, BLOCK_I=min(_np2(D), 64), BLOCK_J=BJ, OUT_KIND=OUT_KIND[out_dtype], BF16_BITS=bits),
+                  dict(num_warps=2), aligned)
+    return la, (Hq, T, Hq // r_heads, *x_strides)
