@@ -36,6 +36,15 @@ def cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+def contiguous_strides(shape) -> tuple:
+    """The strides (in elements) of a contiguous tensor of ``shape``, as ``torch.empty(shape).stride()``."""
+    out, acc = [], 1
+    for n in reversed(tuple(shape)):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (0 for 0): ``triton.next_power_of_2``'s bit arithmetic on the host."""
     n -= 1

@@ -46,17 +46,16 @@ def device(triton_device):
 
 @pytest.fixture
 def launches(monkeypatch):
-    """The grids of the decode kernel's launches (``bitdecoding_decode._decode_kernel`` wrapped)."""
+    """The grids of the decode kernel's launches (the decode's planned launches, ``_launch.Launch``, wrapped)."""
     grids = []
-    kernel = BDD._decode_kernel
-    real = L.launch
+    real = L.Launch.__call__
 
-    def counting(k, grid, *args, **kw):               # the module launches its kernels by _launch.launch
-        if k is kernel:
-            grids.append(grid)
-        return real(k, grid, *args, **kw)
+    def counting(self, args, stream, device_index):
+        if self.kernel is BDD._decode_kernel:
+            grids.append(self.grid)
+        return real(self, args, stream, device_index)
 
-    monkeypatch.setattr(L, "launch", counting)
+    monkeypatch.setattr(L.Launch, "__call__", counting)
     return grids
 
 
@@ -155,6 +154,42 @@ def test_decode_attention(device, kind, which, launches):
     assert len(launches) == len(QUERIES), launches
     if L // cfg.n_r >= 3:
         assert all(g[1] >= 2 for g in launches), launches              # (B * H_kv, splits, row blocks)
+
+
+@pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
+def test_decode_plan_reused(device, dtype, monkeypatch):
+    """The decode's two launches are planned once per call shape and kept: on the GPU a later call makes no
+    Triton dispatch at all and gives the first call's bits, as does a call through Triton's dispatch (bf16
+    q: its fp32 copy under the interpreter). A new length is a new plan."""
+    import triton
+
+    cfg = KINDS["KC2"]
+    n = 3 * cfg.n_r + 5 if device == "cpu" else 16 * cfg.n_r + 5
+    st = ref_state(cfg, device, n, seed=31)
+    fs, q, out0, lse0 = decode_and_check(cfg, st, device, 4, 1, dtype, seed=32)
+    before = BDD._decode_plan.cache_info()
+    on_gpu = device != "cpu"
+    real = triton.runtime.jit.JITFunction.run
+    dispatched = []
+
+    def counted(self, *a, **kw):
+        dispatched.append(self)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(triton.runtime.jit.JITFunction, "run", counted)
+    out1, lse1 = BDD.decode(cfg, fs, q.clone())
+    after = BDD._decode_plan.cache_info()
+    assert after.hits == before.hits + 1 and after.misses == before.misses
+    assert dispatched == []                    # the GPU: kept kernels; the interpreter: no JITFunction at all
+    assert torch.equal(out1, out0) and torch.equal(lse1, lse0)
+    monkeypatch.setattr(L, "current_stream", lambda device_index: None)       # Triton's dispatch every launch
+    out2, lse2 = BDD.decode(cfg, fs, q)
+    assert len(dispatched) == (2 if on_gpu else 0)
+    assert torch.equal(out2, out0) and torch.equal(lse2, lse0)
+    monkeypatch.undo()
+    st2 = ref_state(cfg, device, n + 1, seed=31)
+    decode_and_check(cfg, st2, device, 4, 1, dtype, seed=32)
+    assert BDD._decode_plan.cache_info().misses == after.misses + 1
 
 
 @pytest.mark.parametrize("kind", ["KC4", "KT2"])

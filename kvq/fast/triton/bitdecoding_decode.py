@@ -528,43 +528,111 @@ def decode(cfg, st, q, *, scale=None, knobs: Knobs | None = None):
     uint16; k_params, v_params fp16 half2; table (B, N) int32; the pool and params contiguous), ``length``
     and ``shape`` = (B, H, D). Nothing is checked here: the caller (the cache wrapper) has validated q
     and the state, and :func:`supported` is true. One launch attends the packed pages and the residual
-    rows ``[0, length mod N_r)`` in splits, one ``attention.merge_launch`` joins the splits; an empty
-    cache gives out = 0, lse = -inf. ``knobs``: the launch knobs (None: the defaults), planned by
-    ``plan``."""
+    rows ``[0, length mod N_r)`` in splits, one merge joins the splits; an empty cache gives out = 0,
+    lse = -inf. ``knobs``: the launch knobs (None: the defaults), planned by ``plan``. The two launches
+    are planned once per call shape (``DecodePlan``) and, once they hold their compiled kernels, take
+    device addresses (``_launch``)."""
+    knobs = DEFAULT_KNOBS if knobs is None else knobs
+    if not isinstance(knobs, Knobs):
+        raise TypeError(f"knobs must be a kvq.fast.triton.bitdecoding_decode.Knobs or None, got "
+                        f"{type(knobs).__name__}")
     B, H, D = (int(x) for x in st.shape)
-    _, H_q, T_q, _ = q.shape
     dev = q.device
     sc = C.softmax_scale(scale, D)
-    interp = interpreting()
-    if q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interp):
-        mode = _MODE_FP32
-    elif q.dtype == torch.bfloat16:
-        mode = _MODE_BF16
-    else:
-        mode = _MODE_FP16
-    qk = q.float() if (mode == _MODE_FP32 and q.dtype != torch.float32) else q
-    n_pages, res = divmod(int(st.length), cfg.n_r)
-    BLOCK_M, m_blocks = A.row_blocks(H_q // H, T_q)
-    lp = plan(cfg.per_word, cfg.warps_n, D, mode, n_pages, res, B * H * m_blocks, BLOCK_M, A.sm_count(dev),
-              cuda=dev.type == "cuda", interp=interp, knobs=knobs)
-    leaf, WB, n_pc, n_chunks, cps, S = lp.leaf, lp.WB, lp.n_pc, lp.n_chunks, lp.cps, lp.S
-    out = torch.empty((B, H_q, T_q, D), dtype=q.dtype, device=dev)
-    lse = torch.empty((B, H_q, T_q), dtype=torch.float32, device=dev)
+    out = torch.empty(tuple(q.shape), dtype=q.dtype, device=dev)
+    lse = torch.empty(tuple(q.shape[:3]), dtype=torch.float32, device=dev)
     if out.numel() == 0:
         return out, lse
-    if S == 0:
+    res_k = st.res_k if st.res_k.is_contiguous() else st.res_k.contiguous()
+    res_v = st.res_v if st.res_v.is_contiguous() else st.res_v.contiguous()
+    tensors = (q, st.k_words, st.k_params, st.v_words, st.v_params, st.table, res_k, res_v)
+    ptrs = tuple(map(L.PTR, tensors))
+    p = _decode_plan(cfg, (B, H, D), int(st.length), tuple(q.shape), q.stride(), tuple(map(L.DTYPE, tensors)),
+                     st.table.shape[1], dev, L.device_index(dev), L.aligned(ptrs), knobs)
+    if p.S == 0:
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    rows = B * H_q * T_q
-    parts = A.partial_buffers(rows, S, D, dev)
-    L.launch(_decode_kernel, (B * H, S, m_blocks),
-        qk, st.k_words.view(torch.int16), st.k_params.view(torch.int32), st.v_words.view(torch.int16),
-        st.v_params.view(torch.int32), st.table, st.res_k.contiguous(), st.res_v.contiguous(), *parts,
-        *qk.stride(), H_q, H, T_q, (H_q // H) * T_q, n_chunks, n_pc, res, cps, S, st.table.shape[1], sc,
-        G_Q=H_q // H, D=D, NR=cfg.n_r, WN=cfg.warps_n, WB=WB, R=cfg.per_word, BITS=cfg.bits,
-        CHAN=cfg.k_mode == "channel", KG=cfg.k_group, VG=cfg.v_group, BLOCK_M=BLOCK_M, MODE=mode, LEAF=leaf,
-        UNPACK=lp.unpack, TIGHT=not interp, NBLK=cps if interp else 0, num_warps=lp.warps,
-        num_stages=lp.stages)
-    A.merge_launch(*parts, out, lse, rows, S, D, log2=False)
+    dev_index = p.dev_index
+    stream = L.current_stream(dev_index) if p.ready else None
+    buf = torch.empty(p.n_buf, dtype=torch.float32, device=dev)
+    q32 = q.to(torch.float32, memory_format=torch.contiguous_format) if p.q_float else None   # alive until launched
+    oview = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+    if stream is not None:                     # addresses
+        b0 = buf.data_ptr()
+        o_part, m_part, l_part = (b0 + 4 * x for x in p.offsets)
+        qa = ptrs[0] if q32 is None else q32.data_ptr()
+        kw, kp, vw, vp, tab, rk, rv = ptrs[1:]
+        oa, la = oview.data_ptr(), lse.data_ptr()
+    else:                                      # tensors (Triton's dispatch)
+        rows, S = p.rows, p.S
+        o0, m0, l0 = p.offsets
+        o_part, m_part, l_part = buf[o0:m0].view(rows, S, D), buf[m0:l0].view(rows, S), buf[l0:].view(rows, S)
+        qa = q if q32 is None else q32
+        kw, kp, vw, vp = (st.k_words.view(torch.int16), st.k_params.view(torch.int32),
+                          st.v_words.view(torch.int16), st.v_params.view(torch.int32))
+        tab, rk, rv, oa, la = st.table, res_k, res_v, oview, lse
+    p.decode((qa, kw, kp, vw, vp, tab, rk, rv, o_part, m_part, l_part, *p.decode_ints, sc), stream, dev_index)
+    p.merge((o_part, m_part, l_part, oa, la, p.S, D), stream, dev_index)
+    if stream is None and not p.ready:
+        p.ready = all(x.compiled is not None for x in (p.decode, p.merge))
     return out, lse
+
+
+#: decode plans kept (least recently used dropped), as kvq.fast.triton.paged's
+PLAN_CACHE_SIZE = 256
+
+
+class DecodePlan:
+    """The two launches of one ``decode`` call (the fused kernel's, ``decode``, with its integer arguments;
+    the merge's), planned once per call shape; ``S`` splits (0: nothing cached), ``q_float``: q goes in as a
+    contiguous fp32 copy (the exact path of bf16 q under the interpreter). A call allocates one fp32 buffer
+    of ``n_buf`` elements: the partials o (rows, S, D), m and l (rows, S) at ``offsets``. ``ready``: both
+    launches hold their compiled kernels."""
+
+    __slots__ = ("dev_index", "rows", "S", "q_float", "decode", "decode_ints", "merge", "n_buf", "offsets",
+                 "ready")
+
+    def __init__(self, **kw):
+        for name in self.__slots__:
+            setattr(self, name, kw.get(name))
+        self.ready = False
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def _decode_plan(cfg, shape, T, q_shape, q_strides, dtypes, n_table, dev, dev_index, aligned,
+                 knobs: Knobs) -> DecodePlan:
+    """decode's launches for a cache of ``shape`` holding T tokens (a function of its arguments only:
+    ``dtypes`` are q's and the state tensors' in ``decode``'s order)."""
+    B, H, D = shape
+    _, H_q, T_q, _ = q_shape
+    q_dtype = dtypes[0]
+    interp = interpreting()
+    if q_dtype == torch.float32 or (q_dtype == torch.bfloat16 and interp):
+        mode = _MODE_FP32
+    elif q_dtype == torch.bfloat16:
+        mode = _MODE_BF16
+    else:
+        mode = _MODE_FP16
+    q_float = mode == _MODE_FP32 and q_dtype != torch.float32
+    n_pages, res = divmod(T, cfg.n_r)
+    BLOCK_M, m_blocks = A.row_blocks(H_q // H, T_q)
+    lp = plan(cfg.per_word, cfg.warps_n, D, mode, n_pages, res, B * H * m_blocks, BLOCK_M, A.sm_count(dev),
+              cuda=dev.type == "cuda", interp=interp, knobs=knobs)
+    S = lp.S
+    rows = B * H_q * T_q
+    if S == 0:
+        return DecodePlan(dev_index=dev_index, rows=rows, S=0, q_float=q_float)
+    qs = C.contiguous_strides(q_shape) if q_float else q_strides
+    fused = L.Launch(_decode_kernel, (B * H, S, m_blocks),
+                     dict(G_Q=H_q // H, D=D, NR=cfg.n_r, WN=cfg.warps_n, WB=lp.WB, R=cfg.per_word, BITS=cfg.bits,
+                          CHAN=cfg.k_mode == "channel", KG=cfg.k_group, VG=cfg.v_group, BLOCK_M=BLOCK_M, MODE=mode,
+                          LEAF=lp.leaf, UNPACK=lp.unpack, TIGHT=not interp, NBLK=lp.cps if interp else 0),
+                     dict(num_warps=lp.warps, num_stages=lp.stages), aligned)
+    ints = (*qs, H_q, H, T_q, (H_q // H) * T_q, lp.n_chunks, lp.n_pc, res, lp.cps, S, n_table)
+    n_o, n_s = rows * S * D, rows * S
+    return DecodePlan(dev_index=dev_index, rows=rows, S=S, q_float=q_float, decode=fused, decode_ints=ints,
+                      merge=A.planned_merge(rows, S, D, q_dtype, aligned), n_buf=n_o + 2 * n_s,
+                      offsets=(0, n_o, n_o + n_s))
+
+

@@ -455,7 +455,7 @@ def _decode_plan(cfg, shape, T, q_shape, q_strides, dtypes, fp16_strides, n_tabl
     merge_dtype = out_dtype
     if r_heads is not None:
         merge_dtype = torch.float32
-        rot_out, rot_ints = _rotation_launch(q_shape, _contiguous_strides(q_shape), torch.float32, False, r_heads,
+        rot_out, rot_ints = _rotation_launch(q_shape, C.contiguous_strides(q_shape), torch.float32, False, r_heads,
                                              dtypes[-1], out_dtype, dev_index, aligned)
     merge = A.planned_merge(rows, S, D, merge_dtype, aligned)
     n_o, n_s = rows * S * D, rows * S
@@ -464,14 +464,6 @@ def _decode_plan(cfg, shape, T, q_shape, q_strides, dtypes, fp16_strides, n_tabl
     return DecodePlan(dev_index=dev_index, rows=rows, S=S, pages=pages, pages_ints=pages_ints, fp16=fp16,
                       merge=merge, merge_ints=(S, D), rot_out=rot_out, rot_ints=rot_ints,
                       n_buf=n_o + 2 * n_s + n_x, offsets=offsets)
-
-
-def _contiguous_strides(shape) -> tuple:
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= n
-    return tuple(reversed(out))
 
 
 def fp16_segments(cfg, st) -> list:

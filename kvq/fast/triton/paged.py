@@ -801,7 +801,7 @@ def _decode_plan(cfg, shape, T, q_shape, q_strides, dtypes, dev, dev_index, k_bi
                                                            knobs.tail_keys)
         # fp16 q as it is (the precise partial widens it exactly as it loads it: no cast launch); bf16 as fp32
         tail_q_float = q_dtype == torch.bfloat16
-        q_str = _contiguous_strides(q_shape) if tail_q_float else q_strides
+        q_str = C.contiguous_strides(q_shape) if tail_q_float else q_strides
         kv_str = (H * NT * D, NT * D, D, 1)
         S_TOTAL = n_split + n
         tail_ints = (*q_str, *kv_str, *kv_str, H_q, H, T_q, NT, M, kps, S_TOTAL, n_split)
@@ -811,7 +811,7 @@ def _decode_plan(cfg, shape, T, q_shape, q_strides, dtypes, dev, dev_index, k_bi
     fused = None
     fused_ints = ()
     if n_split:
-        qs = _contiguous_strides(q_shape) if q_float else q_strides
+        qs = C.contiguous_strides(q_shape) if q_float else q_strides
         fused_ints = (*qs, H_q, H, T_q, M, NF, NP, pps, S_TOTAL, n_table)
         common = dict(G_Q=G_q, D=D, G=G, BT=lp.BT, K_BITS=k_bits, V_BITS=cfg.v_bits, KITTY=kitty, DB_HIGH=db,
                       TIGHT=not interp, NPPS=pps if interp else 0)
@@ -837,14 +837,6 @@ def _decode_plan(cfg, shape, T, q_shape, q_strides, dtypes, dev, dev_index, k_bi
                       gather=gather, gather_ints=gather_ints, fused=fused, fused_ints=fused_ints,
                       fused_scale=LOG2E if (n_split and not precise) else 1.0, tail=tail, tail_ints=tail_ints,
                       merge=merge, merge_ints=(S_TOTAL, D))
-
-
-def _contiguous_strides(shape) -> tuple:
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= n
-    return tuple(reversed(out))
 
 
 def _pow2(n: int) -> bool:
