@@ -2,9 +2,11 @@
 # One device call for NOTE.md: the Triton OSCAR decode's and append's host cost after 0c7392a (sink and
 # window read in place, rotate_heads, launches kept across steps), against .before/ (`git archive 95e408b kvq
 # | tar -x -C .before`), and the GPU tests of what changed.
-#   TESTS=1   the GPU tests: OSCAR decode / parity / fused append, attention, plans, the model-level tests
+#   TESTS=1   the GPU tests: OSCAR decode / parity / fused append, BitDecoding decode / cache, attention,
+#             plans, the model-level tests (TEST_PATHS / TEST_K to change them)
 #   HOST=1    profile_host.py --backend triton --methods OSCAR at 1 x 32K, after then before
-#   STEP=1    step_host.py at 1 x 32K (StaticCache, OSCAR and KIVI-K2V2 on Triton): after, then before
+#   EAGER=1   eager_calls.py (OSCAR, BitDecoding-KC2, KIVI-K2V2, Kitty, SDPA) at 1 x 32K, after then before
+#   STEP=1    step_host.py at 1 x 32K (StaticCache and $STEP_CACHES): after, then before
 # Everything lands in $OUT (at most 8 files come back: logs are tarred).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -14,9 +16,9 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/car
 echo "commit: ${KVQ_COMMIT:-unknown}" | tee -a "$OUT/card.txt"
 if [ -n "${TESTS-1}" ]; then
   timeout -k 10 "${TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 \
-      tests/parity/test_oscar_decode_parity.py tests/parity/test_oscar_parity.py tests/parity/test_oscar_append_fused.py \
+      ${TEST_PATHS:-tests/parity/test_oscar_decode_parity.py tests/parity/test_oscar_parity.py tests/parity/test_oscar_append_fused.py \
       tests/parity/test_attention_parity.py tests/fast/test_triton_plans.py tests/integrations/test_kvq_attention.py \
-      tests/integrations/test_graphs.py -k "${TEST_K:-triton or graph}" -rfE --tb=short > "$OUT/gpu-tests.log" 2>&1
+      tests/integrations/test_graphs.py} -k "${TEST_K:-triton or graph}" -rfE --tb=short > "$OUT/gpu-tests.log" 2>&1
   echo "tests rc=$?"; tail -n 2 "$OUT/gpu-tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log" | head -n 20
 fi
 if [ -n "${HOST-1}" ]; then
@@ -37,11 +39,19 @@ PY
   done
   tar -czf "$OUT/host.tgz" -C /tmp/h .
 fi
+if [ -n "${EAGER:-}" ]; then
+  for tree in after before; do
+    timeout -k 10 "${EAGER_TIMEOUT:-60}" python3 lab/2026-11-29-oscar-host/eager_calls.py \
+        $( [ "$tree" = before ] && echo --kvq .before ) --out "$OUT/eager-$tree.json" > "/tmp/h/eager-$tree.log" 2>&1
+    echo "eager $tree rc=$?"; grep -E "^\{" "/tmp/h/eager-$tree.log" | cut -c1-200; tail -n 2 "/tmp/h/eager-$tree.log" | cut -c1-300
+  done
+  tar -czf "$OUT/host.tgz" -C /tmp/h .
+fi
 if [ -n "${STEP-1}" ]; then
   for tree in after before; do
     timeout -k 10 "${STEP_TIMEOUT:-120}" python3 lab/2026-11-28-decode-host/step_host.py \
         $( [ "$tree" = before ] && echo --kvq .before ) --shapes 1x32768 --steps 5 --blocks 2 \
-        --caches StaticCache OSCAR:triton KIVI-K2V2:triton --label "$tree" --out "$OUT/step_host-$tree.json" \
+        --caches StaticCache ${STEP_CACHES:-OSCAR:triton KIVI-K2V2:triton} --label "$tree" --out "$OUT/step_host-$tree.json" \
         > "/tmp/h/step-$tree.log" 2>&1
     echo "step $tree rc=$?"; grep -E "^\{" "/tmp/h/step-$tree.log" | cut -c1-250
   done
