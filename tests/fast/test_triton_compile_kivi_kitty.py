@@ -30,7 +30,8 @@ SCRIPT = textwrap.dedent('''
     fn = getattr(paged, v.get("kernel", "_fused_kernel"))
     ptr = {"kc_ptr": "*u8", "kh_ptr": "*u8", "ki_ptr": "*u8", "ks_ptr": "*fp16", "km_ptr": "*fp16",
            "vc_ptr": "*u8", "vs_ptr": "*fp16", "vm_ptr": "*fp16", "kt_ptr": "*i32", "vt_ptr": "*i32",
-           "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32"}
+           "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "sk_ptr": "*fp16", "sv_ptr": "*fp16",
+           "kb_ptr": "*fp16", "vb_ptr": "*fp16", "vw_ptr": "*fp16"}
     v["cx"] = {k: x for k, x in v["cx"].items() if k in fn.arg_names}
     sig = {}
     for a in fn.arg_names:
@@ -38,7 +39,7 @@ SCRIPT = textwrap.dedent('''
             sig[a] = v["qt"]
         elif a in ptr:
             sig[a] = ptr[a]
-        elif a == "qk_scale":
+        elif a in ("qk_scale", "sc"):
             sig[a] = "fp32"
         elif a in v["cx"]:
             sig[a] = "constexpr"
@@ -51,7 +52,7 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 BASE = dict(G_Q=4, D=128, G=128, BT=128, NGV=1, BLOCK_M=16, TIGHT=True, NPPS=0, PRECISE=False, MAGIC=True,
-            SPLIT_P=True, K_TERMS=2, SHIFT=2048.0, K_WORDS=True, V_WORDS=True)
+            SPLIT_P=True, K_TERMS=2, SHIFT=2048.0, K_WORDS=True, V_WORDS=True, TAIL=False, TBN=16, TNBLK=0)
 VARIANTS = {
     "KIVI-K2V2-fp16": ("*fp16", 8, dict(K_BITS=2, V_BITS=2, KITTY=False, DB_HIGH=0)),
     "KIVI-K4V4-fp16": ("*fp16", 8, dict(K_BITS=4, V_BITS=4, KITTY=False, DB_HIGH=0)),
@@ -72,6 +73,11 @@ VARIANTS = {
                                                      DB_HIGH=0, NR=8)),
     "tokens-Kitty-fp16-1warp": ("*fp16", 1, dict(kernel="_tokens_kernel", K_BITS=2, V_BITS=2, KITTY=True, DB_HIGH=16,
                                                  NR=4, BT=64)),
+    # the tail attended in place in the same launch (TokensKnobs.fused_tail): blocks of 32 tail rows
+    "tokens-tail-KIVI-K2V2-fp16": ("*fp16", 2, dict(kernel="_tokens_kernel", K_BITS=2, V_BITS=2, KITTY=False,
+                                                    DB_HIGH=0, NR=4, TAIL=True, TBN=32)),
+    "tokens-tail-Kitty-fp16": ("*fp16", 2, dict(kernel="_tokens_kernel", K_BITS=2, V_BITS=2, KITTY=True, DB_HIGH=16,
+                                                NR=4, TAIL=True, TBN=32)),
 }
 
 

@@ -75,9 +75,11 @@ class TokensKnobs:
     block_t: int = 128                   # tokens per online-softmax step (at most G)         TOKENS.md
     num_stages: int = 2                  # software-pipelining depth                         TOKENS.md
     maxnreg: int | None = None           # registers per thread at most (None: the compiler's) TOKENS.md
+    fused_tail: bool = True              # the tail attended in place in the same launch       2026-11-29-fused-tail/NOTE.md
 
     def __post_init__(self):
         C.check_launch_knobs("triton.paged.TokensKnobs", self)  # num_warps, waves, block_t, num_stages
+        _check_knob(isinstance(self.fused_tail, bool), "fused_tail", self.fused_tail, "True or False")
         _check_knob(self.maxnreg is None or (_is_int(self.maxnreg) and 24 <= self.maxnreg <= 255), "maxnreg",
                     self.maxnreg, "None or an int in [24, 255]")
         _check_knob(self.num_warps is not None and self.block_t is not None and self.num_stages is not None,
@@ -484,18 +486,49 @@ def _fused_kernel(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr,
 #   s = (hi + lo / SHIFT) * max + q . mn_k; online softmax over the step's tokens (rows); the values as
 #   acc^T (D, NR) += codes_v^T (D, BT) @ (p * scale_v)^T (BT, NR) (rounded once to fp16, per row scaled by its
 #   max) and vb (NR) += p . mn_v. No query-row padding on M: the rows are the MMA's N (8 or 16).
-# Grid: (B * H_kv, n_splits); each program walks the pages [sp*PPS, min((sp+1)*PPS, NP)) of (b, kv head).
+#   TAIL (TokensKnobs.fused_tail): programs sp >= N_SPLIT attend the tail instead (the sink and the
+#   post-sink tokens [NF, T - S): _gather_tail_kernel's rows, dequantized in place) in splits of TKPS rows,
+#   as the FP16 partial kernel's precise mode attends the gathered rows (_tail_split), into partial slot sp.
+# Grid: (B * H_kv, n_splits [+ tail splits]); program sp < N_SPLIT walks the pages [sp*PPS, min((sp+1)*PPS,
+#   NP)) of (b, kv head).
 # Bytes: reads each packed K / V page and its metadata once, plus the queries; writes NR (D + 2) fp32 per
-#   program.
-@triton.jit(do_not_specialize=["T_Q", "M", "NF", "NP", "PPS", "S_TOTAL", "N_TAB"])
+#   program (a tail program: its rows of the sink / buffers / window / pages, 16 (D + 2) fp32).
+@triton.jit(do_not_specialize=["T_Q", "M", "NF", "NP", "PPS", "S_TOTAL", "N_TAB", "NS", "NT", "KQ", "VQ", "NVB",
+                               "N_SPLIT", "TKPS"])
 def _tokens_kernel(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr,
                    o_ptr, m_ptr, l_ptr, sq_b, sq_h, sq_t, sq_d,
                    H_Q, H_KV, T_Q, M, NF, NP, PPS, S_TOTAL, N_TAB, qk_scale,
+                   sk_ptr, sv_ptr, kb_ptr, vb_ptr, vw_ptr, S, NS, NT, KQ, VQ, NVB, R1, N_SPLIT, TKPS, sc,
                    G_Q: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BT: tl.constexpr,
                    K_BITS: tl.constexpr, V_BITS: tl.constexpr, KITTY: tl.constexpr, DB_HIGH: tl.constexpr,
-                   NR: tl.constexpr, TIGHT: tl.constexpr, NPPS: tl.constexpr, SHIFT: tl.constexpr):
+                   NR: tl.constexpr, TIGHT: tl.constexpr, NPPS: tl.constexpr, SHIFT: tl.constexpr,
+                   TAIL: tl.constexpr, TBN: tl.constexpr, TNBLK: tl.constexpr):
     bh = tl.program_id(0)
     sp = tl.program_id(1)
+    if TAIL:
+        if sp >= N_SPLIT:                                   # a tail split: the sink and [NF, T - S) in place
+            _tail_split(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr,
+                        o_ptr, m_ptr, l_ptr, sq_b, sq_h, sq_t, sq_d, H_Q, H_KV, T_Q, M, NF, S_TOTAL, N_TAB,
+                        sk_ptr, sv_ptr, kb_ptr, vb_ptr, vw_ptr, S, NS, NT, KQ, VQ, NVB, R1, N_SPLIT, TKPS, sc,
+                        bh, sp - N_SPLIT, G_Q, D, G, K_BITS, V_BITS, KITTY, DB_HIGH, TIGHT, TBN, TNBLK)
+        else:
+            _tokens_split(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr,
+                          o_ptr, m_ptr, l_ptr, sq_b, sq_h, sq_t, sq_d, H_Q, H_KV, T_Q, M, NF, NP, PPS, S_TOTAL,
+                          N_TAB, qk_scale, bh, sp, G_Q, D, G, BT, K_BITS, V_BITS, KITTY, DB_HIGH, NR, TIGHT, NPPS,
+                          SHIFT)
+    else:
+        _tokens_split(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr,
+                      o_ptr, m_ptr, l_ptr, sq_b, sq_h, sq_t, sq_d, H_Q, H_KV, T_Q, M, NF, NP, PPS, S_TOTAL, N_TAB,
+                      qk_scale, bh, sp, G_Q, D, G, BT, K_BITS, V_BITS, KITTY, DB_HIGH, NR, TIGHT, NPPS, SHIFT)
+
+
+@triton.jit
+def _tokens_split(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr,
+                  o_ptr, m_ptr, l_ptr, sq_b, sq_h, sq_t, sq_d, H_Q, H_KV, T_Q, M, NF, NP, PPS, S_TOTAL, N_TAB,
+                  qk_scale, bh, sp, G_Q: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BT: tl.constexpr,
+                  K_BITS: tl.constexpr, V_BITS: tl.constexpr, KITTY: tl.constexpr, DB_HIGH: tl.constexpr,
+                  NR: tl.constexpr, TIGHT: tl.constexpr, NPPS: tl.constexpr, SHIFT: tl.constexpr):
+    """Split ``sp`` of ``_tokens_kernel``'s pages: its pages' online softmax, stored at partial slot sp."""
     b = bh // H_KV
     hk = bh % H_KV
     rows = tl.arange(0, NR)                 # row n: query head hk * G_q + n // T_q, token n % T_q (GQA)
@@ -587,6 +620,82 @@ def _tokens_page(qt, m_i, l_i, vb, acc, j, j_end, b, hk, H_KV, NF, N_TAB, qk_sca
     return m_i, l_i, vb, acc
 
 
+@triton.jit
+def _tail_split(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr,
+                o_ptr, m_ptr, l_ptr, sq_b, sq_h, sq_t, sq_d, H_Q, H_KV, T_Q, M, NF, S_TOTAL, N_TAB,
+                sk_ptr, sv_ptr, kb_ptr, vb_ptr, vw_ptr, S, NS, NT, KQ, VQ, NVB, R1, N_SPLIT, TKPS, sc, bh, ts,
+                G_Q: tl.constexpr, D: tl.constexpr, G: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+                KITTY: tl.constexpr, DB_HIGH: tl.constexpr, TIGHT: tl.constexpr, TBN: tl.constexpr,
+                TNBLK: tl.constexpr):
+    """Tail split ``ts`` of ``_tokens_kernel``: tail rows [ts TKPS, min((ts + 1) TKPS, NT)) (the rows of
+    ``_gather_tail_kernel``, dequantized in place by ``_tail_keys`` / ``_tail_values``) attended as the FP16
+    partial kernel's precise mode attends the gathered rows (blocks of TBN keys, the scores as a pairwise tree
+    of 16-channel IEEE dots, accurate exp, IEEE P @ V; the same operations on the same values), stored at
+    partial slot N_SPLIT + ts. The query rows are padded to 16 (``tl.dot``)."""
+    LIBDEVICE: tl.constexpr = TIGHT
+    b, hk, h, t, rmask, q_ptrs = A.query_rows(q_ptr, bh, 0, H_KV, sq_b, sq_h, sq_t, T_Q, M, G_Q, 16)
+    start = ts * TKPS
+    end = tl.minimum(start + TKPS, NT)
+    m_i = tl.full((16,), float("-inf"), tl.float32)
+    l_i = tl.zeros((16,), tl.float32)
+    acc = tl.zeros((16, D), tl.float32)
+    if TIGHT:
+        for n0 in range(start, end, TBN):
+            m_i, l_i, acc = _tail_block(q_ptrs, rmask, sq_d, m_i, l_i, acc, n0, end, b, hk, H_KV, NF, N_TAB,
+                                        kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr,
+                                        vt_ptr, sk_ptr, sv_ptr, kb_ptr, vb_ptr, vw_ptr, S, NS, KQ, VQ, NVB, R1, sc,
+                                        D, G, K_BITS, V_BITS, KITTY, DB_HIGH, TBN, LIBDEVICE)
+    else:                                                   # interpreter: constexpr trip count, masked
+        for it in range(0, TNBLK):
+            m_i, l_i, acc = _tail_block(q_ptrs, rmask, sq_d, m_i, l_i, acc, start + it * TBN, end, b, hk, H_KV,
+                                        NF, N_TAB, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr,
+                                        kt_ptr, vt_ptr, sk_ptr, sv_ptr, kb_ptr, vb_ptr, vw_ptr, S, NS, KQ, VQ, NVB,
+                                        R1, sc, D, G, K_BITS, V_BITS, KITTY, DB_HIGH, TBN, LIBDEVICE)
+    A.store_split(o_ptr, m_ptr, l_ptr, b, h, t, H_Q, T_Q, S_TOTAL, N_SPLIT + ts, acc, m_i, l_i, rmask,
+                  tl.arange(0, D), D)
+
+
+@triton.jit
+def _tail_block(q_ptrs, rmask, sq_d, m_i, l_i, acc, n0, end, b, hk, H_KV, NF, N_TAB,
+                kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr,
+                sk_ptr, sv_ptr, kb_ptr, vb_ptr, vw_ptr, S, NS, KQ, VQ, NVB, R1, sc,
+                D: tl.constexpr, G: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+                KITTY: tl.constexpr, DB_HIGH: tl.constexpr, TBN: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """Tail rows [n0, n0 + TBN) (masked at ``end``): one online-softmax update, as the FP16 partial kernel's
+    precise ``_attend_block`` over the gathered rows."""
+    u = n0 + tl.arange(0, TBN)
+    cmask = u < end
+    s = _tail_tree(q_ptrs, rmask, sq_d, u, cmask, b, hk, H_KV, NF, N_TAB, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr,
+                   kt_ptr, sk_ptr, kb_ptr, S, NS, KQ, G, D, K_BITS, KITTY, DB_HIGH, 0, D // 16)
+    s = tl.where(cmask[None, :], s * sc, float("-inf"))
+    m_new, alpha, p, l_i = A.softmax_step(s, m_i, l_i, True, LIBDEVICE)
+    v = _tail_values(sv_ptr, vb_ptr, vw_ptr, vc_ptr, vs_ptr, vm_ptr, vt_ptr, b, hk, H_KV, u, cmask,
+                     tl.arange(0, D)[None, :], S, NS, NF, VQ, NVB, R1, N_TAB, G, D, V_BITS, 1)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _tail_tree(q_ptrs, rmask, sq_d, u, cmask, b, hk, H_KV, NF, N_TAB, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr,
+               kt_ptr, sk_ptr, kb_ptr, S, NS, KQ, G, D: tl.constexpr, K_BITS: tl.constexpr, KITTY: tl.constexpr,
+               DB_HIGH: tl.constexpr, LO: tl.constexpr, N: tl.constexpr):
+    """q k^T over the channel chunks [16 LO, 16 (LO + N)) of tail rows ``u``, as a pairwise tree of
+    16-channel IEEE dots (``attention``'s precise tree, each chunk's keys dequantized in place)."""
+    if N == 1:
+        dc = LO * 16 + tl.arange(0, 16)
+        qc = tl.load(q_ptrs + dc[None, :] * sq_d, mask=rmask[:, None], other=0.0).to(tl.float32)
+        kc = _tail_keys(sk_ptr, kb_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, kt_ptr, b, hk, H_KV, u, cmask,
+                        dc[None, :], S, NS, NF, KQ, N_TAB, G, D, K_BITS, KITTY, DB_HIGH)
+        r = tl.dot(qc, tl.trans(kc), input_precision="ieee")
+    else:
+        r = (_tail_tree(q_ptrs, rmask, sq_d, u, cmask, b, hk, H_KV, NF, N_TAB, kc_ptr, kh_ptr, ki_ptr, ks_ptr,
+                        km_ptr, kt_ptr, sk_ptr, kb_ptr, S, NS, KQ, G, D, K_BITS, KITTY, DB_HIGH, LO, N // 2)
+             + _tail_tree(q_ptrs, rmask, sq_d, u, cmask, b, hk, H_KV, NF, N_TAB, kc_ptr, kh_ptr, ki_ptr, ks_ptr,
+                          km_ptr, kt_ptr, sk_ptr, kb_ptr, S, NS, KQ, G, D, K_BITS, KITTY, DB_HIGH, LO + N // 2,
+                          N // 2))
+    return r
+
+
 # Gather the tail of the decode: the tokens the fused kernel does not cover (the sink and the post-sink
 # tokens [NF, T - S)), fp32 K / V rows in token order.
 # Computes: row u < NS is sink token u; row u >= NS is post-sink token p = NF + u - NS, whose key comes
@@ -607,16 +716,30 @@ def _gather_tail_kernel(sk_ptr, sv_ptr, kb_ptr, vb_ptr, vw_ptr, kc_ptr, kh_ptr, 
     b = bh // H_KV
     hk = bh % H_KV
     u = blk * BT + tl.arange(0, BT)
-    d = tl.arange(0, D)
-    d2 = d[None, :]
+    d2 = tl.arange(0, D)[None, :]
     umask = u < NT
+    k = _tail_keys(sk_ptr, kb_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, kt_ptr, b, hk, H_KV, u, umask, d2,
+                   S, NS, NF, KQ, N_TAB, G, D, K_BITS, KITTY, DB_HIGH)
+    v = _tail_values(sv_ptr, vb_ptr, vw_ptr, vc_ptr, vs_ptr, vm_ptr, vt_ptr, b, hk, H_KV, u, umask, d2,
+                     S, NS, NF, VQ, NVB, R1, N_TAB, G, D, V_BITS, NGV)
+    out = ((bh.to(tl.int64) * NT + u) * D)[:, None] + d2
+    tl.store(ok_ptr + out, k, mask=umask[:, None])
+    tl.store(ov_ptr + out, v, mask=umask[:, None])
+
+
+@triton.jit
+def _tail_keys(sk_ptr, kb_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, kt_ptr, b, hk, H_KV, u, umask, d2,
+               S, NS, NF, KQ, N_TAB, G, D: tl.constexpr, K_BITS: tl.constexpr, KITTY: tl.constexpr,
+               DB_HIGH: tl.constexpr):
+    """fp32 keys of tail rows ``u`` (rows where ``umask`` is False: 0) at channels ``d2`` (1, C) of D: the
+    sink token u < NS, else post-sink token p = NF + u - NS from its key page (p < KQ: code * scale + mn,
+    two rounded fp32 ops, Kitty's high bits joined) or the key Q-buffer (``_gather_tail_kernel``'s rows)."""
+    bh64 = (b * H_KV + hk).to(tl.int64)
     is_sink = (u < NS) & umask
     post = (u >= NS) & umask
     pp = tl.maximum(NF + u - NS, 0)
     page = pp // G
     slot = pp % G
-    bh64 = bh.to(tl.int64)
-    # keys
     k = tl.load(sk_ptr + ((bh64 * S + u) * D)[:, None] + d2, mask=is_sink[:, None], other=0.0).to(tl.float32)
     in_kp = post & (pp < KQ)
     in_kb = post & (pp >= KQ)
@@ -639,8 +762,21 @@ def _gather_tail_kernel(sk_ptr, sv_ptr, kb_ptr, vb_ptr, vw_ptr, kc_ptr, kh_ptr, 
             code = code | (((hb >> ((slot % 4) * 2)[:, None]) & 3) << 2)
     ks = tl.load(ks_ptr + kbase[:, None] + d2, mask=m2, other=0.0).to(tl.float32)
     km = tl.load(km_ptr + kbase[:, None] + d2, mask=m2, other=0.0).to(tl.float32)
-    k = tl.where(m2, code.to(tl.float32) * ks + km, k)
-    # values
+    return tl.where(m2, code.to(tl.float32) * ks + km, k)
+
+
+@triton.jit
+def _tail_values(sv_ptr, vb_ptr, vw_ptr, vc_ptr, vs_ptr, vm_ptr, vt_ptr, b, hk, H_KV, u, umask, d2,
+                 S, NS, NF, VQ, NVB, R1, N_TAB, G, D: tl.constexpr, V_BITS: tl.constexpr, NGV: tl.constexpr):
+    """fp32 values of tail rows ``u`` (rows where ``umask`` is False: 0) at channels ``d2`` (1, C) of D: the
+    sink token u < NS, else post-sink token p = NF + u - NS from its value page (p < VQ), the value
+    Q-buffer (p < VQ + NVB) or the window ring slot p % R (``_gather_tail_kernel``'s rows)."""
+    bh64 = (b * H_KV + hk).to(tl.int64)
+    is_sink = (u < NS) & umask
+    post = (u >= NS) & umask
+    pp = tl.maximum(NF + u - NS, 0)
+    page = pp // G
+    slot = pp % G
     v = tl.load(sv_ptr + ((bh64 * S + u) * D)[:, None] + d2, mask=is_sink[:, None], other=0.0).to(tl.float32)
     in_vp = post & (pp < VQ)
     in_vb = post & (pp >= VQ) & (pp < VQ + NVB)
@@ -659,10 +795,7 @@ def _gather_tail_kernel(sk_ptr, sv_ptr, kb_ptr, vb_ptr, vw_ptr, kc_ptr, kh_ptr, 
     gi = d2 // (D // NGV)
     vs = tl.load(vs_ptr + vrow[:, None] * NGV + gi, mask=n2, other=0.0).to(tl.float32)
     vm = tl.load(vm_ptr + vrow[:, None] * NGV + gi, mask=n2, other=0.0).to(tl.float32)
-    v = tl.where(n2, vcode.to(tl.float32) * vs + vm, v)
-    out = ((bh64 * NT + u) * D)[:, None] + d2
-    tl.store(ok_ptr + out, k, mask=umask[:, None])
-    tl.store(ov_ptr + out, v, mask=umask[:, None])
+    return tl.where(n2, vcode.to(tl.float32) * vs + vm, v)
 
 
 def gather_tail(cfg, codec, st: PagedState, NF: int):
@@ -712,17 +845,18 @@ PLAN_CACHE_SIZE = 256
 class DecodePlan:
     """Every launch of one decode call, planned once per call shape (``decode_plan``). ``fallback``: the
     configuration is not the fused kernel's (dequantize and attend); else the fused kernel's ``Plan``
-    (``lp``), ``NF`` fused tokens, ``NT`` tail tokens gathered into fp32, ``S_TOTAL`` partial slots per
-    query row over ``rows`` rows, ``q_float`` (the fused kernel takes q cast to fp32: the exact path) and
-    ``tail_q_float`` (the tail's partial kernel takes q cast to fp32: bf16 q), and the kernels'
-    ``_launch.Launch``es with their integer arguments (``gather`` / ``fused`` / ``tail`` None where there
-    is no work; ``merge``; all of them in ``launches``). A call allocates one fp32 buffer of ``n_buf``
-    elements: o, m and l partials and the tail's K and V at ``offsets``. ``ready``: every launch holds its
-    compiled kernel (set after the first call that leaves them so)."""
+    (``lp``), ``NF`` fused tokens, ``NT`` tail tokens (gathered into fp32, or attended in place by
+    ``_tokens_kernel``'s own launch: ``fused_tail_ints``, the tail's arguments of that kernel), ``S_TOTAL``
+    partial slots per query row over ``rows`` rows, ``q_float`` (the fused kernel takes q cast to fp32: the
+    exact path) and ``tail_q_float`` (the tail's partial kernel takes q cast to fp32: bf16 q), and the
+    kernels' ``_launch.Launch``es with their integer arguments (``gather`` / ``fused`` / ``tail`` None where
+    there is no work or the tail is fused; ``merge``; all of them in ``launches``). A call allocates one fp32
+    buffer of ``n_buf`` elements: o, m and l partials and the gathered tail's K and V at ``offsets``.
+    ``ready``: every launch holds its compiled kernel (set after the first call that leaves them so)."""
 
     __slots__ = ("fallback", "dev_index", "NF", "NT", "S_TOTAL", "rows", "q_float", "tail_q_float", "lp",
-                 "gather", "gather_ints", "fused", "fused_ints", "fused_scale", "tail", "tail_ints", "merge",
-                 "merge_ints", "n_buf", "offsets", "launches", "ready")
+                 "gather", "gather_ints", "fused", "fused_ints", "fused_scale", "fused_tail_ints", "tail",
+                 "tail_ints", "merge", "merge_ints", "n_buf", "offsets", "launches", "ready")
 
     def __init__(self, **kw):
         for name in self.__slots__:
@@ -793,7 +927,18 @@ def _decode_plan(cfg, shape, T, q_shape, q_strides, dtypes, dev, dev_index, k_bi
     gather = tail = None
     gather_ints = tail_ints = ()
     tail_q_float = False
-    if NT > 0:
+    # _tokens_kernel attends the tail in place in extra programs of its own launch (no gather, no tail launch)
+    fused_tail = bool(NT > 0 and n_split and lp.rows and knobs.tokens.fused_tail)
+    fused_tail_ints = (cfg.sink, 0, 0, 0, 0, 0, 1, n_split, 0) if lp.rows else ()
+    tail_consts = dict(TAIL=False, TBN=16, TNBLK=0)
+    n_tail = 0
+    if fused_tail:
+        kps, n_tail, (block_n, _, _) = A.segment_split(NT, D, B * H * m_blocks, torch.float32, dev, knobs.tail_keys)
+        g = _gather_ints(cfg, kp, shape, T, n_table, NF)[0]          # (H, S, NS, NF, NT, KQ, VQ, NVB, R1, ...)
+        fused_tail_ints = (g[1], g[2], NT, g[5], g[6], g[7], g[8], n_split, kps)
+        tail_consts = dict(TAIL=True, TBN=block_n, TNBLK=kps // block_n if interp else 0)
+        S_TOTAL = n_split + n_tail
+    elif NT > 0:
         gather_ints, gconsts = _gather_ints(cfg, kp, shape, T, n_table, NF)
         gather = L.Launch(_gather_tail_kernel, (B * H, _cdiv(NT, gconsts["BT"])), gconsts,
                           dict(num_warps=4, enable_fp_fusion=False), aligned)
@@ -819,8 +964,8 @@ def _decode_plan(cfg, shape, T, q_shape, q_strides, dtypes, dev, dev_index, k_bi
         if lp.rows:
             if lp.maxnreg:
                 opts["maxnreg"] = lp.maxnreg
-            fused = L.Launch(_tokens_kernel, (B * H, n_split), dict(common, NR=lp.rows, SHIFT=2048.0), opts,
-                             aligned)
+            fused = L.Launch(_tokens_kernel, (B * H, n_split + n_tail),
+                             dict(common, NR=lp.rows, SHIFT=2048.0, **tail_consts), opts, aligned)
         else:
             fused = L.Launch(_fused_kernel, (B * H, n_split, m_blocks),
                              dict(common, NGV=D // cfg.v_group(D), BLOCK_M=BLOCK_M, PRECISE=precise, MAGIC=magic,
@@ -829,12 +974,13 @@ def _decode_plan(cfg, shape, T, q_shape, q_strides, dtypes, dev, dev_index, k_bi
                              opts, aligned)
     merge = A.planned_merge(rows, S_TOTAL, D, q_dtype, aligned)
     # one fp32 buffer per call: the partials o (rows, S, D), m and l (rows, S), then the tail's K and V
-    n_o, n_s, n_t = rows * S_TOTAL * D, rows * S_TOTAL, B * H * NT * D
+    n_o, n_s, n_t = rows * S_TOTAL * D, rows * S_TOTAL, (0 if fused_tail else B * H * NT * D)
     offsets = (0, n_o, n_o + n_s, n_o + 2 * n_s, n_o + 2 * n_s + n_t)
     return DecodePlan(fallback=False, dev_index=dev_index, NF=NF, NT=NT, S_TOTAL=S_TOTAL, rows=rows,
                       n_buf=n_o + 2 * n_s + 2 * n_t, offsets=offsets,
                       q_float=q_float, tail_q_float=tail_q_float, lp=lp,
                       gather=gather, gather_ints=gather_ints, fused=fused, fused_ints=fused_ints,
+                      fused_tail_ints=fused_tail_ints,
                       fused_scale=LOG2E if (n_split and not precise) else 1.0, tail=tail, tail_ints=tail_ints,
                       merge=merge, merge_ints=(S_TOTAL, D))
 
@@ -890,12 +1036,15 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None, knobs: Knobs 
         rows, S, NT = p.rows, p.S_TOTAL, p.NT
         o0, m0, l0, k0, v0 = p.offsets
         o_part, m_part, l_part = buf[o0:m0].view(rows, S, D), buf[m0:l0].view(rows, S), buf[l0:k0].view(rows, S)
-        tk, tv = buf[k0:v0].view(B, H, NT, D), buf[v0:].view(B, H, NT, D)
+        tk, tv = (buf[k0:v0].view(B, H, NT, D), buf[v0:].view(B, H, NT, D)) if p.gather is not None else (None, None)
         a, oa, la = tensors, oview, lse
     g = a[1:]                                  # the state: sink, buffers, window, key pool, value pool, tables
     if p.gather is not None:
         p.gather((*g, tk, tv, *p.gather_ints), stream, dev_index)
-    if p.fused is not None:
+    if p.fused is not None and p.lp.rows:       # _tokens_kernel: the FP16 tail's tensors too (read where fused)
+        p.fused((qk, *g[5:], o_part, m_part, l_part, *p.fused_ints, sc * p.fused_scale, *g[:5], *p.fused_tail_ints,
+                 sc), stream, dev_index)
+    elif p.fused is not None:
         p.fused((qk, *g[5:], o_part, m_part, l_part, *p.fused_ints, sc * p.fused_scale), stream, dev_index)
     if p.tail is not None:
         p.tail((qf, tk, tv, o_part, m_part, l_part, *p.tail_ints, sc), stream, dev_index)
