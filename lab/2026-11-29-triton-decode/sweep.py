@@ -11,7 +11,8 @@ Written after every shape, so a cut-short run keeps what it measured.
     python3 lab/2026-11-29-triton-decode/sweep.py --grid tokens-3 --out /tmp/res/tokens.json  # TOKENS.md's sweeps
 
 ``--grid tokens-1`` / ``tokens-3``: the rows kernel (``Knobs(tokens=None)``) against ``_tokens_kernel`` at each
-``TokensKnobs`` of ``TOKENS_1`` / ``TOKENS_3``.
+``TokensKnobs`` of ``TOKENS_1`` / ``TOKENS_3``. ``--grid fused-tail``: the tail in the tokens kernel's launch
+against the gathered tail and the rows kernel, with SDPA FP16 per shape.
 """
 
 from __future__ import annotations
@@ -53,7 +54,11 @@ TOKENS_5 = ({"tokens": None}, {}) + tuple({"tokens": dict(num_warps=w, block_t=b
 TOKENS_7 = ({"tokens": None}, {}) + tuple({"tokens": dict(zip(("num_warps", "block_t", "waves", "maxnreg"), t))}
                                           for t in ((4, 128, 4, 128), (4, 64, 4, 128), (4, 128, 3, 168), (2, 64, 8, 128),
                                                     (4, 128, 4, None)))
-GRIDS = {"knobs": VARIANTS, "tokens-1": TOKENS_1, "tokens-3": TOKENS_3, "tokens-5": TOKENS_5, "tokens-7": TOKENS_7}
+#: --grid fused-tail (lab/2026-11-29-fused-tail): the tail attended in _tokens_kernel's launch (the defaults),
+#: gathered into fp32 for the FP16 partial kernel, and the rows kernel; with each shape's SDPA FP16 baseline
+FUSED_TAIL = ({}, {"tokens": {"fused_tail": False}}, {"tokens": None})
+GRIDS = {"knobs": VARIANTS, "tokens-1": TOKENS_1, "tokens-3": TOKENS_3, "tokens-5": TOKENS_5, "tokens-7": TOKENS_7,
+         "fused-tail": FUSED_TAIL}
 
 
 def knobs_of(paged, v):
@@ -92,6 +97,16 @@ def main(argv=None) -> int:
            "defaults": {f: str(getattr(paged.DEFAULT_KNOBS, f)) for f in paged.Knobs.__dataclass_fields__}}
     t0 = time.monotonic()
     for B, T in shapes:
+        if a.grid == "fused-tail" and not deadline.expired():      # the shape's FP16 baselines, same process
+            import baselines as BL
+            g = torch.Generator(device=device).manual_seed(B * 7919 + T)
+            q = torch.randn((B, Hq, KK.T_Q, Dh), generator=g, device=device, dtype=torch.float16)
+            base = BL.fp16_decode_baselines(q, B, T, Hkv, Dh, 1.0 / math.sqrt(Dh), device, True, deadline,
+                                            KK.MEM_FRACTION)
+            doc["rows"].append({"B": B, "T": T, "method": "SDPA FP16 (best)",
+                                "us": 1e3 * base["sdpa_best"]["ms"] if base.get("sdpa_best", {}).get("ms") else None})
+            print(f"{B}x{T} SDPA best: {doc['rows'][-1]['us']} us", flush=True)
+            C.free_cuda(device)
         for method in a.methods:
             mod, cfg = KK.config(method, T, a.dry_run)
             g = torch.Generator(device=device).manual_seed(B * 31 + T)
