@@ -12,7 +12,7 @@ Written after every shape, so a cut-short run keeps what it measured.
 
 ``--grid tokens-1`` / ``tokens-3``: the rows kernel (``Knobs(tokens=None)``) against ``_tokens_kernel`` at each
 ``TokensKnobs`` of ``TOKENS_1`` / ``TOKENS_3``. ``--grid fused-tail``: the tail in the tokens kernel's launch
-against the gathered tail and the rows kernel, with SDPA FP16 per shape.
+(the tail read where it lies) against the gathered tail and the rows kernel, with SDPA FP16 per shape.
 """
 
 from __future__ import annotations
@@ -54,9 +54,9 @@ TOKENS_5 = ({"tokens": None}, {}) + tuple({"tokens": dict(num_warps=w, block_t=b
 TOKENS_7 = ({"tokens": None}, {}) + tuple({"tokens": dict(zip(("num_warps", "block_t", "waves", "maxnreg"), t))}
                                           for t in ((4, 128, 4, 128), (4, 64, 4, 128), (4, 128, 3, 168), (2, 64, 8, 128),
                                                     (4, 128, 4, None)))
-#: --grid fused-tail (lab/2026-11-29-fused-tail): the tail attended in _tokens_kernel's launch (the defaults),
-#: gathered into fp32 for the FP16 partial kernel, and the rows kernel; with each shape's SDPA FP16 baseline
-FUSED_TAIL = ({}, {"tokens": {"fused_tail": False}}, {"tokens": None})
+#: --grid fused-tail (lab/2026-11-29-fused-tail): the tail read where it lies (the defaults), gathered into fp32
+#: for the FP16 partial kernel, and the rows kernel; with each shape's SDPA FP16 baseline
+FUSED_TAIL = ({}, {"tail_in_place": False}, {"tokens": None})
 GRIDS = {"knobs": VARIANTS, "tokens-1": TOKENS_1, "tokens-3": TOKENS_3, "tokens-5": TOKENS_5, "tokens-7": TOKENS_7,
          "fused-tail": FUSED_TAIL}
 

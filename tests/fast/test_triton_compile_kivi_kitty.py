@@ -52,7 +52,7 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 BASE = dict(G_Q=4, D=128, G=128, BT=128, NGV=1, BLOCK_M=16, TIGHT=True, NPPS=0, PRECISE=False, MAGIC=True,
-            SPLIT_P=True, K_TERMS=2, SHIFT=2048.0, K_WORDS=True, V_WORDS=True, TAIL=False, TBN=16, TNBLK=0)
+            SPLIT_P=True, K_TERMS=2, SHIFT=2048.0, K_WORDS=True, V_WORDS=True, TBN=32, TNBLK=0)
 VARIANTS = {
     "KIVI-K2V2-fp16": ("*fp16", 8, dict(K_BITS=2, V_BITS=2, KITTY=False, DB_HIGH=0)),
     "KIVI-K4V4-fp16": ("*fp16", 8, dict(K_BITS=4, V_BITS=4, KITTY=False, DB_HIGH=0)),
@@ -73,11 +73,13 @@ VARIANTS = {
                                                      DB_HIGH=0, NR=8)),
     "tokens-Kitty-fp16-1warp": ("*fp16", 1, dict(kernel="_tokens_kernel", K_BITS=2, V_BITS=2, KITTY=True, DB_HIGH=16,
                                                  NR=4, BT=64)),
-    # the tail attended in place in the same launch (TokensKnobs.fused_tail): blocks of 32 tail rows
-    "tokens-tail-KIVI-K2V2-fp16": ("*fp16", 2, dict(kernel="_tokens_kernel", K_BITS=2, V_BITS=2, KITTY=False,
-                                                    DB_HIGH=0, NR=4, TAIL=True, TBN=32)),
-    "tokens-tail-Kitty-fp16": ("*fp16", 2, dict(kernel="_tokens_kernel", K_BITS=2, V_BITS=2, KITTY=True, DB_HIGH=16,
-                                                NR=4, TAIL=True, TBN=32)),
+    # the tail read where it lies (Knobs.tail_in_place): blocks of 32 tail rows, the FP16 partial's 4 warps
+    "tail-KIVI-K2V2-fp16": ("*fp16", 4, dict(kernel="_tail_kernel", K_BITS=2, V_BITS=2, KITTY=False, DB_HIGH=0,
+                                             PRECISE=True)),
+    "tail-Kitty-fp16": ("*fp16", 4, dict(kernel="_tail_kernel", K_BITS=2, V_BITS=2, KITTY=True, DB_HIGH=16,
+                                         PRECISE=True)),
+    "tail-KIVI-K2V4-Gv32-fp32": ("*fp32", 4, dict(kernel="_tail_kernel", K_BITS=2, V_BITS=4, KITTY=False, DB_HIGH=0,
+                                                  NGV=4, PRECISE=True)),
 }
 
 

@@ -328,13 +328,13 @@ def test_decode_many_rows_take_the_rows_kernel(triton_target, monkeypatch):
 
 
 def test_decode_tail_takes_fp16_q_as_it_is(triton_target, monkeypatch):
-    """Triton, the tail gathered (``TokensKnobs(fused_tail=False)``): the fp32 tail's partial kernel gets fp16 q
+    """Triton, the tail gathered (``Knobs(tail_in_place=False)``): the fp32 tail's partial kernel gets fp16 q
     as it is (no cast launch) and widens it exactly as it loads it: the decode's bits equal those with q cast
     to fp32 before the tail (the former path)."""
     _, device = triton_target
     _device_ok(device)
     FP = _paged("triton")
-    monkeypatch.setattr(FP, "DEFAULT_KNOBS", FP.Knobs(tokens=FP.TokensKnobs(fused_tail=False)))
+    monkeypatch.setattr(FP, "DEFAULT_KNOBS", FP.Knobs(tail_in_place=False))
     cfg, _, fast, (B, H, D) = _setup(CASES[0], triton_target)
     k, v = _kv(B, H, 90 if device == "cpu" else 2048 + 77, D, cfg.group_size, seed=3)
     fs = fast.init(cfg, B, H, D)
@@ -367,12 +367,13 @@ def test_decode_tail_takes_fp16_q_as_it_is(triton_target, monkeypatch):
 
 
 @pytest.mark.parametrize("ci", [1, 3], ids=lambda i: CASES[i][0])
-def test_decode_tail_fused(triton_target, ci, monkeypatch):
-    """Triton, fp16 q on ``_tokens_kernel``: the tail (sink, key and value Q-buffers, the window, the pages
-    beyond the fused range) is attended in place by extra programs of the same launch, so a decode is two
-    launches (tokens kernel, merge) and no gather; its partials are those of the gathered tail's FP16 partial
-    kernel (``TokensKnobs(fused_tail=False)``: the same operations on the same values), bit for bit under
-    the interpreter, and within the tolerance rule on the GPU (the reductions' order there follows each
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_decode_tail_in_place(triton_target, ci, dtype, monkeypatch):
+    """Triton, fp16 / fp32 q: the tail (sink, key and value Q-buffers, the window, the pages beyond the
+    fused range) is attended where it lies by ``_tail_kernel``: three launches (the fused kernel, the tail,
+    the merge), no gather and no fp32 copy; its partials are those of the gathered tail's FP16 partial kernel
+    (``Knobs(tail_in_place=False)``: the same operations on the same values), bit for bit under the
+    interpreter, and within the tolerance rule on the GPU (the reductions' order there follows each
     kernel's layout)."""
     from kvq.fast.triton import _launch as L
 
@@ -384,11 +385,10 @@ def test_decode_tail_fused(triton_target, ci, monkeypatch):
     k, v = _kv(B, H, T, D, cfg.group_size, seed=ci + 7, start=cfg.sink)
     fs = fast.init(cfg, B, H, D)
     fast.append(cfg, fs, torch.from_numpy(k).to(device), torch.from_numpy(v).to(device))
-    q = torch.randn((B, 4 * H, 1, D), generator=torch.Generator().manual_seed(ci)).to(torch.float16).to(device)
+    q = torch.randn((B, 4 * H, 1, D), generator=torch.Generator().manual_seed(ci)).to(dtype).to(device)
     p = FP.decode_plan(cfg, fast.KeyCodec, fs, q)
-    assert p.NT > 0 and p.fused is not None and p.fused.kernel is FP._tokens_kernel
-    assert p.gather is None and p.tail is None and p.fused.consts["TAIL"]
-    assert p.fused.grid[1] > p.lp.n_split                                    # the tail's splits after the pages'
+    assert p.NT > 0 and p.fused is not None and p.gather is None and p.tail_in_place
+    assert p.tail.kernel is FP._tail_kernel and p.n_buf == p.rows * p.S_TOTAL * (D + 2)    # partials only
     kinds = []
     real = L.Launch.__call__
 
@@ -398,18 +398,18 @@ def test_decode_tail_fused(triton_target, ci, monkeypatch):
 
     monkeypatch.setattr(L.Launch, "__call__", seen)
     out, lse = fast.decode_attention(cfg, fs, q)
-    assert len(kinds) == 2 and kinds[0] is FP._tokens_kernel                # and the merge
-    monkeypatch.setattr(FP, "DEFAULT_KNOBS", FP.Knobs(tokens=FP.TokensKnobs(fused_tail=False)))
+    assert len(kinds) == 3 and kinds[:2] == [p.fused.kernel, FP._tail_kernel]      # and the merge
+    monkeypatch.setattr(FP, "DEFAULT_KNOBS", FP.Knobs(tail_in_place=False))
     pg = FP.decode_plan(cfg, fast.KeyCodec, fs, q)
-    assert pg.gather is not None and pg.tail is not None and pg.S_TOTAL == p.S_TOTAL
+    assert pg.gather is not None and not pg.tail_in_place and pg.S_TOTAL == p.S_TOTAL
     out_g, lse_g = fast.decode_attention(cfg, fs, q)
     if device == "cpu":
         assert torch.equal(out, out_g) and torch.equal(lse, lse_g)
     rs = ref.init(cfg, B, H, D)
     ref.append(cfg, rs, k, v)
     (o64, l64), (o32, l32) = _truth_ref32(ref, cfg, rs, q)
-    check_close(out, o64, o32, torch.float16, "fused tail: out")
-    check_close(lse, l64, l32, torch.float32, "fused tail: lse")
+    check_close(out, o64, o32, dtype, "tail in place: out")
+    check_close(lse, l64, l32, torch.float32, "tail in place: lse")
 
 
 @pytest.mark.parametrize("a", [ATTN[1], ATTN[5], ATTN[6]], ids=["KIVI-K2V2-fp16", "Kitty-fp16-gqa8", "Kitty-Pro-fp16"])
@@ -898,7 +898,7 @@ def test_decode_plan_reused(triton_target, ci, monkeypatch):
     p = FP.decode_plan(cfg, codec, fs, q)
     assert FP.decode_plan(cfg, codec, fs, q.clone()) is p
     launches = [x for x in (p.gather, p.fused, p.tail, p.merge) if x is not None]
-    assert p.fused is not None and p.gather is None and len(launches) == 2      # the tail in the fused launch
+    assert p.fused is not None and p.gather is None and len(launches) == 3      # the tail read in place
     on_gpu = device != "cpu"
     assert all(x.fast == on_gpu and (x.compiled is not None) == on_gpu for x in launches)
     assert p.ready == on_gpu and p.launches == tuple(launches)
@@ -916,7 +916,7 @@ def test_decode_plan_reused(triton_target, ci, monkeypatch):
     assert torch.equal(out1, out0) and torch.equal(lse1, lse0)
     monkeypatch.setattr(L, "current_stream", lambda device_index: None)       # Triton's dispatch every launch
     out2, lse2 = fast.decode_attention(cfg, fs, q)
-    assert len(dispatched) == (2 if on_gpu else 0)
+    assert len(dispatched) == (3 if on_gpu else 0)
     assert torch.equal(out2, out0) and torch.equal(lse2, lse0)
     monkeypatch.undo()
 
@@ -947,9 +947,8 @@ def test_decode_plan_reused(triton_target, ci, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_decode_addresses_match_tensors(triton_target, dtype, monkeypatch):
     """Triton: a ready plan's call hands each launch the device addresses of exactly the tensors (and
-    buffer views) the dispatch path hands it, the integers and the scale unchanged (fp16 q: the tokens
-    kernel with the tail read in place; bf16 q: its fp32 copy for the gathered tail, alive until the
-    launches). Checked by recording both paths' arguments (on the CPU too,
+    buffer views) the dispatch path hands it, the integers and the scale unchanged (fp16 q: the tail read
+    where it lies; bf16 q: its fp32 copy for the gathered tail, alive until the launches). Checked by recording both paths' arguments (on the CPU too,
     where no launch may take addresses: the launches are recorded, not run)."""
     from kvq.fast.triton import _launch as L
 
@@ -974,9 +973,9 @@ def test_decode_addresses_match_tensors(triton_target, dtype, monkeypatch):
     monkeypatch.setattr(p, "ready", True)
     fast.decode_attention(cfg, fs, q)
     tensors, addresses = got[False], got[True]
-    fused_tail = p.gather is None                           # fp16 q: the tail read in place by the tokens kernel
-    assert fused_tail == (dtype == torch.float16)
-    assert [kern for kern, _ in tensors] == [kern for kern, _ in addresses] and len(tensors) == (2 if fused_tail else 4)
+    in_place = p.gather is None                             # fp16 q: the tail read where it lies
+    assert in_place == (dtype == torch.float16)
+    assert [kern for kern, _ in tensors] == [kern for kern, _ in addresses] and len(tensors) == (3 if in_place else 4)
     for (kern, ta), (_, aa) in zip(tensors, addresses):
         assert len(ta) == len(aa), kern
         for x, y in zip(ta, aa):
@@ -987,10 +986,10 @@ def test_decode_addresses_match_tensors(triton_target, dtype, monkeypatch):
             else:
                 assert x == y, kern
     # the state's tensors and (fp16) q are passed at their own addresses
-    if fused_tail:
-        fused = addresses[0][1]
-        assert fused[0] == q.data_ptr() and not p.q_float
-        assert all(t.data_ptr() in fused for t in (fs.k_buf, fs.v_win, fs.sink_k, fs.v_table, fs.k_table))
+    if in_place:
+        fused, tail = addresses[0][1], addresses[1][1]
+        assert fused[0] == q.data_ptr() == tail[0] and not p.q_float
+        assert all(t.data_ptr() in tail for t in (fs.k_buf, fs.v_win, fs.sink_k, fs.v_table, fs.k_table))
         return
     gather_args = addresses[0][1]
     assert fs.k_buf.data_ptr() in gather_args and fs.v_table.data_ptr() in gather_args

@@ -75,11 +75,9 @@ class TokensKnobs:
     block_t: int = 128                   # tokens per online-softmax step (at most G)         TOKENS.md
     num_stages: int = 2                  # software-pipelining depth                         TOKENS.md
     maxnreg: int | None = None           # registers per thread at most (None: the compiler's) TOKENS.md
-    fused_tail: bool = True              # the tail attended in place in the same launch       2026-11-29-fused-tail/NOTE.md
 
     def __post_init__(self):
         C.check_launch_knobs("triton.paged.TokensKnobs", self)  # num_warps, waves, block_t, num_stages
-        _check_knob(isinstance(self.fused_tail, bool), "fused_tail", self.fused_tail, "True or False")
         _check_knob(self.maxnreg is None or (_is_int(self.maxnreg) and 24 <= self.maxnreg <= 255), "maxnreg",
                     self.maxnreg, "None or an int in [24, 255]")
         _check_knob(self.num_warps is not None and self.block_t is not None and self.num_stages is not None,
@@ -102,6 +100,7 @@ class Knobs:
     words: bool = True                   # fp16 q unpacks codes from 32-bit words             KNOBS.md#triton
     tokens: TokensKnobs | None = TokensKnobs()   # _tokens_kernel where it applies (None: never)  TOKENS.md
     tail_keys: int = 32                  # fewest tail tokens per split of the fp32 tail       TOKENS.md
+    tail_in_place: bool = True           # fp16 / fp32 q: the tail read where it lies (no gather) 2026-11-29-fused-tail/NOTE.md
 
     def __post_init__(self):
         C.check_launch_knobs("triton.paged", self)             # num_warps, waves, block_t, num_stages
@@ -111,6 +110,7 @@ class Knobs:
         _check_knob(self.tokens is None or isinstance(self.tokens, TokensKnobs), "tokens", self.tokens,
                     "None or a kvq.fast.triton.paged.TokensKnobs")
         _check_knob(_is_int(self.tail_keys) and self.tail_keys > 0, "tail_keys", self.tail_keys, "a positive int")
+        _check_knob(isinstance(self.tail_in_place, bool), "tail_in_place", self.tail_in_place, "True or False")
 
 
 #: the defaults
@@ -486,49 +486,18 @@ def _fused_kernel(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr,
 #   s = (hi + lo / SHIFT) * max + q . mn_k; online softmax over the step's tokens (rows); the values as
 #   acc^T (D, NR) += codes_v^T (D, BT) @ (p * scale_v)^T (BT, NR) (rounded once to fp16, per row scaled by its
 #   max) and vb (NR) += p . mn_v. No query-row padding on M: the rows are the MMA's N (8 or 16).
-#   TAIL (TokensKnobs.fused_tail): programs sp >= N_SPLIT attend the tail instead (the sink and the
-#   post-sink tokens [NF, T - S): _gather_tail_kernel's rows, dequantized in place) in splits of TKPS rows,
-#   as the FP16 partial kernel's precise mode attends the gathered rows (_tail_split), into partial slot sp.
-# Grid: (B * H_kv, n_splits [+ tail splits]); program sp < N_SPLIT walks the pages [sp*PPS, min((sp+1)*PPS,
-#   NP)) of (b, kv head).
+# Grid: (B * H_kv, n_splits); each program walks the pages [sp*PPS, min((sp+1)*PPS, NP)) of (b, kv head).
 # Bytes: reads each packed K / V page and its metadata once, plus the queries; writes NR (D + 2) fp32 per
-#   program (a tail program: its rows of the sink / buffers / window / pages, 16 (D + 2) fp32).
-@triton.jit(do_not_specialize=["T_Q", "M", "NF", "NP", "PPS", "S_TOTAL", "N_TAB", "NS", "NT", "KQ", "VQ", "NVB",
-                               "N_SPLIT", "TKPS"])
+#   program.
+@triton.jit(do_not_specialize=["T_Q", "M", "NF", "NP", "PPS", "S_TOTAL", "N_TAB"])
 def _tokens_kernel(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr,
                    o_ptr, m_ptr, l_ptr, sq_b, sq_h, sq_t, sq_d,
                    H_Q, H_KV, T_Q, M, NF, NP, PPS, S_TOTAL, N_TAB, qk_scale,
-                   sk_ptr, sv_ptr, kb_ptr, vb_ptr, vw_ptr, S, NS, NT, KQ, VQ, NVB, R1, N_SPLIT, TKPS, sc,
                    G_Q: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BT: tl.constexpr,
                    K_BITS: tl.constexpr, V_BITS: tl.constexpr, KITTY: tl.constexpr, DB_HIGH: tl.constexpr,
-                   NR: tl.constexpr, TIGHT: tl.constexpr, NPPS: tl.constexpr, SHIFT: tl.constexpr,
-                   TAIL: tl.constexpr, TBN: tl.constexpr, TNBLK: tl.constexpr):
+                   NR: tl.constexpr, TIGHT: tl.constexpr, NPPS: tl.constexpr, SHIFT: tl.constexpr):
     bh = tl.program_id(0)
     sp = tl.program_id(1)
-    if TAIL:
-        if sp >= N_SPLIT:                                   # a tail split: the sink and [NF, T - S) in place
-            _tail_split(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr,
-                        o_ptr, m_ptr, l_ptr, sq_b, sq_h, sq_t, sq_d, H_Q, H_KV, T_Q, M, NF, S_TOTAL, N_TAB,
-                        sk_ptr, sv_ptr, kb_ptr, vb_ptr, vw_ptr, S, NS, NT, KQ, VQ, NVB, R1, N_SPLIT, TKPS, sc,
-                        bh, sp - N_SPLIT, G_Q, D, G, K_BITS, V_BITS, KITTY, DB_HIGH, TIGHT, TBN, TNBLK)
-        else:
-            _tokens_split(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr,
-                          o_ptr, m_ptr, l_ptr, sq_b, sq_h, sq_t, sq_d, H_Q, H_KV, T_Q, M, NF, NP, PPS, S_TOTAL,
-                          N_TAB, qk_scale, bh, sp, G_Q, D, G, BT, K_BITS, V_BITS, KITTY, DB_HIGH, NR, TIGHT, NPPS,
-                          SHIFT)
-    else:
-        _tokens_split(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr,
-                      o_ptr, m_ptr, l_ptr, sq_b, sq_h, sq_t, sq_d, H_Q, H_KV, T_Q, M, NF, NP, PPS, S_TOTAL, N_TAB,
-                      qk_scale, bh, sp, G_Q, D, G, BT, K_BITS, V_BITS, KITTY, DB_HIGH, NR, TIGHT, NPPS, SHIFT)
-
-
-@triton.jit
-def _tokens_split(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr,
-                  o_ptr, m_ptr, l_ptr, sq_b, sq_h, sq_t, sq_d, H_Q, H_KV, T_Q, M, NF, NP, PPS, S_TOTAL, N_TAB,
-                  qk_scale, bh, sp, G_Q: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BT: tl.constexpr,
-                  K_BITS: tl.constexpr, V_BITS: tl.constexpr, KITTY: tl.constexpr, DB_HIGH: tl.constexpr,
-                  NR: tl.constexpr, TIGHT: tl.constexpr, NPPS: tl.constexpr, SHIFT: tl.constexpr):
-    """Split ``sp`` of ``_tokens_kernel``'s pages: its pages' online softmax, stored at partial slot sp."""
     b = bh // H_KV
     hk = bh % H_KV
     rows = tl.arange(0, NR)                 # row n: query head hk * G_q + n // T_q, token n % T_q (GQA)
@@ -620,38 +589,62 @@ def _tokens_page(qt, m_i, l_i, vb, acc, j, j_end, b, hk, H_KV, NF, N_TAB, qk_sca
     return m_i, l_i, vb, acc
 
 
+# The decode's tail attended in place (Knobs.tail_in_place): the tokens the fused kernel does not cover (the
+# sink and the post-sink tokens [NF, T - S): _gather_tail_kernel's rows), dequantized where they lie.
+# Computes: for the G_q * T_q query rows of kv head (b, hk) (blocks of BLOCK_M), online softmax over tail rows
+#   [ts*TKPS, min((ts+1)*TKPS, NT)) in blocks of TBN, as the FP16 partial kernel's precise mode attends the
+#   gathered rows (scores as a pairwise tree of 16-channel IEEE dots, accurate exp, IEEE P @ V: the same
+#   operations on the same values); writes (acc, m, l) of partial slot SPLIT0 + ts.
+# Grid: (B * H_kv, tail splits, row blocks).
+# Bytes: reads each tail row's K and V (packed with their metadata, or FP16) once per row block, the
+#   queries; writes BLOCK_M (D + 2) fp32 per program.
+@triton.jit(do_not_specialize=["T_Q", "M", "NF", "S_TOTAL", "N_TAB", "NS", "NT", "KQ", "VQ", "NVB", "SPLIT0",
+                               "TKPS"])
+def _tail_kernel(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr,
+                 o_ptr, m_ptr, l_ptr, sq_b, sq_h, sq_t, sq_d, H_Q, H_KV, T_Q, M, NF, S_TOTAL, N_TAB,
+                 sk_ptr, sv_ptr, kb_ptr, vb_ptr, vw_ptr, S, NS, NT, KQ, VQ, NVB, R1, SPLIT0, TKPS, sc,
+                 G_Q: tl.constexpr, D: tl.constexpr, G: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+                 NGV: tl.constexpr, KITTY: tl.constexpr, DB_HIGH: tl.constexpr, TIGHT: tl.constexpr,
+                 TBN: tl.constexpr, TNBLK: tl.constexpr, BLOCK_M: tl.constexpr):
+    _tail_split(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr,
+                o_ptr, m_ptr, l_ptr, sq_b, sq_h, sq_t, sq_d, H_Q, H_KV, T_Q, M, NF, S_TOTAL, N_TAB,
+                sk_ptr, sv_ptr, kb_ptr, vb_ptr, vw_ptr, S, NS, NT, KQ, VQ, NVB, R1, SPLIT0, TKPS, sc,
+                tl.program_id(0), tl.program_id(1), tl.program_id(2), G_Q, D, G, K_BITS, V_BITS, NGV, KITTY,
+                DB_HIGH, TIGHT, TBN, TNBLK, BLOCK_M)
+
+
 @triton.jit
 def _tail_split(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr,
                 o_ptr, m_ptr, l_ptr, sq_b, sq_h, sq_t, sq_d, H_Q, H_KV, T_Q, M, NF, S_TOTAL, N_TAB,
-                sk_ptr, sv_ptr, kb_ptr, vb_ptr, vw_ptr, S, NS, NT, KQ, VQ, NVB, R1, N_SPLIT, TKPS, sc, bh, ts,
+                sk_ptr, sv_ptr, kb_ptr, vb_ptr, vw_ptr, S, NS, NT, KQ, VQ, NVB, R1, SPLIT0, TKPS, sc, bh, ts, mb,
                 G_Q: tl.constexpr, D: tl.constexpr, G: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-                KITTY: tl.constexpr, DB_HIGH: tl.constexpr, TIGHT: tl.constexpr, TBN: tl.constexpr,
-                TNBLK: tl.constexpr):
-    """Tail split ``ts`` of ``_tokens_kernel``: tail rows [ts TKPS, min((ts + 1) TKPS, NT)) (the rows of
-    ``_gather_tail_kernel``, dequantized in place by ``_tail_keys`` / ``_tail_values``) attended as the FP16
-    partial kernel's precise mode attends the gathered rows (blocks of TBN keys, the scores as a pairwise tree
-    of 16-channel IEEE dots, accurate exp, IEEE P @ V; the same operations on the same values), stored at
-    partial slot N_SPLIT + ts. The query rows are padded to 16 (``tl.dot``)."""
+                NGV: tl.constexpr, KITTY: tl.constexpr, DB_HIGH: tl.constexpr, TIGHT: tl.constexpr,
+                TBN: tl.constexpr, TNBLK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Tail split ``ts`` of kv head ``bh`` (``_tail_kernel``): tail rows [ts TKPS, min((ts + 1) TKPS, NT))
+    (the rows of ``_gather_tail_kernel``, dequantized in place by ``_tail_keys`` / ``_tail_values``) attended as
+    the FP16 partial kernel's precise mode attends the gathered rows (blocks of TBN keys, the scores as a
+    pairwise tree of 16-channel IEEE dots, accurate exp, IEEE P @ V; the same operations on the same values),
+    stored at partial slot SPLIT0 + ts, for the query rows of block ``mb`` (BLOCK_M >= 16 rows, ``tl.dot``)."""
     LIBDEVICE: tl.constexpr = TIGHT
-    b, hk, h, t, rmask, q_ptrs = A.query_rows(q_ptr, bh, 0, H_KV, sq_b, sq_h, sq_t, T_Q, M, G_Q, 16)
+    b, hk, h, t, rmask, q_ptrs = A.query_rows(q_ptr, bh, mb, H_KV, sq_b, sq_h, sq_t, T_Q, M, G_Q, BLOCK_M)
     start = ts * TKPS
     end = tl.minimum(start + TKPS, NT)
-    m_i = tl.full((16,), float("-inf"), tl.float32)
-    l_i = tl.zeros((16,), tl.float32)
-    acc = tl.zeros((16, D), tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
     if TIGHT:
         for n0 in range(start, end, TBN):
             m_i, l_i, acc = _tail_block(q_ptrs, rmask, sq_d, m_i, l_i, acc, n0, end, b, hk, H_KV, NF, N_TAB,
                                         kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr,
                                         vt_ptr, sk_ptr, sv_ptr, kb_ptr, vb_ptr, vw_ptr, S, NS, KQ, VQ, NVB, R1, sc,
-                                        D, G, K_BITS, V_BITS, KITTY, DB_HIGH, TBN, LIBDEVICE)
+                                        D, G, K_BITS, V_BITS, NGV, KITTY, DB_HIGH, TBN, LIBDEVICE)
     else:                                                   # interpreter: constexpr trip count, masked
         for it in range(0, TNBLK):
             m_i, l_i, acc = _tail_block(q_ptrs, rmask, sq_d, m_i, l_i, acc, start + it * TBN, end, b, hk, H_KV,
                                         NF, N_TAB, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr,
                                         kt_ptr, vt_ptr, sk_ptr, sv_ptr, kb_ptr, vb_ptr, vw_ptr, S, NS, KQ, VQ, NVB,
-                                        R1, sc, D, G, K_BITS, V_BITS, KITTY, DB_HIGH, TBN, LIBDEVICE)
-    A.store_split(o_ptr, m_ptr, l_ptr, b, h, t, H_Q, T_Q, S_TOTAL, N_SPLIT + ts, acc, m_i, l_i, rmask,
+                                        R1, sc, D, G, K_BITS, V_BITS, NGV, KITTY, DB_HIGH, TBN, LIBDEVICE)
+    A.store_split(o_ptr, m_ptr, l_ptr, b, h, t, H_Q, T_Q, S_TOTAL, SPLIT0 + ts, acc, m_i, l_i, rmask,
                   tl.arange(0, D), D)
 
 
@@ -659,7 +652,7 @@ def _tail_split(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, v
 def _tail_block(q_ptrs, rmask, sq_d, m_i, l_i, acc, n0, end, b, hk, H_KV, NF, N_TAB,
                 kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr,
                 sk_ptr, sv_ptr, kb_ptr, vb_ptr, vw_ptr, S, NS, KQ, VQ, NVB, R1, sc,
-                D: tl.constexpr, G: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+                D: tl.constexpr, G: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, NGV: tl.constexpr,
                 KITTY: tl.constexpr, DB_HIGH: tl.constexpr, TBN: tl.constexpr, LIBDEVICE: tl.constexpr):
     """Tail rows [n0, n0 + TBN) (masked at ``end``): one online-softmax update, as the FP16 partial kernel's
     precise ``_attend_block`` over the gathered rows."""
@@ -670,7 +663,7 @@ def _tail_block(q_ptrs, rmask, sq_d, m_i, l_i, acc, n0, end, b, hk, H_KV, NF, N_
     s = tl.where(cmask[None, :], s * sc, float("-inf"))
     m_new, alpha, p, l_i = A.softmax_step(s, m_i, l_i, True, LIBDEVICE)
     v = _tail_values(sv_ptr, vb_ptr, vw_ptr, vc_ptr, vs_ptr, vm_ptr, vt_ptr, b, hk, H_KV, u, cmask,
-                     tl.arange(0, D)[None, :], S, NS, NF, VQ, NVB, R1, N_TAB, G, D, V_BITS, 1)
+                     tl.arange(0, D)[None, :], S, NS, NF, VQ, NVB, R1, N_TAB, G, D, V_BITS, NGV)
     acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
     return m_new, l_i, acc
 
@@ -845,17 +838,17 @@ PLAN_CACHE_SIZE = 256
 class DecodePlan:
     """Every launch of one decode call, planned once per call shape (``decode_plan``). ``fallback``: the
     configuration is not the fused kernel's (dequantize and attend); else the fused kernel's ``Plan``
-    (``lp``), ``NF`` fused tokens, ``NT`` tail tokens (gathered into fp32, or attended in place by
-    ``_tokens_kernel``'s own launch: ``fused_tail_ints``, the tail's arguments of that kernel), ``S_TOTAL``
+    (``lp``), ``NF`` fused tokens, ``NT`` tail tokens (``tail_in_place``: attended where they lie by
+    ``_tail_kernel``, else gathered into fp32 for the FP16 partial kernel), ``S_TOTAL``
     partial slots per query row over ``rows`` rows, ``q_float`` (the fused kernel takes q cast to fp32: the
     exact path) and ``tail_q_float`` (the tail's partial kernel takes q cast to fp32: bf16 q), and the
     kernels' ``_launch.Launch``es with their integer arguments (``gather`` / ``fused`` / ``tail`` None where
-    there is no work or the tail is fused; ``merge``; all of them in ``launches``). A call allocates one fp32
+    there is no work; ``merge``; all of them in ``launches``). A call allocates one fp32
     buffer of ``n_buf`` elements: o, m and l partials and the gathered tail's K and V at ``offsets``.
     ``ready``: every launch holds its compiled kernel (set after the first call that leaves them so)."""
 
     __slots__ = ("fallback", "dev_index", "NF", "NT", "S_TOTAL", "rows", "q_float", "tail_q_float", "lp",
-                 "gather", "gather_ints", "fused", "fused_ints", "fused_scale", "fused_tail_ints", "tail",
+                 "gather", "gather_ints", "fused", "fused_ints", "fused_scale", "tail_in_place", "tail",
                  "tail_ints", "merge", "merge_ints", "n_buf", "offsets", "launches", "ready")
 
     def __init__(self, **kw):
@@ -927,17 +920,20 @@ def _decode_plan(cfg, shape, T, q_shape, q_strides, dtypes, dev, dev_index, k_bi
     gather = tail = None
     gather_ints = tail_ints = ()
     tail_q_float = False
-    # _tokens_kernel attends the tail in place in extra programs of its own launch (no gather, no tail launch)
-    fused_tail = bool(NT > 0 and n_split and lp.rows and knobs.tokens.fused_tail)
-    fused_tail_ints = (cfg.sink, 0, 0, 0, 0, 0, 1, n_split, 0) if lp.rows else ()
-    tail_consts = dict(TAIL=False, TBN=16, TNBLK=0)
-    n_tail = 0
-    if fused_tail:
-        kps, n_tail, (block_n, _, _) = A.segment_split(NT, D, B * H * m_blocks, torch.float32, dev, knobs.tail_keys)
+    # the tail read where it lies by its own kernel (fp16 / fp32 q), else gathered into fp32 for the partial kernel
+    tail_in_place = bool(NT > 0 and knobs.tail_in_place and q_dtype in (torch.float16, torch.float32))
+    if tail_in_place:
+        kps, n, (block_n, warps, stages) = A.segment_split(NT, D, B * H * m_blocks, torch.float32, dev,
+                                                           knobs.tail_keys)
         g = _gather_ints(cfg, kp, shape, T, n_table, NF)[0]          # (H, S, NS, NF, NT, KQ, VQ, NVB, R1, ...)
-        fused_tail_ints = (g[1], g[2], NT, g[5], g[6], g[7], g[8], n_split, kps)
-        tail_consts = dict(TAIL=True, TBN=block_n, TNBLK=kps // block_n if interp else 0)
-        S_TOTAL = n_split + n_tail
+        S_TOTAL = n_split + n
+        tail_ints = ((*q_strides, H_q, H, T_q, M, NF, S_TOTAL, n_table),
+                     (g[1], g[2], NT, g[5], g[6], g[7], g[8], n_split, kps))
+        tail = L.Launch(_tail_kernel, (B * H, n, m_blocks),
+                        dict(G_Q=G_q, D=D, G=G, K_BITS=k_bits, V_BITS=cfg.v_bits, NGV=D // cfg.v_group(D), KITTY=kitty,
+                             DB_HIGH=db, TIGHT=not interp, TBN=block_n, TNBLK=kps // block_n if interp else 0,
+                             BLOCK_M=BLOCK_M),
+                        dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False), aligned)
     elif NT > 0:
         gather_ints, gconsts = _gather_ints(cfg, kp, shape, T, n_table, NF)
         gather = L.Launch(_gather_tail_kernel, (B * H, _cdiv(NT, gconsts["BT"])), gconsts,
@@ -964,8 +960,8 @@ def _decode_plan(cfg, shape, T, q_shape, q_strides, dtypes, dev, dev_index, k_bi
         if lp.rows:
             if lp.maxnreg:
                 opts["maxnreg"] = lp.maxnreg
-            fused = L.Launch(_tokens_kernel, (B * H, n_split + n_tail),
-                             dict(common, NR=lp.rows, SHIFT=2048.0, **tail_consts), opts, aligned)
+            fused = L.Launch(_tokens_kernel, (B * H, n_split), dict(common, NR=lp.rows, SHIFT=2048.0), opts,
+                             aligned)
         else:
             fused = L.Launch(_fused_kernel, (B * H, n_split, m_blocks),
                              dict(common, NGV=D // cfg.v_group(D), BLOCK_M=BLOCK_M, PRECISE=precise, MAGIC=magic,
@@ -974,13 +970,13 @@ def _decode_plan(cfg, shape, T, q_shape, q_strides, dtypes, dev, dev_index, k_bi
                              opts, aligned)
     merge = A.planned_merge(rows, S_TOTAL, D, q_dtype, aligned)
     # one fp32 buffer per call: the partials o (rows, S, D), m and l (rows, S), then the tail's K and V
-    n_o, n_s, n_t = rows * S_TOTAL * D, rows * S_TOTAL, (0 if fused_tail else B * H * NT * D)
+    n_o, n_s, n_t = rows * S_TOTAL * D, rows * S_TOTAL, (0 if tail_in_place else B * H * NT * D)
     offsets = (0, n_o, n_o + n_s, n_o + 2 * n_s, n_o + 2 * n_s + n_t)
     return DecodePlan(fallback=False, dev_index=dev_index, NF=NF, NT=NT, S_TOTAL=S_TOTAL, rows=rows,
                       n_buf=n_o + 2 * n_s + 2 * n_t, offsets=offsets,
                       q_float=q_float, tail_q_float=tail_q_float, lp=lp,
                       gather=gather, gather_ints=gather_ints, fused=fused, fused_ints=fused_ints,
-                      fused_tail_ints=fused_tail_ints,
+                      tail_in_place=tail_in_place,
                       fused_scale=LOG2E if (n_split and not precise) else 1.0, tail=tail, tail_ints=tail_ints,
                       merge=merge, merge_ints=(S_TOTAL, D))
 
@@ -1041,12 +1037,11 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None, knobs: Knobs 
     g = a[1:]                                  # the state: sink, buffers, window, key pool, value pool, tables
     if p.gather is not None:
         p.gather((*g, tk, tv, *p.gather_ints), stream, dev_index)
-    if p.fused is not None and p.lp.rows:       # _tokens_kernel: the FP16 tail's tensors too (read where fused)
-        p.fused((qk, *g[5:], o_part, m_part, l_part, *p.fused_ints, sc * p.fused_scale, *g[:5], *p.fused_tail_ints,
-                 sc), stream, dev_index)
-    elif p.fused is not None:
+    if p.fused is not None:
         p.fused((qk, *g[5:], o_part, m_part, l_part, *p.fused_ints, sc * p.fused_scale), stream, dev_index)
-    if p.tail is not None:
+    if p.tail is not None and p.tail_in_place:  # the state's tail where it lies
+        p.tail((qf, *g[5:], o_part, m_part, l_part, *p.tail_ints[0], *g[:5], *p.tail_ints[1], sc), stream, dev_index)
+    elif p.tail is not None:
         p.tail((qf, tk, tv, o_part, m_part, l_part, *p.tail_ints, sc), stream, dev_index)
     p.merge((o_part, m_part, l_part, oa, la, *p.merge_ints), stream, dev_index)
     if stream is None and not p.ready:
