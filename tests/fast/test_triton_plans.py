@@ -25,7 +25,7 @@ def test_knob_defaults_are_the_former_dicts():
                                               "k_terms": 2, "num_stages": None, "words": True,
                                               "tokens": {"num_warps": 2, "waves": 4, "block_t": 128,
                                                          "num_stages": 2, "maxnreg": None},
-                                              "tail_keys": 32, "tail_in_place": True}
+                                              "tail_keys": 32, "tail_in_place": False}
     assert dataclasses.asdict(OD.Knobs()) == {"num_warps": 4, "waves": 3, "block_t": None, "k_terms": 3,
                                               "v_terms": 1, "num_stages": None}
     assert dataclasses.asdict(BDD.Knobs()) == {"leaf": None, "unpack": 1, "waves": 4, "bt_max": None,

@@ -369,8 +369,8 @@ def test_decode_tail_takes_fp16_q_as_it_is(triton_target, monkeypatch):
 @pytest.mark.parametrize("ci", [1, 3], ids=lambda i: CASES[i][0])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 def test_decode_tail_in_place(triton_target, ci, dtype, monkeypatch):
-    """Triton, fp16 / fp32 q: the tail (sink, key and value Q-buffers, the window, the pages beyond the
-    fused range) is attended where it lies by ``_tail_kernel``: three launches (the fused kernel, the tail,
+    """Triton, fp16 / fp32 q with ``Knobs(tail_in_place=True)``: the tail (sink, key and value Q-buffers, the
+    window, the pages beyond the fused range) is attended where it lies by ``_tail_kernel``: three launches (the fused kernel, the tail,
     the merge), no gather and no fp32 copy; its partials are those of the gathered tail's FP16 partial kernel
     (``Knobs(tail_in_place=False)``: the same operations on the same values), bit for bit under the
     interpreter, and within the tolerance rule on the GPU (the reductions' order there follows each
@@ -380,6 +380,7 @@ def test_decode_tail_in_place(triton_target, ci, dtype, monkeypatch):
     _, device = triton_target
     _device_ok(device)
     FP = _paged("triton")
+    monkeypatch.setattr(FP, "DEFAULT_KNOBS", FP.Knobs(tail_in_place=True))
     cfg, ref, fast, (B, H, D) = _setup(CASES[ci], triton_target)
     T = 90 if device == "cpu" else 2048 + 77
     k, v = _kv(B, H, T, D, cfg.group_size, seed=ci + 7, start=cfg.sink)
@@ -898,7 +899,7 @@ def test_decode_plan_reused(triton_target, ci, monkeypatch):
     p = FP.decode_plan(cfg, codec, fs, q)
     assert FP.decode_plan(cfg, codec, fs, q.clone()) is p
     launches = [x for x in (p.gather, p.fused, p.tail, p.merge) if x is not None]
-    assert p.fused is not None and p.gather is None and len(launches) == 3      # the tail read in place
+    assert p.fused is not None and p.gather is not None and len(launches) == 4
     on_gpu = device != "cpu"
     assert all(x.fast == on_gpu and (x.compiled is not None) == on_gpu for x in launches)
     assert p.ready == on_gpu and p.launches == tuple(launches)
@@ -916,7 +917,7 @@ def test_decode_plan_reused(triton_target, ci, monkeypatch):
     assert torch.equal(out1, out0) and torch.equal(lse1, lse0)
     monkeypatch.setattr(L, "current_stream", lambda device_index: None)       # Triton's dispatch every launch
     out2, lse2 = fast.decode_attention(cfg, fs, q)
-    assert len(dispatched) == (3 if on_gpu else 0)
+    assert len(dispatched) == (4 if on_gpu else 0)
     assert torch.equal(out2, out0) and torch.equal(lse2, lse0)
     monkeypatch.undo()
 
@@ -944,8 +945,9 @@ def test_decode_plan_reused(triton_target, ci, monkeypatch):
     assert p2 is not p and (p2.NF, p2.NT) != (p.NF, p.NT)
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["gathered", "in-place"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_decode_addresses_match_tensors(triton_target, dtype, monkeypatch):
+def test_decode_addresses_match_tensors(triton_target, dtype, in_place, monkeypatch):
     """Triton: a ready plan's call hands each launch the device addresses of exactly the tensors (and
     buffer views) the dispatch path hands it, the integers and the scale unchanged (fp16 q: the tail read
     where it lies; bf16 q: its fp32 copy for the gathered tail, alive until the launches). Checked by recording both paths' arguments (on the CPU too,
@@ -959,6 +961,7 @@ def test_decode_addresses_match_tensors(triton_target, dtype, monkeypatch):
     fast.append(cfg, fs, torch.from_numpy(k).to(device), torch.from_numpy(v).to(device))
     q = torch.randn((B, 4 * H, 1, D), generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
     FP = _paged("triton")
+    monkeypatch.setattr(FP, "DEFAULT_KNOBS", FP.Knobs(tail_in_place=in_place))
     p = FP.decode_plan(cfg, fast.KeyCodec, fs, q)
     got = {}
 
@@ -973,8 +976,8 @@ def test_decode_addresses_match_tensors(triton_target, dtype, monkeypatch):
     monkeypatch.setattr(p, "ready", True)
     fast.decode_attention(cfg, fs, q)
     tensors, addresses = got[False], got[True]
-    in_place = p.gather is None                             # fp16 q: the tail read where it lies
-    assert in_place == (dtype == torch.float16)
+    in_place = p.gather is None                             # Knobs(tail_in_place=True), fp16 q: the tail where it lies
+    assert in_place == (dtype == torch.float16 and FP.DEFAULT_KNOBS.tail_in_place)
     assert [kern for kern, _ in tensors] == [kern for kern, _ in addresses] and len(tensors) == (3 if in_place else 4)
     for (kern, ta), (_, aa) in zip(tensors, addresses):
         assert len(ta) == len(aa), kern
