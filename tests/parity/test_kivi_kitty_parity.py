@@ -368,7 +368,7 @@ def test_decode_tail_takes_fp16_q_as_it_is(triton_target, monkeypatch):
 
 @pytest.mark.parametrize("ci", [1, 3], ids=lambda i: CASES[i][0])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
-def test_decode_tail_in_place(triton_target, ci, dtype, monkeypatch):
+def test_triton_decode_tail_in_place(triton_target, ci, dtype, monkeypatch):
     """Triton, fp16 / fp32 q with ``Knobs(tail_in_place=True)``: the tail (sink, key and value Q-buffers, the
     window, the pages beyond the fused range) is attended where it lies by ``_tail_kernel``: three launches (the fused kernel, the tail,
     the merge), no gather and no fp32 copy; its partials are those of the gathered tail's FP16 partial kernel

@@ -658,35 +658,38 @@ def _tail_block(q_ptrs, rmask, sq_d, m_i, l_i, acc, n0, end, b, hk, H_KV, NF, N_
     precise ``_attend_block`` over the gathered rows."""
     u = n0 + tl.arange(0, TBN)
     cmask = u < end
-    s = _tail_tree(q_ptrs, rmask, sq_d, u, cmask, b, hk, H_KV, NF, N_TAB, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr,
-                   kt_ptr, sk_ptr, kb_ptr, S, NS, KQ, G, D, K_BITS, KITTY, DB_HIGH, 0, D // 16)
+    d2 = tl.arange(0, D)[None, :]
+    q = tl.load(q_ptrs + d2 * sq_d, mask=rmask[:, None], other=0.0).to(tl.float32)      # fp16 q: exact
+    k = _tail_keys(sk_ptr, kb_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, kt_ptr, b, hk, H_KV, u, cmask, d2,
+                   S, NS, NF, KQ, N_TAB, G, D, K_BITS, KITTY, DB_HIGH)                  # dequantized once
+    s = _tail_tree(q, k, D // 16)
     s = tl.where(cmask[None, :], s * sc, float("-inf"))
     m_new, alpha, p, l_i = A.softmax_step(s, m_i, l_i, True, LIBDEVICE)
-    v = _tail_values(sv_ptr, vb_ptr, vw_ptr, vc_ptr, vs_ptr, vm_ptr, vt_ptr, b, hk, H_KV, u, cmask,
-                     tl.arange(0, D)[None, :], S, NS, NF, VQ, NVB, R1, N_TAB, G, D, V_BITS, NGV)
+    v = _tail_values(sv_ptr, vb_ptr, vw_ptr, vc_ptr, vs_ptr, vm_ptr, vt_ptr, b, hk, H_KV, u, cmask, d2,
+                     S, NS, NF, VQ, NVB, R1, N_TAB, G, D, V_BITS, NGV)
     acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
     return m_new, l_i, acc
 
 
 @triton.jit
-def _tail_tree(q_ptrs, rmask, sq_d, u, cmask, b, hk, H_KV, NF, N_TAB, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr,
-               kt_ptr, sk_ptr, kb_ptr, S, NS, KQ, G, D: tl.constexpr, K_BITS: tl.constexpr, KITTY: tl.constexpr,
-               DB_HIGH: tl.constexpr, LO: tl.constexpr, N: tl.constexpr):
-    """q k^T over the channel chunks [16 LO, 16 (LO + N)) of tail rows ``u``, as a pairwise tree of
-    16-channel IEEE dots (``attention``'s precise tree, each chunk's keys dequantized in place)."""
+def _tail_tree(q, k, N: tl.constexpr):
+    """q (BLOCK_M, 16 N) k^T (TBN, 16 N) fp32 as a pairwise tree of 16-channel IEEE dots (the first half's
+    tree plus the second half's, ``attention``'s precise tree), the halves split off the register tiles."""
     if N == 1:
-        dc = LO * 16 + tl.arange(0, 16)
-        qc = tl.load(q_ptrs + dc[None, :] * sq_d, mask=rmask[:, None], other=0.0).to(tl.float32)
-        kc = _tail_keys(sk_ptr, kb_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, kt_ptr, b, hk, H_KV, u, cmask,
-                        dc[None, :], S, NS, NF, KQ, N_TAB, G, D, K_BITS, KITTY, DB_HIGH)
-        r = tl.dot(qc, tl.trans(kc), input_precision="ieee")
+        r = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
-        r = (_tail_tree(q_ptrs, rmask, sq_d, u, cmask, b, hk, H_KV, NF, N_TAB, kc_ptr, kh_ptr, ki_ptr, ks_ptr,
-                        km_ptr, kt_ptr, sk_ptr, kb_ptr, S, NS, KQ, G, D, K_BITS, KITTY, DB_HIGH, LO, N // 2)
-             + _tail_tree(q_ptrs, rmask, sq_d, u, cmask, b, hk, H_KV, NF, N_TAB, kc_ptr, kh_ptr, ki_ptr, ks_ptr,
-                          km_ptr, kt_ptr, sk_ptr, kb_ptr, S, NS, KQ, G, D, K_BITS, KITTY, DB_HIGH, LO + N // 2,
-                          N // 2))
+        q0, q1 = _channel_halves(q)
+        k0, k1 = _channel_halves(k)
+        r = _tail_tree(q0, k0, N // 2) + _tail_tree(q1, k1, N // 2)
     return r
+
+
+@triton.jit
+def _channel_halves(x):
+    """(R, C) -> its columns [0, C / 2) and [C / 2, C)."""
+    R: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    return tl.split(tl.permute(tl.reshape(x, (R, 2, C // 2)), (0, 2, 1)))
 
 
 # Gather the tail of the decode: the tokens the fused kernel does not cover (the sink and the post-sink
