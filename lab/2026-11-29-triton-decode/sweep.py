@@ -54,9 +54,10 @@ TOKENS_5 = ({"tokens": None}, {}) + tuple({"tokens": dict(num_warps=w, block_t=b
 TOKENS_7 = ({"tokens": None}, {}) + tuple({"tokens": dict(zip(("num_warps", "block_t", "waves", "maxnreg"), t))}
                                           for t in ((4, 128, 4, 128), (4, 64, 4, 128), (4, 128, 3, 168), (2, 64, 8, 128),
                                                     (4, 128, 4, None)))
-#: --grid fused-tail (lab/2026-11-29-fused-tail): the tail read where it lies (the defaults), gathered into fp32
-#: for the FP16 partial kernel, and the rows kernel; with each shape's SDPA FP16 baseline
-FUSED_TAIL = ({}, {"tail_in_place": False}, {"tokens": None})
+#: --grid fused-tail (lab/2026-11-29-fused-tail): the tail read where it lies and gathered into fp32 for the
+#: FP16 partial kernel (explicitly: the default changed between the calls), and the rows kernel; with each
+#: shape's SDPA FP16 baseline
+FUSED_TAIL = ({"tail_in_place": True}, {"tail_in_place": False}, {"tokens": None})
 GRIDS = {"knobs": VARIANTS, "tokens-1": TOKENS_1, "tokens-3": TOKENS_3, "tokens-5": TOKENS_5, "tokens-7": TOKENS_7,
          "fused-tail": FUSED_TAIL}
 
