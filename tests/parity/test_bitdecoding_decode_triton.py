@@ -157,26 +157,18 @@ def test_decode_attention(device, kind, which, launches):
 
 
 @pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
-def test_decode_plan_reused(device, dtype, monkeypatch):
+def test_decode_plan_reused(device, dtype, monkeypatch, triton_dispatches):
     """The decode's two launches are planned once per call shape and kept: on the GPU a later call makes no
     Triton dispatch at all and gives the first call's bits, as does a call through Triton's dispatch (bf16
     q: its fp32 copy under the interpreter). A new length is a new plan."""
-    import triton
-
     cfg = KINDS["KC2"]
     n = 3 * cfg.n_r + 5 if device == "cpu" else 16 * cfg.n_r + 5
     st = ref_state(cfg, device, n, seed=31)
     fs, q, out0, lse0 = decode_and_check(cfg, st, device, 4, 1, dtype, seed=32)
     before = BDD._decode_plan.cache_info()
     on_gpu = device != "cpu"
-    real = triton.runtime.jit.JITFunction.run
-    dispatched = []
-
-    def counted(self, *a, **kw):
-        dispatched.append(self)
-        return real(self, *a, **kw)
-
-    monkeypatch.setattr(triton.runtime.jit.JITFunction, "run", counted)
+    dispatched = triton_dispatches
+    dispatched.clear()
     out1, lse1 = BDD.decode(cfg, fs, q.clone())
     after = BDD._decode_plan.cache_info()
     assert after.hits == before.hits + 1 and after.misses == before.misses

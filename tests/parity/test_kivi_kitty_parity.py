@@ -877,13 +877,11 @@ def test_bad_input(target, case):
 
 
 @pytest.mark.parametrize("ci", [0, 3], ids=["KIVI-K2V2", "Kitty"])
-def test_decode_plan_reused(triton_target, ci, monkeypatch):
+def test_decode_plan_reused(triton_target, ci, monkeypatch, triton_dispatches):
     """Triton: a decode's launches are planned once per call shape (``paged.decode_plan``) and kept; on the
     GPU a plan's launches keep their compiled kernels after the first call, so a later call makes no Triton
     dispatch at all and gives the first call's bits, as does a call through Triton's dispatch. A new length
     is a new plan; a q that is not 16-byte aligned gets a plan that always dispatches, with the same bits."""
-    import triton
-
     from kvq.fast.triton import _launch as L
 
     _, device = triton_target
@@ -904,14 +902,8 @@ def test_decode_plan_reused(triton_target, ci, monkeypatch):
     assert all(x.fast == on_gpu and (x.compiled is not None) == on_gpu for x in launches)
     assert p.ready == on_gpu and p.launches == tuple(launches)
 
-    real = triton.runtime.jit.JITFunction.run
-    dispatched = []
-
-    def counted(self, *a, **kw):
-        dispatched.append(self)
-        return real(self, *a, **kw)
-
-    monkeypatch.setattr(triton.runtime.jit.JITFunction, "run", counted)
+    dispatched = triton_dispatches
+    dispatched.clear()
     out1, lse1 = fast.decode_attention(cfg, fs, q.clone())
     assert dispatched == [] if on_gpu else True
     assert torch.equal(out1, out0) and torch.equal(lse1, lse0)

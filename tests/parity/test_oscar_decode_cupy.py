@@ -18,7 +18,7 @@ import torch
 
 from kvq.reference import oscar as RO
 
-from .test_oscar_decode_parity import BASE, _check, _q, _state
+from .test_oscar_decode_parity import BASE, ROTATE_CASES, _check, _q, _state, check_rotate_heads
 from .tolerance import check_close
 
 pytestmark = pytest.mark.gpu
@@ -216,34 +216,7 @@ def test_cuda_graph_capture(mods):
     assert torch.equal(out, out0) and torch.equal(lse, lse0)
 
 
-@pytest.mark.parametrize("in_dt,out_dt,per_head", [(torch.float32, torch.float32, False),
-                                                    (torch.float16, torch.float32, True),
-                                                    (torch.float32, torch.float16, True),
-                                                    (torch.bfloat16, torch.bfloat16, False)])
+@pytest.mark.parametrize("in_dt,out_dt,per_head", ROTATE_CASES)
 def test_rotate_heads(mods, in_dt, out_dt, per_head):
-    """oscar_decode.rotate_heads (float64 sums, one launch) equals the float64 product rounded to fp32
-    and then to the output dtype, to within one fp32 rounding of the sum (its order differs), for a
-    strided x and per-KV-head rotations (GQA: head h uses R[h // 4]); a float32 R gives the bits of its
-    float64 copy."""
-    _, OD = mods
-    g = torch.Generator().manual_seed(3)
-    B, Hkv, Gq, T, D = 2, 3, 4, 5, 128
-    x = (torch.randn(B, T, Hkv * Gq, D, generator=g) * 7).to(in_dt).to(DEV).transpose(1, 2)   # strided
-    R = torch.linalg.qr(torch.randn(Hkv if per_head else 1, D, D, generator=g, dtype=torch.float64))[0]
-    R = (R if per_head else R[0]).to(DEV)
-    got = OD.rotate_heads(x, R, out_dt)
-    R3 = R if per_head else R.unsqueeze(0).expand(Hkv, D, D)
-    exact = (x.double().reshape(B, Hkv, Gq * T, D) @ R3).reshape(B, Hkv * Gq, T, D)
-    assert got.dtype == out_dt and got.shape == x.shape and got.is_contiguous()
-    f32 = exact.float()
-    # the float64 sums differ from the library's in the last bits: at most one fp32 step apart after
-    # rounding, hence at most one step of the output dtype after the second rounding
-    step = torch.finfo(out_dt).eps * exact.abs().max().item()
-    assert (got.double() - f32.to(out_dt).double()).abs().max().item() <= step
-    if out_dt == torch.float32:
-        assert (got.double() - exact).abs().max().item() <= torch.finfo(torch.float32).eps * exact.abs().max().item()
-    # float32 R (the decode's: the calibration is fp32) is read as float64: the bits of its float64 copy
-    R32 = R.float()
-    assert torch.equal(OD.rotate_heads(x, R32, out_dt), OD.rotate_heads(x, R32.double(), out_dt))
-    with pytest.raises(ValueError, match="float64 or float32 R"):
-        OD.rotate_heads(x, R.half(), out_dt)
+    """oscar_decode.rotate_heads (float64 sums, one launch): ``check_rotate_heads`` (the Triton file's)."""
+    check_rotate_heads(mods[1], DEV, 128, in_dt, out_dt, per_head)

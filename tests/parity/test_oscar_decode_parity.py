@@ -263,13 +263,11 @@ def test_fp16_tokens_read_in_place(device, monkeypatch):
         assert len(merge) == 1 and merge[0].consts["OUT_KIND"] == (2 if back else 0)      # fp32 / fp16
 
 
-def test_decode_plan_reused(device, monkeypatch):
+def test_decode_plan_reused(device, monkeypatch, triton_dispatches):
     """The decode's launches (query rotation, pages, sink, window, merge, output rotation) are planned once
     per call shape and kept: on the GPU a later call makes no Triton dispatch at all and gives the first
     call's bits, as does a call through Triton's dispatch; under the interpreter every launch dispatches.
     A new length is a new plan."""
-    import triton
-
     F, OD = _mods()
     from kvq.fast.triton import _launch as L
     T = 50 if device == "cpu" else 2000
@@ -278,14 +276,8 @@ def test_decode_plan_reused(device, monkeypatch):
     out0, lse0 = F.decode_attention(cfg, calib, fs, q)
     before = OD._decode_plan.cache_info()
     on_gpu = device != "cpu"
-    real = triton.runtime.jit.JITFunction.run
-    dispatched = []
-
-    def counted(self, *a, **kw):
-        dispatched.append(self)
-        return real(self, *a, **kw)
-
-    monkeypatch.setattr(triton.runtime.jit.JITFunction, "run", counted)
+    dispatched = triton_dispatches
+    dispatched.clear()
     out1, lse1 = F.decode_attention(cfg, calib, fs, q.clone())
     after = OD._decode_plan.cache_info()
     assert after.hits == before.hits + 1 and after.misses == before.misses
@@ -301,19 +293,25 @@ def test_decode_plan_reused(device, monkeypatch):
     assert OD._decode_plan.cache_info().misses == after.misses + 1
 
 
-@pytest.mark.parametrize("in_dt,out_dt,per_head", [(torch.float32, torch.float32, False),
-                                                    (torch.float16, torch.float32, True),
-                                                    (torch.float32, torch.float16, True),
-                                                    (torch.bfloat16, torch.bfloat16, False)])
+#: (x dtype, output dtype, per-KV-head R) of the rotate_heads tests (both backends)
+ROTATE_CASES = [(torch.float32, torch.float32, False), (torch.float16, torch.float32, True),
+                (torch.float32, torch.float16, True), (torch.bfloat16, torch.bfloat16, False)]
+
+
+@pytest.mark.parametrize("in_dt,out_dt,per_head", ROTATE_CASES)
 def test_rotate_heads(device, in_dt, out_dt, per_head):
-    """oscar_decode.rotate_heads (float64 sums, one launch) equals the float64 product rounded to fp32
-    and then to the output dtype, to within one fp32 rounding of the sum (its order differs), for a
-    strided x and per-KV-head rotations (GQA: head h uses R[h // 4]); a float32 R gives the bits of its
-    float64 copy; fp16 output saturates at +-65504 (rule 3); a bad R is refused."""
+    """oscar_decode.rotate_heads (float64 sums, one launch): ``check_rotate_heads``."""
     _, OD = _mods()
+    check_rotate_heads(OD, device, 32 if device == "cpu" else 128, in_dt, out_dt, per_head)
+
+
+def check_rotate_heads(OD, device, D, in_dt, out_dt, per_head):
+    """A backend's ``rotate_heads`` equals the float64 product rounded to fp32 and then to the output dtype,
+    to within one fp32 rounding of the sum (its order differs), for a strided x and per-KV-head rotations
+    (GQA: head h uses R[h // 4]); a float32 R gives the bits of its float64 copy; fp16 output saturates at
+    +-65504 (rule 3); a bad R is refused."""
     g = torch.Generator().manual_seed(3)
     B, Hkv, Gq, T = 2, 3, 4, 5
-    D = 32 if device == "cpu" else 128
     x = (torch.randn(B, T, Hkv * Gq, D, generator=g) * 7).to(in_dt).to(device).transpose(1, 2)   # strided
     R = torch.linalg.qr(torch.randn(Hkv if per_head else 1, D, D, generator=g, dtype=torch.float64))[0]
     R = (R if per_head else R[0]).to(device)
@@ -322,6 +320,8 @@ def test_rotate_heads(device, in_dt, out_dt, per_head):
     exact = (x.double().reshape(B, Hkv, Gq * T, D) @ R3).reshape(B, Hkv * Gq, T, D)
     assert got.dtype == out_dt and got.shape == x.shape and got.is_contiguous()
     f32 = exact.float()
+    # the float64 sums differ from the library's in the last bits: at most one fp32 step apart after
+    # rounding, hence at most one step of the output dtype after the second rounding
     step = torch.finfo(out_dt).eps * exact.abs().max().item()
     assert (got.double() - f32.to(out_dt).double()).abs().max().item() <= step
     if out_dt == torch.float32:
