@@ -293,6 +293,34 @@ def test_decode_plan_reused(device, monkeypatch, triton_dispatches):
     assert OD._decode_plan.cache_info().misses == after.misses + 1
 
 
+def test_output_rotation_is_the_plans_own(device, monkeypatch):
+    """The decode's output rotation reads the merged fp32 rows from the plan's buffer, at an offset whose
+    16-byte alignment is the plan's: its launch is the plan's own, never the launch ``rotate_heads`` keeps per
+    call shape for its (aligned) tensors, whose kept kernel may assume that alignment."""
+    F, OD = _mods()
+    from kvq.fast.triton import _launch as L
+    T = 50 if device == "cpu" else 2000
+    cfg, calib, rs, fs = _state(device, 2, T, seed=25)
+    q = _q(device, 4, 1, torch.float16, seed=26)
+    seen, plans = [], []
+    real, real_plan = L.Launch.__call__, OD._decode_plan
+
+    def record(self, args, stream, device_index):
+        seen.append(self)
+        return real(self, args, stream, device_index)
+
+    monkeypatch.setattr(L.Launch, "__call__", record)
+    monkeypatch.setattr(OD, "_decode_plan", lambda *a: plans.append(real_plan(*a)) or plans[-1])
+    out, lse = F.decode_attention(cfg, calib, fs, q)
+    rot = [la for la in seen if la.kernel is OD._rotate_heads_kernel]
+    assert len(rot) == 2 and len(plans) == 1 and plans[0].rot_out is rot[1]     # the query's, then the plan's
+    seen.clear()
+    H, D = fs.shape[1], fs.shape[2]
+    R = torch.eye(D, dtype=torch.float32, device=device).expand(H, D, D).contiguous()   # as R_V^T: fp32, per head
+    OD.rotate_heads(torch.zeros(q.shape, dtype=torch.float32, device=device), R, q.dtype)   # the output's call shape
+    assert len(seen) == 1 and seen[0] is not rot[1]
+
+
 #: (x dtype, output dtype, per-KV-head R) of the rotate_heads tests (both backends)
 ROTATE_CASES = [(torch.float32, torch.float32, False), (torch.float16, torch.float32, True),
                 (torch.float32, torch.float16, True), (torch.bfloat16, torch.bfloat16, False)]

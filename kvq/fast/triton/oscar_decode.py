@@ -321,8 +321,8 @@ def decode(cfg, st, qr, *, scale=None, precise: bool = True, out_dtype=torch.flo
            knobs: Knobs | None = None):
     """Attention of the rotated query ``qr`` (B, H_q, T_q, D) fp32 over an OSCAR cache ``st``
     (``kvq.fast.caches.oscar.OSCARTensorState``): the INT-b history through the fused page kernel, the FP16
-    sink and window (``fp16_segments``: read in place) through the FP16-baseline partial kernel in its
-    precise mode, one log-sum-exp merge. Returns ``(out, lse)``, out in the rotated frame (``R_out`` None:
+    sink and window (the state's fp16 buffers, read in place: two segments) through the FP16-baseline partial
+    kernel in its precise mode, one log-sum-exp merge. Returns ``(out, lse)``, out in the rotated frame (``R_out`` None:
     the merge writes ``out_dtype``) or times ``R_out`` (``rotate_heads``' kernel: float64 sums, the caller's
     R_V^T (D, D) or (H_R, D, D), float32 or float64, the fp32 merge rounded to ``out_dtype`` after the
     rotation), rounded once, lse fp32. ``precise``: the exact-dequantization IEEE fp32 path (for an fp32
@@ -453,10 +453,9 @@ def _decode_plan(cfg, shape, T, q_shape, q_strides, dtypes, fp16_strides, n_tabl
     rot_out = None
     rot_ints = ()
     merge_dtype = out_dtype
-    if r_heads is not None:
-        merge_dtype = torch.float32
-        rot_out, rot_ints = _rotation_launch(q_shape, C.contiguous_strides(q_shape), torch.float32, False, r_heads,
-                                             dtypes[-1], out_dtype, dev_index, aligned)
+    if r_heads is not None:                            # a launch of this plan's own: its fp32 input lies in
+        merge_dtype = torch.float32                    # the plan's buffer, at an offset of the plan's alignment
+        rot_out, rot_ints = _rotation(q_shape, C.contiguous_strides(q_shape), False, r_heads, out_dtype, aligned)
     merge = A.planned_merge(rows, S, D, merge_dtype, aligned)
     n_o, n_s = rows * S * D, rows * S
     n_x = rows * D if r_heads is not None else 0
@@ -464,14 +463,6 @@ def _decode_plan(cfg, shape, T, q_shape, q_strides, dtypes, fp16_strides, n_tabl
     return DecodePlan(dev_index=dev_index, rows=rows, S=S, pages=pages, pages_ints=pages_ints, fp16=fp16,
                       merge=merge, merge_ints=(S, D), rot_out=rot_out, rot_ints=rot_ints,
                       n_buf=n_o + 2 * n_s + n_x, offsets=offsets)
-
-
-def fp16_segments(cfg, st) -> list:
-    """The FP16 tokens as (K, V) fp16 views of the state, sink then window ring in slot order (attention
-    does not depend on the order; the partial kernel widens them exactly as it loads them): no copy."""
-    c = RO.counts(cfg, st.length)
-    ns, nw = c["n_sink"], c["n_win"]
-    return [(st.sink_k[:, :, :ns], st.sink_v[:, :, :ns]), (st.win_k[:, :, :nw], st.win_v[:, :, :nw])]
 
 
 # Query-side rotation (the decode's q and output rotations: a few rows).
@@ -544,10 +535,16 @@ def _heads_R(R: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
 def _rotation_launch(x_shape, x_strides, x_dtype, bits, r_heads, r_dtype, out_dtype, dev_index, aligned) -> tuple:
-    """``(launch, integer arguments)`` of ``_rotate_heads_kernel`` over x (``x_shape``, ``x_strides``,
-    ``x_dtype``; ``bits``: bf16 x as int16 bits, the interpreter) with R of ``r_heads`` heads in ``r_dtype``
-    into ``out_dtype`` on device ``dev_index``; ``aligned``: the three tensors are 16-byte aligned. Its
-    arguments: (x, R, out, *ints)."""
+    """``_rotation``'s launch kept per call shape: x (``x_shape``, ``x_strides``, ``x_dtype``), R of ``r_heads``
+    heads in ``r_dtype``, ``out_dtype``, device ``dev_index``; ``aligned``: x, R and out are all 16-byte
+    aligned (what the kept kernel was specialized on)."""
+    return _rotation(x_shape, x_strides, bits, r_heads, out_dtype, aligned)
+
+
+def _rotation(x_shape, x_strides, bits, r_heads, out_dtype, aligned) -> tuple:
+    """``(launch, integer arguments)`` of ``_rotate_heads_kernel`` over x of ``x_shape`` / ``x_strides``
+    (``bits``: bf16 x as int16 bits, the interpreter) with R of ``r_heads`` heads into ``out_dtype``; ``aligned``:
+    the launch may keep its compiled kernel. Its arguments: (x, R, out, *ints)."""
     B, Hq, T, D = x_shape
     BJ = min(_np2(D), 32)
     la = L.Launch(_rotate_heads_kernel, (B * Hq * T, _cdiv(D, BJ)),
