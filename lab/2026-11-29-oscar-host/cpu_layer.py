@@ -10,7 +10,7 @@ no-op: a stubbed append would leave the page tables as they were, and a later pa
 the store's checks, conversions and tagging, and the decode call's Python. Prints us per call (5 rounds of
 1000) and a cProfile by own time.
 """
-import time, statistics, torch, cProfile, pstats, gc, sys
+import time, torch, cProfile, pstats, gc, sys
 from transformers import LlamaConfig, LlamaForCausalLM
 from kvq.integrations.transformers import make_cache
 from kvq.integrations import attention as A
