@@ -370,11 +370,11 @@ def test_decode_tail_takes_fp16_q_as_it_is(triton_target, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 def test_triton_decode_tail_in_place(triton_target, ci, dtype, monkeypatch):
     """Triton, fp16 / fp32 q with ``Knobs(tail_in_place=True)``: the tail (sink, key and value Q-buffers, the
-    window, the pages beyond the fused range) is attended where it lies by ``_tail_kernel``: three launches (the fused kernel, the tail,
-    the merge), no gather and no fp32 copy; its partials are those of the gathered tail's FP16 partial kernel
-    (``Knobs(tail_in_place=False)``: the same operations on the same values), bit for bit under the
-    interpreter, and within the tolerance rule on the GPU (the reductions' order there follows each
-    kernel's layout)."""
+    window, the pages beyond the fused range) is attended where it lies by ``_tail_kernel``: three launches
+    (the fused kernel, the tail, the merge), no gather and no fp32 copy; its partials are those of the
+    gathered tail's FP16 partial kernel (``Knobs(tail_in_place=False)``: the same operations on the same
+    values), bit for bit under the interpreter, and within the tolerance rule on the GPU (the reductions'
+    order there follows each kernel's layout)."""
     from kvq.fast.triton import _launch as L
 
     _, device = triton_target

@@ -142,8 +142,8 @@ def launch(kernel, grid: tuple, *args, **kw) -> None:
     """``kernel[grid](*args, **kw)`` by a kept ``Launch`` (``site``): the key is what Triton's dispatch
     specializes on, read from the arguments (each tensor's dtype and 16-byte alignment, each int's and
     bool's value, None; of an int parameter marked ``do_not_specialize`` only its range, i32 / i64 / u64, so
-    that a length moving every step keeps one launch); floats (never specialized) pass per call. ``kw``: the constexprs and the launch
-    options (num_warps, ...), every non-constexpr argument positional. An argument of another kind (e.g. a
+    that a length moving every step keeps one launch); floats (never specialized) pass per call. ``kw``: the
+    constexprs and the launch options (num_warps, ...), every non-constexpr argument positional. An argument of another kind (e.g. a
     tuple) takes Triton's dispatch. After a site's first call the compiled kernel takes the addresses."""
     if interpreting():
         kernel[grid](*args, **kw)

@@ -100,7 +100,7 @@ class Knobs:
     words: bool = True                   # fp16 q unpacks codes from 32-bit words             KNOBS.md#triton
     tokens: TokensKnobs | None = TokensKnobs()   # _tokens_kernel where it applies (None: never)  TOKENS.md
     tail_keys: int = 32                  # fewest tail tokens per split of the fp32 tail       TOKENS.md
-    tail_in_place: bool = False          # fp16 / fp32 q: the tail read where it lies (no gather) 2026-11-29-fused-tail/NOTE.md
+    tail_in_place: bool = False          # fp16 / fp32 q: the tail read in place, no gather  2026-11-29-fused-tail/NOTE.md
 
     def __post_init__(self):
         C.check_launch_knobs("triton.paged", self)             # num_warps, waves, block_t, num_stages
