@@ -25,3 +25,32 @@ def triton_dispatches(monkeypatch):
 
     monkeypatch.setattr(triton.runtime.jit.JITFunction, "run", counted)
     return seen
+
+
+class Launches(list):
+    """The planned launches of a test, in call order, as (``Launch``, its arguments) (``planned_launches``)."""
+
+    def kernels(self) -> list:
+        """The kernel of each launch."""
+        return [la.kernel for la, _ in self]
+
+    def grids(self, kernel) -> list:
+        """The grids of ``kernel``'s launches."""
+        return [la.grid for la, _ in self if la.kernel is kernel]
+
+
+@pytest.fixture
+def planned_launches(monkeypatch):
+    """Every planned Triton launch (``kvq.fast.triton._launch.Launch``, wrapped) during the test, run as
+    before and recorded in ``Launches`` (clear it to start counting later)."""
+    from kvq.fast.triton import _launch as L
+
+    real = L.Launch.__call__
+    seen = Launches()
+
+    def recorded(self, args, stream, device_index):
+        seen.append((self, args))
+        return real(self, args, stream, device_index)
+
+    monkeypatch.setattr(L.Launch, "__call__", recorded)
+    return seen

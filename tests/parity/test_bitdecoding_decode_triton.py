@@ -33,7 +33,6 @@ from kvq.reference import bitdecoding as R
 from .tolerance import check_close
 
 BDD = pytest.importorskip("kvq.fast.triton.bitdecoding_decode")
-from kvq.fast.triton import _launch as L  # noqa: E402
 
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
 
@@ -42,21 +41,6 @@ FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
 def device(triton_device):
     """tests/conftest.py's Triton targets (same ids and skip rules)."""
     return triton_device
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    """The grids of the decode kernel's launches (the decode's planned launches, ``_launch.Launch``, wrapped)."""
-    grids = []
-    real = L.Launch.__call__
-
-    def counting(self, args, stream, device_index):
-        if self.kernel is BDD._decode_kernel:
-            grids.append(self.grid)
-        return real(self, args, stream, device_index)
-
-    monkeypatch.setattr(L.Launch, "__call__", counting)
-    return grids
 
 
 def small(bits, k_mode, warps_n, k_group=32, v_group=32, max_tokens=4096):
@@ -141,7 +125,7 @@ QUERIES = [(1, 1, FP16), (4, 2, FP16), (8, 1, FP16), (4, 1, BF16), (1, 2, FP32)]
 
 @pytest.mark.parametrize("which", ["res", "pages", "both"])
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_decode_attention(device, kind, which, launches):
+def test_decode_attention(device, kind, which, planned_launches):
     """Every kind and context shape: pages only, residual only, both; GQA 1 / 4 / 8, T_q 1 / 2, fp16 /
     bf16 / fp32 q; one launch of the decode kernel per decode, in several splits for several pages."""
     cfg = KINDS[kind]
@@ -151,6 +135,7 @@ def test_decode_attention(device, kind, which, launches):
     st = ref_state(cfg, device, L, seed=L)
     for i, (g_q, T_q, dtype) in enumerate(QUERIES):
         decode_and_check(cfg, st, device, g_q, T_q, dtype, seed=100 + i, what=f"{kind} L={L} {g_q} {T_q} {dtype}: ")
+    launches = planned_launches.grids(BDD._decode_kernel)
     assert len(launches) == len(QUERIES), launches
     if L // cfg.n_r >= 3:
         assert all(g[1] >= 2 for g in launches), launches              # (B * H_kv, splits, row blocks)

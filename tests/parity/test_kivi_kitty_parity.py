@@ -287,44 +287,29 @@ def test_decode_p_split(triton_target, a, monkeypatch):
     test_decode_attention(triton_target, a)
 
 
-def _count_launches(monkeypatch, FP) -> dict:
-    """Launches of the Triton paged decode's two fused kernels, counted by name ("tokens" / "rows"), as
-    its planned launches (``kvq.fast.triton._launch.Launch``) run them."""
-    from kvq.fast.triton import _launch as L
-
-    n = {"tokens": 0, "rows": 0}
-    real = L.Launch.__call__
-
-    def counted(self, args, stream, device_index):
-        if self.kernel is FP._tokens_kernel:
-            n["tokens"] += 1
-        elif self.kernel is FP._fused_kernel:
-            n["rows"] += 1
-        return real(self, args, stream, device_index)
-
-    monkeypatch.setattr(L.Launch, "__call__", counted)
-    return n
+def _fused_launches(launches, FP) -> dict:
+    """The Triton paged decode's launches of its two fused kernels among ``launches`` (``planned_launches``),
+    counted by name ("tokens" / "rows")."""
+    return {"tokens": len(launches.grids(FP._tokens_kernel)), "rows": len(launches.grids(FP._fused_kernel))}
 
 
 @pytest.mark.parametrize("a", [ATTN[1], ATTN[5], ATTN[6]], ids=["KIVI-K2V2-fp16-tq2", "Kitty-fp16-gqa8", "Kitty-Pro-fp16-tq2"])
 @pytest.mark.parametrize("tokens", [True, False], ids=["tokens", "rows"])
-def test_decode_fused_kernel_choice(triton_target, a, tokens, monkeypatch):
+def test_decode_fused_kernel_choice(triton_target, a, tokens, monkeypatch, planned_launches):
     """fp16 q with at most 8 query rows per kv head (and codes in 32-bit words, one value group per token)
     runs ``_tokens_kernel`` (cache tokens on the MMA's M side) by default, and the rows kernel
     (``_fused_kernel``) with ``Knobs(tokens=None)``; each meets the tolerance rule on its own."""
     FP = _paged("triton")
     if not tokens:
         monkeypatch.setattr(FP, "DEFAULT_KNOBS", FP.Knobs(tokens=None))
-    n = _count_launches(monkeypatch, FP)
     test_decode_attention(triton_target, a)
-    assert n == ({"tokens": 2, "rows": 0} if tokens else {"tokens": 0, "rows": 2})
+    assert _fused_launches(planned_launches, FP) == ({"tokens": 2, "rows": 0} if tokens else {"tokens": 0, "rows": 2})
 
 
-def test_decode_many_rows_take_the_rows_kernel(triton_target, monkeypatch):
+def test_decode_many_rows_take_the_rows_kernel(triton_target, planned_launches):
     """72 query rows per kv head (G_q 8 x T_q 9): over ``_tokens_kernel``'s 8, so the rows kernel runs."""
-    n = _count_launches(monkeypatch, _paged("triton"))
     test_decode_attention(triton_target, ATTN[10])
-    assert n["tokens"] == 0 and n["rows"] == 2
+    assert _fused_launches(planned_launches, _paged("triton")) == {"tokens": 0, "rows": 2}
 
 
 def test_decode_tail_takes_fp16_q_as_it_is(triton_target, monkeypatch):
@@ -368,15 +353,13 @@ def test_decode_tail_takes_fp16_q_as_it_is(triton_target, monkeypatch):
 
 @pytest.mark.parametrize("ci", [1, 3], ids=lambda i: CASES[i][0])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
-def test_triton_decode_tail_in_place(triton_target, ci, dtype, monkeypatch):
+def test_triton_decode_tail_in_place(triton_target, ci, dtype, monkeypatch, planned_launches):
     """Triton, fp16 / fp32 q with ``Knobs(tail_in_place=True)``: the tail (sink, key and value Q-buffers, the
     window, the pages beyond the fused range) is attended where it lies by ``_tail_kernel``: three launches
     (the fused kernel, the tail, the merge), no gather and no fp32 copy; its partials are those of the
     gathered tail's FP16 partial kernel (``Knobs(tail_in_place=False)``: the same operations on the same
     values), bit for bit under the interpreter, and within the tolerance rule on the GPU (the reductions'
     order there follows each kernel's layout)."""
-    from kvq.fast.triton import _launch as L
-
     _, device = triton_target
     _device_ok(device)
     FP = _paged("triton")
@@ -390,15 +373,9 @@ def test_triton_decode_tail_in_place(triton_target, ci, dtype, monkeypatch):
     p = FP.decode_plan(cfg, fast.KeyCodec, fs, q)
     assert p.NT > 0 and p.fused is not None and p.gather is None and p.tail_in_place
     assert p.tail.kernel is FP._tail_kernel and p.n_buf == p.rows * p.S_TOTAL * (D + 2)    # partials only
-    kinds = []
-    real = L.Launch.__call__
-
-    def seen(self, args, stream, device_index):
-        kinds.append(self.kernel)
-        return real(self, args, stream, device_index)
-
-    monkeypatch.setattr(L.Launch, "__call__", seen)
+    planned_launches.clear()                                # the appends' launches
     out, lse = fast.decode_attention(cfg, fs, q)
+    kinds = planned_launches.kernels()
     assert len(kinds) == 3 and kinds[:2] == [p.fused.kernel, FP._tail_kernel]      # and the merge
     monkeypatch.setattr(FP, "DEFAULT_KNOBS", FP.Knobs(tail_in_place=False))
     pg = FP.decode_plan(cfg, fast.KeyCodec, fs, q)

@@ -48,24 +48,6 @@ def _mods():
     return oscar, oscar_decode
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    """The grids of the page kernel's launches (the decode's planned launches, ``_launch.Launch``, wrapped)."""
-    _, OD = _mods()
-    from kvq.fast.triton import _launch as L
-
-    grids = []
-    real = L.Launch.__call__
-
-    def counting(self, args, stream, device_index):
-        if self.kernel is OD._pages_kernel:
-            grids.append(self.grid)
-        return real(self, args, stream, device_index)
-
-    monkeypatch.setattr(L.Launch, "__call__", counting)
-    return grids
-
-
 # per device: (B, H_kv, D) and the base config (sink, window, page size, capacity)
 SHAPE = {"cpu": (2, 2, 32), "cuda": (2, 4, 128)}
 BASE = {"cpu": dict(sink=3, window=5, page_size=8, max_tokens=256),
@@ -130,7 +112,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("c", CASES, ids=[c[0] for c in CASES])
-def test_decode_attention(device, c, launches):
+def test_decode_attention(device, c, planned_launches):
     """Pages + sink + window, several splits per (batch, kv head): out and lse within the tolerance rule."""
     F, _ = _mods()
     name, ng, over, dtype, ratio, T_q, T_cpu, T_gpu = c
@@ -140,6 +122,7 @@ def test_decode_attention(device, c, launches):
     q = _q(device, ratio, T_q, dtype, seed=T + 1, D=over.get("D"))
     out, lse = F.decode_attention(cfg, calib, fs, q)
     _check(cfg, calib, rs, out, lse, q)
+    launches = planned_launches.grids(_mods()[1]._pages_kernel)
     assert len(launches) == 1 and launches[0][1] >= 2, launches              # (B * H_kv, splits, row blocks)
 
 
@@ -158,7 +141,7 @@ def test_history_shorter_than_a_page(device, dtype):
 
 
 @pytest.mark.parametrize("T", ["sink", "sink+window"])
-def test_no_pages(device, T, launches):
+def test_no_pages(device, T, planned_launches):
     """Only FP16 tokens (no history, so no page kernel launch): the sink alone, then sink + window."""
     F, _ = _mods()
     cfg = RO.OSCARConfig(**BASE[device])
@@ -168,7 +151,7 @@ def test_no_pages(device, T, launches):
     q = _q(device, 4, 1, torch.float16, seed=8)
     out, lse = F.decode_attention(cfg, calib, fs, q)
     _check(cfg, calib, rs, out, lse, q)
-    assert launches == []
+    assert planned_launches.grids(_mods()[1]._pages_kernel) == []
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
@@ -198,7 +181,7 @@ def test_tune_knobs(device, knobs, monkeypatch):
     _check(cfg, calib, rs, out, lse, q)
 
 
-def test_fused_path_taken(device, monkeypatch, launches):
+def test_fused_path_taken(device, monkeypatch, planned_launches):
     """Decode reads the packed pages: with the unfused history dequantization made to raise, a cache
     appended through the fast tier still decodes within the tolerance rule, one page-kernel launch per
     decode (fp16 q: tensor cores; fp32 q: exact dequantization); ops without a fused decode (as the
@@ -224,27 +207,19 @@ def test_fused_path_taken(device, monkeypatch, launches):
         q = _q(device, 2, 1, dtype, seed=15)
         out, lse = F.decode_attention(cfg, calib, fs, q)
         _check(cfg, calib, rs, out, lse, q, f"{dtype}: ")
-    assert len(launches) == 2, launches
+    assert len(planned_launches.grids(OD._pages_kernel)) == 2, planned_launches
     assert F.OPS.fused_decode is OD.decode
     with pytest.raises(AssertionError, match="unfused path"):
         _oscar.decode_attention(dataclasses.replace(F.OPS, fused_decode=None), cfg, calib, fs, q)
 
 
-def test_fp16_tokens_read_in_place(device, monkeypatch):
+def test_fp16_tokens_read_in_place(device, planned_launches):
     """The sink and the window reach the partial kernel as views of the state's own fp16 buffers (two
     segments, no fp32 copy), and the query and the output are rotated by one ``rotate_heads`` launch each
     (the output's rounded to q's dtype there); without the rotation back, the merge writes q's dtype."""
     F, OD = _mods()
-    from kvq.fast.triton import _launch as L
     from kvq.fast.triton import attention as TA
-    seen = []
-    real = L.Launch.__call__
-
-    def record(self, args, stream, device_index):
-        seen.append((self, args))
-        return real(self, args, stream, device_index)
-
-    monkeypatch.setattr(L.Launch, "__call__", record)
+    seen = planned_launches
     ptr = lambda a: a if isinstance(a, int) else a.data_ptr()                  # noqa: E731 (address or tensor)
     T = 50 if device == "cpu" else 2000
     cfg, calib, rs, fs = _state(device, 2, T, seed=21)
