@@ -45,6 +45,10 @@ class OscarOps:
     packing: ModuleType
     attention: ModuleType
     allow_cpu: Callable[[], bool]
+    #: ``rotate_heads(x, R, out_dtype) -> x R`` for the query-side tensors (q, and the output rotated
+    #: back; R: the calibration's fp32 values): float64 sums rounded to fp32, then to out_dtype, in one launch
+    #: (``kvq.fast.cupy.oscar_decode.rotate_heads``, ``kvq.fast.triton.oscar_decode.rotate_heads``)
+    rotate_heads: Callable
     #: ``fused_decode(cfg, state, q_rot, *, scale, precise, out_dtype, R_out) -> (out, lse)``: attention of
     #: the rotated fp32 query over the packed history pages and the FP16 sink and window, merged
     #: (``kvq.fast.triton.oscar_decode.decode``, ``kvq.fast.cupy.oscar.fused_decode``); ``precise``: q is
@@ -60,11 +64,6 @@ class OscarOps:
     #: :class:`AppendPlan` (the page table already holds the pages it opens); the caller has validated
     #: everything (shapes, finiteness, that fp16(x R) is finite)
     fused_append: ModuleType | None = None
-    #: ``rotate_heads(x, R, out_dtype) -> x R`` for the query-side tensors (q, and the output rotated
-    #: back; R: the calibration's fp32 values): float64 sums rounded to fp32, then to out_dtype, in one launch
-    #: (``kvq.fast.cupy.oscar_decode.rotate_heads``, ``kvq.fast.triton.oscar_decode.rotate_heads``); None:
-    #: :func:`rotate_query_heads` (torch float64 matmul)
-    rotate_heads: Callable | None = None
 
 
 
@@ -123,10 +122,10 @@ def init(ops: "OscarOps", cfg, batch: int, kv_heads: int, head_dim: int, *, devi
 _ROT_CACHE: dict = {}
 
 
-def _rot(R, dev: torch.device, transpose: bool = False, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A calibration rotation (NumPy fp32 (D, D) / (H, D, D)) on the device, optionally R^T, in ``dtype``.
+def _rot(R, dev: torch.device, transpose: bool = False) -> torch.Tensor:
+    """A calibration rotation (NumPy fp32 (D, D) / (H, D, D)) on the device as fp32, optionally R^T.
 
-    Copied to the device once per array object, device, transpose and dtype, and kept as long as that array
+    Copied to the device once per array object, device and transpose, and kept as long as that array
     lives: decode and append then make no host-to-device copy (a synchronizing one, from pageable memory),
     so they can be captured in a CUDA graph. A model's step visits every layer's rotations in turn; a
     bounded cache smaller than that would miss each of them at every step. A calibration's arrays are
@@ -134,9 +133,9 @@ def _rot(R, dev: torch.device, transpose: bool = False, dtype: torch.dtype = tor
     def make():
         A = np.swapaxes(np.asarray(R), -1, -2) if transpose else np.asarray(R)
         # a copy (torch.tensor), never a view of R: a cached view would keep R, and its entry, alive
-        return torch.tensor(np.ascontiguousarray(A, dtype=np.float32)).to(dev).to(dtype)
+        return torch.tensor(np.ascontiguousarray(A, dtype=np.float32)).to(dev)
 
-    return _per_array(_ROT_CACHE, (str(dev), bool(transpose), dtype), R, make)
+    return _per_array(_ROT_CACHE, (str(dev), bool(transpose)), R, make)
 
 
 def _per_array(cache: dict, key, R, make):
@@ -158,11 +157,10 @@ def _per_array(cache: dict, key, R, make):
     return values[key]
 
 
-def _decode_rotations(ops, calib, dev: torch.device, rotate_back: bool = True):
-    """(R_K, R_V^T or None) on ``dev`` as :func:`decode_attention` takes them: fp32 for the backend's
-    rotation (it sums in float64), float64 for the torch fallback."""
-    rdt = torch.float32 if ops.rotate_heads is not None else torch.float64
-    return _rot(calib.R_K, dev, dtype=rdt), (_rot(calib.R_V, dev, True, rdt) if rotate_back else None)
+def _decode_rotations(calib, dev: torch.device, rotate_back: bool = True):
+    """(R_K, R_V^T or None) on ``dev`` as :func:`decode_attention` takes them: fp32, the calibration's values
+    as they are (the backend's ``rotate_heads`` sums in float64)."""
+    return _rot(calib.R_K, dev), (_rot(calib.R_V, dev, True) if rotate_back else None)
 
 
 def _rotate16(ops, x, R: torch.Tensor, name: str) -> torch.Tensor:
@@ -309,7 +307,7 @@ def append(ops: "OscarOps", cfg, calib, state: OSCARTensorState, k, v) -> OSCART
         return st
     dev = st.device
     RK, RV = _rot(calib.R_K, dev), _rot(calib.R_V, dev)
-    _decode_rotations(ops, calib, dev)               # on the device now: a decode step then copies nothing there
+    _decode_rotations(calib, dev)                    # on the device now: a decode step then copies nothing there
     if _use_fused(ops, cfg, calib, st, k, v):
         plan = plan_append(cfg, st.length, n)
         _open_pages(st, cfg, plan.first, plan.e)
@@ -399,7 +397,7 @@ def dequantize(ops: "OscarOps", cfg, calib, state: OSCARTensorState, *, rotated:
 
 def decode_attention(ops: "OscarOps", cfg, calib, state: OSCARTensorState, q, *, scale=None,
                      rotate_back: bool = True):
-    """q rotated by R_K (``ops.rotate_heads``, or ``rotate_query_heads``); the backend's fused decode over the
+    """q rotated by R_K (``ops.rotate_heads``); the backend's fused decode over the
     packed pages and the FP16 segment, or (without one) the three segments, history dequantized to fp32,
     attended by its FP16-baseline kernel in fp32; the output rotated back by R_V^T unless
     ``rotate_back=False``."""
@@ -408,30 +406,14 @@ def decode_attention(ops: "OscarOps", cfg, calib, state: OSCARTensorState, q, *,
     C.check_decode_q(q, state.shape, state.device, state.length, allow_cpu=ops.allow_cpu())
     RO.check_calib(calib, H, D)
     dev = state.device
-    # the backend's rotation takes the fp32 calibration as it is (half the bytes; sums in float64), the
-    # torch fallback a float64 copy
-    rot = ops.rotate_heads or (lambda x, R, dt: rotate_query_heads(x, R).to(dt))
-    R_q, R_out = _decode_rotations(ops, calib, dev, rotate_back)               # R_K, R_V^T
+    rot = ops.rotate_heads
+    R_q, R_out = _decode_rotations(calib, dev, rotate_back)                    # R_K, R_V^T
     qr = rot(q, R_q, torch.float32)                                            # (B, H_q, T_q, D) fp32
     if ops.fused_decode is not None:
         return ops.fused_decode(cfg, state, qr, scale=scale, precise=q.dtype == torch.float32,
                                 out_dtype=q.dtype, R_out=R_out)
     out, lse = ops.attention.decode_attention(qr, segments(ops, cfg, state), scale=scale)
     return (out.to(q.dtype) if R_out is None else rot(out, R_out, q.dtype)), lse
-
-
-def rotate_query_heads(x: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
-    """fp32(x R) for a query-side tensor x (B, H_q, T, D): head h times the R of KV head h // (H_q / H_kv)
-    (R: (D, D) or (H_kv, D, D)), as one batched float64 matmul. The query and the output are a few rows,
-    so unlike the cache (whose rotation must give the reference's bits: the fixed-order kernel) they
-    take the library matmul: decode is an order-dependent reduction anyway (tolerance rule), and float64
-    sums are more accurate than the reference's float32 rotation, whatever the TF32 settings."""
-    x64, R64 = x.double(), R.double()          # (R arrives float64 from the cache: no copy)
-    if R64.dim() == 2:
-        return (x64 @ R64).float()
-    B, Hq, T, D = x64.shape
-    H = R64.shape[0]
-    return (x64.reshape(B, H, (Hq // H) * T, D) @ R64.unsqueeze(0)).reshape(B, Hq, T, D).float()
 
 
 def identity_calibration(head_dim: int, clip_k: float = 1.0, clip_v: float = 1.0) -> RO.OSCARCalibration:
