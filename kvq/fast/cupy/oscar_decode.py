@@ -249,7 +249,7 @@ def rotate_heads(x: torch.Tensor, R: torch.Tensor, out_dtype: torch.dtype = torc
     or float32 (D, D) or (H_R, D, D) on x's device; float32 is read as float64: the sums of its values
     in float64, half the bytes to read: the decode passes the fp32 calibration so), float64 sums rounded
     to fp32 and then to ``out_dtype``: one launch of ``rotate_heads_f64`` (the decode's q and output
-    rotations; the torch form is ``kvq.fast.caches.oscar.rotate_query_heads``, the same sums in a library order)."""
+    rotations; the Triton kernel is ``kvq.fast.triton.oscar_decode.rotate_heads``)."""
     B, Hq, T, D = x.shape
     R3, rt = _heads_R(R, x)
     out = torch.empty((B, Hq, T, D), dtype=out_dtype, device=x.device)

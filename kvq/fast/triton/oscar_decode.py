@@ -502,8 +502,7 @@ def rotate_heads(x: torch.Tensor, R: torch.Tensor, out_dtype: torch.dtype = torc
     """``x R`` for a query-side tensor x (B, H_q, T, D) float16 / bfloat16 / float32 (any strides): head h
     times ``R[h // (H_q / H_R)]`` (R float64 or float32 (D, D) or (H_R, D, D) on x's device; float32 is read
     as float64), float64 sums rounded to fp32 and then to ``out_dtype`` (rule 3), contiguous: one launch
-    (the decode's q and output rotations; the torch form is ``kvq.fast.caches.oscar.rotate_query_heads``,
-    the same sums in a library order; the CuPy kernel is ``kvq.fast.cupy.oscar_decode.rotate_heads``),
+    (the decode's q and output rotations; the CuPy kernel is ``kvq.fast.cupy.oscar_decode.rotate_heads``),
     planned once per call shape (``_rotation_launch``).
     ValueError unless R is float64 or float32 (D, D) or (H_R, D, D) with H_q % H_R == 0 and D <= 256."""
     R3 = _heads_R(R, x)
