@@ -33,6 +33,7 @@ from kvq.reference import bitdecoding as R
 from .tolerance import check_close
 
 BDD = pytest.importorskip("kvq.fast.triton.bitdecoding_decode")
+from kvq.fast.triton import _launch as L  # noqa: E402
 
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
 
