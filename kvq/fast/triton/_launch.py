@@ -138,6 +138,58 @@ class Launch:
         return tuple(out)
 
 
+class Plan:
+    """What the planned decodes (``kvq.fast.triton.paged``, ``oscar_decode``, ``bitdecoding_decode``) share: the
+    launches of one call shape (``launches``) on CUDA device ``dev_index``, and one fp32 scratch buffer per
+    call of ``n_buf`` elements, cut into regions that start at ``offsets`` and have ``shapes`` (a shape None:
+    a region this plan does not use). ``ready``: every launch holds its compiled kernel. A subclass names its
+    own fields in ``__slots__``; the constructor sets every slot of the class's hierarchy from ``kw``
+    (missing: None) and ``ready`` False.
+
+        stream = p.stream()                         # None: tensors, through Triton's dispatch
+        buf = p.scratch(device)
+        o_part, m_part, l_part = p.regions(buf, stream)
+        ...launches...(args, stream, p.dev_index)
+        p.settle(stream)
+    """
+
+    __slots__ = ("dev_index", "launches", "n_buf", "offsets", "shapes", "ready")
+
+    def __init__(self, **kw):
+        for cls in type(self).__mro__:
+            for name in getattr(cls, "__slots__", ()):
+                setattr(self, name, kw.get(name))
+        if self.launches is None:
+            self.launches = ()
+        self.ready = False
+
+    def stream(self):
+        """The raw stream to launch on by address (``current_stream``) once the plan is ready, else None."""
+        return current_stream(self.dev_index) if self.ready else None
+
+    def scratch(self, device) -> torch.Tensor:
+        """A new fp32 scratch buffer of ``n_buf`` elements on ``device`` (a call's own: its partials)."""
+        return torch.empty(self.n_buf, dtype=torch.float32, device=device)
+
+    def regions(self, buf: torch.Tensor, stream) -> tuple:
+        """``buf``'s regions: device addresses where ``stream`` is given, else views of their shapes (None
+        for a shape None)."""
+        if stream is not None:
+            b0 = buf.data_ptr()
+            return tuple(b0 + 4 * x for x in self.offsets)
+        return tuple(None if shape is None else buf[x:x + _numel(shape)].view(shape)
+                     for x, shape in zip(self.offsets, self.shapes))
+
+    def settle(self, stream) -> None:
+        """After a call through Triton's dispatch (``stream`` None): ready once every launch holds its kernel."""
+        if stream is None and not self.ready:
+            self.ready = all(x.compiled is not None for x in self.launches)
+
+
+def _numel(shape: tuple) -> int:
+    return functools.reduce(operator.mul, shape, 1)
+
+
 def launch(kernel, grid: tuple, *args, **kw) -> None:
     """``kernel[grid](*args, **kw)`` by a kept ``Launch`` (``site``): the key is what Triton's dispatch
     specializes on, read from the arguments (each tensor's dtype and 16-byte alignment, each int's and

@@ -554,28 +554,23 @@ def decode(cfg, st, q, *, scale=None, knobs: Knobs | None = None):
         lse.fill_(float("-inf"))
         return out, lse
     dev_index = p.dev_index
-    stream = L.current_stream(dev_index) if p.ready else None
-    buf = torch.empty(p.n_buf, dtype=torch.float32, device=dev)
+    stream = p.stream()
+    buf = p.scratch(dev)
+    o_part, m_part, l_part = p.regions(buf, stream)
     q32 = q.to(torch.float32, memory_format=torch.contiguous_format) if p.q_float else None   # alive until launched
     oview = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
     if stream is not None:                     # addresses
-        b0 = buf.data_ptr()
-        o_part, m_part, l_part = (b0 + 4 * x for x in p.offsets)
         qa = ptrs[0] if q32 is None else q32.data_ptr()
         kw, kp, vw, vp, tab, rk, rv = ptrs[1:]
         oa, la = oview.data_ptr(), lse.data_ptr()
     else:                                      # tensors (Triton's dispatch)
-        rows, S = p.rows, p.S
-        o0, m0, l0 = p.offsets
-        o_part, m_part, l_part = buf[o0:m0].view(rows, S, D), buf[m0:l0].view(rows, S), buf[l0:].view(rows, S)
         qa = q if q32 is None else q32
         kw, kp, vw, vp = (st.k_words.view(torch.int16), st.k_params.view(torch.int32),
                           st.v_words.view(torch.int16), st.v_params.view(torch.int32))
         tab, rk, rv, oa, la = st.table, res_k, res_v, oview, lse
     p.decode((qa, kw, kp, vw, vp, tab, rk, rv, o_part, m_part, l_part, *p.decode_ints, sc), stream, dev_index)
     p.merge((o_part, m_part, l_part, oa, la, p.S, D), stream, dev_index)
-    if stream is None and not p.ready:
-        p.ready = all(x.compiled is not None for x in (p.decode, p.merge))
+    p.settle(stream)
     return out, lse
 
 
@@ -583,20 +578,13 @@ def decode(cfg, st, q, *, scale=None, knobs: Knobs | None = None):
 PLAN_CACHE_SIZE = 256
 
 
-class DecodePlan:
+class DecodePlan(L.Plan):
     """The two launches of one ``decode`` call (the fused kernel's, ``decode``, with its integer arguments;
     the merge's), planned once per call shape; ``S`` splits (0: nothing cached), ``q_float``: q goes in as a
-    contiguous fp32 copy (the exact path of bf16 q under the interpreter). A call allocates one fp32 buffer
-    of ``n_buf`` elements: the partials o (rows, S, D), m and l (rows, S) at ``offsets``. ``ready``: both
-    launches hold their compiled kernels."""
+    contiguous fp32 copy (the exact path of bf16 q under the interpreter). Its scratch (``_launch.Plan``): the
+    partials o (rows, S, D), m and l (rows, S)."""
 
-    __slots__ = ("dev_index", "rows", "S", "q_float", "decode", "decode_ints", "merge", "n_buf", "offsets",
-                 "ready")
-
-    def __init__(self, **kw):
-        for name in self.__slots__:
-            setattr(self, name, kw.get(name))
-        self.ready = False
+    __slots__ = ("rows", "S", "q_float", "decode", "decode_ints", "merge")
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
@@ -631,8 +619,9 @@ def _decode_plan(cfg, shape, T, q_shape, q_strides, dtypes, n_table, dev, dev_in
                      dict(num_warps=lp.warps, num_stages=lp.stages), aligned)
     ints = (*qs, H_q, H, T_q, (H_q // H) * T_q, lp.n_chunks, lp.n_pc, res, lp.cps, S, n_table)
     n_o, n_s = rows * S * D, rows * S
+    merge = A.planned_merge(rows, S, D, q_dtype, aligned)
     return DecodePlan(dev_index=dev_index, rows=rows, S=S, q_float=q_float, decode=fused, decode_ints=ints,
-                      merge=A.planned_merge(rows, S, D, q_dtype, aligned), n_buf=n_o + 2 * n_s,
-                      offsets=(0, n_o, n_o + n_s))
+                      merge=merge, launches=(fused, merge), n_buf=n_o + 2 * n_s, offsets=(0, n_o, n_o + n_s),
+                      shapes=((rows, S, D), (rows, S), (rows, S)))
 
 

@@ -344,20 +344,15 @@ def decode(cfg, st, qr, *, scale=None, precise: bool = True, out_dtype=torch.flo
                      st.table.shape[1], bool(precise), out_dtype, None if R3 is None else R3.shape[0], dev,
                      L.device_index(dev), L.aligned(ptrs), knobs)
     dev_index = p.dev_index
-    stream = L.current_stream(dev_index) if p.ready else None
-    buf = torch.empty(p.n_buf, dtype=torch.float32, device=dev)
+    stream = p.stream()
+    buf = p.scratch(dev)
+    o_part, m_part, l_part, o32 = p.regions(buf, stream)
     out = torch.empty(tuple(qr.shape), dtype=out_dtype, device=dev)
     lse = torch.empty(tuple(qr.shape[:3]), dtype=torch.float32, device=dev)
     oview = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
     if stream is not None:                     # addresses
-        b0 = buf.data_ptr()
-        o_part, m_part, l_part, o32 = (b0 + 4 * x for x in p.offsets)
         a, oa, la = ptrs, oview.data_ptr(), lse.data_ptr()
     else:                                      # tensors (Triton's dispatch)
-        rows, S = p.rows, p.S
-        o0, m0, l0, x0 = p.offsets
-        o_part, m_part, l_part = buf[o0:m0].view(rows, S, D), buf[m0:l0].view(rows, S), buf[l0:x0].view(rows, S)
-        o32 = buf[x0:].view(tuple(qr.shape)) if p.rot_out is not None else None
         a, oa, la = tensors, oview, lse
     q, kc, ks, km, vc, vs, vm, tab, sk, sv, wk, wv = a[:12]
     parts = (o_part, m_part, l_part)
@@ -371,8 +366,7 @@ def decode(cfg, st, qr, *, scale=None, precise: bool = True, out_dtype=torch.flo
     else:
         p.merge((*parts, o32, la, *p.merge_ints), stream, dev_index)
         p.rot_out((o32, a[12], oa, *p.rot_ints), stream, dev_index)
-    if stream is None and not p.ready:
-        p.ready = all(x.compiled is not None for x in p.launches)
+    p.settle(stream)
     return out, lse
 
 
@@ -387,23 +381,15 @@ def _state_tensors(st) -> tuple:
 PLAN_CACHE_SIZE = 256
 
 
-class DecodePlan:
+class DecodePlan(L.Plan):
     """Every launch of one ``decode`` call, planned once per call shape: the page kernel's (``pages``, None
     without history tokens), the partial kernel's over the sink and the window (``fp16``: (launch, 0 sink /
     1 window, integer arguments) per non-empty segment), the merge's, and the output rotation's
-    (``rot_out``, None without one), with their integer arguments. A call allocates one fp32 buffer of
-    ``n_buf`` elements: the partials o (rows, S, D), m and l (rows, S), then the merged fp32 output where it
-    is rotated after the merge, at ``offsets``. ``ready``: every launch holds its compiled kernel."""
+    (``rot_out``, None without one), with their integer arguments. Its scratch (``_launch.Plan``): the
+    partials o (rows, S, D), m and l (rows, S), then the merged fp32 output where it is rotated after the
+    merge."""
 
-    __slots__ = ("dev_index", "rows", "S", "pages", "pages_ints", "fp16", "merge", "merge_ints", "rot_out",
-                 "rot_ints", "n_buf", "offsets", "launches", "ready")
-
-    def __init__(self, **kw):
-        for name in self.__slots__:
-            setattr(self, name, kw.get(name))
-        self.launches = tuple(x for x in (self.pages, *(f[0] for f in self.fp16), self.merge, self.rot_out)
-                              if x is not None)
-        self.ready = False
+    __slots__ = ("rows", "S", "pages", "pages_ints", "fp16", "merge", "merge_ints", "rot_out", "rot_ints")
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
@@ -460,9 +446,11 @@ def _decode_plan(cfg, shape, T, q_shape, q_strides, dtypes, fp16_strides, n_tabl
     n_o, n_s = rows * S * D, rows * S
     n_x = rows * D if r_heads is not None else 0
     offsets = (0, n_o, n_o + n_s, n_o + 2 * n_s)
+    shapes = ((rows, S, D), (rows, S), (rows, S), tuple(q_shape) if r_heads is not None else None)
+    launches = tuple(x for x in (pages, *(f[0] for f in fp16), merge, rot_out) if x is not None)
     return DecodePlan(dev_index=dev_index, rows=rows, S=S, pages=pages, pages_ints=pages_ints, fp16=fp16,
-                      merge=merge, merge_ints=(S, D), rot_out=rot_out, rot_ints=rot_ints,
-                      n_buf=n_o + 2 * n_s + n_x, offsets=offsets)
+                      merge=merge, merge_ints=(S, D), rot_out=rot_out, rot_ints=rot_ints, launches=launches,
+                      n_buf=n_o + 2 * n_s + n_x, offsets=offsets, shapes=shapes)
 
 
 # Query-side rotation (the decode's q and output rotations: a few rows).

@@ -838,7 +838,7 @@ def _gather_tensors(kp: dict, st: PagedState) -> tuple:
 PLAN_CACHE_SIZE = 256
 
 
-class DecodePlan:
+class DecodePlan(L.Plan):
     """Every launch of one decode call, planned once per call shape (``decode_plan``). ``fallback``: the
     configuration is not the fused kernel's (dequantize and attend); else the fused kernel's ``Plan``
     (``lp``), ``NF`` fused tokens, ``NT`` tail tokens (``tail_in_place``: attended where they lie by
@@ -846,19 +846,12 @@ class DecodePlan:
     partial slots per query row over ``rows`` rows, ``q_float`` (the fused kernel takes q cast to fp32: the
     exact path) and ``tail_q_float`` (the tail's partial kernel takes q cast to fp32: bf16 q), and the
     kernels' ``_launch.Launch``es with their integer arguments (``gather`` / ``fused`` / ``tail`` None where
-    there is no work; ``merge``; all of them in ``launches``). A call allocates one fp32
-    buffer of ``n_buf`` elements: o, m and l partials and the gathered tail's K and V at ``offsets``.
-    ``ready``: every launch holds its compiled kernel (set after the first call that leaves them so)."""
+    there is no work; ``merge``). Its scratch (``_launch.Plan``): the o, m and l partials and the gathered
+    tail's K and V."""
 
-    __slots__ = ("fallback", "dev_index", "NF", "NT", "S_TOTAL", "rows", "q_float", "tail_q_float", "lp",
+    __slots__ = ("fallback", "NF", "NT", "S_TOTAL", "rows", "q_float", "tail_q_float", "lp",
                  "gather", "gather_ints", "fused", "fused_ints", "fused_scale", "tail_in_place", "tail",
-                 "tail_ints", "merge", "merge_ints", "n_buf", "offsets", "launches", "ready")
-
-    def __init__(self, **kw):
-        for name in self.__slots__:
-            setattr(self, name, kw.get(name))
-        self.launches = tuple(x for x in (self.gather, self.fused, self.tail, self.merge) if x is not None)
-        self.ready = False         # every launch holds its compiled kernel (_launch.Launch.compiled)
+                 "tail_ints", "merge", "merge_ints")
 
 
 def decode_plan(cfg, codec, st: PagedState, q, kp: dict | None = None, knobs: Knobs | None = None,
@@ -973,10 +966,13 @@ def _decode_plan(cfg, shape, T, q_shape, q_strides, dtypes, dev, dev_index, k_bi
                              opts, aligned)
     merge = A.planned_merge(rows, S_TOTAL, D, q_dtype, aligned)
     # one fp32 buffer per call: the partials o (rows, S, D), m and l (rows, S), then the tail's K and V
-    n_o, n_s, n_t = rows * S_TOTAL * D, rows * S_TOTAL, (0 if tail_in_place else B * H * NT * D)
+    n_o, n_s, n_t = rows * S_TOTAL * D, rows * S_TOTAL, (0 if gather is None else B * H * NT * D)
     offsets = (0, n_o, n_o + n_s, n_o + 2 * n_s, n_o + 2 * n_s + n_t)
+    tail_kv = (B, H, NT, D) if gather is not None else None
+    shapes = ((rows, S_TOTAL, D), (rows, S_TOTAL), (rows, S_TOTAL), tail_kv, tail_kv)
     return DecodePlan(fallback=False, dev_index=dev_index, NF=NF, NT=NT, S_TOTAL=S_TOTAL, rows=rows,
-                      n_buf=n_o + 2 * n_s + 2 * n_t, offsets=offsets,
+                      n_buf=n_o + 2 * n_s + 2 * n_t, offsets=offsets, shapes=shapes,
+                      launches=tuple(x for x in (gather, fused, tail, merge) if x is not None),
                       q_float=q_float, tail_q_float=tail_q_float, lp=lp,
                       gather=gather, gather_ints=gather_ints, fused=fused, fused_ints=fused_ints,
                       tail_in_place=tail_in_place,
@@ -1018,24 +1014,19 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None, knobs: Knobs 
         o, ls = A.decode_attention(q.float(), [(K, V)], scale=sc)
         return o.to(q.dtype), ls
     dev_index = p.dev_index
-    stream = L.current_stream(dev_index) if p.ready else None
-    buf = torch.empty(p.n_buf, dtype=torch.float32, device=dev)
+    stream = p.stream()
+    buf = p.scratch(dev)
+    o_part, m_part, l_part, tk, tv = p.regions(buf, stream)
     oview = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
     # q as fp32 for the exact path and for bf16 q's tail (one contiguous copy, alive until the launches)
     q32 = _cast(q) if (p.q_float or p.tail_q_float) else None
     qk = q32 if p.q_float else q
     qf = q32 if p.tail_q_float else q
     if stream is not None:                     # addresses
-        b0 = buf.data_ptr()
-        o_part, m_part, l_part, tk, tv = (b0 + 4 * x for x in p.offsets)
         a, oa, la = ptrs, oview.data_ptr(), lse.data_ptr()
         qk = ptrs[0] if qk is q else qk.data_ptr()
         qf = ptrs[0] if qf is q else qf.data_ptr()
     else:                                      # tensors (Triton's dispatch)
-        rows, S, NT = p.rows, p.S_TOTAL, p.NT
-        o0, m0, l0, k0, v0 = p.offsets
-        o_part, m_part, l_part = buf[o0:m0].view(rows, S, D), buf[m0:l0].view(rows, S), buf[l0:k0].view(rows, S)
-        tk, tv = (buf[k0:v0].view(B, H, NT, D), buf[v0:].view(B, H, NT, D)) if p.gather is not None else (None, None)
         a, oa, la = tensors, oview, lse
     g = a[1:]                                  # the state: sink, buffers, window, key pool, value pool, tables
     if p.gather is not None:
@@ -1047,8 +1038,7 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None, knobs: Knobs 
     elif p.tail is not None:
         p.tail((qf, tk, tv, o_part, m_part, l_part, *p.tail_ints, sc), stream, dev_index)
     p.merge((o_part, m_part, l_part, oa, la, *p.merge_ints), stream, dev_index)
-    if stream is None and not p.ready:
-        p.ready = all(x.compiled is not None for x in p.launches)
+    p.settle(stream)
     return out, lse
 
 
