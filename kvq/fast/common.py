@@ -10,7 +10,6 @@ as the reference tier (which owns the shape rules: ``kvq.reference.quant.check_g
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import numbers
@@ -71,15 +70,23 @@ def validation_enabled() -> bool:
     return _STATE["validate"]
 
 
-@contextlib.contextmanager
-def validation(enabled: bool):
-    """Context manager form of :func:`set_validation`."""
-    old = _STATE["validate"]
-    _STATE["validate"] = bool(enabled)
-    try:
-        yield
-    finally:
-        _STATE["validate"] = old
+class validation:
+    """Context manager form of :func:`set_validation`: the setting ``enabled`` inside the block, the one
+    before it after (a class rather than a generator: a model's step enters one per layer and call)."""
+
+    __slots__ = ("enabled", "old")
+
+    def __init__(self, enabled: bool):
+        self.enabled = bool(enabled)
+        self.old = None
+
+    def __enter__(self):
+        self.old = _STATE["validate"]
+        _STATE["validate"] = self.enabled
+
+    def __exit__(self, *exc):
+        _STATE["validate"] = self.old
+        return False
 
 
 def torch_dtype(dtype) -> torch.dtype:

@@ -12,8 +12,8 @@ same name). ``make_cache(name, model)`` switches the model to it, so a user writ
 The road of one attention layer, with a kvq cache:
 
 1. ``KVQCache.update(k, v, layer)`` appends the new post-RoPE tokens to the layer's compressed state and
-   returns the new tokens themselves, tagged with the cache (``_kvq`` attribute: cache, layer, tokens cached
-   before them).
+   returns the new tokens themselves, the keys tagged with the cache (``_kvq`` attribute: cache, layer,
+   tokens cached before them).
 2. :func:`kvq_attention_forward` reads the tag and
    * prefill (nothing cached before): SDPA over the prompt's own FP16 keys and values, with the model's mask;
    * decode (one query token): the method's fused decode over the compressed state (:func:`decode`), which
@@ -50,10 +50,12 @@ _PADDING = ("kvq caches do not support batches of prompts with different lengths
 
 
 def tag_states(t: torch.Tensor, cache, layer: int, prior: int) -> torch.Tensor:
-    """A view of ``t`` carrying (cache, layer, tokens cached before it) for :func:`kvq_attention_forward`: what
-    a kvq cache's fused ``update`` returns (``kvq.integrations.transformers``, and the CUDA-graph capture of
-    ``kvq.integrations.graphs``), so that the attention function finds the cache to decode from."""
-    out = t.view(t.shape)
+    """A view of ``t`` carrying (cache, layer, tokens cached before it) for :func:`kvq_attention_forward`: the
+    keys a kvq cache's fused ``update`` returns (``kvq.integrations.transformers``, and the CUDA-graph capture
+    of ``kvq.integrations.graphs``; the values come back as they are: the attention function reads the tag
+    of the keys only), so that the attention function finds the cache to decode from. The caller's tensor
+    itself is not tagged."""
+    out = t.view_as(t)
     out._kvq = (cache, layer, prior)
     return out
 

@@ -63,7 +63,7 @@ def _no_value_scan():
     synchronization per layer and step, and a model's query is its own (NaN there comes from NaN hidden
     states, which reach the logits anyway). Triton's decodes give NaN out for a NaN query row; CuPy's may give
     zeros (their running max skips NaN scores). Shapes, dtypes and devices are still checked."""
-    return importlib.import_module("kvq.fast.common").validation(False)
+    return T.fast_common().validation(False)
 
 
 # ---------------------------------------------------------------------------------------------------

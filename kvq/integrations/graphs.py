@@ -208,11 +208,9 @@ class DecodeGraphs:
     # the cache's and the attention function's hooks while capturing ------------------------------------
 
     def capture_update(self, layer: int, key_states, value_states):
-        """``KVQCache.update`` while capturing: nothing is appended; the states come back tagged, as the
+        """``KVQCache.update`` while capturing: nothing is appended; the keys come back tagged, as the
         fused path's update returns them (the tokens cached before them: the cache's length)."""
-        prior = self.cache.store.length(layer)
-        return (tag_states(key_states, self.cache, layer, prior),
-                tag_states(value_states, self.cache, layer, prior))
+        return tag_states(key_states, self.cache, layer, self.cache.store.length(layer)), value_states
 
     def capture_attention(self, module, layer: int, query, key, value, kwargs):
         """The attention function while capturing: the current graph ends after allocating the attention

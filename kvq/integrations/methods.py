@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable
@@ -36,7 +35,7 @@ import numpy as np
 from kvq.reference import aqua, bitdecoding, kitty, kivi, oscar
 
 from . import families as F
-from .tensors import check_pos_int, checked_half, import_torch, to_numpy
+from .tensors import check_pos_int, checked_half, fast_common, import_torch, to_numpy
 
 __all__ = ["MethodSpec", "METHODS", "FP16Config", "BACKENDS", "ACCOUNTINGS", "get_method", "configure", "resolve_calibration",
            "bits_per_element", "KVStore"]
@@ -630,7 +629,7 @@ class KVStore:
         """The fast tier's value scans off for this call where the store was made with ``validate=False``."""
         if self.validate or self.backend == "reference":
             return contextlib.nullcontext()
-        return importlib.import_module("kvq.fast.common").validation(False)
+        return fast_common().validation(False)
 
     def grow_to(self, need: int) -> None:
         """Reallocate every layer's state for :meth:`_grown_capacity` tokens and copy the old states in (each

@@ -10,6 +10,7 @@ This module imports NumPy only; torch (and the fast tier, for :func:`to_out`) wh
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 
 import numpy as np
@@ -21,6 +22,12 @@ def check_pos_int(name: str, v) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
         raise ValueError(f"{name} must be a positive int, got {v!r}")
     return int(v)
+
+
+@functools.cache
+def fast_common():
+    """The module ``kvq.fast.common``, imported on first use and kept (a model's step asks for it per layer)."""
+    return importlib.import_module("kvq.fast.common")
 
 
 def import_torch():
@@ -60,7 +67,7 @@ def to_out(x, dtype):
     """Dequantized fp32 ``x`` in ``dtype``: float16 saturates finite values beyond +-65504 (the numerics
     contract's ``to_out``, on torch tensors ``kvq.fast.common.to_out``: a group holding 65504 has a top code
     whose fp32 value rounds to inf in fp16)."""
-    return importlib.import_module("kvq.fast.common").to_out(x, dtype)
+    return fast_common().to_out(x, dtype)
 
 
 def copy_state(old, new, cfg):

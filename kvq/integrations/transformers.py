@@ -176,6 +176,17 @@ def hf_layer_devices(model, n_layers: int):
     return [torch.device("cuda", d) if isinstance(d, int) and not isinstance(d, bool) else d for d in devices]
 
 
+def attn_implementation(config) -> str | None:
+    """``config._attn_implementation`` (None where the config has none): transformers 5 keeps it in the
+    config's ``__dict__`` as ``_attn_implementation_internal``, read there directly (past the config's
+    ``__getattribute__`` overrides: a few us per call, and a model's step asks once per layer), else by
+    the attribute."""
+    try:
+        return object.__getattribute__(config, "__dict__")["_attn_implementation_internal"]
+    except (AttributeError, KeyError, TypeError):
+        return getattr(config, "_attn_implementation", None)
+
+
 class KVQLayer(CacheLayerMixin):
     """One model layer's view of a :class:`KVQCache` (the cache's shared ``KVStore`` holds the data)."""
 
@@ -438,9 +449,8 @@ class KVQCache(Cache):
             if created:
                 self._store = None
             raise
-        if fused:                                   # the new tokens only, tagged for kvq's attention function
-            return (tag_states(key_states, self, layer_idx, prior),
-                    tag_states(value_states, self, layer_idx, prior))
+        if fused:                                   # the new tokens only, the keys tagged for kvq's attention
+            return tag_states(key_states, self, layer_idx, prior), value_states
         if K.device != key_states.device:
             K, V = K.to(key_states.device), V.to(key_states.device)
         return K, V
@@ -458,7 +468,7 @@ class KVQCache(Cache):
         """
         if self.attention != "auto":
             return False
-        impl = getattr(self._model_config, "_attn_implementation", None)
+        impl = attn_implementation(self._model_config)
         if impl == ATTN_IMPLEMENTATION:
             return True
         if impl is not None and not self._warned:

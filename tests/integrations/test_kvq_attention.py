@@ -247,3 +247,38 @@ def test_warns_once_only_when_a_model_attends_another_way():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not cache.fused                                       # once per cache
+
+
+def test_attn_implementation_reads_what_the_config_says():
+    """``attn_implementation`` (the fast read behind ``KVQCache.fused``) equals ``config._attn_implementation``
+    before any model binds the config, after ``set_attn_implementation`` to kvq and back to SDPA, and for an
+    object that keeps no ``__dict__`` entry (the attribute, or None)."""
+    from types import SimpleNamespace
+
+    from kvq.integrations.transformers import attn_implementation
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    assert attn_implementation(cfg) == getattr(cfg, "_attn_implementation", None)
+    model = tiny()
+    make_cache("KIVI-K2V2", model, max_tokens=64)
+    assert attn_implementation(model.config) == model.config._attn_implementation == A.ATTN_IMPLEMENTATION
+    model.set_attn_implementation("sdpa")
+    assert attn_implementation(model.config) == model.config._attn_implementation == "sdpa"
+    assert attn_implementation(SimpleNamespace(_attn_implementation="eager")) == "eager"
+    assert attn_implementation(object()) is None
+
+
+def test_fused_update_tags_a_view_of_the_keys():
+    """With kvq attention, ``update`` returns the new keys as a tagged view (the caller's tensor carries no
+    tag, the data is the caller's) and the new values as they are; the tag names the cache, the layer and
+    the tokens cached before."""
+    model = tiny(head_dim=64)
+    cache = make_cache("KIVI-K2V2", model, max_tokens=64)
+    k, v = torch.randn(1, 2, 5, 64), torch.randn(1, 2, 5, 64)
+    kk, vv = cache.update(k, v, 0)
+    assert kk is not k and not hasattr(k, "_kvq") and kk.data_ptr() == k.data_ptr() and torch.equal(kk, k)
+    assert kk._kvq == (cache, 0, 0)
+    assert vv is v and not hasattr(v, "_kvq")
+    k2 = torch.randn(1, 2, 1, 64)
+    kk2, _ = cache.update(k2, k2.clone(), 0)
+    assert kk2._kvq == (cache, 0, 5)
