@@ -25,6 +25,7 @@ Two kinds of members:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from dataclasses import dataclass
 from fractions import Fraction
@@ -56,6 +57,12 @@ def _aqua_counts(cfg, T: int):
     n_sink = min(T, cfg.sink)
     post = T - n_sink
     return n_sink, post // cfg.buffer, post % cfg.buffer
+
+
+@functools.cache
+def _fast_paged():
+    """``kvq.fast.caches.paged``, imported on first use (this module loads without torch)."""
+    return importlib.import_module("kvq.fast.caches.paged")
 
 
 def _no_value_scan():
@@ -365,6 +372,15 @@ class Paged(Family):
     """KIVI: 2 / 4-bit paged keys per channel and values per token (``kivi.py``)."""
 
     name = "kivi"
+
+    def append(self, layer: int, k, v) -> None:
+        """The fast backends' append without its checks of the state and of k, v, which the store has made
+        (``kvq.fast.caches.paged.append_checked``: the values are still checked while validation is on);
+        the reference's as it is."""
+        s = self.store
+        if s.backend == "reference":
+            return super().append(layer, k, v)
+        _fast_paged().append_checked(s.cfg, self.mod.KeyCodec, s.layer_states[layer], k, v)
 
     @classmethod
     def quantized_bits(cls, cfg, head_dim, kv_heads, n_layers, accounting):

@@ -346,3 +346,45 @@ def test_triton_store_rejected_calls_change_nothing(triton_device, name):
     other.append(0, k2, k2)                   # kept in fp16 (AQUA-KV: waiting), never in the caller's memory
     k2.zero_()
     assert torch.equal(other.keys_values(0)[0], k.float())
+
+
+@pytest.mark.parametrize("name", ["KIVI-K2V2", "Kitty"])
+def test_triton_paged_store_appends_without_checking_twice(triton_device, name, monkeypatch):
+    """The store's fast KIVI / Kitty appends go through ``kvq.fast.caches.paged.append_checked``: the paged
+    cache's own checks of the state and of k, v (``_check_append``), which the store has made, are not made
+    again; the state equals the checked ``append``'s bit for bit, one token at a time included; NaN, inf
+    and fp16 overflow are still refused before anything changes, while validation is on."""
+    from kvq.fast.caches import paged as FP
+    seen = {"checked": 0, "check": 0}
+    real_checked, real_check = FP.append_checked, FP._check_append
+
+    def checked(*a):
+        seen["checked"] += 1
+        return real_checked(*a)
+
+    def check(*a):
+        seen["check"] += 1
+        return real_check(*a)
+
+    monkeypatch.setattr(FP, "append_checked", checked)
+    monkeypatch.setattr(FP, "_check_append", check)
+    store = _store(name, backend="triton", device=triton_device, n_layers=1)
+    mod = store._family.mod
+    direct = mod.init(store.cfg, B, H, D, device=store.devices[0])
+    toks = [tuple(torch.from_numpy(a).to(triton_device) for a in _tokens(T, 40 + T, np.float16)) for T in (7, 1, 1, 3)]
+    for k, v in toks:
+        store.append(0, k, v)
+        mod.append(store.cfg, direct, k, v)
+    assert seen == {"checked": len(toks), "check": len(toks)}          # the direct appends' checks only
+    got, want = store.state(0), direct
+    assert got.length == want.length == 12
+    for n, a in got.arrays().items():
+        assert _bits(a) == _bits(want.arrays()[n]), n
+    k, v = toks[1]
+    nan, inf = k.clone(), v.clone()
+    nan[0, 0, 0, 0] = float("nan")
+    inf[0, 1, 0, 3] = float("inf")
+    assert store.validate                                              # KVStore's default: scans on
+    assert_rejected(store, lambda: store.append(0, nan, v), ValueError, "NaN")
+    assert_rejected(store, lambda: store.append(0, k, inf), ValueError, "inf")
+    assert_rejected(store, lambda: store.append(0, k.float() * 1e6, v.float()), ValueError, "overflows float16")

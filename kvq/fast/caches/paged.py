@@ -122,9 +122,14 @@ def _check_append(cfg, codec, st: PagedState, k, v):
     check_state(cfg, codec, st)
     C.check_kv_append(k, v, st.shape, st.device, st.length, cfg.max_tokens, allow_cpu=codec.ops.allow_cpu(),
                       dtype_rule="float16 (or float32, rounded to the FP16 buffers)")
-    n = k.shape[2]
+    return _to_fp16(k, v)
+
+
+def _to_fp16(k, v):
+    """k, v as float16, refusing fp16 overflow while validation is on."""
     k16, v16 = k.to(F16), v.to(F16)
-    if C.validation_enabled() and n and not (bool(torch.isfinite(k16).all()) and bool(torch.isfinite(v16).all())):
+    if C.validation_enabled() and k.shape[2] and not (bool(torch.isfinite(k16).all())
+                                                       and bool(torch.isfinite(v16).all())):
         raise ValueError("k or v overflows float16 (|x| > 65504); the FP16 buffers cannot hold it")
     return k16, v16
 
@@ -138,6 +143,24 @@ def quantize_values(cfg, codec, x16: torch.Tensor):
 def append(cfg, codec, st: PagedState, k, v) -> PagedState:
     """Append (B, H_kv, T_new, D) tokens; the same routing, pages and page ids as the reference."""
     k16, v16 = _check_append(cfg, codec, st, k, v)
+    return _append16(cfg, codec, st, k16, v16)
+
+
+def append_checked(cfg, codec, st: PagedState, k, v) -> PagedState:
+    """:func:`append` for a caller that has made its checks of ``st`` and of k, v already: ``st`` made by
+    ``init`` with ``cfg`` itself; k, v float16 / float32 tensors (B, H_kv, T_new, D) of the cache's shape
+    on its device; the capacity. That caller is ``kvq.integrations.methods.KVStore``, which validates every
+    append before it writes (a model's step appends one token per layer: the checks once, not twice). The
+    values are still checked while validation is on: NaN / inf (rule 8), then fp16 overflow, as
+    :func:`append` checks them."""
+    C.check_finite(k, "k")
+    C.check_finite(v, "v")
+    k16, v16 = _to_fp16(k, v)
+    return _append16(cfg, codec, st, k16, v16)
+
+
+def _append16(cfg, codec, st: PagedState, k16: torch.Tensor, v16: torch.Tensor) -> PagedState:
+    """:func:`append`'s routing of checked fp16 tokens."""
     B, H, D = st.shape
     S, G, R = cfg.sink, cfg.group_size, cfg.residual
     T0, n = st.length, k16.shape[2]
