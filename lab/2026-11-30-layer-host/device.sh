@@ -5,7 +5,8 @@
 #   TESTS=1   the GPU tests (TEST_PATHS / TEST_K to change them)
 #   LAYER=1   layer_host.py at 1 x 32K, after / before / after / before (one process each)
 #   EAGER=1   lab/2026-11-29-oscar-host/eager_calls.py at 1 x 32K, after then before
-#   AB=1      ab_layer.py: this tree against .before_pkg/kvq_before in one process, rounds interleaved
+#   AB=1      ab_layer.py: this tree against $AB_BEFORE (default .before_pkg; its kvq renamed kvq_before) in one
+#             process, rounds interleaved, to $OUT/ab_layer$AB_TAG.json
 # Everything lands in $OUT (at most 8 files come back: logs are tarred).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -40,8 +41,9 @@ if [ -n "${EAGER:-}" ]; then
   tar -czf "$OUT/layer.tgz" -C /tmp/h .
 fi
 if [ -n "${AB:-}" ]; then
-  timeout -k 10 "${AB_TIMEOUT:-300}" python3 lab/2026-11-30-layer-host/ab_layer.py --before .before_pkg \
-      --out "$OUT/ab_layer.json" ${AB_ARGS:-} > "/tmp/h/ab_layer.log" 2>&1
-  echo "ab rc=$?"; grep -E "^\{" /tmp/h/ab_layer.log | cut -c1-250; tail -n 3 /tmp/h/ab_layer.log | cut -c1-300
+  tag="${AB_TAG:-}"
+  timeout -k 10 "${AB_TIMEOUT:-300}" python3 lab/2026-11-30-layer-host/ab_layer.py --before "${AB_BEFORE:-.before_pkg}" \
+      --out "$OUT/ab_layer$tag.json" ${AB_ARGS:-} > "/tmp/h/ab_layer$tag.log" 2>&1
+  echo "ab$tag rc=$?"; grep -E "^\{" "/tmp/h/ab_layer$tag.log" | cut -c1-250; tail -n 3 "/tmp/h/ab_layer$tag.log" | cut -c1-300
   tar -czf "$OUT/layer.tgz" -C /tmp/h .
 fi
