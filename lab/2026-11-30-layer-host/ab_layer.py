@@ -115,8 +115,8 @@ def main() -> None:
         steps = None
         if dev == "cuda":
             torch.cuda.empty_cache()
-    with open(a.out, "w") as f:
-        json.dump(out, f, indent=1)
+        with open(a.out, "w") as f:                          # after every row: a timeout keeps the rows done
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":
