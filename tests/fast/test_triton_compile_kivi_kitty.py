@@ -73,13 +73,6 @@ VARIANTS = {
                                                      DB_HIGH=0, NR=8)),
     "tokens-Kitty-fp16-1warp": ("*fp16", 1, dict(kernel="_tokens_kernel", K_BITS=2, V_BITS=2, KITTY=True, DB_HIGH=16,
                                                  NR=4, BT=64)),
-    # the tail read where it lies (Knobs.tail_in_place): blocks of 32 tail rows, the FP16 partial's 4 warps
-    "tail-KIVI-K2V2-fp16": ("*fp16", 4, dict(kernel="_tail_kernel", K_BITS=2, V_BITS=2, KITTY=False, DB_HIGH=0,
-                                             PRECISE=True)),
-    "tail-Kitty-fp16": ("*fp16", 4, dict(kernel="_tail_kernel", K_BITS=2, V_BITS=2, KITTY=True, DB_HIGH=16,
-                                         PRECISE=True)),
-    "tail-KIVI-K2V4-Gv32-fp32": ("*fp32", 4, dict(kernel="_tail_kernel", K_BITS=2, V_BITS=4, KITTY=False, DB_HIGH=0,
-                                                  NGV=4, PRECISE=True)),
 }
 
 

@@ -19,13 +19,13 @@ from kvq.fast.triton import paged as TP  # noqa: E402
 
 def test_knob_defaults_are_the_former_dicts():
     """Each module's Knobs holds the defaults its TUNE dict held (but the paged decode's waves: 2 since the
-    H200 sweep of lab/2026-11-29-triton-decode, and its later ``tokens`` and ``tail_keys``: TOKENS.md there;
-    ``tail_in_place``: lab/2026-11-29-fused-tail), and is immutable and hashable."""
+    H200 sweep of lab/2026-11-29-triton-decode, and its later ``tokens`` and ``tail_keys``: TOKENS.md there),
+    and is immutable and hashable."""
     assert dataclasses.asdict(TP.Knobs()) == {"num_warps": 4, "waves": 2, "block_t": None, "split_p": False,
                                               "k_terms": 2, "num_stages": None, "words": True,
                                               "tokens": {"num_warps": 2, "waves": 4, "block_t": 128,
                                                          "num_stages": 2, "maxnreg": None},
-                                              "tail_keys": 32, "tail_in_place": False}
+                                              "tail_keys": 32}
     assert dataclasses.asdict(OD.Knobs()) == {"num_warps": 4, "waves": 3, "block_t": None, "k_terms": 3,
                                               "v_terms": 1, "num_stages": None}
     assert dataclasses.asdict(BDD.Knobs()) == {"leaf": None, "unpack": 1, "waves": 4, "bt_max": None,
@@ -100,8 +100,6 @@ def test_paged_tokens_plan():
         TP.Knobs(tokens={"num_warps": 1})
     with pytest.raises(ValueError, match="tail_keys"):
         TP.Knobs(tail_keys=0)
-    with pytest.raises(ValueError, match="tail_in_place"):
-        TP.Knobs(tail_in_place=1)
 
 
 def test_oscar_plan():

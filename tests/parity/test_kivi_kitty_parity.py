@@ -313,13 +313,11 @@ def test_decode_many_rows_take_the_rows_kernel(triton_target, planned_launches):
 
 
 def test_decode_tail_takes_fp16_q_as_it_is(triton_target, monkeypatch):
-    """Triton, the tail gathered (``Knobs(tail_in_place=False)``): the fp32 tail's partial kernel gets fp16 q
+    """Triton: the gathered fp32 tail's partial kernel gets fp16 q
     as it is (no cast launch) and widens it exactly as it loads it: the decode's bits equal those with q cast
     to fp32 before the tail (the former path)."""
     _, device = triton_target
     _device_ok(device)
-    FP = _paged("triton")
-    monkeypatch.setattr(FP, "DEFAULT_KNOBS", FP.Knobs(tail_in_place=False))
     cfg, _, fast, (B, H, D) = _setup(CASES[0], triton_target)
     k, v = _kv(B, H, 90 if device == "cpu" else 2048 + 77, D, cfg.group_size, seed=3)
     fs = fast.init(cfg, B, H, D)
@@ -349,45 +347,6 @@ def test_decode_tail_takes_fp16_q_as_it_is(triton_target, monkeypatch):
     out32, lse32 = fast.decode_attention(cfg, fs, q)
     assert seen == [torch.float16]
     assert torch.equal(out, out32) and torch.equal(lse, lse32)
-
-
-@pytest.mark.parametrize("ci", [1, 3], ids=lambda i: CASES[i][0])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
-def test_triton_decode_tail_in_place(triton_target, ci, dtype, monkeypatch, planned_launches):
-    """Triton, fp16 / fp32 q with ``Knobs(tail_in_place=True)``: the tail (sink, key and value Q-buffers, the
-    window, the pages beyond the fused range) is attended where it lies by ``_tail_kernel``: three launches
-    (the fused kernel, the tail, the merge), no gather and no fp32 copy; its partials are those of the
-    gathered tail's FP16 partial kernel (``Knobs(tail_in_place=False)``: the same operations on the same
-    values), bit for bit under the interpreter, and within the tolerance rule on the GPU (the reductions'
-    order there follows each kernel's layout)."""
-    _, device = triton_target
-    _device_ok(device)
-    FP = _paged("triton")
-    monkeypatch.setattr(FP, "DEFAULT_KNOBS", FP.Knobs(tail_in_place=True))
-    cfg, ref, fast, (B, H, D) = _setup(CASES[ci], triton_target)
-    T = 90 if device == "cpu" else 2048 + 77
-    k, v = _kv(B, H, T, D, cfg.group_size, seed=ci + 7, start=cfg.sink)
-    fs = fast.init(cfg, B, H, D)
-    fast.append(cfg, fs, torch.from_numpy(k).to(device), torch.from_numpy(v).to(device))
-    q = torch.randn((B, 4 * H, 1, D), generator=torch.Generator().manual_seed(ci)).to(dtype).to(device)
-    p = FP.decode_plan(cfg, fast.KeyCodec, fs, q)
-    assert p.NT > 0 and p.fused is not None and p.gather is None and p.tail_in_place
-    assert p.tail.kernel is FP._tail_kernel and p.n_buf == p.rows * p.S_TOTAL * (D + 2)    # partials only
-    planned_launches.clear()                                # the appends' launches
-    out, lse = fast.decode_attention(cfg, fs, q)
-    kinds = planned_launches.kernels()
-    assert len(kinds) == 3 and kinds[:2] == [p.fused.kernel, FP._tail_kernel]      # and the merge
-    monkeypatch.setattr(FP, "DEFAULT_KNOBS", FP.Knobs(tail_in_place=False))
-    pg = FP.decode_plan(cfg, fast.KeyCodec, fs, q)
-    assert pg.gather is not None and not pg.tail_in_place and pg.S_TOTAL == p.S_TOTAL
-    out_g, lse_g = fast.decode_attention(cfg, fs, q)
-    if device == "cpu":
-        assert torch.equal(out, out_g) and torch.equal(lse, lse_g)
-    rs = ref.init(cfg, B, H, D)
-    ref.append(cfg, rs, k, v)
-    (o64, l64), (o32, l32) = _truth_ref32(ref, cfg, rs, q)
-    check_close(out, o64, o32, dtype, "tail in place: out")
-    check_close(lse, l64, l32, torch.float32, "tail in place: lse")
 
 
 @pytest.mark.parametrize("a", [ATTN[1], ATTN[5], ATTN[6]], ids=["KIVI-K2V2-fp16", "Kitty-fp16-gqa8", "Kitty-Pro-fp16"])
@@ -914,13 +873,12 @@ def test_decode_plan_reused(triton_target, ci, monkeypatch, triton_dispatches):
     assert p2 is not p and (p2.NF, p2.NT) != (p.NF, p.NT)
 
 
-@pytest.mark.parametrize("in_place", [False, True], ids=["gathered", "in-place"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_decode_addresses_match_tensors(triton_target, dtype, in_place, monkeypatch):
+def test_decode_addresses_match_tensors(triton_target, dtype, monkeypatch):
     """Triton: a ready plan's call hands each launch the device addresses of exactly the tensors (and
-    buffer views) the dispatch path hands it, the integers and the scale unchanged (fp16 q: the tail read
-    where it lies; bf16 q: its fp32 copy for the gathered tail, alive until the launches). Checked by recording both paths' arguments (on the CPU too,
-    where no launch may take addresses: the launches are recorded, not run)."""
+    buffer views) the dispatch path hands it, the integers and the scale unchanged (bf16 q: its fp32 copy
+    for the gathered tail, alive until the launches). Checked by recording both paths' arguments (on the
+    CPU too, where no launch may take addresses: the launches are recorded, not run)."""
     from kvq.fast.triton import _launch as L
 
     cfg, _, fast, (B, H, D) = _setup(CASES[3], triton_target)
@@ -930,7 +888,6 @@ def test_decode_addresses_match_tensors(triton_target, dtype, in_place, monkeypa
     fast.append(cfg, fs, torch.from_numpy(k).to(device), torch.from_numpy(v).to(device))
     q = torch.randn((B, 4 * H, 1, D), generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
     FP = _paged("triton")
-    monkeypatch.setattr(FP, "DEFAULT_KNOBS", FP.Knobs(tail_in_place=in_place))
     p = FP.decode_plan(cfg, fast.KeyCodec, fs, q)
     got = {}
 
@@ -945,9 +902,8 @@ def test_decode_addresses_match_tensors(triton_target, dtype, in_place, monkeypa
     monkeypatch.setattr(p, "ready", True)
     fast.decode_attention(cfg, fs, q)
     tensors, addresses = got[False], got[True]
-    in_place = p.gather is None                             # Knobs(tail_in_place=True), fp16 q: the tail where it lies
-    assert in_place == (dtype == torch.float16 and FP.DEFAULT_KNOBS.tail_in_place)
-    assert [kern for kern, _ in tensors] == [kern for kern, _ in addresses] and len(tensors) == (3 if in_place else 4)
+    assert p.gather is not None
+    assert [kern for kern, _ in tensors] == [kern for kern, _ in addresses] and len(tensors) == 4
     for (kern, ta), (_, aa) in zip(tensors, addresses):
         assert len(ta) == len(aa), kern
         for x, y in zip(ta, aa):
@@ -958,11 +914,6 @@ def test_decode_addresses_match_tensors(triton_target, dtype, in_place, monkeypa
             else:
                 assert x == y, kern
     # the state's tensors and (fp16) q are passed at their own addresses
-    if in_place:
-        fused, tail = addresses[0][1], addresses[1][1]
-        assert fused[0] == q.data_ptr() == tail[0] and not p.q_float
-        assert all(t.data_ptr() in tail for t in (fs.k_buf, fs.v_win, fs.sink_k, fs.v_table, fs.k_table))
-        return
     gather_args = addresses[0][1]
     assert fs.k_buf.data_ptr() in gather_args and fs.v_table.data_ptr() in gather_args
     fused, tail = addresses[1][1], addresses[2][1]

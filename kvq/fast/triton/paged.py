@@ -100,7 +100,6 @@ class Knobs:
     words: bool = True                   # fp16 q unpacks codes from 32-bit words             KNOBS.md#triton
     tokens: TokensKnobs | None = TokensKnobs()   # _tokens_kernel where it applies (None: never)  TOKENS.md
     tail_keys: int = 32                  # fewest tail tokens per split of the fp32 tail       TOKENS.md
-    tail_in_place: bool = False          # fp16 / fp32 q: the tail read in place, no gather  2026-11-29-fused-tail/NOTE.md
 
     def __post_init__(self):
         C.check_launch_knobs("triton.paged", self)             # num_warps, waves, block_t, num_stages
@@ -110,7 +109,6 @@ class Knobs:
         _check_knob(self.tokens is None or isinstance(self.tokens, TokensKnobs), "tokens", self.tokens,
                     "None or a kvq.fast.triton.paged.TokensKnobs")
         _check_knob(_is_int(self.tail_keys) and self.tail_keys > 0, "tail_keys", self.tail_keys, "a positive int")
-        _check_knob(isinstance(self.tail_in_place, bool), "tail_in_place", self.tail_in_place, "True or False")
 
 
 #: the defaults
@@ -589,109 +587,6 @@ def _tokens_page(qt, m_i, l_i, vb, acc, j, j_end, b, hk, H_KV, NF, N_TAB, qk_sca
     return m_i, l_i, vb, acc
 
 
-# The decode's tail attended in place (Knobs.tail_in_place): the tokens the fused kernel does not cover (the
-# sink and the post-sink tokens [NF, T - S): _gather_tail_kernel's rows), dequantized where they lie.
-# Computes: for the G_q * T_q query rows of kv head (b, hk) (blocks of BLOCK_M), online softmax over tail rows
-#   [ts*TKPS, min((ts+1)*TKPS, NT)) in blocks of TBN, as the FP16 partial kernel's precise mode attends the
-#   gathered rows (scores as a pairwise tree of 16-channel IEEE dots, accurate exp, IEEE P @ V: the same
-#   operations on the same values); writes (acc, m, l) of partial slot SPLIT0 + ts.
-# Grid: (B * H_kv, tail splits, row blocks).
-# Bytes: reads each tail row's K and V (packed with their metadata, or FP16) once per row block, the
-#   queries; writes BLOCK_M (D + 2) fp32 per program.
-@triton.jit(do_not_specialize=["T_Q", "M", "NF", "S_TOTAL", "N_TAB", "NS", "NT", "KQ", "VQ", "NVB", "SPLIT0",
-                               "TKPS"])
-def _tail_kernel(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr,
-                 o_ptr, m_ptr, l_ptr, sq_b, sq_h, sq_t, sq_d, H_Q, H_KV, T_Q, M, NF, S_TOTAL, N_TAB,
-                 sk_ptr, sv_ptr, kb_ptr, vb_ptr, vw_ptr, S, NS, NT, KQ, VQ, NVB, R1, SPLIT0, TKPS, sc,
-                 G_Q: tl.constexpr, D: tl.constexpr, G: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-                 NGV: tl.constexpr, KITTY: tl.constexpr, DB_HIGH: tl.constexpr, TIGHT: tl.constexpr,
-                 TBN: tl.constexpr, TNBLK: tl.constexpr, BLOCK_M: tl.constexpr):
-    _tail_split(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr,
-                o_ptr, m_ptr, l_ptr, sq_b, sq_h, sq_t, sq_d, H_Q, H_KV, T_Q, M, NF, S_TOTAL, N_TAB,
-                sk_ptr, sv_ptr, kb_ptr, vb_ptr, vw_ptr, S, NS, NT, KQ, VQ, NVB, R1, SPLIT0, TKPS, sc,
-                tl.program_id(0), tl.program_id(1), tl.program_id(2), G_Q, D, G, K_BITS, V_BITS, NGV, KITTY,
-                DB_HIGH, TIGHT, TBN, TNBLK, BLOCK_M)
-
-
-@triton.jit
-def _tail_split(q_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr,
-                o_ptr, m_ptr, l_ptr, sq_b, sq_h, sq_t, sq_d, H_Q, H_KV, T_Q, M, NF, S_TOTAL, N_TAB,
-                sk_ptr, sv_ptr, kb_ptr, vb_ptr, vw_ptr, S, NS, NT, KQ, VQ, NVB, R1, SPLIT0, TKPS, sc, bh, ts, mb,
-                G_Q: tl.constexpr, D: tl.constexpr, G: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-                NGV: tl.constexpr, KITTY: tl.constexpr, DB_HIGH: tl.constexpr, TIGHT: tl.constexpr,
-                TBN: tl.constexpr, TNBLK: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Tail split ``ts`` of kv head ``bh`` (``_tail_kernel``): tail rows [ts TKPS, min((ts + 1) TKPS, NT))
-    (the rows of ``_gather_tail_kernel``, dequantized in place by ``_tail_keys`` / ``_tail_values``) attended as
-    the FP16 partial kernel's precise mode attends the gathered rows (blocks of TBN keys, the scores as a
-    pairwise tree of 16-channel IEEE dots, accurate exp, IEEE P @ V; the same operations on the same values),
-    stored at partial slot SPLIT0 + ts, for the query rows of block ``mb`` (BLOCK_M >= 16 rows, ``tl.dot``)."""
-    LIBDEVICE: tl.constexpr = TIGHT
-    b, hk, h, t, rmask, q_ptrs = A.query_rows(q_ptr, bh, mb, H_KV, sq_b, sq_h, sq_t, T_Q, M, G_Q, BLOCK_M)
-    start = ts * TKPS
-    end = tl.minimum(start + TKPS, NT)
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, D), tl.float32)
-    if TIGHT:
-        for n0 in range(start, end, TBN):
-            m_i, l_i, acc = _tail_block(q_ptrs, rmask, sq_d, m_i, l_i, acc, n0, end, b, hk, H_KV, NF, N_TAB,
-                                        kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr,
-                                        vt_ptr, sk_ptr, sv_ptr, kb_ptr, vb_ptr, vw_ptr, S, NS, KQ, VQ, NVB, R1, sc,
-                                        D, G, K_BITS, V_BITS, NGV, KITTY, DB_HIGH, TBN, LIBDEVICE)
-    else:                                                   # interpreter: constexpr trip count, masked
-        for it in range(0, TNBLK):
-            m_i, l_i, acc = _tail_block(q_ptrs, rmask, sq_d, m_i, l_i, acc, start + it * TBN, end, b, hk, H_KV,
-                                        NF, N_TAB, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr,
-                                        kt_ptr, vt_ptr, sk_ptr, sv_ptr, kb_ptr, vb_ptr, vw_ptr, S, NS, KQ, VQ, NVB,
-                                        R1, sc, D, G, K_BITS, V_BITS, NGV, KITTY, DB_HIGH, TBN, LIBDEVICE)
-    A.store_split(o_ptr, m_ptr, l_ptr, b, h, t, H_Q, T_Q, S_TOTAL, SPLIT0 + ts, acc, m_i, l_i, rmask,
-                  tl.arange(0, D), D)
-
-
-@triton.jit
-def _tail_block(q_ptrs, rmask, sq_d, m_i, l_i, acc, n0, end, b, hk, H_KV, NF, N_TAB,
-                kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr,
-                sk_ptr, sv_ptr, kb_ptr, vb_ptr, vw_ptr, S, NS, KQ, VQ, NVB, R1, sc,
-                D: tl.constexpr, G: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, NGV: tl.constexpr,
-                KITTY: tl.constexpr, DB_HIGH: tl.constexpr, TBN: tl.constexpr, LIBDEVICE: tl.constexpr):
-    """Tail rows [n0, n0 + TBN) (masked at ``end``): one online-softmax update, as the FP16 partial kernel's
-    precise ``_attend_block`` over the gathered rows."""
-    u = n0 + tl.arange(0, TBN)
-    cmask = u < end
-    d2 = tl.arange(0, D)[None, :]
-    q = tl.load(q_ptrs + d2 * sq_d, mask=rmask[:, None], other=0.0).to(tl.float32)      # fp16 q: exact
-    k = _tail_keys(sk_ptr, kb_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr, kt_ptr, b, hk, H_KV, u, cmask, d2,
-                   S, NS, NF, KQ, N_TAB, G, D, K_BITS, KITTY, DB_HIGH)                  # dequantized once
-    s = _tail_tree(q, k, D // 16)
-    s = tl.where(cmask[None, :], s * sc, float("-inf"))
-    m_new, alpha, p, l_i = A.softmax_step(s, m_i, l_i, True, LIBDEVICE)
-    v = _tail_values(sv_ptr, vb_ptr, vw_ptr, vc_ptr, vs_ptr, vm_ptr, vt_ptr, b, hk, H_KV, u, cmask, d2,
-                     S, NS, NF, VQ, NVB, R1, N_TAB, G, D, V_BITS, NGV)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _tail_tree(q, k, N: tl.constexpr):
-    """q (BLOCK_M, 16 N) k^T (TBN, 16 N) fp32 as a pairwise tree of 16-channel IEEE dots (the first half's
-    tree plus the second half's, ``attention``'s precise tree), the halves split off the register tiles."""
-    if N == 1:
-        r = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        q0, q1 = _channel_halves(q)
-        k0, k1 = _channel_halves(k)
-        r = _tail_tree(q0, k0, N // 2) + _tail_tree(q1, k1, N // 2)
-    return r
-
-
-@triton.jit
-def _channel_halves(x):
-    """(R, C) -> its columns [0, C / 2) and [C / 2, C)."""
-    R: tl.constexpr = x.shape[0]
-    C: tl.constexpr = x.shape[1]
-    return tl.split(tl.permute(tl.reshape(x, (R, 2, C // 2)), (0, 2, 1)))
-
-
 # Gather the tail of the decode: the tokens the fused kernel does not cover (the sink and the post-sink
 # tokens [NF, T - S)), fp32 K / V rows in token order.
 # Computes: row u < NS is sink token u; row u >= NS is post-sink token p = NF + u - NS, whose key comes
@@ -841,8 +736,7 @@ PLAN_CACHE_SIZE = 256
 class DecodePlan(L.Plan):
     """Every launch of one decode call, planned once per call shape (``decode_plan``). ``fallback``: the
     configuration is not the fused kernel's (dequantize and attend); else the fused kernel's ``Plan``
-    (``lp``), ``NF`` fused tokens, ``NT`` tail tokens (``tail_in_place``: attended where they lie by
-    ``_tail_kernel``, else gathered into fp32 for the FP16 partial kernel), ``S_TOTAL``
+    (``lp``), ``NF`` fused tokens, ``NT`` tail tokens (gathered into fp32 for the FP16 partial kernel), ``S_TOTAL``
     partial slots per query row over ``rows`` rows, ``q_float`` (the fused kernel takes q cast to fp32: the
     exact path) and ``tail_q_float`` (the tail's partial kernel takes q cast to fp32: bf16 q), and the
     kernels' ``_launch.Launch``es with their integer arguments (``gather`` / ``fused`` / ``tail`` None where
@@ -850,7 +744,7 @@ class DecodePlan(L.Plan):
     tail's K and V."""
 
     __slots__ = ("fallback", "NF", "NT", "S_TOTAL", "rows", "q_float", "tail_q_float", "lp",
-                 "gather", "gather_ints", "fused", "fused_ints", "fused_scale", "tail_in_place", "tail",
+                 "gather", "gather_ints", "fused", "fused_ints", "fused_scale", "tail",
                  "tail_ints", "merge", "merge_ints")
 
 
@@ -916,21 +810,9 @@ def _decode_plan(cfg, shape, T, q_shape, q_strides, dtypes, dev, dev_index, k_bi
     gather = tail = None
     gather_ints = tail_ints = ()
     tail_q_float = False
-    # the tail read where it lies by its own kernel (fp16 / fp32 q), else gathered into fp32 for the partial kernel
-    tail_in_place = bool(NT > 0 and knobs.tail_in_place and q_dtype in (torch.float16, torch.float32))
-    if tail_in_place:
-        kps, n, (block_n, warps, stages) = A.segment_split(NT, D, B * H * m_blocks, torch.float32, dev,
-                                                           knobs.tail_keys)
-        g = _gather_ints(cfg, kp, shape, T, n_table, NF)[0]          # (H, S, NS, NF, NT, KQ, VQ, NVB, R1, ...)
-        S_TOTAL = n_split + n
-        tail_ints = ((*q_strides, H_q, H, T_q, M, NF, S_TOTAL, n_table),
-                     (g[1], g[2], NT, g[5], g[6], g[7], g[8], n_split, kps))
-        tail = L.Launch(_tail_kernel, (B * H, n, m_blocks),
-                        dict(G_Q=G_q, D=D, G=G, K_BITS=k_bits, V_BITS=cfg.v_bits, NGV=D // cfg.v_group(D), KITTY=kitty,
-                             DB_HIGH=db, TIGHT=not interp, TBN=block_n, TNBLK=kps // block_n if interp else 0,
-                             BLOCK_M=BLOCK_M),
-                        dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False), aligned)
-    elif NT > 0:
+    # the tail gathered into fp32 for the FP16 partial kernel (reading it where it lies, in the fused kernel's
+    # launch or a kernel of its own, cost more GPU time: lab/2026-11-29-fused-tail/NOTE.md)
+    if NT > 0:
         gather_ints, gconsts = _gather_ints(cfg, kp, shape, T, n_table, NF)
         gather = L.Launch(_gather_tail_kernel, (B * H, _cdiv(NT, gconsts["BT"])), gconsts,
                           dict(num_warps=4, enable_fp_fusion=False), aligned)
@@ -975,7 +857,6 @@ def _decode_plan(cfg, shape, T, q_shape, q_strides, dtypes, dev, dev_index, k_bi
                       launches=tuple(x for x in (gather, fused, tail, merge) if x is not None),
                       q_float=q_float, tail_q_float=tail_q_float, lp=lp,
                       gather=gather, gather_ints=gather_ints, fused=fused, fused_ints=fused_ints,
-                      tail_in_place=tail_in_place,
                       fused_scale=LOG2E if (n_split and not precise) else 1.0, tail=tail, tail_ints=tail_ints,
                       merge=merge, merge_ints=(S_TOTAL, D))
 
@@ -1033,9 +914,7 @@ def decode_attention(cfg, codec, st: PagedState, q, *, scale=None, knobs: Knobs 
         p.gather((*g, tk, tv, *p.gather_ints), stream, dev_index)
     if p.fused is not None:
         p.fused((qk, *g[5:], o_part, m_part, l_part, *p.fused_ints, sc * p.fused_scale), stream, dev_index)
-    if p.tail is not None and p.tail_in_place:  # the state's tail where it lies
-        p.tail((qf, *g[5:], o_part, m_part, l_part, *p.tail_ints[0], *g[:5], *p.tail_ints[1], sc), stream, dev_index)
-    elif p.tail is not None:
+    if p.tail is not None:
         p.tail((qf, tk, tv, o_part, m_part, l_part, *p.tail_ints, sc), stream, dev_index)
     p.merge((o_part, m_part, l_part, oa, la, *p.merge_ints), stream, dev_index)
     p.settle(stream)
