@@ -212,6 +212,8 @@ def softmax_scale(scale, D: int) -> float:
     """The softmax scale as a Python float: 1/sqrt(D) by default, else a finite real number."""
     if scale is None:
         return 1.0 / math.sqrt(D)
+    if type(scale) is float and math.isfinite(scale):        # a model's scaling: no ABC check
+        return scale
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number or None, got {scale!r}")
     if not math.isfinite(float(scale)):
@@ -470,6 +472,8 @@ def to_out(x: torch.Tensor, dtype) -> torch.Tensor:
     """Rule 3's last step on a torch tensor (``numerics.to_out``): ``x`` cast to ``dtype``; for float16 a
     finite value beyond +-65504 becomes +-65504 (the largest finite fp16) instead of inf, NaN and +-inf
     pass. Values in (65504, 65520) round to 65504 anyway, so the clamp changes only would-be infs."""
+    if x.dtype is dtype:                                      # nothing to cast (a decode's out in q's dtype)
+        return x
     dtype = torch_dtype(dtype) if not isinstance(dtype, torch.dtype) else dtype
     if dtype == torch.float16 and x.dtype != torch.float16:
         x = torch.where(torch.isfinite(x), x.clamp(-_F16_MAX, _F16_MAX), x)

@@ -210,7 +210,7 @@ class Family:
     def write(self, layer: int, kx, vx) -> None:
         """Append prepared tokens to ``layer`` (inside the store's ``_atomic``)."""
         s = self.store
-        s.grow_to(s.length(layer) + int(kx.shape[2]))
+        s.grow_to(self.length(layer) + int(kx.shape[2]))
         with s.value_checks():
             self.append(layer, kx, vx)
 

@@ -438,14 +438,15 @@ class KVStore:
             if x.device.type == "cuda" and dev.type == "cuda" and not same_device(x.device, dev):
                 raise ValueError(f"{name} is on {x.device}; layer {layer} of this store lives on {dev} (a model "
                                  f"spread over devices appends each layer's tokens on that layer's device)")
-            x = x.detach()
+            if x.requires_grad:
+                x = x.detach()
             if not x.is_floating_point():
                 raise TypeError(f"{name} has dtype {x.dtype}; append takes a float tensor")
             if x.dtype not in (torch.float16, torch.float32):
                 x = x.to(torch.float32)                       # bf16: exact; fp64: rounded once
             if self.backend == "reference":
                 return x.cpu().numpy()
-            return x.to(self.devices[layer])
+            return x if x.device == dev else x.to(dev)
         a = np.asarray(x)
         if a.dtype.kind != "f":
             raise TypeError(f"{name} has dtype {a.dtype}; append takes a float array")
@@ -456,7 +457,7 @@ class KVStore:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.devices[layer])
 
     def _check_capacity(self, layer: int, n: int):
-        need = self.length(layer) + n
+        need = self._family.length(layer) + n
         if need <= self.max_tokens:
             return
         if not self.grow:
@@ -583,6 +584,8 @@ class KVStore:
 
     def check_layer(self, layer) -> int:
         """``layer`` as an int when it is a layer index of this store; IndexError otherwise."""
+        if type(layer) is int and 0 <= layer < self.n_layers:          # a model's layer_idx
+            return layer
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.n_layers:
             raise IndexError(f"layer={layer!r} is out of range for {self.n_layers} layers")
         return int(layer)
@@ -680,8 +683,7 @@ class KVStore:
         self._family.write(layer, kx, vx)
         self.clear_memo(layer)
 
-    @contextlib.contextmanager
-    def _atomic(self, layer: int):
+    def _atomic(self, layer: int) -> "_Atomic":
         """Run an append of ``layer``; if it raises, put back what the store itself keeps (every layer's entry of
         ``layer_states``: FP16 tensors and length, AQUA-KV's waiting tokens, the per-layer states a growth
         replaced; ``shared_state``: FP16's dtype, AQUA-KV's state; the config and capacity; the memo and counter) and
@@ -689,16 +691,7 @@ class KVStore:
         methods' appends validating before they write, a rejected call, AQUA-KV's failed commit included,
         leaves the store exactly as it was: the call that completed the commit gets the error and its
         tokens are taken back, so later appends work."""
-        memo, calls = dict(self._memo[layer]), self.dequantize_calls
-        held = (list(self.layer_states), self.shared_state, self.cfg, self.max_tokens, self.growths)
-        try:
-            yield
-        except BaseException:
-            self._memo[layer].clear()
-            self._memo[layer].update(memo)
-            self.dequantize_calls = calls
-            self.layer_states, self.shared_state, self.cfg, self.max_tokens, self.growths = held
-            raise
+        return _Atomic(self, layer)
 
     def _commit(self) -> None:
         """Write what every layer has received where the family holds tokens back for a cross-layer step
@@ -741,3 +734,27 @@ class KVStore:
     def __repr__(self):
         return (f"KVStore({self.name!r}, backend={self.backend!r}, n_layers={self.n_layers}, batch={self.batch}, "
                 f"kv_heads={self.kv_heads}, head_dim={self.head_dim}, length={self.length(0)})")
+
+
+class _Atomic:
+    """``KVStore._atomic``'s context manager (a class rather than a generator: a model's step enters one per
+    layer): what the store keeps, taken on entry and put back if the block raises."""
+
+    __slots__ = ("store", "layer", "memo", "calls", "held")
+
+    def __init__(self, store: KVStore, layer: int):
+        self.store, self.layer = store, layer
+
+    def __enter__(self):
+        s = self.store
+        self.memo, self.calls = dict(s._memo[self.layer]), s.dequantize_calls
+        self.held = (list(s.layer_states), s.shared_state, s.cfg, s.max_tokens, s.growths)
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None:
+            s = self.store
+            s._memo[self.layer].clear()
+            s._memo[self.layer].update(self.memo)
+            s.dequantize_calls = self.calls
+            s.layer_states, s.shared_state, s.cfg, s.max_tokens, s.growths = self.held
+        return False

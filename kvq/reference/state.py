@@ -112,24 +112,24 @@ def check_state(state, cfg, cfg_type: type, state_type: type) -> None:
     state that does not record its configuration and whose arrays do not fit ``cfg``
     (:func:`check_layout`), or a token counter ``state.length`` outside [0, max_tokens]. Writes nothing.
     """
-    fam = family(cfg_type)
     check_config(cfg, cfg_type)
     if not isinstance(state, state_type):
-        raise TypeError(f"state must be a {_qualname(state_type)} (a {fam} cache made by this tier's init), got "
-                        f"{_qualname(type(state))}")
+        raise TypeError(f"state must be a {_qualname(state_type)} (a {family(cfg_type)} cache made by this tier's "
+                        f"init), got {_qualname(type(state))}")
     own = getattr(state, "cfg", None)
     if own is None:                                     # built field by field: its arrays against cfg
         check_layout(state, cfg)
     elif own is not cfg:                                # (the common case: the state's own object)
         if not isinstance(own, cfg_type):
             raise TypeError(f"state is a {family(type(own))} cache (made with a {type(own).__name__}); this "
-                            f"function takes a {fam} cache")
+                            f"function takes a {family(cfg_type)} cache")
         diff = config_diff(cfg, own)
         if diff:
             raise ValueError(f"cfg differs from the configuration the state was made with: {'; '.join(diff)}. A "
                              f"cache keeps the configuration of its init: pass state.cfg")
     n = getattr(state, "length", None)
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= cfg.max_tokens:
+    bad_type = type(n) is not int and (isinstance(n, bool) or not isinstance(n, (int, np.integer)))
+    if bad_type or not 0 <= n <= cfg.max_tokens:
         raise ValueError(f"state.length={n!r} must be an int in [0, max_tokens={cfg.max_tokens}] (the counter "
                          f"was changed by hand?)")
 

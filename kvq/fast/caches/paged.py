@@ -127,7 +127,8 @@ def _check_append(cfg, codec, st: PagedState, k, v):
 
 def _to_fp16(k, v):
     """k, v as float16, refusing fp16 overflow while validation is on."""
-    k16, v16 = k.to(F16), v.to(F16)
+    k16 = k if k.dtype is F16 else k.to(F16)
+    v16 = v if v.dtype is F16 else v.to(F16)
     if C.validation_enabled() and k.shape[2] and not (bool(torch.isfinite(k16).all())
                                                        and bool(torch.isfinite(v16).all())):
         raise ValueError("k or v overflows float16 (|x| > 65504); the FP16 buffers cannot hold it")
