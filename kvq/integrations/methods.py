@@ -591,11 +591,11 @@ class KVStore:
         return int(layer)
 
     def device_ctx(self, layer: int = 0):
-        """The fast tier's current-device context of ``layer``'s device (a no-op on the CPU and the reference)."""
-        torch = import_torch()
+        """The fast tier's current-device context of ``layer``'s device (a no-op on the CPU and the reference):
+        ``layer``'s CUDA device current inside the block, the one before after it."""
         dev = self.devices[layer]
         if dev.type == "cuda" and self.backend != "reference":
-            return torch.cuda.device(dev)
+            return _OnDevice(dev.index)
         return contextlib.nullcontext()
 
     def tensor(self, a, layer: int):
@@ -757,4 +757,26 @@ class _Atomic:
             s._memo[self.layer].update(self.memo)
             s.dequantize_calls = self.calls
             s.layer_states, s.shared_state, s.cfg, s.max_tokens, s.growths = self.held
+        return False
+
+
+class _OnDevice:
+    """``KVStore.device_ctx``'s context on a CUDA device (``torch.cuda.device``'s effect, without its argument
+    parsing: a model's step enters one per layer): CUDA device ``index`` current inside the block, the device
+    current before it after; no device switch where it is current already."""
+
+    __slots__ = ("index", "prev")
+
+    def __init__(self, index: int):
+        self.index, self.prev = index, None
+
+    def __enter__(self):
+        cuda = import_torch().cuda
+        self.prev = cuda.current_device()
+        if self.prev != self.index:
+            cuda.set_device(self.index)
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if self.prev != self.index:
+            import_torch().cuda.set_device(self.prev)
         return False

@@ -129,3 +129,44 @@ def test_atomic_puts_the_store_back_on_error():
     with s._atomic(1):
         s.layer_states[1] = "kept"
     assert s.layer_states[1] == "kept"
+
+
+def test_device_ctx_switches_and_restores(monkeypatch):
+    """``KVStore.device_ctx`` on CUDA layers: the layer's device current inside the block and the one before
+    after it, also when the block raises; no switch where the device is current already (the CUDA calls
+    recorded through stand-ins, so this runs without a GPU)."""
+    current, calls = [1], []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+
+    def set_device(i):
+        calls.append(i)
+        current[0] = i
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    ctx = M._OnDevice(3)
+    with ctx:
+        assert current[0] == 3
+    assert current == [1] and calls == [3, 1]
+    with pytest.raises(KeyError):
+        with M._OnDevice(2):
+            assert current[0] == 2
+            raise KeyError("x")
+    assert current == [1] and calls == [3, 1, 2, 1]
+    calls.clear()
+    with M._OnDevice(1):
+        with M._OnDevice(0):
+            assert current[0] == 0
+        assert current[0] == 1
+    assert calls == [0, 1]
+
+
+@pytest.mark.gpu
+def test_device_ctx_on_the_gpu():
+    """On a CUDA store the context holds the layer's device current (the store's devices carry their index)."""
+    s = M.KVStore("KIVI-K2V2", n_layers=2, batch=1, kv_heads=2, head_dim=32, max_tokens=64, backend="triton",
+                  device="cuda")
+    before = torch.cuda.current_device()
+    assert all(d.index is not None for d in s.devices)
+    with s.device_ctx(1):
+        assert torch.cuda.current_device() == s.devices[1].index
+    assert torch.cuda.current_device() == before
