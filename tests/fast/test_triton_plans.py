@@ -315,3 +315,47 @@ def test_host_grid_arithmetic_is_tritons():
         assert C.next_pow2(n) == triton.next_power_of_2(n), n
         for d in (1, 2, 3, 16, 32, 127, 128):
             assert C.cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
+def test_launches_share_a_compiled_kernel(monkeypatch):
+    """A new ``Launch`` (a plan of another length: another grid) takes the kernel an earlier launch compiled
+    for the same binary (``COMPILED``: the kernel, constexprs, options, the arguments' ``spec_key`` and the
+    device) at its first call, instead of Triton's dispatch: its own grid, the current stream, the tensors
+    as they are. Another constexpr, option, specialized int value, dtype or device is another binary; a
+    ``do_not_specialize`` int's value is not; a launch that is not ``fast``, or a call where the compiled
+    kernel may not be launched directly (``current_stream`` None: a hook, another device), dispatches."""
+    from kvq.fast.triton import _launch as L
+
+    monkeypatch.setattr(L, "interpreting", lambda: False)
+    monkeypatch.setattr(L, "COMPILED", {})
+    stream = [7]
+    monkeypatch.setattr(L, "current_stream", lambda device_index: stream[0])
+    k = _Kernel(loose_n=True)
+    x = torch.zeros(64, dtype=torch.float32)
+    first = L.Launch(k, (4, 2), {"C": 3}, {"num_warps": 2}, fast=True)
+    first((x, 5), None, 0)
+    assert len(k.dispatched) == 1 and len(L.COMPILED) == 1
+    second = L.Launch(k, (8, 1), {"C": 3}, {"num_warps": 2}, fast=True)
+    second((x, 9), None, 0)                                  # a loose int's other value: the same binary
+    assert len(k.dispatched) == 1 and second.compiled is k.compiled and second.tail == (3, 7)
+    assert k.compiled.calls == [(8, 1, 1, 7, "function", "metadata", None, None, None, x, 9, 3, 7)]
+    for consts, options, args, dev in [({"C": 4}, {"num_warps": 2}, (x, 5), 0),
+                                       ({"C": 3}, {"num_warps": 4}, (x, 5), 0),
+                                       ({"C": 3}, {"num_warps": 2}, (x.double(), 5), 0),
+                                       ({"C": 3}, {"num_warps": 2}, (x, 5), 1)]:
+        before = len(k.dispatched)
+        L.Launch(k, (1,), consts, options, fast=True)(args, None, dev)
+        assert len(k.dispatched) == before + 1, (consts, options, dev)
+    tight = _Kernel()                                        # n specialized: its value is in the key
+    L.Launch(tight, (1,), {"C": 3}, {}, fast=True)((x, 5), None, 0)
+    L.Launch(tight, (2,), {"C": 3}, {}, fast=True)((x, 6), None, 0)
+    L.Launch(tight, (3,), {"C": 3}, {}, fast=True)((x, 5), None, 0)
+    assert len(tight.dispatched) == 2
+    before = len(k.dispatched)
+    slow = L.Launch(k, (1,), {"C": 3}, {"num_warps": 2}, fast=False)
+    slow((x, 5), None, 0)
+    assert len(k.dispatched) == before + 1 and slow.compiled is None
+    stream[0] = None                                         # a hook is set: Triton's dispatch
+    hooked = L.Launch(k, (2,), {"C": 3}, {"num_warps": 2}, fast=True)
+    hooked((x, 5), None, 0)
+    assert len(k.dispatched) == before + 2 and hooked.compiled is k.compiled

@@ -817,7 +817,8 @@ def test_decode_plan_reused(triton_target, ci, monkeypatch, triton_dispatches):
     """Triton: a decode's launches are planned once per call shape (``paged.decode_plan``) and kept; on the
     GPU a plan's launches keep their compiled kernels after the first call, so a later call makes no Triton
     dispatch at all and gives the first call's bits, as does a call through Triton's dispatch. A new length
-    is a new plan; a q that is not 16-byte aligned gets a plan that always dispatches, with the same bits."""
+    is a new plan, whose first call takes the kernels earlier plans compiled for the same binaries; a q that
+    is not 16-byte aligned gets a plan that always dispatches, with the same bits."""
     from kvq.fast.triton import _launch as L
 
     _, device = triton_target
@@ -871,6 +872,18 @@ def test_decode_plan_reused(triton_target, ci, monkeypatch, triton_dispatches):
     fast.append(cfg, fs, torch.from_numpy(k[:, :, T:]).to(device), torch.from_numpy(v[:, :, T:]).to(device))
     p2 = FP.decode_plan(cfg, codec, fs, q)
     assert p2 is not p and (p2.NF, p2.NT) != (p.NF, p.NT)
+    # its first call takes the kernels that earlier plans compiled for the same binaries (_launch.COMPILED):
+    # Triton's dispatch at most for a launch whose constexprs or options the first plan's launches had not
+    fresh = sum(x._binary not in {y._binary for y in launches} for x in p2.launches)
+    dispatched.clear()
+    out5, lse5 = fast.decode_attention(cfg, fs, q)
+    assert len(dispatched) <= fresh if on_gpu else True
+    assert p2.ready == on_gpu
+    rs2 = ref.init(cfg, B, H, D)
+    ref.append(cfg, rs2, k, v)
+    (o64, l64), (o32, l32) = _truth_ref32(ref, cfg, rs2, q)
+    check_close(out5, o64, o32, torch.float16, "out (a new length's plan)")
+    check_close(lse5, l64, l32, torch.float32, "lse (a new length's plan)")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

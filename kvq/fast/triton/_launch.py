@@ -15,6 +15,11 @@ hooks are set (profilers), and where the current CUDA device is not the plan's.
     L(tensor_args, None, device_index)          # Triton's dispatch; keeps the compiled kernel
     L(address_args, current_stream(device_index), device_index)    # its launcher (None: not allowed now)
 
+A plan is kept per call shape, so a decode at a new length (every model step) makes new launches. Their first
+call does not go back to Triton's dispatch where a launch of an earlier plan compiled the same binary: the
+compiled kernels are kept by what decides the binary (the kernel, its constexprs and options, and what
+Triton specializes the arguments on: ``spec_key``), and a new launch takes its kernel from there (``COMPILED``).
+
 Without a plan of its own, a call site keeps its launches by ``site`` (the caller names the key, as the token
 append does) or by ``launch(kernel, grid, *args, **kw)``, a drop-in for ``kernel[grid](*args, **kw)`` that
 reads the key from the arguments (the OSCAR and BitDecoding decodes, the FP16 partial and merge kernels,
@@ -43,6 +48,11 @@ DTYPE = operator.attrgetter("dtype")
 
 #: the launches ``site`` keeps (least recently used dropped): one per kernel and call shape
 SITE_CACHE_SIZE = 256
+
+#: compiled kernels kept for launches to share, keyed by (kernel, constexprs, options, ``spec_key``, device
+#: index): one entry per binary, as Triton's own cache keeps one per binary (the binaries themselves are
+#: Triton's; this holds references)
+COMPILED: dict = {}
 
 
 def aligned(ptrs) -> bool:
@@ -96,7 +106,7 @@ class Launch:
     constexprs ``consts`` and launch ``options`` (num_warps, ...), all fixed by the plan; ``fast``: the
     plan's tensors are all 16-byte aligned, so its compiled kernel may be reused (module docstring)."""
 
-    __slots__ = ("kernel", "grid", "consts", "options", "fast", "compiled", "tail", "_run")
+    __slots__ = ("kernel", "grid", "consts", "options", "fast", "compiled", "tail", "_run", "_binary")
 
     def __init__(self, kernel, grid: tuple, consts: dict, options: dict, fast: bool):
         self.kernel = kernel
@@ -107,21 +117,43 @@ class Launch:
         self.compiled = None              # Triton's compiled kernel, once a first call has returned it
         self.tail = ()                    # the constexprs after the positional arguments, in order
         self._run = None                  # (launcher, function handle, packed metadata) of ``compiled``
+        # what, besides the arguments, decides the binary (the COMPILED key's head); None: never shared
+        self._binary = ((kernel, tuple(sorted(consts.items())), tuple(sorted(options.items())))
+                        if self.fast else None)
 
     def __call__(self, args: tuple, stream, device_index: int) -> None:
         """Launch over ``args``, the kernel's positional (non-constexpr) arguments: with ``stream`` (from
         ``current_stream``; the launch holds its compiled kernel) on it by the compiled kernel's launcher,
-        pointers as device addresses or tensors; else through Triton's dispatch on the current stream,
-        pointers as tensors (the first call keeps the compiled kernel where the launch is ``fast``)."""
+        pointers as device addresses or tensors; else, pointers as tensors, by the kernel an earlier launch
+        compiled for the same binary (``COMPILED``), or through Triton's dispatch on the current stream (the
+        first call keeps the compiled kernel where the launch is ``fast``, and shares it)."""
         if stream is not None:
             run, g = self._run, self.grid
             run[0](g[0], g[1], g[2], stream, run[1], run[2], None, None, None, *args, *self.tail)
             return
+        key = None
+        if self._binary is not None and self._run is None:
+            spec = spec_key(self.kernel, args)
+            if spec is not None:
+                key = (self._binary, spec[0], device_index)
+                hit = COMPILED.get(key)
+                if hit is not None:
+                    stream = current_stream(device_index)
+                    if stream is not None:                  # no hook, the plan's device current
+                        self._hold(*hit)
+                        self(args, stream, device_index)
+                        return
         k = self.kernel[self.grid](*args, **self.consts, **self.options)
         if self.fast and self._run is None and k is not None and hasattr(k, "packed_metadata"):
-            self.tail = self._tail(len(args))
-            self.compiled = k
-            self._run = (k.run, k.function, k.packed_metadata)
+            self._hold(k, self._tail(len(args)))
+            if key is not None:
+                COMPILED[key] = (k, self.tail)
+
+    def _hold(self, k, tail: tuple) -> None:
+        """Keep the compiled kernel ``k`` (its launcher, handle and metadata) and the constexprs ``tail``."""
+        self.tail = tail
+        self.compiled = k
+        self._run = (k.run, k.function, k.packed_metadata)
 
     def _tail(self, n_args: int) -> tuple:
         """The kernel's parameters after the ``n_args`` positional ones, as Triton's binder passes them to
@@ -200,9 +232,33 @@ def launch(kernel, grid: tuple, *args, **kw) -> None:
     if interpreting():
         kernel[grid](*args, **kw)
         return
+    spec = spec_key(kernel, args)
+    if spec is None:
+        kernel[grid](*args, **kw)
+        return
+    key, ptrs = spec
+    names = _params(kernel)[0]
+    consts = tuple((k, v) for k, v in kw.items() if k in names)
+    options = tuple((k, v) for k, v in kw.items() if k not in names)
+    dev_index = _args_device(args)
+    la = site(kernel, tuple(grid), consts, options, aligned(ptrs), (key, dev_index))
+    stream = current_stream(dev_index) if la.compiled is not None else None
+    if stream is None:
+        la(args, None, dev_index)
+    else:
+        it = iter(ptrs)
+        la(tuple(next(it) if isinstance(a, torch.Tensor) else a for a in args), stream, dev_index)
+
+
+def spec_key(kernel, args) -> tuple | None:
+    """``(key, addresses)``: what Triton's dispatch specializes a call of ``kernel`` over the positional
+    ``args`` on (each tensor's dtype and 16-byte alignment, each int's and bool's value, None; of an int
+    parameter marked ``do_not_specialize`` only its range, i32 / i64 / u64, so that a length moving every step
+    keeps one binary; floats, never specialized, by their type), and the tensors' addresses. None where an
+    argument is of another kind (e.g. a tuple): Triton's dispatch decides."""
     key = []
     ptrs = []
-    names, loose = _params(kernel)
+    loose = _params(kernel)[1]
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
             p = a.data_ptr()
@@ -216,18 +272,8 @@ def launch(kernel, grid: tuple, *args, **kw) -> None:
         elif isinstance(a, float):
             key.append(float)
         else:
-            kernel[grid](*args, **kw)
-            return
-    consts = tuple((k, v) for k, v in kw.items() if k in names)
-    options = tuple((k, v) for k, v in kw.items() if k not in names)
-    dev_index = _args_device(args)
-    la = site(kernel, tuple(grid), consts, options, aligned(ptrs), (tuple(key), dev_index))
-    stream = current_stream(dev_index) if la.compiled is not None else None
-    if stream is None:
-        la(args, None, dev_index)
-    else:
-        it = iter(ptrs)
-        la(tuple(next(it) if isinstance(a, torch.Tensor) else a for a in args), stream, dev_index)
+            return None
+    return tuple(key), ptrs
 
 
 @functools.lru_cache(maxsize=None)

@@ -596,7 +596,7 @@ def _tokens_page(qt, m_i, l_i, vb, acc, j, j_end, b, hk, H_KV, NF, N_TAB, qk_sca
 #   (p - VQ) when p < VQ + NVB, else the window ring buffer slot p % R.
 # Grid: (B * H_kv, cdiv(NT, BT)); tile (BT tokens, D channels), gathers within one page row.
 # Bytes: reads NT rows of K and V (packed or FP16) per (b, kv head), writes 2 NT D fp32.
-@triton.jit
+@triton.jit(do_not_specialize=["NS", "NF", "NT", "KQ", "VQ", "NVB"])    # the counts move with the length
 def _gather_tail_kernel(sk_ptr, sv_ptr, kb_ptr, vb_ptr, vw_ptr, kc_ptr, kh_ptr, ki_ptr, ks_ptr, km_ptr,
                         vc_ptr, vs_ptr, vm_ptr, kt_ptr, vt_ptr, ok_ptr, ov_ptr,
                         H_KV, S, NS, NF, NT, KQ, VQ, NVB, R1, N_TAB, G,
@@ -754,7 +754,8 @@ def decode_plan(cfg, codec, st: PagedState, q, kp: dict | None = None, knobs: Kn
     (configuration, cache shape, length, table width and dtypes, q's dtype, shape and strides, device,
     alignment, knobs) and reused (an LRU of PLAN_CACHE_SIZE plans). It holds every launch's grid,
     constexprs, options and integer arguments; its launches keep their compiled kernels after their first
-    call (``_launch``), so a call fills in only the tensors and the scale. ``kp``: the codec's kernel arrays
+    call (``_launch``), so a call fills in only the tensors and the scale, and a plan of a new length takes
+    the kernels an earlier plan compiled (the lengths are not specialized on). ``kp``: the codec's kernel arrays
     of ``st`` where the caller has them; ``knobs``: a ``Knobs`` (None: the defaults)."""
     knobs = DEFAULT_KNOBS if knobs is None else knobs
     if not isinstance(knobs, Knobs):
