@@ -141,7 +141,8 @@ class Launch:
                     stream = current_stream(device_index)
                     if stream is not None:                  # no hook, the plan's device current
                         self._hold(*hit)
-                        self(args, stream, device_index)
+                        run, g = self._run, self.grid
+                        run[0](g[0], g[1], g[2], stream, run[1], run[2], None, None, None, *args, *self.tail)
                         return
         k = self.kernel[self.grid](*args, **self.consts, **self.options)
         if self.fast and self._run is None and k is not None and hasattr(k, "packed_metadata"):
