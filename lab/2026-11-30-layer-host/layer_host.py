@@ -44,6 +44,26 @@ def rounds(fn, calls: int, n: int, sync):
     return host, wall
 
 
+def profile(step, n: int, sync, path: str) -> None:
+    """``n`` steps under cProfile; the 45 functions with the most own time, then the most cumulative, to ``path``."""
+    import cProfile
+    import io
+    import pstats
+    sync()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        step()
+    pr.disable()
+    sync()
+    buf = io.StringIO()
+    st = pstats.Stats(pr, stream=buf)
+    st.sort_stats("tottime").print_stats(45)
+    st.sort_stats("cumulative").print_stats(45)
+    with open(path, "w") as f:
+        f.write(buf.getvalue())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kvq", default=None, help="import kvq from this directory (e.g. .before)")
@@ -54,6 +74,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--device", default="cuda", help="cuda; cpu for a smoke test (Triton under TRITON_INTERPRET=1)")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (a smoke test)")
+    ap.add_argument("--profile", type=int, default=0, help="then this many steps under cProfile, per cache: the "
+                    "functions by own time to <out>.<cache>.prof.txt")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     sys.path.insert(0, os.path.join(HERE, "..", ".."))
@@ -111,6 +133,8 @@ def main() -> None:
             h, w = [x / n_layers for x in h], [x / n_layers for x in w]
             row = {"cache": name, "host_us_per_layer": statistics.median(h),
                    "wall_us_per_layer": statistics.median(w), "host_rounds": h, "wall_rounds": w}
+            if a.profile:
+                profile(step, a.profile, sync, f"{a.out}.{name.replace(':', '-')}.prof.txt")
         except Exception as e:                                # noqa: BLE001 (a row's failure is recorded)
             row = {"cache": name, "error": f"{type(e).__name__}: {e}"[:400]}
         out["rows"].append(row)
