@@ -177,6 +177,7 @@ def test_launch_dispatches_once_then_runs_the_compiled_kernel(monkeypatch):
     from kvq.fast.triton import _launch as L
 
     monkeypatch.setattr(L, "interpreting", lambda: False)
+    monkeypatch.setattr(L, "COMPILED", {})                  # the stand-in kernels stay out of the real one
     k = _Kernel()
     la = L.Launch(k, (4, 2), {"C": 3}, {"num_warps": 2}, fast=True)
     la(("x0", 5), None, 0)
@@ -257,6 +258,7 @@ def test_launch_reads_the_key_from_the_arguments(monkeypatch):
     from kvq.fast.triton import _launch as L
 
     monkeypatch.setattr(L, "interpreting", lambda: False)
+    monkeypatch.setattr(L, "COMPILED", {})                  # the stand-in kernels stay out of the real one
     monkeypatch.setattr(L, "current_stream", lambda device_index: 7)
     monkeypatch.setattr(L, "_args_device", lambda args: 0)
     k = _Kernel()
@@ -290,6 +292,7 @@ def test_launch_key_of_an_unspecialized_int(monkeypatch):
     from kvq.fast.triton import _launch as L
 
     monkeypatch.setattr(L, "interpreting", lambda: False)
+    monkeypatch.setattr(L, "COMPILED", {})                  # the stand-in kernels stay out of the real one
     monkeypatch.setattr(L, "current_stream", lambda device_index: 7)
     monkeypatch.setattr(L, "_args_device", lambda args: 0)
     k = _Kernel(loose_n=True)
