@@ -130,6 +130,49 @@ def test_fused_state_matches_reference(target, monkeypatch, name, over, shape, k
     assert spy.calls == 2 * (len(chunks) + steps)                           # one launch for K, one for V
 
 
+def test_triton_append_launch_kept_per_shape(target, monkeypatch):
+    """The Triton append's launch is kept per call shape (``_launch.site``): the 1-token steps after the
+    window is full share one ``Launch`` per K and V (only T0 and first move: not specialized), and any two calls that
+    share a key pass the same value in every other integer argument (the key covers what Triton specializes
+    on: a missing one would run a binary compiled for another value). The prefill's launch is another."""
+    if target[0] != "triton":
+        pytest.skip("the Triton append's launch plan")
+    from kvq.fast.triton import _launch as L
+
+    _, device = target
+    F, FA = _mods(target)
+    keys, seen = {}, []
+    real_site, real_call = L.site, L.Launch.__call__
+
+    def site(*args):
+        la = real_site(*args)
+        keys[id(la)] = args[-1]
+        return la
+
+    def call(self, args, stream, device_index):                 # records the append's calls, then launches
+        if id(self) in keys:
+            seen.append((keys[id(self)], self, tuple(a for a in args if not isinstance(a, torch.Tensor))))
+        return real_call(self, args, stream, device_index)
+
+    monkeypatch.setattr(L.Launch, "__call__", call)
+    monkeypatch.setattr(FA.L, "site", site)
+    cfg = RO.OSCARConfig(**SMALL, group_size=64)
+    B, H, D = 1, 2, 64
+    _run_sequence(F, cfg, _calib("shared", H, D), B, H, D, np.float16, [20], 6, device)
+    assert len(seen) == 2 * 7
+    steps = seen[2:]
+    for kv in (0, 1):                                       # K and V: their clips differ (0.9, 0.8): two keys
+        assert len({s[0] for s in steps[kv::2]}) == 1 and seen[kv][0] != steps[kv][0]
+        assert len({id(s[1]) for s in steps[kv::2]}) == 1                  # one Launch: one compiled kernel
+    assert steps[0][0] != steps[1][0]
+    moving = (9, 12)                                        # T0 and first among the integer arguments
+    assert [s[2][moving[0]] for s in steps[::2]] == list(range(20, 26))
+    for i, a in enumerate(seen):
+        for b in seen[i + 1:]:
+            if a[0] == b[0]:
+                assert all(x == y for j, (x, y) in enumerate(zip(a[2], b[2])) if j not in moving), (a[2], b[2])
+
+
 def test_fused_equals_unfused(target):
     """The fused and the unfused path give the same state bit for bit (random chunks), validation on and
     off; with validation off also when a rotation overflows fp16 (inf in the FP16 buffers, NaN scales)."""

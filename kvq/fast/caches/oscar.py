@@ -19,6 +19,7 @@ gives the same bits). The public, documented functions are ``kvq.fast.triton.osc
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -272,7 +273,12 @@ class FusedOperands:
 def fused_operands(st: OSCARTensorState, kv: int, R: torch.Tensor, clip: float) -> FusedOperands:
     """The state fields, clip quantile and rotation stride of a fused append of K (kv = 0) or V (kv = 1)."""
     D = st.shape[2]
-    return FusedOperands(kv_fields(st, kv), C.quantile_index(D, clip), D * D if R.dim() == 3 else 0)
+    return FusedOperands(kv_fields(st, kv), _quantile_index(D, float(clip)), D * D if R.dim() == 3 else 0)
+
+
+#: ``C.quantile_index`` per (head dim, clip ratio): a calibration's clip is one number per layer, so an
+#: append looks its order statistics up instead of computing them (a few us of NumPy scalars) every step
+_quantile_index = functools.lru_cache(maxsize=1024)(C.quantile_index)
 
 
 def plan_append(cfg, T0: int, n: int) -> AppendPlan:

@@ -27,6 +27,8 @@ then (after a barrier) writes the new token. No other program touches s, so prog
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -227,23 +229,45 @@ def _tiling(n: int, BH: int, D: int, shortcuts: bool):
     return _cdiv(n, BR) * BR, BR
 
 
+#: the fused append's launch options (no FMA contraction: the rotation's rounded products and sums)
+OPTIONS = (("num_warps", 4), ("enable_fp_fusion", False))
+
+
+@functools.lru_cache(maxsize=L.SITE_CACHE_SIZE)
+def _shape(cfg, BH: int, D: int, n: int, interp: bool) -> tuple:
+    """``(grid, N_PAD, constexprs)`` of an append of n tokens to BH (batch, head) rows of head dim D under
+    ``cfg`` (``_tiling``; ``interp``: the interpreter, which takes ``INTERP_SHORTCUTS``)."""
+    short = bool(INTERP_SHORTCUTS) and interp
+    N_PAD, BR = _tiling(n, BH, D, short)
+    consts = (("D", D), ("G", cfg.group_size), ("QMAX", float(2 ** cfg.bits - 1)), ("BITS", cfg.bits),
+              ("PER", 8 // cfg.bits), ("FASTDIV", not interp), ("BLOCK_R", BR), ("PER_ROW_R", short),
+              ("RANK", short), ("CUMSUM", short))
+    return (_cdiv(BH * N_PAD, BR),), N_PAD, consts
+
+
 def append(cfg, st, kv: int, x: torch.Tensor, R: torch.Tensor, clip: float, plan) -> None:
     """Append the new tokens ``x`` of K (``kv = 0``) or V (``kv = 1``) to the OSCAR state ``st`` in one
-    launch of ``_append_kernel``: ``kvq.fast.caches.oscar.OscarOps.fused_append``'s contract."""
+    launch of ``_append_kernel``: ``kvq.fast.caches.oscar.OscarOps.fused_append``'s contract. The launch is
+    kept per call shape (``_launch.site``, keyed by every argument Triton specializes on; the counters that
+    move every step, T0 and first, are not specialized): after its first call, the compiled kernel takes
+    the addresses (no Triton dispatch per step)."""
     B, H, D = st.shape
     n = x.shape[2]
     if n == 0:
         return
     fo = _O.fused_operands(st, kv, R, clip)
-    sink, win, codes, scale, mn = fo.fields
     lo, hi, frac = fo.quantile
-    W, S0, PG = cfg.window, cfg.sink, cfg.page_size
-    interp = Q.interpreting()
-    short = bool(INTERP_SHORTCUTS) and interp
-    N_PAD, BR = _tiling(n, B * H, D, short)
-    L.launch(_append_kernel, (_cdiv(B * H * N_PAD, BR),),
-        x, R, sink, win, codes, scale, mn, st.table, n, N_PAD, B * H, H, fo.r_stride, *x.stride(),
-        plan.T0, plan.n_s, plan.n_old, plan.first, plan.e, W, max(W, 1), S0, PG, st.table.shape[1],
-        lo, hi, frac, D=D, G=cfg.group_size, QMAX=float(2 ** cfg.bits - 1), BITS=cfg.bits, PER=8 // cfg.bits,
-        FASTDIV=not interp, BLOCK_R=BR, PER_ROW_R=short, RANK=short, CUMSUM=short, num_warps=4,
-        enable_fp_fusion=False)
+    W = cfg.window
+    tensors = (x, R, *fo.fields, st.table)
+    ptrs = tuple(map(L.PTR, tensors))
+    grid, N_PAD, consts = _shape(cfg, B * H, D, n, Q.interpreting())
+    T0, first = plan.T0, plan.first
+    fixed = (n, N_PAD, B * H, H, fo.r_stride, *x.stride())
+    routing = (plan.n_s, plan.n_old)
+    tail = (plan.e, W, max(W, 1), cfg.sink, cfg.page_size, st.table.shape[1], lo, hi)
+    dev_index = L.device_index(x.device)
+    la = L.site(_append_kernel, grid, consts, OPTIONS, L.aligned(ptrs),
+                (fixed, routing, tail, tuple(map(L.DTYPE, tensors)), dev_index, max(T0, first) < 2 ** 31))
+    stream = L.current_stream(dev_index) if la.compiled is not None else None
+    la((ptrs if stream is not None else tensors) + fixed + (T0,) + routing + (first,) + tail + (frac,),
+       stream, dev_index)
