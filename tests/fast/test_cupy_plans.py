@@ -244,3 +244,54 @@ def test_oscar_plan_is_pure_and_cached():
         OD.Knobs(paged={"side_stream": False})
     with pytest.raises(TypeError, match="Knobs"):
         OD.plan(*args, {"tail_prec": 1})
+
+
+def test_planned_launch_is_kept_per_shape():
+    """``_loader.planned``: one Prepared launch per kernel, grid, block, shared memory and argument kinds,
+    every argument a Slot of its kind; its packing equals ``pack_args`` of the same values typed by hand."""
+    fn = _Fn("k")
+    kinds = (torch.Tensor, np.int32, np.int64, np.float32)
+    prep = L.planned(fn, (4, 1), (128,), 0, kinds)
+    assert L.planned(fn, (4, 1), (128,), 0, kinds) is prep
+    for other in ((fn, (5, 1), (128,), 0, kinds), (fn, (4, 1), (64,), 0, kinds), (fn, (4, 1), (128,), 16, kinds),
+                  (fn, (4, 1), (128,), 0, kinds[:3] + (np.int32,))):
+        assert L.planned(*other) is not prep
+    assert all(isinstance(a, L.Slot) and a.index == i for i, a in enumerate(prep.args))
+    values = (2 ** 33 + 256, -7, 2 ** 40, 0.1)
+    want_buf, want_params = L.pack_args((np.uint64(values[0]), np.int32(-7), np.int64(2 ** 40), np.float32(0.1)))
+    got_buf, got_params = prep.pack(values)
+    n = want_params - __import__("ctypes").addressof(want_buf)
+    assert got_params - __import__("ctypes").addressof(got_buf) == n and want_buf.raw[:n] == got_buf.raw[:n]
+
+
+_C_KINDS = {"int": np.int32, "i64": np.int64, "float": np.float32}
+
+
+def _cu_kinds(src: str, kernel: str) -> tuple:
+    """The argument kinds of ``kernel``'s signature in the CUDA source ``src`` (kvq/fast/cupy): a pointer is a
+    tensor, ``int`` / ``i64`` / ``float`` their NumPy types."""
+    import re
+    from pathlib import Path
+
+    text = (Path(L.__file__).parent / src).read_text()
+    params = re.search(rf"\b{kernel}\(([^)]*)\)\s*{{", text).group(1)
+    out = []
+    for p in params.split(","):
+        words = p.replace("__restrict__", "").split()
+        out.append(torch.Tensor if "*" in p else _C_KINDS[words[-2]])
+    return tuple(out)
+
+
+@pytest.mark.parametrize("src, kernel, module, name", [
+    ("oscar_append.cu", "oscar_append", "oscar_append", "_KINDS"),
+    ("oscar_decode.cu", "oscar_tail_attn", "oscar_decode", "_TAIL_KINDS"),
+    ("oscar_decode.cu", "oscar_decode_mma", "oscar_decode", "_PAGES_KINDS"),
+    ("oscar_decode.cu", "oscar_merge_rotate", "oscar_decode", "_MERGE_ROTATE_KINDS"),
+    ("oscar_decode.cu", "rotate_heads_f64", "oscar_decode", "_ROTATE_KINDS")])
+def test_planned_kinds_match_the_kernels(src, kernel, module, name):
+    """The argument kinds the CuPy OSCAR launches are planned with are the kernels' signatures, in order (a
+    wrong kind packs the wrong bytes, which only a GPU run would show)."""
+    import importlib
+
+    mod = importlib.import_module(f"kvq.fast.cupy.{module}")
+    assert getattr(mod, name) == _cu_kinds(src, kernel)

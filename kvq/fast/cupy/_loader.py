@@ -588,6 +588,28 @@ class Prepared:
         launch(_function_ptr(self.fn, dev), g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem, stream_ptr, params, 0)
 
 
+#: Prepared launches kept by ``run_planned`` (least recently used dropped): one per kernel and launch shape
+PLANNED_CACHE_SIZE = 1024
+
+
+@functools.lru_cache(maxsize=PLANNED_CACHE_SIZE)
+def planned(fn, grid: tuple, block: tuple, shared_mem: int, kinds: tuple) -> Prepared:
+    """The :class:`Prepared` launch of ``fn`` over ``grid`` / ``block`` whose every argument is a per-call
+    value, argument i of type ``kinds[i]`` (``torch.Tensor``: a device address; ``np.int32`` / ``np.int64`` /
+    ``np.float32``: a scalar), kept per these: a call packs its values with the launch's own packer."""
+    return Prepared(fn, grid, block, tuple(Slot(i) for i in range(len(kinds))), shared_mem, dict(enumerate(kinds)))
+
+
+def run_planned(fn, grid: tuple, block: tuple, kinds: tuple, values: tuple, dev: int, shared_mem: int = 0,
+                stream: int | None = None) -> None:
+    """``run`` for a launch whose argument types are fixed (``kinds``, as :func:`planned` takes them):
+    ``values`` hold device addresses (ints) for the tensors and Python numbers for the scalars; on raw
+    ``stream`` of device ``dev`` (None: torch's current stream of that device)."""
+    launch = planned(fn, grid, block, shared_mem, kinds)
+    with on_device(dev):
+        launch.launch(values, dev, raw_stream(dev) if stream is None else stream)
+
+
 def on_device(dev: int):
     """A context in which CUDA device ``dev`` is current (nothing to do where it is already)."""
     import cupy

@@ -62,23 +62,15 @@ def supported(cfg, D: int) -> bool:
     return D in DIMS and G > 0 and G & (G - 1) == 0 and D % G == 0 and G >= D // 32
 
 
-#: the kernel's arguments, every one a per-call value (Slot i of its Prepared launch): oscar_append.cu's order
-_TYPES = (torch.Tensor,) * 8 + (np.int32, np.int32) + (np.int64,) * 6 + (np.int32, np.int32, np.int64, np.int64) \
+#: the kernel's argument types (``_loader.planned``), oscar_append.cu's order
+_KINDS = (torch.Tensor,) * 8 + (np.int32, np.int32) + (np.int64,) * 6 + (np.int32, np.int32, np.int64, np.int64) \
     + (np.int32,) * 6 + (np.float32, np.int32, np.int32, np.int32, np.int64)
-
-
-@functools.lru_cache(maxsize=256)
-def _launch(dt: int, D: int, TT: int, blocks: int, dev: int) -> "L.Prepared":
-    """The append's launch for x of kernel dtype ``dt``, head dim D, TT tokens per block, ``blocks`` blocks,
-    on device ``dev``: kept per shape, so a step's append packs its values without CuPy's per-argument work."""
-    return L.Prepared(_kernel(f"oscar_append<{dt}, {D}, {TT}>"), (blocks,), (_THREADS,),
-                      tuple(L.Slot(i) for i in range(len(_TYPES))), 0, dict(enumerate(_TYPES)))
 
 
 def append(cfg, st, kv: int, x: torch.Tensor, R: torch.Tensor, clip: float, plan) -> None:
     """Append the new tokens ``x`` of K (``kv = 0``) or V (``kv = 1``) to the OSCAR state ``st`` in one
-    launch of ``oscar_append`` (planned once per shape: ``_launch``): ``kvq.fast.caches.oscar.OscarOps.fused_append``'s
-    contract."""
+    launch of ``oscar_append`` (planned once per shape: ``_loader.run_planned``):
+    ``kvq.fast.caches.oscar.OscarOps.fused_append``'s contract."""
     B, H, D = st.shape
     n = x.shape[2]
     if n == 0:
@@ -89,10 +81,9 @@ def append(cfg, st, kv: int, x: torch.Tensor, R: torch.Tensor, clip: float, plan
     TT = TILES[0] if n <= TILES[0] else TILES[-1]
     ntiles = -(-n // TT)
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    launch = _launch(L.DT[x.dtype], D, TT, B * H * ntiles, dev)
     values = (x.data_ptr(), R.data_ptr(), sink.data_ptr(), win.data_ptr(), codes.data_ptr(), scale.data_ptr(),
               mn.data_ptr(), st.table.data_ptr(), n, H, fo.r_stride, *x.stride(), plan.T0, plan.n_s, plan.n_old,
               plan.first, plan.e, cfg.window, cfg.sink, cfg.page_size, st.table.shape[1], lo, hi, frac,
               cfg.group_size, cfg.bits, int(scale.dtype == torch.float16), ntiles)
-    with L.on_device(dev):
-        launch.launch(values, dev, L.raw_stream(dev))
+    L.run_planned(_kernel(f"oscar_append<{L.DT[x.dtype]}, {D}, {TT}>"), (B * H * ntiles,), (_THREADS,), _KINDS, values,
+                  dev)

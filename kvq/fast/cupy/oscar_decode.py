@@ -189,19 +189,18 @@ def decode(cfg, st, q_rot, *, scale=None, out_dtype=torch.float32, R_out=None, k
 
     def launch_tail():
         sk, sv, wk, wv = st.sink_k, st.sink_v, st.win_k, st.win_v
-        L.run(tail_fn, (nt * tqtiles, H, B), (32 * tnw,),
-              (qq, sk, sv, wk, wv, np.int64(sk.stride(0)), np.int64(sk.stride(1)), np.int64(wk.stride(0)),
-               np.int64(wk.stride(1)), np.int64(D), np.int64(n1), o_part, lse_part,
-               *(np.int64(s) for s in qq.stride()[:3]), np.int32(B), np.int32(H_q), np.int32(H),
-               np.int32(T_q), np.int64(NT), np.int64(chunk), np.int32(nt), np.int32(n_split),
-               np.float32(sc)), dev, stream=side)                       # natural units
+        L.run_planned(tail_fn, (nt * tqtiles, H, B), (32 * tnw,), _TAIL_KINDS,
+                      (qq.data_ptr(), sk.data_ptr(), sv.data_ptr(), wk.data_ptr(), wv.data_ptr(), sk.stride(0),
+                       sk.stride(1), wk.stride(0), wk.stride(1), D, n1, o_part.data_ptr(), lse_part.data_ptr(),
+                       *qq.stride()[:3], B, H_q, H, T_q, NT, chunk, nt, n_split, sc), dev_index,
+                      stream=side)                                           # natural units
 
     def launch_pages():
-        L.run(fn, (n_split, H, B), (32 * nw,),
-              (qq, *(np.int64(s) for s in qq.stride()[:3]), st.k_codes, st.k_scale, st.k_mn, st.v_codes,
-               st.v_scale, st.v_mn, st.table, np.int32(st.table.shape[1]), o_part, lse_part,
-               np.int32(B), np.int32(H_q), np.int32(H), np.int32(T_q), np.int32(NH), np.int32(NP),
-               np.int32(pps), np.int32(n_split), np.float32(sc * LOG2E)), dev, shared_mem=smem, stream=main)
+        L.run_planned(fn, (n_split, H, B), (32 * nw,), _PAGES_KINDS,
+                      (qq.data_ptr(), *qq.stride()[:3], st.k_codes.data_ptr(), st.k_scale.data_ptr(),
+                       st.k_mn.data_ptr(), st.v_codes.data_ptr(), st.v_scale.data_ptr(), st.v_mn.data_ptr(),
+                       st.table.data_ptr(), st.table.shape[1], o_part.data_ptr(), lse_part.data_ptr(), B, H_q, H,
+                       T_q, NH, NP, pps, n_split, sc * LOG2E), dev_index, shared_mem=smem, stream=main)
 
     if side != main:
         L.stream_wait(side, main, dev_index)       # fork before either launch: they run side by side
@@ -223,11 +222,19 @@ def decode(cfg, st, q_rot, *, scale=None, out_dtype=torch.float32, R_out=None, k
         A.merge_launch(o_part, lse_part, out, lse, rows, S_TOTAL, D)
     else:
         # one wave of merge-rotate blocks (each merges its row again: free while the launch is latency-bound)
-        L.run(L.kernel(_SRC, f"oscar_merge_rotate<{L.DT[out_dtype]}, {rt}>"), (rows, D // 32), (32, _ROT_SLICES),
-              (o_part, lse_part, R3, out, lse, np.int64(rows), np.int32(S_TOTAL),
-               np.int32(A.merge_warps_per_row(S_TOTAL)), np.int32(H_q), np.int32(T_q), np.int32(R3.shape[0])), dev)
+        L.run_planned(L.kernel(_SRC, f"oscar_merge_rotate<{L.DT[out_dtype]}, {rt}>"), (rows, D // 32),
+                      (32, _ROT_SLICES), _MERGE_ROTATE_KINDS,
+                      (o_part.data_ptr(), lse_part.data_ptr(), R3.data_ptr(), out.data_ptr(), lse.data_ptr(), rows,
+                       S_TOTAL, A.merge_warps_per_row(S_TOTAL), H_q, T_q, R3.shape[0]), dev_index, stream=main)
     return out, lse
 
+
+#: the kernels' argument types (``_loader.planned``: each launch packed by its own packer), oscar_decode.cu's order
+_T, _I32, _I64, _F32 = torch.Tensor, np.int32, np.int64, np.float32
+_TAIL_KINDS = (_T,) * 5 + (_I64,) * 6 + (_T, _T) + (_I64,) * 3 + (_I32,) * 4 + (_I64, _I64, _I32, _I32, _F32)
+_PAGES_KINDS = (_T,) + (_I64,) * 3 + (_T,) * 7 + (_I32, _T, _T) + (_I32,) * 8 + (_F32,)
+_MERGE_ROTATE_KINDS = (_T,) * 5 + (_I64,) + (_I32,) * 5
+_ROTATE_KINDS = (_T,) * 3 + (_I32,) * 4 + (_I64,) * 4
 
 _ROT_SLICES = 8          # oscar_decode.cu RS_SLICES: partial sums per output channel of rotate_heads_f64
 
@@ -256,7 +263,7 @@ def rotate_heads(x: torch.Tensor, R: torch.Tensor, out_dtype: torch.dtype = torc
     if out.numel() == 0:
         return out
     fn = L.kernel(_SRC, f"rotate_heads_f64<{L.DT[x.dtype]}, {L.DT[out_dtype]}, {rt}>")
-    L.run(fn, (B * Hq * T, (D + 31) // 32), (32, _ROT_SLICES),
-          (x, R3, out, np.int32(Hq), np.int32(T), np.int32(R3.shape[0]), np.int32(D),
-           *(np.int64(s) for s in x.stride())), x.device)
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    L.run_planned(fn, (B * Hq * T, (D + 31) // 32), (32, _ROT_SLICES), _ROTATE_KINDS,
+                  (x.data_ptr(), R3.data_ptr(), out.data_ptr(), Hq, T, R3.shape[0], D, *x.stride()), dev)
     return out
