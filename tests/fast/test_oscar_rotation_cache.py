@@ -62,3 +62,32 @@ def test_a_decode_step_copies_no_rotation_to_the_device(monkeypatch):
     for layer in range(3):
         store.decode_attention(layer, q)
     assert made == []
+
+
+def test_rotations_of_a_calibration_are_made_once():
+    """``_rotations``: one record per calibration object and device, made of ``_rot``'s tensors: R_K and R_V as
+    the calibration holds them (the appends'), R_K and R_V^T as contiguous (H_R, D, D) (the decodes'), for a
+    shared (D, D) and a per-head (H, D, D) calibration; it goes when the calibration is freed."""
+    import gc
+
+    from kvq.reference import oscar as RO
+
+    rng = np.random.default_rng(1)
+    dev = torch.device("cpu")
+    for lead in ((), (3,)):
+        RK, RV = (np.linalg.qr(rng.standard_normal(lead + (8, 8)))[0].astype(np.float32) for _ in range(2))
+        calib = RO.OSCARCalibration(RK, RV)
+        r = _oscar._rotations(calib, dev)
+        assert _oscar._rotations(calib, dev) is r
+        assert r.R_K is _oscar._rot(RK, dev) and r.R_V is _oscar._rot(RV, dev)
+        h = lead[0] if lead else 1
+        assert r.R_K3.shape == r.R_Vt3.shape == (h, 8, 8) and r.R_K3.is_contiguous() and r.R_Vt3.is_contiguous()
+        assert torch.equal(r.R_K3, torch.from_numpy(RK).reshape(h, 8, 8))
+        assert torch.equal(r.R_Vt3, torch.from_numpy(np.swapaxes(RV, -1, -2).copy()).reshape(h, 8, 8))
+        assert _oscar._decode_rotations(calib, dev) == (r.R_K3, r.R_Vt3)
+        assert _oscar._decode_rotations(calib, dev, rotate_back=False)[1] is None
+        key = id(calib)
+        assert key in _oscar._CALIB_CACHE
+        del calib, r
+        gc.collect()
+        assert key not in _oscar._CALIB_CACHE

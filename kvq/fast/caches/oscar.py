@@ -23,7 +23,7 @@ import functools
 import weakref
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -158,10 +158,37 @@ def _per_array(cache: dict, key, R, make):
     return values[key]
 
 
+class Rotations(NamedTuple):
+    """A calibration's rotations on one device, fp32 (``_rot``): what an append (R_K, R_V, as the
+    calibration holds them: (D, D) or (H, D, D)) and a decode (R_K and R_V^T as contiguous (H_R, D, D), the
+    form ``rotate_heads`` and the fused decodes read) take."""
+
+    R_K: torch.Tensor
+    R_V: torch.Tensor
+    R_K3: torch.Tensor
+    R_Vt3: torch.Tensor
+
+
+_CALIB_CACHE: dict = {}
+
+
+def _rotations(calib, dev: torch.device) -> Rotations:
+    """:class:`Rotations` of ``calib`` on ``dev``, made once per calibration object and device (its tensors are
+    ``_rot``'s, copied once per array) and kept as long as the calibration lives: an append and a decode look
+    them up once, not per rotation."""
+    def make():
+        three = lambda R: R if R.dim() == 3 else R.unsqueeze(0)                      # noqa: E731
+        RK, RV = _rot(calib.R_K, dev), _rot(calib.R_V, dev)
+        return Rotations(RK, RV, three(RK).contiguous(), three(_rot(calib.R_V, dev, True)).contiguous())
+
+    return _per_array(_CALIB_CACHE, dev, calib, make)
+
+
 def _decode_rotations(calib, dev: torch.device, rotate_back: bool = True):
-    """(R_K, R_V^T or None) on ``dev`` as :func:`decode_attention` takes them: fp32, the calibration's values
-    as they are (the backend's ``rotate_heads`` sums in float64)."""
-    return _rot(calib.R_K, dev), (_rot(calib.R_V, dev, True) if rotate_back else None)
+    """(R_K, R_V^T or None) on ``dev`` as :func:`decode_attention` takes them: fp32 (H_R, D, D), the
+    calibration's values as they are (the backend's ``rotate_heads`` sums in float64)."""
+    r = _rotations(calib, dev)
+    return r.R_K3, (r.R_Vt3 if rotate_back else None)
 
 
 def _rotate16(ops, x, R: torch.Tensor, name: str) -> torch.Tensor:
@@ -312,8 +339,7 @@ def append(ops: "OscarOps", cfg, calib, state: OSCARTensorState, k, v) -> OSCART
     if n == 0:
         return st
     dev = st.device
-    RK, RV = _rot(calib.R_K, dev), _rot(calib.R_V, dev)
-    _decode_rotations(calib, dev)                    # on the device now: a decode step then copies nothing there
+    RK, RV = _rotations(calib, dev)[:2]              # the decode's too: a decode step then copies nothing there
     if _use_fused(ops, cfg, calib, st, k, v):
         plan = plan_append(cfg, st.length, n)
         _open_pages(st, cfg, plan.first, plan.e)
