@@ -2,6 +2,7 @@
 
     python benchmarks/profile_host.py --out $OUT                        # KIVI-K2V2, Kitty, OSCAR on CuPy, 1 x 32K
     python benchmarks/profile_host.py --methods KIVI-K2V2 --B 8 --T 32768 --calls 300
+    python benchmarks/profile_host.py --backend triton --validation off        # as a model's decode step runs
 
 For each method (``profile_fused.setup``: the benchmarks' random-code caches) it times ``--calls`` decode
 calls launched back to back from Python:
@@ -12,7 +13,9 @@ calls launched back to back from Python:
 - ``gpu_us``: the same calls replayed from a CUDA graph, per call (GPU time alone);
 and for torch SDPA (FP16, GQA) over a cache of the same shape, the same three numbers. Then it runs the
 calls under cProfile and writes the functions with the most own time and the most cumulative time to
-``$OUT/host_<method>.txt``. Everything lands in ``$OUT/host.json``.
+``$OUT/host_<method>.txt``. Everything lands in ``$OUT/host.json``. ``--validation off`` leaves out the fast
+tier's NaN / inf check of q (a device read per call: ``kvq.fast.set_validation``), as a model's decode step
+does; the default keeps it, as a direct call does.
 """
 
 from __future__ import annotations
@@ -154,14 +157,19 @@ def main() -> None:
     ap.add_argument("--T", type=int, default=32768)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--top", type=int, default=45)
+    ap.add_argument("--validation", default="on", choices=("on", "off"),
+                    help="the fast tier's NaN / inf checks (kvq.fast.set_validation): on, the default of a direct "
+                    "call (a device read per call); off, as a model's decode step runs them")
     ap.add_argument("--ab-launch", action="store_true", help="CuPy: host us per call with _loader.LAUNCH_MODE "
                     "'cupy' and 'packed' alternately, three rounds each, in one process (JSON host_ab.json)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
+    from kvq.fast import set_validation
+    set_validation(a.validation == "on")
     if a.ab_launch:
         return ab_launch(a)
     res = {"meta": C.meta(torch.device("cuda")), "backend": a.backend, "B": a.B, "T": a.T, "calls": a.calls,
-           "rows": []}
+           "validation": a.validation, "rows": []}
     g = torch.Generator(device="cuda").manual_seed(2)
     kv = [torch.randn((a.B, 8, a.T, 128), generator=g, device="cuda", dtype=torch.float16) for _ in range(2)]
     q = torch.randn((a.B, 32, 1, 128), generator=g, device="cuda", dtype=torch.float16)
