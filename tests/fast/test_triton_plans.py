@@ -117,6 +117,30 @@ def test_oscar_plan():
     assert OD.plan(0, 32, 132, precise=False, interp=False).n_split == 0
 
 
+def test_oscar_tail_splits(monkeypatch):
+    """OSCAR's FP16 sink (64) and window (256) at batch 1 on a 132-SM card: the partial kernel takes them in
+    splits of TAIL_MIN_KEYS (one block of 32 keys) -- 2 and 8 programs per (batch, kv head), not one each --
+    and the merge reads every split after the page kernel's; at batch 8 the same (the SMs still want more)."""
+    from kvq.fast.triton import attention as A
+    from kvq.reference import oscar as RO
+
+    monkeypatch.setattr(A, "sm_count", lambda dev: 132)
+    cfg = RO.OSCARConfig(max_tokens=32768)
+    dev = torch.device("cuda", 0)
+    for B in (1, 8):
+        p = OD._decode_plan(cfg, (B, 8, 128), 32768, (B, 32, 1, 128), (4096, 128, 128, 1),
+                            (torch.float32,) + (torch.uint8, torch.float16, torch.float16) * 2 + (torch.int32,)
+                            + (torch.float16,) * 4 + (torch.float32,),
+                            ((64 * 128, 128, 1),) * 2 + ((256 * 128, 128, 1),) * 2, 256, False, torch.float16, 8,
+                            dev, 0, True, OD.DEFAULT_KNOBS)
+        (sink, s0, sink_ints), (win, s1, win_ints) = p.fp16
+        assert (s0, s1) == (0, 1) and OD.TAIL_MIN_KEYS == 32
+        assert sink.grid == (B * 8, 2, 1) and win.grid == (B * 8, 8, 1)
+        assert sink_ints[-3] == win_ints[-3] == 32                  # keys per split
+        n_pages = p.pages.grid[1]
+        assert sink_ints[-1] == n_pages and win_ints[-1] == n_pages + 2 and p.S == n_pages + 10
+
+
 def test_bitdecoding_plan():
     """BitDecoding-KC2-like (R = 8 codes a word, W_n = 4, D = 128, fp16 q): chunks of 128 tokens (2 warps),
     2 page chunks a page; the knobs move the chunking, the splits, the leaf, the unpack mode; cached."""

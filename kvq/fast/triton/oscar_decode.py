@@ -69,6 +69,11 @@ class Knobs:
 #: the defaults
 DEFAULT_KNOBS = Knobs()
 
+#: the fewest keys per split of the FP16 sink and window (the partial kernel's precise path): one block of
+#: keys, so that the few hundred FP16 tokens spread over several programs per (batch, kv head) instead of one
+#: program each (lab/2026-11-30-planned-append/NOTE.md: at 1 x 32K, 8 programs took ~31 us per segment)
+TAIL_MIN_KEYS = 32
+
 #: the smallest K extent (reduction length) of a tensor-core ``tl.dot`` here: the fp16 operands derived
 #: from 8-bit loads (the packed codes) make Triton (3.6, NVIDIA mma v2) pick the operand layout of
 #: kWidth = 8, which spans 4 lanes x 8 = 32 along K; with K = 16 that layout wraps (lanes 2, 3 of a quad
@@ -417,7 +422,7 @@ def _decode_plan(cfg, shape, T, q_shape, q_strides, dtypes, fp16_strides, n_tabl
         if n == 0:
             continue
         k_str, v_str = fp16_strides[2 * which], fp16_strides[2 * which + 1]
-        kps, ns, (block_n, warps, stages) = A.segment_split(n, D, base, torch.float32, dev)
+        kps, ns, (block_n, warps, stages) = A.segment_split(n, D, base, torch.float32, dev, min_keys=TAIL_MIN_KEYS)
         ints = (*q_strides, *k_str, *v_str, H_q, H, T_q, n, M, kps, 0, S)
         fp16.append([A.planned_partial((B * H, ns, m_blocks), G_q=G_q, D=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
                                        warps=warps, stages=stages, kps=kps, fast=aligned), which, ints])
