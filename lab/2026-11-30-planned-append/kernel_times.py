@@ -2,6 +2,7 @@
 Triton decode's GPU time goes against the CuPy one's (profile_host's ``gpu_us`` is the call's total).
 
     python3 lab/2026-11-30-planned-append/kernel_times.py --out $OUT/kernels.json [--B 1 --T 32768]
+    python3 lab/2026-11-30-planned-append/kernel_times.py --cases OSCAR:triton --tail-min-keys 32 256 --B 8 --out ...
 
 Each call: ``benchmarks/profile_fused.decode_step`` over its random-code cache (validation off), 10 warm-up
 calls, then 20 calls under the profiler; per kernel: calls per decode call and us per decode call.
@@ -49,17 +50,27 @@ def main() -> None:
     ap.add_argument("--B", type=int, default=1)
     ap.add_argument("--T", type=int, default=32768)
     ap.add_argument("--cases", nargs="+", default=["OSCAR:triton", "OSCAR:cupy", "KIVI-K2V2:triton", "KIVI-K2V2:cupy"])
+    ap.add_argument("--tail-min-keys", type=int, nargs="+", default=None,
+                    help="Triton OSCAR: time each case once per value of oscar_decode.TAIL_MIN_KEYS (256: the "
+                    "general split rule's floor, as before a012ac0)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     set_validation(False)
     out = {"B": a.B, "T": a.T, "card": torch.cuda.get_device_name(), "cases": {}}
-    for case in a.cases:
+    from kvq.fast.triton import oscar_decode as OD
+    default = OD.TAIL_MIN_KEYS
+    runs = [(c, None) for c in a.cases] if not a.tail_min_keys else \
+        [(c, k) for c in a.cases for k in a.tail_min_keys]
+    for case, tmk in runs:
         method, backend = case.split(":")
+        OD.TAIL_MIN_KEYS = default if tmk is None else tmk
+        OD._decode_plan.cache_clear()
         mod, cfg, st, qs = PF.setup(method, a.B, a.T, backend)
         step = PF.decode_step(method, mod, cfg, st, backend)
         rows = kernels(lambda: step(qs[0]))
-        out["cases"][case] = rows
-        print(json.dumps({"case": case, "total_us": round(sum(r["us_per_call"] for r in rows), 1),
+        name = case if tmk is None else f"{case} TAIL_MIN_KEYS={tmk}"
+        out["cases"][name] = rows
+        print(json.dumps({"case": name, "total_us": round(sum(r["us_per_call"] for r in rows), 1),
                           "top": [(r["kernel"][:60], round(r["us_per_call"], 1), r["calls_per_call"]) for r in rows[:8]]}),
               flush=True)
         st = step = None
