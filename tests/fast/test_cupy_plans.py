@@ -295,3 +295,11 @@ def test_planned_kinds_match_the_kernels(src, kernel, module, name):
 
     mod = importlib.import_module(f"kvq.fast.cupy.{module}")
     assert getattr(mod, name) == _cu_kinds(src, kernel)
+
+
+def test_device_index_reads_the_device():
+    """``_loader.device_index``: the index a CUDA device names (no CUDA call for it); a bare ``cuda`` device
+    is the current one (only where a GPU is present)."""
+    assert L.device_index(torch.device("cuda", 3)) == 3 and L.device_index(torch.device("cuda:0")) == 0
+    if torch.cuda.is_available():
+        assert L.device_index(torch.device("cuda")) == torch.cuda.current_device()

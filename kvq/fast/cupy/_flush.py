@@ -14,7 +14,6 @@ the numerics contract).
 
 from __future__ import annotations
 
-import functools
 
 import numpy as np
 import torch
@@ -92,19 +91,11 @@ def evict_values(toks: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tenso
     return True
 
 
-#: append_token's arguments, every one a per-call value (Slot i of its Prepared launch): flush.cu's order
+#: append_token's argument types, every one a per-call value (``_loader.planned``): flush.cu's order
 _APPEND_TYPES = (torch.Tensor, np.int64, np.int64, torch.Tensor, np.int64, np.int64, torch.Tensor, np.int32, np.int32,
                  torch.Tensor, np.int32, np.int32, torch.Tensor, np.int32, np.int32, np.int32, torch.Tensor,
                  torch.Tensor, torch.Tensor, torch.Tensor, np.int32, np.int32, np.int32, np.int32, np.int32, np.int32,
                  np.int32)
-
-
-@functools.lru_cache(maxsize=64)
-def _append_launch(bits: int, meta_half: bool, pow2: bool, H: int, B: int, D: int, dev: int) -> "L.Prepared":
-    """append_token's launch for this shape on device ``dev``: kernel, grid (H, B), one thread per channel."""
-    fn = L.kernel(_SRC, L.append_token_name(bits, meta_half, pow2))
-    return L.Prepared(fn, (H, B), (_threads(D),), tuple(L.Slot(i) for i in range(len(_APPEND_TYPES))), 0,
-                      dict(enumerate(_APPEND_TYPES)))
 
 
 def append_token(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_win: torch.Tensor, v_buf: torch.Tensor,
@@ -117,8 +108,9 @@ def append_token(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_win: t
     if (k.stride(-1) != 1 or v.stride(-1) != 1 or D > L.FLUSH_MAX_D or Gv < 1 or D % Gv
             or bits not in L.PAGED_VBITS or D % (8 // bits)):
         return False
-    dev = k.device.index if k.device.index is not None else torch.cuda.current_device()
-    launch = _append_launch(bits, _meta_half(v_scale), Gv & (Gv - 1) == 0, H, B, D, dev)
+    dev = L.device_index(k.device)
+    launch = L.planned(L.kernel(_SRC, L.append_token_name(bits, _meta_half(v_scale), Gv & (Gv - 1) == 0)), (H, B),
+                       (_threads(D),), 0, _APPEND_TYPES)
     values = (k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), k_buf.data_ptr(),
               k_buf.shape[2], nb, v_win.data_ptr(), v_win.shape[2], slot, v_buf.data_ptr(), v_buf.shape[2], nvb,
               mode, v_codes.data_ptr(), v_scale.data_ptr(), v_mn.data_ptr(), v_table.data_ptr(), q0,

@@ -320,6 +320,11 @@ def _external_stream(ptr: int, device: int):
             return cupy.cuda.ExternalStream(ptr)
 
 
+def device_index(device: torch.device) -> int:
+    """A CUDA device's index (the current device's where ``device`` names none)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def raw_stream(dev: int) -> int:
     """torch's current CUDA stream of device ``dev`` as a raw handle."""
     try:
@@ -456,7 +461,7 @@ def run(fn, grid, block, args, device: torch.device, shared_mem: int = 0, stream
     they are (NumPy scalars of the kernel's C types). :data:`LAUNCH_MODE` says who packs them."""
     import cupy
 
-    dev = device.index if device.index is not None else torch.cuda.current_device()
+    dev = device_index(device)
     sp = raw_stream(dev) if stream is None else int(stream)
     if LAUNCH_MODE == "packed" and ARG_MODE == "pointer":
         with contextlib.nullcontext() if cupy.cuda.runtime.getDevice() == dev else cupy.cuda.Device(dev):

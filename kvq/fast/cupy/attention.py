@@ -197,7 +197,7 @@ def split_plan(q, segments, s0: int = 0):
     G_q = H_q // H_kv
     qtiles = -(-(G_q * T_q) // (4 if G_q * T_q <= 4 else 8))
     nw = L.attn_warps(L.DT[segments[0][0].dtype], D)
-    sms = L.sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    sms = L.sm_count(L.device_index(q.device))
     plan, S = [], s0
     for k, v in segments:
         T = k.shape[2]

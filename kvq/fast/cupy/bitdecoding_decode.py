@@ -72,7 +72,7 @@ def plan(cfg, st, q):
     NP = st.length // cfg.n_r
     if NP == 0:
         return 0, 0, n_qt, m16
-    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    dev = L.device_index(q.device)
     smem = smem_bytes(cfg)
     fn = _kernel(cfg.bits, cfg.k_mode == "channel", cfg.warps_n, m16, smem, dev)
     slots = PL.resident_slots(fn, 32 * cfg.warps_n, smem, dev)

@@ -80,7 +80,7 @@ def append(cfg, st, kv: int, x: torch.Tensor, R: torch.Tensor, clip: float, plan
     lo, hi, frac = fo.quantile
     TT = TILES[0] if n <= TILES[0] else TILES[-1]
     ntiles = -(-n // TT)
-    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    dev = L.device_index(x.device)
     values = (x.data_ptr(), R.data_ptr(), sink.data_ptr(), win.data_ptr(), codes.data_ptr(), scale.data_ptr(),
               mn.data_ptr(), st.table.data_ptr(), n, H, fo.r_stride, *x.stride(), plan.T0, plan.n_s, plan.n_old,
               plan.first, plan.e, cfg.window, cfg.sink, cfg.page_size, st.table.shape[1], lo, hi, frac,

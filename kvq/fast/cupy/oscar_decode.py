@@ -263,7 +263,7 @@ def rotate_heads(x: torch.Tensor, R: torch.Tensor, out_dtype: torch.dtype = torc
     if out.numel() == 0:
         return out
     fn = L.kernel(_SRC, f"rotate_heads_f64<{L.DT[x.dtype]}, {L.DT[out_dtype]}, {rt}>")
-    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    dev = L.device_index(x.device)
     L.run_planned(fn, (B * Hq * T, (D + 31) // 32), (32, _ROT_SLICES), _ROTATE_KINDS,
                   (x.data_ptr(), R3.data_ptr(), out.data_ptr(), Hq, T, R3.shape[0], D, *x.stride()), dev)
     return out
